@@ -267,6 +267,13 @@ def _unroll(xp, a, fw: int, dw: int, wo: int):
     """`[..., cols, C]` -> `[..., wo, fw*C]`: the fw width taps side by side."""
     if fw == 1:
         return a[..., :wo, :]
+    ci, item = a.shape[-1], a.itemsize
+    if (dw == 1 and ci >= 4 and getattr(xp, "__name__", "") == "numpy" and a.strides[-1] == item
+            and a.strides[-2] == ci * item):
+        # numpy: a row's fw taps are one run of fw*C consecutive values, so copy from an
+        # overlapping strided view (runs of fw*C instead of C values: about twice as fast)
+        view = xp.lib.stride_tricks.as_strided(a, a.shape[:-2] + (wo, fw * ci), a.strides, writeable=False)
+        return xp.ascontiguousarray(view)
     return xp.concatenate([a[..., j * dw:j * dw + wo, :] for j in range(fw)], axis=-1)
 
 

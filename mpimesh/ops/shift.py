@@ -77,19 +77,28 @@ def gather_window(ctx, a, axis: int, mesh_dim: Optional[str], k: int, start: int
 def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], k: int, n: int, start: int,
                    wrap: bool = False):
     """Transpose of `gather_window`: each piece of the window `g` goes back to its owner, which
-    adds it to its local block of size `n`."""
+    adds it to its local block of size `n`. The block is assembled interval by interval between
+    the pieces' edges (each interval the sum of the pieces covering it), so a halo strip costs
+    work proportional to its own size, not the block's."""
     xp = ctx.xp
-    acc = None
+    pieces = []  # (lo, hi, values) in the local block
     for p, lo, hi, pos in window_pieces(n, k, start, g.shape[axis], wrap):
         seg = _cut(g, axis, pos, pos + hi - lo)
         if p != 0 and mesh_dim is not None:
             seg = ctx.permute(seg, mesh_dim, p, wrap)  # back from c to c+p
-        if lo or hi < n:
-            widths = [(0, 0)] * g.ndim
-            widths[axis] = (lo, n - hi)
-            seg = xp.pad(seg, widths)
-        acc = seg if acc is None else acc + seg
-    return _zeros(xp, g, axis, n) if acc is None else acc
+        pieces.append((lo, hi, seg))
+    if n == 0:
+        return _zeros(xp, g, axis, 0)
+    edges = sorted({0, n}.union(*[(lo, hi) for lo, hi, _ in pieces]))
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        acc = None
+        for lo, hi, seg in pieces:
+            if lo <= a and b <= hi:
+                part = _cut(seg, axis, a - lo, b - lo)
+                acc = part if acc is None else acc + part
+        out.append(_zeros(xp, g, axis, b - a) if acc is None else acc)
+    return out[0] if len(out) == 1 else xp.concatenate(out, axis)
 
 
 def _dim_axis(x, dim: Union[str, Dimension], what: str) -> int:
