@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 def find_mpiexec() -> str:
     """Return the path of an MPI launcher: the venv's ``mpiexec``, else ``mpiexec``/``mpirun`` on PATH.
@@ -29,6 +29,14 @@ def find_mpiexec() -> str:
         raise FileNotFoundError(f"no MPI launcher: no mpiexec beside {sys.executable}, no mpiexec or "
                                 "mpirun on PATH; run `pip install mpich`, or load your cluster's MPI module")
     return found
+
+
+def job_env(**extra: str) -> Dict[str, str]:
+    """This process's environment minus the enclosing MPI job's variables (PMI_*, PMIX_*, HYDRA*,
+    MPIR*), plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA", "MPIR"))}
+    env.update(extra)
+    return env
 
 
 def main(argv: Optional[List[str]] = None) -> int:

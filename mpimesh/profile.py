@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from itertools import product
 from typing import Iterator
 
 from .collectives import counters
@@ -59,22 +60,62 @@ def profile() -> Iterator[Profile]:
 
 
 def visualize(t) -> str:
-    """Which global slice each rank holds, one line per rank (pure layout arithmetic, no communication).
+    """Which global slice each rank holds: a grid of the blocks of the split dims (rows: the first
+    split dim, columns: the others), each cell naming the ranks that hold it, then one line per rank.
+    Pure layout arithmetic, no communication.
 
     >>> import mpimesh as mm
-    >>> print(visualize(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:4;b:2")))
-    DistTensor [a:4, b:2] float32 on mesh [all:1], layout {}
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> print(visualize(mesh.ones("a:4;b:2", layout="b:all")))
+    DistTensor [a:4, b:2] float32 on mesh [all:1], layout {b: all}
+    <BLANKLINE>
+             +--------+
+     b[0:2]  | rank 0 |
+             +--------+
+    <BLANKLINE>
       rank 0 (all=0): a[0:4] b[0:2]
     """
-    from itertools import product
-
     from .layout import slice_bounds
-    mesh = t.mesh
-    lines = [f"DistTensor {t.shape} {t.dtype} on mesh {mesh.shape}, layout {t.layout}"]
+    mesh, names = t.mesh, t.shape.names
+    layout = ", ".join(f"{k}: {v}" for k, v in t.layout.items())
+    holders: dict = {}  # a block's ((start, stop) per dim) -> the ranks holding it
+    lines = []
     for rank, coords in enumerate(product(*[range(s) for s in mesh.shape.sizes])):
         c = dict(zip(mesh.shape.names, coords))
-        bounds = slice_bounds(t.shape, mesh.shape, t.tensor_layout, c)
+        block = tuple((b.start, b.stop) for b in slice_bounds(t.shape, mesh.shape, t.tensor_layout, c))
+        holders.setdefault(block, []).append(rank)
         where = ",".join(f"{k}={v}" for k, v in c.items())
-        lines.append(f"  rank {rank} ({where}): " + " ".join(f"{n}[{b.start}:{b.stop}]"
-                                                            for n, b in zip(t.shape.names, bounds)))
-    return "\n".join(lines)
+        lines.append(f"  rank {rank} ({where}): " + _label(names, block, range(len(names))))
+    head = f"DistTensor {t.shape} {t.dtype} on mesh {mesh.shape}, layout {{{layout}}}"
+    return "\n".join([head, "", *_grid(t, holders), "", *lines])
+
+
+def _label(names, block: tuple, axes) -> str:
+    """`a[0:2] b[3:6]`: the ranges of `block` along `axes`."""
+    return " ".join(f"{names[i]}[{block[i][0]}:{block[i][1]}]" for i in axes)
+
+
+def _grid(t, holders: dict) -> list[str]:
+    """The text grid of `visualize`: one row per block of the first split dim, one column per
+    combination of blocks of the other split dims (a single cell if nothing is split)."""
+    split = [i for i, m in enumerate(t.tensor_layout) if m is not None]
+    rows, cols = split[:1], split[1:]
+    row_keys = sorted({tuple(b[i] for i in rows) for b in holders})
+    col_keys = sorted({tuple(b[i] for i in cols) for b in holders})
+    cell = {(tuple(b[i] for i in rows), tuple(b[i] for i in cols)): _ranks(r) for b, r in holders.items()}
+    row_names = [_label(t.shape.names, dict(zip(rows, k)), rows) or "(not split)" for k in row_keys]
+    col_names = [_label(t.shape.names, dict(zip(cols, k)), cols) for k in col_keys]
+    width = max(len(v) for v in list(cell.values()) + col_names) + 2
+    left = max(len(k) for k in row_names) + 3
+    rule = " " * left + "+" + "+".join("-" * width for _ in col_keys) + "+"
+    out = [(" " * (left + 1) + " ".join(k.center(width) for k in col_names)).rstrip()] if cols else []
+    out.append(rule)
+    for rk, rn in zip(row_keys, row_names):
+        out.append(f" {rn}".ljust(left) + "|" + "|".join(f" {cell[rk, ck]}".ljust(width) for ck in col_keys) + "|")
+        out.append(rule)
+    return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 3` or `ranks 0,2,4` (a block replicated over the mesh dims the layout leaves unused)."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))

@@ -16,6 +16,9 @@ from .layout import TensorLayout, layout_dict, layout_from_spec, local_sizes, sl
 from .shape import Dimension, Shape, ShapeLike
 
 
+PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
+
+
 class DistTensor:
     """A tensor with named dims whose data is split over a mesh; each rank holds `local`.
 
@@ -50,7 +53,26 @@ class DistTensor:
         return to_host(x)
 
     def __repr__(self) -> str:
-        return f"DistTensor(shape={self.shape}, dtype={self.dtype}, layout={self.layout})"
+        """The global shape with names, dtype, layout and mesh, then the values if the tensor is
+        small (at most `PREVIEW_MAX` elements) or replicated. A small split tensor's values are gathered, so like
+        `to_numpy` its repr is a collective: every rank must take it (the REPL and `%%px` do).
+
+        >>> import mpimesh as mm
+        >>> mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2;b:3")
+        DistTensor [a:2, b:3] float32, layout {}, mesh [all:1]
+        [[1. 1. 1.]
+         [1. 1. 1.]]
+        """
+        from .collectives.counters import paused
+        layout = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
+        head = f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, mesh {self.mesh.shape}"
+        if not self.layout:  # every rank holds every value: numpy's own summary, no communication
+            return f"{head}\n{np.array2string(to_host(self.local), threshold=PREVIEW_MAX)}"
+        if self.shape.size > PREVIEW_MAX:
+            return f"{head}\n({self.shape.size} values, not gathered: t.to_numpy() on every rank shows them)"
+        with paused():  # the display's gather is not the program's traffic
+            values = self.to_numpy()
+        return f"{head}\n{np.array2string(values, threshold=PREVIEW_MAX)}"
 
     def __bool__(self):
         raise TypeError("the truth value of a DistTensor is ambiguous: use mm.reduce_max/min and to_numpy()")

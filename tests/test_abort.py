@@ -1,7 +1,6 @@
 """An uncaught exception on one rank ends the whole job promptly, with its traceback printed."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpimesh.launch import find_mpiexec
+from mpimesh.launch import find_mpiexec, job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,8 +21,7 @@ pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
 def _run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess, float]:
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(body))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA", "MPIR"))}
-    env["PYTHONPATH"] = str(ROOT)
+    env = job_env(PYTHONPATH=str(ROOT))
     start = time.monotonic()
     proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(script)], env=env,
                           capture_output=True, text=True, timeout=120)

@@ -30,9 +30,11 @@ B, H, W, DEPTH, WIDTH = 2, 16, 24, 2, 4  # H, W divisible by 8; 8-way splits lea
 def configs() -> list[tuple[str, str]]:
     """(mesh shape, rules): 1-D height split, 1-D width split, 2-D height x width split, and
     2-D spatial with the batch on the third mesh dim."""
-    one, two, three = SHAPES
-    return [(one, "height:all"), (one, "width:all"), (two, "height:rows;width:cols"),
-            (three, "batch:planes;height:rows;width:cols")]
+    out = [(SHAPES[0], "height:all"), (SHAPES[0], "width:all")]
+    if len(SHAPES) == 3:  # rank counts with 2-D and 3-D meshes (1, 2, 4, 8)
+        out += [(SHAPES[1], "height:rows;width:cols"),
+                (SHAPES[2], "batch:planes;height:rows;width:cols")]
+    return out
 
 
 def np_conv_same(x: np.ndarray, w: np.ndarray) -> np.ndarray:

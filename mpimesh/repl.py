@@ -1,0 +1,417 @@
+"""An SPMD Python REPL: what is typed at rank 0's prompt runs on every rank.
+
+Usage::
+
+    $ mpimesh-repl -n 4                       # or: python -m mpimesh.repl -n 4
+    $ mpiexec -n 4 python -m mpimesh.repl     # under any launcher (srun, mpirun -hostfile ...)
+
+    >>> mesh = mm.Mesh("rows:2;cols:2", layout="batch:rows")
+    >>> x = mesh.from_numpy(np.arange(8.0).reshape(4, 2), "batch:4;io:2")
+    >>> mm.reduce_sum(x, reduced_dim="batch")
+    DistTensor [io:2] float64, layout {}, mesh [rows:2, cols:2]
+    [12. 16.]
+
+Every statement runs on every rank, in one namespace per rank that starts with ``mm``, ``np``,
+``rank`` and ``size``. Output is shown once, from rank 0; a rank whose output differs from rank
+0's is shown after it, labelled ``[rank k]``, and so is an exception on some ranks only; then the
+session goes on. ``exit()`` or Ctrl-D ends it on every rank.
+
+Ctrl-C interrupts the statement on every rank (SIGINT or SIGUSR1, which launchers forward). Under a
+bare ``mpiexec`` the launcher owns Ctrl-C, and MPICH's ends the job at the second one; ``mpimesh-repl
+-n N`` owns the terminal instead (line editing, history, Ctrl-C as often as needed) and launches
+the ranks itself. If ranks were interrupted inside different collectives they can never meet again:
+rank 0 names them and ends the job rather than hang.
+"""
+from __future__ import annotations
+
+import argparse
+import codeop
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+import mpimesh
+from .launch import find_mpiexec, job_env
+
+READY = b"\x00mpimesh-repl-ready\x00\n"  # rank 0 -> front end (serve mode): the next statement, please
+POLL = 0.005  # seconds between checks while waiting for a message (MPICH's blocking calls spin)
+GRACE = 5.0  # seconds ranks get to report after an interrupt before they count as stuck
+HINT = 30.0  # seconds rank 0 waits for the others before saying what it is waiting for
+_CMD, _REPORT = 1, 2  # message tags on the session's own communicator
+
+Report = Tuple[str, Optional[str], Optional[object]]  # (output, traceback, exit code if exit() ran)
+
+
+class _Interrupts:
+    """SIGINT and SIGUSR1 raise KeyboardInterrupt only while `armed`: on every rank while a statement
+    runs, and on rank 0 at its prompt. Elsewhere (a rank waiting for the next statement) they do nothing."""
+
+    def __init__(self):
+        self.armed = False
+        for sig in (signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.armed:
+            raise KeyboardInterrupt
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that records what is written, and passes it on to `live` if given."""
+
+    def __init__(self, live=None):
+        self.live, self.parts = live, []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        self.parts.append(s)
+        if self.live is not None:
+            self.live.write(s)
+        return len(s)
+
+    def flush(self) -> None:
+        if self.live is not None:
+            self.live.flush()
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def _groups(texts: Dict[int, str]) -> List[Tuple[List[int], str]]:
+    """Ranks grouped by identical text, in rank order."""
+    out: Dict[str, List[int]] = {}
+    for r in sorted(texts):
+        out.setdefault(texts[r], []).append(r)
+    return [(ranks, text) for text, ranks in out.items()]
+
+
+def format_reports(reports: Dict[int, Report]) -> str:
+    """What rank 0 shows after a statement, beyond its own live output: the other ranks' output
+    where it differs from rank 0's, then the tracebacks (once if every rank raised the same one).
+
+    >>> print(format_reports({0: ("a\\n", None, None), 1: ("a\\n", None, None), 2: ("b\\n", "E\\n", None)}))
+    [rank 2] b
+    [rank 2] E
+    """
+    lines: List[str] = []
+    other = {r: out for r, (out, _, _) in reports.items() if r != 0 and out and out != reports[0][0]}
+    for ranks, text in _groups(other):
+        lines += [f"[{_ranks(ranks)}] {line}" for line in text.rstrip("\n").split("\n")]
+    errors = {r: err for r, (_, err, _) in reports.items() if err}
+    groups = _groups(errors)
+    if len(groups) == 1 and len(groups[0][0]) == len(reports) > 0:
+        lines.append(groups[0][1].rstrip("\n"))
+    else:
+        for ranks, text in groups:
+            lines += [f"[{_ranks(ranks)}] {line}" for line in text.rstrip("\n").split("\n")]
+    return "\n".join(lines)
+
+
+class Session:
+    """One rank's side of the REPL. Rank 0 reads statements (from a terminal or pipe, or as JSON
+    lines from the `mpimesh-repl` front end when `serve`), sends each to the other ranks, runs it,
+    gathers every rank's output and errors, and shows them."""
+
+    def __init__(self, serve: bool = False):
+        self.comm = MPI.COMM_WORLD.Dup()  # the REPL's messages never meet the user's collectives
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.serve = serve
+        self.compile = codeop.CommandCompiler()
+        self.namespace = {"__name__": "__console__", "__doc__": None, "mm": mpimesh, "np": np,
+                          "rank": self.rank, "size": self.size}
+        self.interrupts = _Interrupts()
+        if self.rank == 0:
+            sys.stdout.reconfigure(line_buffering=True)  # a pipe under every launcher
+            if sys.stdin.isatty():  # a 1-rank session in a terminal: line editing and history
+                import readline  # noqa: F401
+
+    # -- every rank -------------------------------------------------------------------------------
+    def run(self, source: str) -> Report:
+        """Run `source` in this rank's namespace; return its output, traceback and exit request."""
+        out = _Tee(live=sys.__stdout__ if self.rank == 0 else None)
+        err: Optional[str] = None
+        code: Optional[object] = None
+        saved = sys.stdout, sys.stderr, sys.displayhook
+        sys.stdout = sys.stderr = out
+        sys.displayhook = self._display
+        try:
+            self.interrupts.armed = True
+            exec(self.compile(source, "<stdin>", "single"), self.namespace)
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        except (SyntaxError, OverflowError, ValueError) as e:
+            # from compile, or from the statement: the traceback starts in codeop or in this frame
+            inner = e.__traceback__.tb_next
+            frames = inner if inner is not None and inner.tb_frame.f_code.co_filename == "<stdin>" else None
+            err = "".join(traceback.format_exception(type(e), e, frames) if frames else
+                          traceback.format_exception_only(type(e), e))
+        except BaseException as e:  # noqa: B036 - KeyboardInterrupt is reported like any error
+            shown = traceback.TracebackException(type(e), e, e.__traceback__.tb_next)
+            shown.stack = traceback.StackSummary.from_list(  # not the signal handler's frame
+                [f for f in shown.stack if f.filename != __file__])
+            err = "".join(shown.format())
+        finally:
+            self.interrupts.armed = False
+            sys.stdout, sys.stderr, sys.displayhook = saved
+        return out.text(), err, code
+
+    def _display(self, value) -> None:
+        """sys.displayhook on every rank: a DistTensor's repr may gather, so no rank may skip it."""
+        if value is None:
+            return
+        import builtins
+        builtins._ = None
+        sys.stdout.write(repr(value) + "\n")
+        builtins._ = value
+
+    def _receive(self, source: int, tag: int):
+        """A message from `source`, sleeping between probes (MPICH's blocking receive spins a core)."""
+        while not self.comm.Iprobe(source=source, tag=tag):
+            time.sleep(POLL)
+        return self.comm.recv(source=source, tag=tag)
+
+    def loop(self) -> int:
+        """Serve statements until exit; return the exit status."""
+        if self.rank == 0:
+            return self._lead()
+        while True:
+            kind, arg = self._receive(0, _CMD)
+            if kind == "exit":
+                return int(arg) if isinstance(arg, int) else (0 if arg is None else 1)
+            self.comm.send(self.run(arg), dest=0, tag=_REPORT)
+
+    # -- rank 0 -----------------------------------------------------------------------------------
+    def _lead(self) -> int:
+        print(f"mpimesh {mpimesh.__version__} SPMD REPL on {self.size} rank"
+              f"{'s' if self.size > 1 else ''}, Python {sys.version.split()[0]}. Every statement runs on "
+              "every rank;\noutput shows once (rank 0's), plus any rank whose output differs. Preloaded: "
+              "mm, np, rank, size.\nexit() or Ctrl-D ends the session on every rank.")
+        while True:
+            source = self._read()
+            if source is None:  # end of input
+                return self._end(0)
+            for r in range(1, self.size):
+                self.comm.send(("run", source), dest=r, tag=_CMD)
+            reports = {0: self.run(source)}
+            reports.update(self._collect())
+            shown = format_reports(reports)
+            if shown:
+                print(shown)
+            codes = [c for _, _, c in reports.values() if c is not None]
+            if codes:
+                return self._end(codes[0])
+
+    def _end(self, code) -> int:
+        for r in range(1, self.size):
+            self.comm.send(("exit", code), dest=r, tag=_CMD)
+        sys.stdout.flush()
+        return int(code) if isinstance(code, int) else (0 if code is None else 1)
+
+    def _read(self) -> Optional[str]:
+        """The next complete statement, or None at end of input."""
+        if self.serve:
+            sys.stdout.flush()
+            sys.__stdout__.buffer.write(READY)
+            sys.__stdout__.buffer.flush()
+            line = sys.stdin.readline()
+            return json.loads(line) if line.strip() else None
+        lines: List[str] = []
+        while True:
+            self.interrupts.armed = True
+            try:
+                line = input("... " if lines else ">>> ")
+            except KeyboardInterrupt:
+                print("\nKeyboardInterrupt")
+                lines = []
+                continue
+            except EOFError:
+                print()
+                return None
+            finally:
+                self.interrupts.armed = False
+            lines.append(line)
+            if complete("\n".join(lines)):
+                return "\n".join(lines)
+
+    def _collect(self) -> Dict[int, Report]:
+        """Every other rank's report. After an interrupt, ranks that have not reported within `GRACE`
+        seconds are stuck in a collective their peers left: name them and end the job."""
+        reports: Dict[int, Report] = {}
+        missing = list(range(1, self.size))
+        interrupted_at: Optional[float] = None
+        hint_at = time.monotonic() + HINT
+        self.interrupts.armed = True
+        try:
+            while missing:
+                try:
+                    if interrupted_at is None and time.monotonic() > hint_at:
+                        hint_at = float("inf")
+                        sys.__stdout__.write(f"mpimesh-repl: rank 0 finished {HINT:.0f} s ago; waiting for "
+                                             f"{_ranks(missing)} (a collective only some ranks run never "
+                                             "ends: Ctrl-C interrupts)\n")
+                        sys.__stdout__.flush()
+                    for r in list(missing):
+                        if self.comm.Iprobe(source=r, tag=_REPORT):
+                            reports[r] = self.comm.recv(source=r, tag=_REPORT)
+                            missing.remove(r)
+                    if missing and interrupted_at is not None and time.monotonic() - interrupted_at > GRACE:
+                        sys.__stdout__.write(f"mpimesh-repl: {_ranks(missing)} did not stop (stuck in a "
+                                             "collective the other ranks left); ending the job\n")
+                        sys.__stdout__.flush()
+                        MPI.COMM_WORLD.Abort(1)
+                    time.sleep(POLL)
+                except KeyboardInterrupt:
+                    interrupted_at = interrupted_at or time.monotonic()
+        finally:
+            self.interrupts.armed = False
+        return reports
+
+
+def complete(source: str) -> bool:
+    """Whether `source` is a whole statement (or a syntax error, which is shown, not continued).
+
+    >>> complete("x = 1"), complete("for i in range(3):"), complete("for i in range(3):\\n  print(i)\\n")
+    (True, False, True)
+    """
+    try:
+        return codeop.compile_command(source, "<stdin>", "single") is not None
+    except (SyntaxError, OverflowError, ValueError):
+        return True
+
+
+# -- the front end: owns the terminal, launches the ranks ----------------------------------------
+def _marker_prefix(buf: bytes) -> int:
+    """The length of the longest end of `buf` that could begin a READY marker."""
+    return next((k for k in range(min(len(buf), len(READY) - 1), 0, -1) if READY.startswith(buf[-k:])), 0)
+
+
+class FrontEnd:
+    """`mpimesh-repl -n N`: reads statements with readline, sends each to rank 0 of a launched job,
+    copies the job's output to the terminal, and turns Ctrl-C during a statement into SIGUSR1 for
+    the launcher to forward (MPICH's mpiexec ends the job at a second SIGINT, but not at SIGUSR1)."""
+
+    def __init__(self, cmd: List[str]):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=job_env(),
+                                     start_new_session=True)
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._copy, daemon=True)
+        self.reader.start()
+
+    def _copy(self) -> None:
+        """Copy the job's output to our stdout, turning each READY marker into `self.ready`."""
+        fd, buf, out = self.proc.stdout.fileno(), b"", sys.stdout.buffer
+        while True:
+            chunk = os.read(fd, 65536)
+            buf += chunk
+            while READY in buf:
+                before, buf = buf.split(READY, 1)
+                out.write(before)
+                out.flush()
+                self.ready.set()
+            keep = _marker_prefix(buf) if chunk else 0  # a marker may straddle two reads
+            out.write(buf[:len(buf) - keep])
+            out.flush()
+            buf = buf[len(buf) - keep:]
+            if not chunk:
+                self.ready.set()
+                return
+
+    def _wait(self) -> bool:
+        """Wait for the job to ask for a statement; False once it has ended."""
+        first: Optional[float] = None
+        while True:
+            try:
+                while not self.ready.wait(0.1):
+                    pass
+                self.ready.clear()
+                return self.proc.poll() is None and self.reader.is_alive()
+            except KeyboardInterrupt:
+                if first is None or time.monotonic() - first < GRACE + 1:
+                    first = first or time.monotonic()
+                    self.proc.send_signal(signal.SIGUSR1)
+                else:  # rank 0 itself is stuck in a collective: only ending the job is left
+                    print("\nmpimesh-repl: the ranks do not stop; ending the job", flush=True)
+                    self.proc.terminate()
+
+    def loop(self) -> int:
+        """Statements in, output out, until exit(), Ctrl-D or the job ends; return its exit status."""
+        try:
+            import readline  # noqa: F401 - line editing and history for input()
+        except ImportError:
+            pass
+        while self._wait():
+            source = self._read()
+            try:
+                if source is None:
+                    self.proc.stdin.close()
+                    break
+                self.proc.stdin.write(json.dumps(source).encode() + b"\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                break
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.reader.join(timeout=5)
+        return code
+
+    @staticmethod
+    def _read() -> Optional[str]:
+        lines: List[str] = []
+        while True:
+            try:
+                lines.append(input("... " if lines else ">>> "))
+            except KeyboardInterrupt:
+                print("\nKeyboardInterrupt", flush=True)
+                lines = []
+                continue
+            except EOFError:
+                print(flush=True)
+                return None
+            if complete("\n".join(lines)):
+                return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """`mpimesh-repl [-n N] [--launcher CMD]`: with -n, launch N ranks and drive them from this
+    terminal; without, be one rank of the session (as under `mpiexec -n N python -m mpimesh.repl`)."""
+    parser = argparse.ArgumentParser("mpimesh-repl", description=__doc__.split("\n")[0])
+    parser.add_argument("-n", "--np", type=int, metavar="N", help="launch N ranks and drive them from here")
+    parser.add_argument("--launcher", metavar="CMD", help="launch command, {n} for the rank count "
+                        "(default: the mpiexec beside this Python, '<mpiexec> -n {n}'), e.g. 'srun -n {n}'")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args(argv)
+    if ns.np is None:
+        return Session(serve=ns.serve).loop()
+    if ns.np < 1:
+        parser.error(f"-n must be at least 1, got {ns.np}")
+    try:
+        launcher = shlex.split(ns.launcher.format(n=ns.np)) if ns.launcher else [find_mpiexec(), "-n", str(ns.np)]
+    except FileNotFoundError as e:
+        parser.exit(2, f"error: {e}\n")
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()  # this process only drives the job
+    return FrontEnd([*launcher, sys.executable, "-m", "mpimesh.repl", "--serve"]).loop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

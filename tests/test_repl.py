@@ -1,0 +1,200 @@
+"""The SPMD REPL driven as a user would: statements piped into `mpiexec -n 4 python -m mpimesh.repl`,
+and typed into a pseudo-terminal (the `mpimesh-repl -n N` front end, and a bare mpiexec) with
+multi-line input, Ctrl-C at the prompt and during a statement, an error on one rank, Ctrl-D and
+exit(). Values are checked against numpy computed here; every job must end with all its ranks."""
+from __future__ import annotations
+
+import ast
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pexpect
+import pytest
+from mpi4py import MPI
+
+from mpimesh.launch import find_mpiexec, job_env
+from mpimesh.repl import Session, format_reports
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = job_env(PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT="120")
+spawns = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
+                            reason="starts its own MPI job; runs in the 1-rank session")
+
+X = np.arange(24.0).reshape(4, 6)
+W = (np.arange(18.0).reshape(6, 3) - 7) / 4
+
+
+def setup(mesh_shape: str) -> list[str]:
+    """Statements that define x, w and their einsum y on a mesh of `mesh_shape`."""
+    return [f'mesh = mm.Mesh("{mesh_shape}", layout="batch:rows;hidden:cols")', *_TENSORS]
+
+
+_TENSORS = [
+    f'x = mesh.from_numpy(np.array({X.tolist()}), "batch:4;hidden:6")',
+    f'w = mesh.from_numpy(np.array({W.tolist()}), "hidden:6;out:3")',
+    'y = mm.einsum([x, w], "batch:4;out:3")',
+]
+
+
+def _spawn(args: list[str]) -> pexpect.spawn:
+    child = pexpect.spawn(args[0], args[1:], env=ENV, cwd=str(ROOT), encoding="utf-8", timeout=60,
+                          dimensions=(50, 200))
+    child.expect(">>> ")
+    return child
+
+
+def _ended(child: pexpect.spawn) -> int:
+    """Wait for the job to end; its exit status."""
+    child.expect(pexpect.EOF, timeout=60)
+    child.close()
+    return child.exitstatus
+
+
+@spawns
+def test_piped_statements_on_4_ranks():
+    script = "\n".join(setup("rows:2;cols:2") + [
+        "y",
+        "print(y.to_numpy().tolist())",
+        "print('rank', rank)",
+        "for i in range(2):",
+        "    print('loop', i)",
+        "",
+        "if rank == 2:",
+        "    raise ValueError('bad on rank two')",
+        "",
+        'mm.einsum([x, w], "batch:4;nope:5")',
+        "print('still here', size)",
+        "exit()",
+    ]) + "\n"
+    start = time.monotonic()
+    proc = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, "-m", "mpimesh.repl"], input=script,
+                          env=ENV, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert time.monotonic() - start < 100
+    assert out.count("SPMD REPL on 4 ranks") == 1
+    # the repr: names, dtype, layout and mesh, once, and the gathered values
+    head = "DistTensor [batch:4, out:3] float64, layout {batch: rows}, mesh [rows:2, cols:2]"
+    assert out.count(head) == 1
+    preview = out.split(head + "\n")[1].split(">>>")[0]
+    numbers = [float(v) for v in re.findall(r"-?\d+\.?\d*(?:e[-+]?\d+)?", preview)]
+    np.testing.assert_allclose(np.array(numbers).reshape(4, 3), X @ W, rtol=1e-6)
+    printed = next(line for line in out.split("\n") if line.lstrip("> ").startswith("[[") and "," in line)
+    np.testing.assert_allclose(np.array(ast.literal_eval(printed.lstrip("> "))), X @ W)
+    # rank 0's output once, the others' only where they differ, labelled
+    assert re.search(r"(^|> )rank 0$", out, re.M) and out.count("rank 0\n") == 1
+    for r in (1, 2, 3):
+        assert f"[rank {r}] rank {r}" in out
+    assert out.count("loop 0") == 1 and out.count("loop 1") == 1
+    # an error on one rank: shown with its number; an error on every rank: shown once, unlabelled
+    assert "[rank 2] ValueError: bad on rank two" in out
+    assert "[rank 0] ValueError" not in out and "[rank 1] ValueError" not in out
+    assert out.count("Error") >= 2 and "nope" in out
+    assert not re.search(r"\[ranks? [0-9,]+\] \w*Error: .*nope", out)
+    assert "still here 4" in out
+
+
+@spawns
+def test_terminal_front_end_multiline_ctrl_c_and_ctrl_d():
+    child = _spawn([sys.executable, "-m", "mpimesh.repl", "-n", "2"])
+    try:
+        for line in setup("rows:1;cols:2") + ["import time"]:
+            child.sendline(line)
+            child.expect(">>> ")
+        child.sendline("def total(t):")
+        child.expect(r"\.\.\. ")
+        child.sendline("    return float(mm.reduce_sum(t).to_numpy())")
+        child.expect(r"\.\.\. ")
+        child.sendline("")
+        child.expect(">>> ")
+        child.sendline("print(total(y))")
+        child.expect(r"(-?\d+\.\d+)\r\n")
+        assert float(child.match.group(1)) == pytest.approx((X @ W).sum())
+        child.expect(">>> ")
+        # Ctrl-C at a continuation prompt drops the unfinished statement
+        child.sendline("for i in range(3):")
+        child.expect(r"\.\.\. ")
+        child.sendintr()
+        child.expect("KeyboardInterrupt")
+        child.expect(">>> ")
+        # Ctrl-C during a statement stops it on every rank, as often as needed
+        for _ in range(2):
+            child.sendline("time.sleep(60)")
+            time.sleep(1.5)
+            child.sendintr()
+            child.expect("KeyboardInterrupt")
+            child.expect(">>> ", timeout=15)
+            assert "[rank" not in child.before  # the same on both ranks: shown once
+        child.sendline("print('alive', rank + 40)")
+        child.expect("alive 40")
+        child.expect(">>> ")
+        child.sendeof()
+        assert _ended(child) == 0
+    finally:
+        child.terminate(force=True)
+
+
+@spawns
+def test_bare_mpiexec_in_a_terminal():
+    child = _spawn([find_mpiexec(), "-n", "2", sys.executable, "-m", "mpimesh.repl"])
+    try:
+        child.sendline("z = 5")
+        child.expect(">>> ")
+        child.sendintr()  # MPICH forwards the first Ctrl-C to the ranks (and ends the job at a second)
+        child.expect("KeyboardInterrupt")
+        child.expect(">>> ")
+        child.sendline("print(z * size)")
+        child.expect("10")
+        child.expect(">>> ")
+        child.sendline("exit()")
+        assert _ended(child) == 0
+    finally:
+        child.terminate(force=True)
+
+
+@spawns
+def test_ranks_stuck_in_a_collective_end_the_job():
+    child = _spawn([sys.executable, "-m", "mpimesh.repl", "-n", "3"])
+    try:
+        child.sendline("from mpi4py import MPI")
+        child.expect(">>> ")
+        child.sendline("if rank != 0: MPI.COMM_WORLD.Barrier()  # rank 0 never joins")
+        child.sendline("")
+        time.sleep(1.5)
+        child.sendintr()
+        child.expect(r"ranks 1,2 did not stop", timeout=30)
+        assert _ended(child) != 0
+    finally:
+        child.terminate(force=True)
+
+
+def test_format_reports_groups_ranks():
+    ok = ("same\n", None, None)
+    tb = "Traceback (most recent call last):\nKeyError: 'k'\n"
+    assert format_reports({0: ok, 1: ok}) == ""
+    assert format_reports({0: ok, 1: ("other\n", None, None), 2: ("other\n", None, None), 3: ok}) == \
+        "[ranks 1,2] other"
+    assert format_reports({0: ("", tb, None), 1: ("", tb, None)}) == tb.rstrip("\n")
+    assert format_reports({0: ok, 1: ("", tb, None)}) == \
+        "[rank 1] Traceback (most recent call last):\n[rank 1] KeyError: 'k'"
+    assert format_reports({0: ok, 1: ("", None, 0)}) == ""
+
+
+def test_statement_runs_on_every_rank_with_its_output_and_error():
+    """Session.run on the pytest job's own ranks (any rank count): output, display and traceback."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGUSR1)}
+    try:
+        session = Session()
+    finally:  # the session's handlers would swallow pytest's Ctrl-C
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out, err, code = session.run("rank * 10 + 1")
+    assert (out, err, code) == (f"{MPI.COMM_WORLD.Get_rank() * 10 + 1}\n", None, None)
+    out, err, code = session.run("{}['missing']")
+    assert err is not None and err.endswith("KeyError: 'missing'\n") and "repl.py" not in err
+    assert session.run("exit(3)")[2] == 3
