@@ -4,12 +4,7 @@ Usage::
 
     $ mpimesh-repl -n 4                       # or: python -m mpimesh.repl -n 4
     $ mpiexec -n 4 python -m mpimesh.repl     # under any launcher (srun, mpirun -hostfile ...)
-
-    >>> mesh = mm.Mesh("rows:2;cols:2", layout="batch:rows")
-    >>> x = mesh.from_numpy(np.arange(8.0).reshape(4, 2), "batch:4;io:2")
-    >>> mm.reduce_sum(x, reduced_dim="batch")
-    DistTensor [io:2] float64, layout {}, mesh [rows:2, cols:2]
-    [12. 16.]
+    $ echo 'mm.Mesh("rows:2;cols:2").ones("a:2;b:2", layout="a:rows")' | mpiexec -n 4 python -m mpimesh.repl
 
 Every statement runs on every rank, in one namespace per rank that starts with ``mm``, ``np``,
 ``rank`` and ``size``. Output is shown once, from rank 0; a rank whose output differs from rank
