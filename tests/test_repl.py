@@ -101,7 +101,9 @@ def test_piped_statements_on_4_ranks():
 
 @spawns
 def test_terminal_front_end_multiline_ctrl_c_and_ctrl_d():
-    child = _spawn([sys.executable, "-m", "mpimesh.repl", "-n", "2"])
+    script = Path(sys.executable).parent / "mpimesh-repl"  # the console script pip installs
+    assert script.exists(), f"no {script}: install the package (pip install -e .)"
+    child = _spawn([str(script), "-n", "2"])
     try:
         for line in setup("rows:1;cols:2") + ["import time"]:
             child.sendline(line)
