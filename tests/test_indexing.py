@@ -231,6 +231,26 @@ def test_top_k_middle_dim(mshape: str) -> None:
 
 
 @pytest.mark.parametrize("mshape", SHAPES)
+def test_top_k_long_rows_with_ties_and_nans(mshape: str) -> None:
+    """Rows long enough for the partition kernel (k much smaller than the local row), with ties at
+    the k-th value, integers, and NaNs (which numpy's stable sort of -x puts last)."""
+    mesh, errs = get_mesh(mshape), Errors()
+    ties = tied("b:8;v:256", 15)
+    nans = global_array("b:8;v:256", 16)
+    nans[1, ::3] = np.nan
+    nans[2, :] = np.nan
+    for name, data in (("ties", ties), ("ints", ties.astype(np.int32)), ("nans", nans)):
+        for k in (1, 5):
+            rv, ri = top_k_ref(data, 1, k)
+            for lx in layouts(mesh, ["b", "v"], limit=4):
+                x = mesh.from_numpy(data, "b:8;v:256", layout=lx)
+                v, i = mm.top_k(x, "v", mm.Dimension("k", k))
+                errs.expect(np.array_equal(v.to_numpy(), rv, equal_nan=True), f"{name} k={k} x={lx} values")
+                errs.expect(np.array_equal(i.to_numpy(), ri), f"{name} k={k} x={lx} indices")
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
 def test_top_k_split_dim_exchanges_only_candidates(mshape: str) -> None:
     mesh, errs = get_mesh(mshape), Errors()
     data = tied("b:8;v:64", 15)

@@ -204,10 +204,25 @@ def _take(a, axis: int, k: int):
 
 
 def _top(xp, a, axis: int, k: int):
-    """The k largest along `axis`, descending, ties to the lower position: (values, positions)."""
+    """The k largest along `axis`, descending, ties to the lower position: (values, positions).
+
+    For small k a partition finds the k-th largest value t; the winners are every value above t
+    and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
+    instead of a full sort). NaNs take the full stable sort, which puts them last."""
     key = a.astype(np.int64) if a.dtype.kind in "biu" else a
-    order = _take(xp.argsort(-key, axis=axis, stable=True), axis, k)
-    return xp.take_along_axis(a, order, axis=axis), order
+    n = a.shape[axis]
+    if 4 * k > n or (key.dtype.kind in "fc" and bool(xp.isnan(key).any())):
+        order = _take(xp.argsort(-key, axis=axis, stable=True), axis, k)
+        return xp.take_along_axis(a, order, axis=axis), order
+    key = xp.moveaxis(key, axis, -1)
+    t = xp.partition(key, n - k, axis=-1)[..., n - k:n - k + 1]
+    above, tied = key > t, key == t
+    need = k - above.sum(-1, keepdims=True)
+    chosen = above | (tied & (xp.cumsum(tied, -1) <= need))  # exactly k per row, in position order
+    pos = xp.nonzero(chosen)[-1].reshape(key.shape[:-1] + (k,))
+    order = xp.argsort(-xp.take_along_axis(key, pos, -1), axis=-1, stable=True)
+    pos = xp.moveaxis(xp.take_along_axis(pos, order, -1), -1, axis)
+    return xp.take_along_axis(a, pos, axis=axis), pos
 
 
 def top_k(x, reduced_dim, k_dim):
