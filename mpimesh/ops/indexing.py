@@ -208,10 +208,11 @@ def _top(xp, a, axis: int, k: int):
 
     For small k a partition finds the k-th largest value t; the winners are every value above t
     and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
-    instead of a full sort). NaNs take the full stable sort, which puts them last."""
+    instead of a full sort). NaNs, and JAX's traced arrays, take the full stable sort."""
     key = a.astype(np.int64) if a.dtype.kind in "biu" else a
     n = a.shape[axis]
-    if 4 * k > n or (key.dtype.kind in "fc" and bool(xp.isnan(key).any())):
+    eager = getattr(xp, "__name__", "") in ("numpy", "cupy")  # not jax: a traced shape must not vary
+    if not eager or 4 * k > n or (key.dtype.kind in "fc" and bool(xp.isnan(key).any())):
         order = _take(xp.argsort(-key, axis=axis, stable=True), axis, k)
         return xp.take_along_axis(a, order, axis=axis), order
     key = xp.moveaxis(key, axis, -1)
