@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..trace import dispatch
@@ -86,7 +88,8 @@ def _logsumexp(ctx, a, axes, mesh_dims):
     m = ctx.allreduce(xp.max(a, axis=axes, keepdims=True), mesh_dims, "max")
     m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # all -inf: keep -inf, not nan
     s = ctx.allreduce(xp.sum(xp.exp(a - m), axis=axes), mesh_dims, "sum")
-    return xp.log(s) + xp.squeeze(m, axis=axes)
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for an all -inf row
+        return xp.log(s) + xp.squeeze(m, axis=axes)
 
 
 def _extreme_grad(op, dy):
