@@ -182,6 +182,30 @@ def test_gather_gradient(mshape: str) -> None:
                         [lw, li], wrt=[0])
 
 
+def scoped(mesh: mm.Mesh, rules: dict, fn):
+    """`fn` run under layout rules `rules` (its gradient then runs under them too)."""
+    def run(*xs):
+        with mm.layout_scope(mesh, rules):
+            return fn(*xs)
+    return run
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_gradients_when_the_looked_up_dim_shares_a_mesh_dim_with_the_indices(mshape: str) -> None:
+    """Rules such as "s:all;v:all" (data-parallel indices, vocab-split table on one mesh dim), or
+    top_k's k and v on one mesh dim: the scatter's one_hot cannot split both, so it keeps v whole
+    and the einsum after it splits it."""
+    mesh = get_mesh(mshape)
+    w = global_array("v:8;d:8", 21, np.float64)
+    idx = np.array([[1, 3, 1, 7, 2, 2, 2, 0], [0, 3, 9, 1, -1, 5, 6, 6]], dtype=np.int32)
+    data = np.random.default_rng(22).permutation(128).reshape(8, 16) / 8.0  # no ties
+    for m in big(mesh):
+        check_gradients(mesh, scoped(mesh, {"v": m, "s": m}, lambda x, i: mm.square(mm.gather(x, i, "v"))),
+                        [w, idx], ["v:8;d:8", "b:2;s:8"], [{"v": m}, {"s": m}], wrt=[0])
+        check_gradients(mesh, scoped(mesh, {"v": m, "k": m}, lambda x: mm.square(mm.top_k(x, "v", "k:8")[0])),
+                        [data], ["b:8;v:16"], [{"v": m}])
+
+
 # ---------------------------------------------------------------------------------- top_k/argmax
 
 def top_k_ref(x: np.ndarray, axis: int, k: int) -> tuple:

@@ -180,10 +180,25 @@ def gather(weights, indices, dim):
     return y
 
 
+def _scatter_hot(indices, dim: Dimension, dtype):
+    """The one_hot a gradient scatters through: laid out by the rules in force, unless they put `dim`
+    on a mesh dim that one of the indices dims takes too (a tensor uses a mesh dim once, e.g.
+    "batch:all;vocab:all"); then `dim` stays whole in the one_hot and the einsum after it splits
+    the result."""
+    from ..mesh import layout_scope
+    mesh = indices.mesh
+    rules = mesh.layout
+    m = rules.mesh_dim(dim.name)
+    if m is None or all(rules.mesh_dim(n) != m for n in indices.shape.names):
+        return one_hot(indices, dim, dtype=dtype)
+    with layout_scope(mesh, [(t, x) for t, x in rules.pairs if t != dim.name]):
+        return one_hot(indices, dim, dtype=dtype)
+
+
 def _gather_grad(op, dy):
     """Scatter-add of dy into the looked-up rows (out-of-range indices add nothing)."""
     weights, indices = op.inputs
-    hot = one_hot(indices, op.params["dim"], dtype=dy.dtype)
+    hot = _scatter_hot(indices, op.params["dim"], dy.dtype)
     return [einsum([hot, dy], output_shape=weights.shape), None]
 
 
@@ -286,7 +301,7 @@ def top_k(x, reduced_dim, k_dim):
 def _top_k_grad(op, dvalues, dindices):
     """dy scattered back to the winning positions (einsum of one_hot(indices, reduced_dim) with dy)."""
     x, indices = op.inputs[0], op.outputs[1]
-    hot = one_hot(indices, op.params["reduced_dim"], dtype=dvalues.dtype)
+    hot = _scatter_hot(indices, op.params["reduced_dim"], dvalues.dtype)
     return [einsum([hot, dvalues], output_shape=x.shape)]
 
 
