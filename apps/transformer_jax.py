@@ -4,10 +4,9 @@ The app runs as ONE process. An MPI mesh of the `--mesh` shape would need as man
 step is recorded on a 1-rank mesh (`all:1`, COMM_SELF): its trace is then the global program
 (every collective of a size-1 mesh dim is a no-op, every coordinate 0). `mm.tpu.replay`'s
 shard_map mode maps a trace onto a JAX mesh of the trace's own mesh shape (here one device), so
-instead this module jits that global program with the `--layout` rules turned into
-`NamedSharding`s on a `jax.sharding.Mesh` with the `--mesh` dim names and sizes (the replay's
-"gspmd" idea: XLA's SPMD partitioner places the collectives). The kernels are the ops' own
-`lower` functions, run with `jax.numpy` by `mpimesh.tpu.replay`'s plan and body.
+instead this module replays that global program with `layout=` the `--layout` rules on a
+`jax.sharding.Mesh` with the `--mesh` dim names and sizes: XLA's SPMD partitioner places the
+collectives. The kernels are the ops' own `lower` functions, run with `jax.numpy`.
 
 Each call feeds the step's outputs (new parameters and optimizer state) back as its inputs. The
 MoE layers' random second-expert draws are those of the recorded step (its seed is baked in).
@@ -61,11 +60,7 @@ class JaxTrainStep:
     def __init__(self, train_step: Callable, params: dict, opt_state: dict, batch: dict, mesh_shape: str,
                  rules: str, devices=None, seed: int = 0):
         import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-        from mpimesh.layout import plan_layout
-        from mpimesh.tpu.collectives import JaxCollectives
-        from mpimesh.tpu.replay import _body, _Plan, _x64
-        self._x64 = _x64
+        from jax.sharding import Mesh
         self.rec_mesh = batch["inputs"].mesh
         if self.rec_mesh.shape.size != 1:
             raise mm.MeshError(f"--backend jax records on a 1-rank mesh, got {self.rec_mesh.shape}")
@@ -74,39 +69,22 @@ class JaxTrainStep:
             new_params, new_state, loss = train_step(params, opt_state, batch, seed)
         self.ins = [batch["inputs"], batch["targets"], *params.values(), *flat_state(opt_state)]
         outs = [loss, *[new_params[n] for n in self.names], *flat_state(new_state)]
-        plan = _Plan(tr, self.ins, outs)
-        body = _body(plan, JaxCollectives(plan.mesh.shape))  # size-1 mesh: no collective inside
-        ms, lr = mm.Shape(mesh_shape), mm.LayoutRules(rules)
+        ms = mm.Shape(mesh_shape)
         devs = jax.devices()[:ms.size] if devices is None else list(devices)
         self.mesh = Mesh(np.array(devs, dtype=object).reshape(ms.sizes), ms.names)
-
-        def sharding(t):
-            try:
-                spec = plan_layout(t.shape, ms, lr)
-            except ValueError:  # not divisible under the rules: replicated
-                spec = (None,) * t.shape.rank
-            return NamedSharding(self.mesh, PartitionSpec(*spec))
-        self.in_shardings = tuple(sharding(t) for t in self.ins)
-        out_sh = tuple(sharding(t) for t in outs)
-        jitted = jax.jit(body, in_shardings=self.in_shardings, out_shardings=out_sh,
-                         donate_argnums=tuple(range(2, len(self.ins))))
-        self._dtypes = [t.dtype for t in self.ins]
-        avals = [jax.ShapeDtypeStruct(t.shape.sizes, t.dtype, sharding=s) for t, s in zip(self.ins, self.in_shardings)]
-        with _x64():
-            self.compiled = jitted.lower(*avals).compile()  # compiled here, not in the first step
+        # the parameters and state (inputs 2...) are fed back each step: their buffers are reused
+        self.replay = mm.tpu.replay(tr, self.ins, outs, devices=self.mesh, layout=rules,
+                                    donate=range(2, len(self.ins))).compile()
         self.load(params, opt_state)
 
     def load(self, params: dict, opt_state: dict) -> None:
         """Put `params` and `opt_state` (DistTensors) on the JAX devices, sharded by the rules."""
-        import jax
         host = [t.to_numpy() for t in [*[params[n] for n in self.names], *flat_state(opt_state)]]
-        with self._x64():
-            self.arrays = [jax.device_put(a, s) for a, s in zip(host, self.in_shardings[2:])]
+        self.arrays = self.replay.put(host, first=2)
 
     def step(self, inputs: np.ndarray, targets: np.ndarray):
         """One training step on the global `[batch, length]` arrays: the loss (a JAX scalar)."""
-        with self._x64():
-            out = self.compiled(inputs.astype(self._dtypes[0]), targets.astype(self._dtypes[1]), *self.arrays)
+        out = self.replay(inputs, targets, *self.arrays)
         self.arrays = list(out[1:])
         return out[0]
 

@@ -185,7 +185,7 @@ def test_jax_backend_equals_eager_steps(corpus):
                          T.PAPER_LAYOUT)
     losses = [float(js.step(*T.batch_windows(corpus, CFG, T.train_offsets(corpus, CFG, 5, s)))) for s in range(3)]
     np.testing.assert_allclose(losses, eager, rtol=1e-4)
-    wi = js.in_shardings[2 + list(params).index("layer0/ffn/wi/kernel")]
+    wi = js.replay.in_shardings[2 + list(params).index("layer0/ffn/wi/kernel")]
     assert wi.spec == jax.sharding.PartitionSpec(None, "cols")  # d_ff over cols, as --layout says
     got, state = js.state()
     assert int(state["step"].to_numpy()) == 3

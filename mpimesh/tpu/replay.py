@@ -15,7 +15,13 @@ Two modes:
   jitted with only the input and output shardings. XLA's SPMD partitioner (GSPMD) propagates
   the shardings and places the collectives itself.
 
-Both take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
+A trace recorded on a one-processor mesh (`mm.Mesh("all:1", comm=MPI.COMM_SELF)`) is the global
+program: every collective is a no-op and every coordinate 0. `replay(..., devices=jax_mesh,
+layout=rules)` runs it on a `jax.sharding.Mesh` of any shape, with each input and output sharded
+as `rules` lay it out on that mesh (replicated where a size does not divide), and lets XLA's SPMD
+partitioner place the collectives: one process drives many devices.
+
+All take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
 Only the ops the outputs depend on are replayed. A tensor the trace reads that is neither
 produced inside it nor listed in `inputs` is baked in as a constant when this rank's slice is
 the whole tensor (replicated, e.g. the seed `mm.gradients` makes for a scalar loss); otherwise
@@ -29,8 +35,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..backend import to_host
-from ..errors import MeshError, MpimeshError, ShapeError
-from ..layout import local_sizes
+from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
+from ..layout import LayoutRules, local_sizes, plan_layout
+from ..shape import Shape
 from .collectives import JaxCollectives
 
 MODES = ("shard_map", "gspmd")
@@ -210,17 +217,25 @@ class Replay:
       mode: "shard_map" or "gspmd".
     """
 
-    def __init__(self, plan: _Plan, mesh, mode: str):
+    def __init__(self, plan: _Plan, mesh, mode: str, layout=None, donate: Sequence[int] = ()):
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
         self.mode, self.mesh = mode, mesh
         self._shapes = [(t.shape.sizes, t.dtype) for t in plan.inputs]
-        in_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.inputs)
-        out_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.outputs)
+        if layout is None:
+            in_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.inputs)
+            out_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.outputs)
+        else:
+            jax_shape = Shape([(n, int(k)) for n, k in mesh.shape.items()])
+            in_specs = tuple(PartitionSpec(*_spec(t.shape, jax_shape, layout)) for t in plan.inputs)
+            out_specs = tuple(PartitionSpec(*_spec(t.shape, jax_shape, layout)) for t in plan.outputs)
         self.in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
+        self._compiled = None
         ms = plan.mesh.shape
-        if mode == "shard_map":
+        if layout is not None:  # the global program; XLA partitions it by the shardings
+            fn = _body(plan, JaxCollectives(ms))
+        elif mode == "shard_map":
             fn = _shard_map(_body(plan, JaxCollectives(ms)), mesh, in_specs, out_specs)
         else:
             per_device = _body(plan, JaxCollectives(ms, vmapped=True))
@@ -233,13 +248,17 @@ class Replay:
                 xp = jax.numpy
                 blocks = per_device(*[_to_blocks(xp, a, lay, ms) for a, lay in zip(arrays, in_layouts)])
                 return tuple(_from_blocks(xp, b, lay, ms, shape) for b, (lay, shape) in zip(blocks, outs))
-        self.jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings)
+        self.jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
+                              donate_argnums=tuple(donate))
 
-    def _args(self, arrays: Sequence) -> list:
+    def _args(self, arrays: Sequence, start: int = 0) -> list:
         if len(arrays) != len(self._shapes):
-            raise ShapeError(f"this replay takes {len(self._shapes)} input arrays, got {len(arrays)}")
-        out = []
+            raise ShapeError(f"this replay takes {len(self._shapes)} input arrays, got {len(arrays) - start}"
+                             + (f" after input {start - 1}" if start else ""))
+        out: list = [None] * start
         for i, (a, (shape, dtype)) in enumerate(zip(arrays, self._shapes)):
+            if i < start:
+                continue
             if tuple(np.shape(a)) != shape:
                 raise ShapeError(f"replay input {i} has shape {tuple(np.shape(a))}, the trace's tensor has {shape}")
             if getattr(a, "dtype", None) != dtype:
@@ -252,7 +271,24 @@ class Replay:
         """The global output arrays (JAX arrays, sharded as the outputs' layouts) for global inputs."""
         args = self._args(arrays)
         with _x64():
-            return self.jitted(*args)
+            return (self._compiled or self.jitted)(*args)
+
+    def compile(self) -> "Replay":
+        """Compile now, for the inputs' shapes, dtypes and shardings (else the first call does)."""
+        import jax
+        avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+                 for (shape, dtype), sh in zip(self._shapes, self.in_shardings)]
+        with _x64():
+            self._compiled = self.jitted.lower(*avals).compile()
+        return self
+
+    def put(self, arrays: Sequence, first: int = 0) -> list:
+        """Global arrays of inputs `first`, `first + 1`, ... placed on the devices as those inputs
+        are sharded (e.g. parameters kept on the devices between calls that donate them)."""
+        import jax
+        args = self._args([None] * first + list(arrays), start=first)[first:]
+        with _x64():
+            return [jax.device_put(a, sh) for a, sh in zip(args, self.in_shardings[first:])]
 
     def lower(self, *arrays):
         """`jax.jit(...).lower(...)` for these inputs: `.compile().as_text()` is the optimised HLO."""
@@ -261,8 +297,16 @@ class Replay:
             return self.jitted.lower(*args)
 
 
+def _spec(shape: Shape, jax_shape: Shape, rules) -> tuple:
+    """`shape`'s layout on a jax mesh of `jax_shape` by `rules`; replicated if it does not fit."""
+    try:
+        return plan_layout(shape, jax_shape, LayoutRules(rules))
+    except LayoutError:  # a size the mesh dim does not divide, or two dims on one mesh dim
+        return (None,) * shape.rank
+
+
 def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
-           devices: Optional[Any] = None) -> Replay:
+           devices: Optional[Any] = None, layout=None, donate: Sequence[int] = ()) -> Replay:
     """A jitted JAX function computing `outputs` of `trace` from the global values of `inputs`.
 
     Args:
@@ -272,6 +316,11 @@ def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
       mode: "shard_map" (mpimesh's collectives) or "gspmd" (XLA places them); see the module docs.
       devices: the JAX devices (as many as the mesh has processors; default `jax.devices()`), or a
         `jax.sharding.Mesh` with the mesh's axis names and sizes.
+      layout: layout rules for a trace recorded on a one-processor mesh: `devices` is then a
+        `jax.sharding.Mesh` of any shape, each input and output is sharded on it as the rules say,
+        and XLA places the collectives (`mode` is ignored).
+      donate: positions of inputs whose buffers the call may reuse for its outputs (jax.jit's
+        donate_argnums), e.g. parameters fed back as the next step's inputs.
     Raises:
       MeshError: the device count differs from the trace's mesh size.
       ReplayError: an op has no kernel, an input is not the trace's, an output is not produced.
@@ -289,5 +338,18 @@ def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
     if mode not in MODES:
         raise MpimeshError(f"replay mode must be one of {MODES}, got {mode!r}")
     plan = _Plan(trace, inputs, outputs)
-    mesh = _jax_mesh(plan.mesh.shape, devices)
-    return Replay(plan, mesh, mode)
+    if layout is None:
+        return Replay(plan, _jax_mesh(plan.mesh.shape, devices), mode, donate=donate)
+    import jax
+    if plan.mesh.shape.size != 1:
+        raise ReplayError(f"replay with layout= needs a trace recorded on a one-processor mesh (the global "
+                          f"program); this trace's mesh is {plan.mesh.shape}")
+    if not isinstance(devices, jax.sharding.Mesh):
+        raise ReplayError(f"replay with layout= needs devices=jax.sharding.Mesh(...) to lay the program out "
+                          f"on, got {type(devices).__name__}")
+    rules = LayoutRules(layout)
+    unknown = sorted({m for _, m in rules.pairs} - set(devices.shape))
+    if unknown:
+        raise ReplayError(f"layout {str(rules)!r} names mesh dims {unknown} that the jax Mesh "
+                          f"{dict(devices.shape)} lacks")
+    return Replay(plan, devices, "gspmd", layout=rules, donate=donate)
