@@ -54,10 +54,12 @@ class _Interrupts:
 
     def __init__(self):
         self.armed = False
+        self.count = 0  # every interrupt, armed or not: rank 0 polls it while collecting reports
         for sig in (signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        self.count += 1
         if self.armed:
             raise KeyboardInterrupt
 
@@ -251,31 +253,27 @@ class Session:
         reports: Dict[int, Report] = {}
         missing = list(range(1, self.size))
         interrupted_at: Optional[float] = None
+        seen = self.interrupts.count  # disarmed: an interrupt is counted, never raised mid-receive
         hint_at = time.monotonic() + HINT
-        self.interrupts.armed = True
-        try:
-            while missing:
-                try:
-                    if interrupted_at is None and time.monotonic() > hint_at:
-                        hint_at = float("inf")
-                        sys.__stdout__.write(f"mpimesh-repl: rank 0 finished {HINT:.0f} s ago; waiting for "
-                                             f"{_ranks(missing)} (a collective only some ranks run never "
-                                             "ends: Ctrl-C interrupts)\n")
-                        sys.__stdout__.flush()
-                    for r in list(missing):
-                        if self.comm.Iprobe(source=r, tag=_REPORT):
-                            reports[r] = self.comm.recv(source=r, tag=_REPORT)
-                            missing.remove(r)
-                    if missing and interrupted_at is not None and time.monotonic() - interrupted_at > GRACE:
-                        sys.__stdout__.write(f"mpimesh-repl: {_ranks(missing)} did not stop (stuck in a "
-                                             "collective the other ranks left); ending the job\n")
-                        sys.__stdout__.flush()
-                        MPI.COMM_WORLD.Abort(1)
-                    time.sleep(POLL)
-                except KeyboardInterrupt:
-                    interrupted_at = interrupted_at or time.monotonic()
-        finally:
-            self.interrupts.armed = False
+        while missing:
+            if interrupted_at is None and self.interrupts.count != seen:
+                interrupted_at = time.monotonic()
+            if interrupted_at is None and time.monotonic() > hint_at:
+                hint_at = float("inf")
+                sys.__stdout__.write(f"mpimesh-repl: rank 0 finished {HINT:.0f} s ago; waiting for "
+                                     f"{_ranks(missing)} (a collective only some ranks run never ends: "
+                                     "Ctrl-C interrupts)\n")
+                sys.__stdout__.flush()
+            for r in list(missing):
+                if self.comm.Iprobe(source=r, tag=_REPORT):
+                    reports[r] = self.comm.recv(source=r, tag=_REPORT)
+                    missing.remove(r)
+            if missing and interrupted_at is not None and time.monotonic() - interrupted_at > GRACE:
+                sys.__stdout__.write(f"mpimesh-repl: {_ranks(missing)} did not stop (stuck in a collective "
+                                     "the other ranks left); ending the job\n")
+                sys.__stdout__.flush()
+                MPI.COMM_WORLD.Abort(1)
+            time.sleep(POLL)
         return reports
 
 
