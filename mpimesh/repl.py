@@ -229,23 +229,11 @@ class Session:
             sys.__stdout__.buffer.flush()
             line = sys.stdin.readline()
             return json.loads(line) if line.strip() else None
-        lines: List[str] = []
-        while True:
-            self.interrupts.armed = True
-            try:
-                line = input("... " if lines else ">>> ")
-            except KeyboardInterrupt:
-                print("\nKeyboardInterrupt")
-                lines = []
-                continue
-            except EOFError:
-                print()
-                return None
-            finally:
-                self.interrupts.armed = False
-            lines.append(line)
-            if complete("\n".join(lines)):
-                return "\n".join(lines)
+        self.interrupts.armed = True  # Ctrl-C at the prompt drops the unfinished statement
+        try:
+            return read_statement()
+        finally:
+            self.interrupts.armed = False
 
     def _collect(self) -> Dict[int, Report]:
         """Every other rank's report. After an interrupt, ranks that have not reported within `GRACE`
@@ -287,6 +275,24 @@ def complete(source: str) -> bool:
         return codeop.compile_command(source, "<stdin>", "single") is not None
     except (SyntaxError, OverflowError, ValueError):
         return True
+
+
+def read_statement() -> Optional[str]:
+    """The next whole statement typed at `>>> ` / `... ` prompts, or None at end of input; Ctrl-C
+    (KeyboardInterrupt) drops the unfinished one, as Python's REPL does."""
+    lines: List[str] = []
+    while True:
+        try:
+            lines.append(input("... " if lines else ">>> "))
+        except KeyboardInterrupt:
+            print("\nKeyboardInterrupt", flush=True)
+            lines = []
+            continue
+        except EOFError:
+            print(flush=True)
+            return None
+        if complete("\n".join(lines)):
+            return "\n".join(lines)
 
 
 # -- the front end: owns the terminal, launches the ranks ----------------------------------------
@@ -350,7 +356,7 @@ class FrontEnd:
         except ImportError:
             pass
         while self._wait():
-            source = self._read()
+            source = read_statement()
             try:
                 if source is None:
                     self.proc.stdin.close()
@@ -367,21 +373,6 @@ class FrontEnd:
         self.reader.join(timeout=5)
         return code
 
-    @staticmethod
-    def _read() -> Optional[str]:
-        lines: List[str] = []
-        while True:
-            try:
-                lines.append(input("... " if lines else ">>> "))
-            except KeyboardInterrupt:
-                print("\nKeyboardInterrupt", flush=True)
-                lines = []
-                continue
-            except EOFError:
-                print(flush=True)
-                return None
-            if complete("\n".join(lines)):
-                return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

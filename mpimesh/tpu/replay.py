@@ -222,13 +222,12 @@ class Replay:
         from jax.sharding import NamedSharding, PartitionSpec
         self.mode, self.mesh = mode, mesh
         self._shapes = [(t.shape.sizes, t.dtype) for t in plan.inputs]
-        if layout is None:
-            in_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.inputs)
-            out_specs = tuple(PartitionSpec(*t.tensor_layout) for t in plan.outputs)
-        else:
-            jax_shape = Shape([(n, int(k)) for n, k in mesh.shape.items()])
-            in_specs = tuple(PartitionSpec(*_spec(t.shape, jax_shape, layout)) for t in plan.inputs)
-            out_specs = tuple(PartitionSpec(*_spec(t.shape, jax_shape, layout)) for t in plan.outputs)
+        jax_shape = Shape([(n, int(k)) for n, k in mesh.shape.items()])
+
+        def spec(t) -> PartitionSpec:  # the trace's own layout, or the rules' on the jax mesh
+            return PartitionSpec(*(t.tensor_layout if layout is None else _spec(t.shape, jax_shape, layout)))
+        in_specs = tuple(spec(t) for t in plan.inputs)
+        out_specs = tuple(spec(t) for t in plan.outputs)
         self.in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
         self.out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
         self._compiled = None
@@ -252,13 +251,12 @@ class Replay:
                               donate_argnums=tuple(donate))
 
     def _args(self, arrays: Sequence, start: int = 0) -> list:
-        if len(arrays) != len(self._shapes):
-            raise ShapeError(f"this replay takes {len(self._shapes)} input arrays, got {len(arrays) - start}"
-                             + (f" after input {start - 1}" if start else ""))
-        out: list = [None] * start
-        for i, (a, (shape, dtype)) in enumerate(zip(arrays, self._shapes)):
-            if i < start:
-                continue
+        """`arrays` checked and cast as inputs `start`, `start + 1`, ... to the end."""
+        if len(arrays) != len(self._shapes) - start:
+            raise ShapeError(f"this replay takes {len(self._shapes) - start} input arrays"
+                             + (f" from input {start} on" if start else "") + f", got {len(arrays)}")
+        out = []
+        for i, (a, (shape, dtype)) in enumerate(zip(arrays, self._shapes[start:]), start):
             if tuple(np.shape(a)) != shape:
                 raise ShapeError(f"replay input {i} has shape {tuple(np.shape(a))}, the trace's tensor has {shape}")
             if getattr(a, "dtype", None) != dtype:
@@ -286,7 +284,7 @@ class Replay:
         """Global arrays of inputs `first`, `first + 1`, ... placed on the devices as those inputs
         are sharded (e.g. parameters kept on the devices between calls that donate them)."""
         import jax
-        args = self._args([None] * first + list(arrays), start=first)[first:]
+        args = self._args(list(arrays), start=first)
         with _x64():
             return [jax.device_put(a, sh) for a, sh in zip(args, self.in_shardings[first:])]
 
