@@ -1,37 +1,98 @@
 """The array module in use: numpy on CPU, cupy on GPU. Only this module knows which.
 
->>> array_module("numpy").__name__
-'numpy'
+Other modules ask here instead of testing `xp.__name__` or array types: `name(xp)` says which
+module an op's kernel runs on (also "jax" under a replay), `to_host`/`to_device` move arrays
+between host and GPU and count each copy in the profile (`"d2h"`, `"h2d"`), so a test can
+assert that an op makes none.
+
+>>> array_module("numpy").__name__, name(np), resolve_backend("numpy")
+('numpy', 'numpy', 'numpy')
 """
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
+from typing import Optional
 
 import numpy as np
 
+from .collectives import counters
 from .errors import MpimeshError
 
-_BACKENDS = {"numpy": "numpy", "cupy": "cupy"}
+BACKENDS = ("numpy", "cupy")
+_GPU_HINT = ("pip install '.[gpu]' from a checkout (cupy-cuda12x; for CUDA 13 install cupy-cuda13x "
+             "instead), on a machine with an NVIDIA GPU and its driver")
+
+
+def resolve_backend(backend: Optional[str]) -> str:
+    """`backend`, or `$MPIMESH_BACKEND` when it is None, else "numpy"; checked against `BACKENDS`."""
+    chosen = backend if backend is not None else os.environ.get("MPIMESH_BACKEND", "") or "numpy"
+    if chosen not in BACKENDS:
+        where = "" if backend is not None else " (from MPIMESH_BACKEND)"
+        raise MpimeshError(f"unknown backend {chosen!r}{where}: choose one of {list(BACKENDS)}")
+    return chosen
 
 
 def array_module(backend: str) -> ModuleType:
-    """The array module for `backend` ("numpy" or "cupy")."""
-    if backend not in _BACKENDS:
-        raise MpimeshError(f"unknown backend {backend!r}: choose one of {sorted(_BACKENDS)}")
+    """The array module for `backend` ("numpy" or "cupy"); cupy only where a GPU can be used."""
+    backend = resolve_backend(backend)
+    if backend == "numpy":
+        return np
     try:
-        return importlib.import_module(_BACKENDS[backend])
+        cp = importlib.import_module("cupy")
     except ImportError as e:
-        raise MpimeshError(f"backend {backend!r} needs the package {_BACKENDS[backend]!r}: "
-                           f"pip install 'mpimesh[gpu]' ({e})") from None
+        raise MpimeshError(f"backend 'cupy' needs CuPy, which is not installed ({e}): {_GPU_HINT}") from None
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cupy's CUDARuntimeError: no driver, or no device visible
+        raise MpimeshError(f"backend 'cupy' found no usable GPU ({type(e).__name__}: {e}): {_GPU_HINT}") from None
+    if count < 1:
+        raise MpimeshError(f"backend 'cupy' found no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}): {_GPU_HINT}")
+    return cp
+
+
+def name(xp) -> str:
+    """"numpy", "cupy" or "jax": which array module a kernel was handed."""
+    mod = getattr(xp, "__name__", "")
+    return "jax" if mod.startswith("jax") else mod.split(".")[0]
+
+
+def is_eager(xp) -> bool:
+    """Whether arrays of `xp` have concrete values (numpy, cupy), not traced ones (jax)."""
+    return name(xp) in BACKENDS
+
+
+def device_count() -> int:
+    """GPUs visible to this process (0 without CuPy or a driver)."""
+    try:
+        return int(importlib.import_module("cupy").cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def use_device(index: int) -> None:
+    """Make GPU `index` current for this process's CuPy work."""
+    importlib.import_module("cupy").cuda.Device(index).use()
 
 
 def to_host(array) -> np.ndarray:
-    """A numpy copy-or-view of an array of any backend."""
+    """A numpy copy-or-view of an array of any backend (a GPU array's copy counts as `"d2h"`)."""
     if isinstance(array, np.ndarray):
         return array
     get = getattr(array, "get", None)  # cupy
-    return get() if get is not None else np.asarray(array)
+    if get is None:
+        return np.asarray(array)
+    counters.record("d2h", (), array.size, array.nbytes)
+    return get()
+
+
+def to_device(xp, array):
+    """`array` as an array of `xp`; a host array sent to a GPU counts as `"h2d"`."""
+    if name(xp) == "cupy" and isinstance(array, np.ndarray):
+        counters.record("h2d", (), array.size, array.nbytes)
+    return xp.asarray(array)
 
 
 def as_dtype(dtype) -> np.dtype:

@@ -19,10 +19,11 @@ def active() -> bool:
 
 
 def record(kind: str, mesh_dims: Sequence[str], elements: int, nbytes: int) -> None:
-    """Count one collective call of `kind` over `mesh_dims` with this rank's input size."""
+    """Count one collective call of `kind` over `mesh_dims` with this rank's input size (a host-device
+    copy, `"h2d"` or `"d2h"`, has no mesh dims and is keyed by its kind alone)."""
     if not _open:
         return
-    key = f"{kind}/{'+'.join(mesh_dims)}"
+    key = f"{kind}/{'+'.join(mesh_dims)}" if mesh_dims else kind
     for counters in _open:
         c = counters.setdefault(key, {"calls": 0, "elements": 0, "bytes": 0})
         c["calls"] += 1
