@@ -11,7 +11,9 @@ from mpi4py import MPI
 
 from .autodiff import gradients
 from .checkpoint import load, save
-from .errors import CheckpointError, LayoutError, MeshError, MpimeshError, ShapeError
+from .collectives.guard import set_collective_timeout, set_spmd_check
+from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, LayoutError, MeshError, MpimeshError,
+                     ShapeError)
 from .layout import LayoutRules
 from .mesh import Mesh, layout_scope
 from .ops.einsum import einsum

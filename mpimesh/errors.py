@@ -29,3 +29,12 @@ class MeshError(MpimeshError):
 
 class CheckpointError(MpimeshError):
     """A checkpoint that is truncated, corrupted or does not match what was asked for."""
+
+
+class DivergenceError(MpimeshError):
+    """Ranks of a mesh reached different collectives (another kind, mesh dims, dtype or local shape):
+    raised on every rank before any data moved, so the mesh stays usable."""
+
+
+class CollectiveTimeoutError(MpimeshError):
+    """A collective did not complete within the time-out; names the ranks that never arrived."""

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 
 from mpi4py import MPI
 
-from .backend import array_module
+from .backend import array_module, resolve_backend
 from .errors import MeshError, ShapeError
 from .layout import LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, plan_layout
 from .shape import Shape, ShapeLike
@@ -26,11 +26,16 @@ class Mesh:
       shape: mesh dims, e.g. `"rows:2;cols:2"`; their product must equal the number of ranks.
       layout: the global layout rules, e.g. `"batch:rows;hidden:cols"`.
       comm: the communicator to build the mesh over.
-      backend: `"numpy"` or `"cupy"`.
+      backend: `"numpy"` or `"cupy"` (every `.local` a CuPy array on this rank's GPU); None means
+        `$MPIMESH_BACKEND`, else numpy.
+      device: the GPU index (cupy); default this rank's index among the ranks on its node, modulo
+        the GPUs it sees.
+      transport: `"nccl"`, `"mpi"` (the MPI library reads GPU memory), `"staged"` (through pinned
+        host buffers) or None (automatic; see `collectives/placement.py`).
     """
 
     def __init__(self, shape: ShapeLike, layout: RulesLike = "", comm: Optional[MPI.Comm] = None,
-                 backend: str = "numpy"):
+                 backend: Optional[str] = None, device: Optional[int] = None, transport: Optional[str] = None):
         try:
             self._shape = Shape(shape)
         except ShapeError as e:
@@ -43,8 +48,10 @@ class Mesh:
             raise MeshError(f"mesh {self.shape} has a dim of size < 1")
         self.rules = LayoutRules(layout)
         check_rules(self.rules, self.shape)
-        self.backend = backend
-        self.xp = array_module(backend)
+        self._backend = resolve_backend(backend)
+        self.xp = array_module(self._backend)
+        from .collectives.placement import choose
+        self._device, self._transport = choose(comm, self._backend, device, transport)
         self._size = self.shape.size
         if self.shape.rank:
             self._cart = comm.Create_cart(list(self.shape.sizes), [True] * self.shape.rank, reorder=False)
@@ -53,6 +60,7 @@ class Mesh:
             self._cart = comm.Dup()
             self._coords = {}
         self._rank = self._cart.Get_rank()
+        self._guard_comm = self._cart.Dup() if self._size > 1 else self._cart  # the SPMD check's own
         self._subcomms: dict[tuple, MPI.Comm] = {}
         self._scopes: list[LayoutRules] = []
         self._collectives = None
@@ -62,9 +70,24 @@ class Mesh:
     def collectives(self):
         """This mesh's collectives (the transport for its backend), made on first use."""
         if self._collectives is None:
-            from .collectives.mpi import MpiCollectives
-            self._collectives = MpiCollectives(self)
+            from .collectives import make
+            self._collectives = make(self)
         return self._collectives
+
+    @property
+    def backend(self) -> str:
+        """`"numpy"` or `"cupy"`: the array module of every tensor's `.local`."""
+        return self._backend
+
+    @property
+    def device(self) -> Optional[int]:
+        """The GPU this rank drives (None on the numpy backend)."""
+        return self._device
+
+    @property
+    def transport(self) -> str:
+        """The transport the collectives use: `"mpi"`, `"staged"` or `"nccl"`."""
+        return self._transport
 
     @property
     def shape(self) -> Shape:
@@ -111,6 +134,10 @@ class Mesh:
                 comm = self._cart
             self._subcomms[key] = comm
         return comm
+
+    def has_comm(self, mesh_dims: Iterable[str]) -> bool:
+        """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
+        return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
     def group_size(self, mesh_dims: Iterable[str]) -> int:
         """Number of ranks over `mesh_dims`."""

@@ -65,10 +65,10 @@ def global_array(shape: str, seed: int = 0, dtype=np.float32) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def get_mesh(shape: str, rules: str = "") -> mm.Mesh:
-    """One mesh per (shape, rules) for the session (created in the same order on every rank):
-    communicators are a finite resource."""
-    return mm.Mesh(shape, layout=rules)
+def get_mesh(shape: str, rules: str = "", transport: str | None = None) -> mm.Mesh:
+    """One mesh per (shape, rules, transport) for the session (created in the same order on every
+    rank): communicators are a finite resource."""
+    return mm.Mesh(shape, layout=rules, transport=transport)
 
 
 @pytest.fixture(scope="module", params=mesh_shapes(), name="mesh")

@@ -15,9 +15,29 @@ import pytest
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from meshes import mesh_fixture  # noqa: E402,F401 (mesh_fixture is the `mesh` fixture)
+from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+
+# Every test runs on every transport this machine has (the staged one stages numpy through a second
+# host buffer), and once more with the SPMD check and a time-out on: those change no value or count.
+MODES = ["mpi", "staged", "mpi+guard"]
+
+
+@pytest.fixture(scope="module", params=[(s, m) for s in mesh_shapes() for m in MODES], name="mesh",
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def mesh_fixture(request):
+    shape, mode = request.param
+    mesh = get_mesh(shape, "", mode.split("+")[0])
+    if mode.endswith("+guard"):
+        mm.set_spmd_check(True)
+        mm.set_collective_timeout(120)
+    try:
+        yield mesh
+    finally:
+        mm.set_spmd_check(False)
+        mm.set_collective_timeout(None)
+
 
 def inp(rank: int, shape: Sequence[int], seed: int = 0, dtype=np.float64) -> np.ndarray:
     """Rank `rank`'s input: integers in [-50, 50) seeded by (seed, rank)."""

@@ -1,9 +1,27 @@
-"""Collectives over mesh dims, one backend file per transport (here: MPI buffers).
+"""Collectives over mesh dims, one file per transport behind one interface (`base.Collectives`).
 
->>> sorted(k for k in dir(MpiCollectives) if not k.startswith("_"))[:3]
-['allgather', 'allreduce', 'alltoall']
+`make(mesh)` builds the transport the mesh chose (`placement.choose`): `mpi.py` (host buffers, or
+GPU buffers for a CUDA-aware MPI), `staged.py` (GPU -> pinned host -> MPI -> GPU), `nccl.py`.
+`guard.py` adds the SPMD check and time-outs to all of them; `counters.py` feeds the profile.
+
+>>> from mpimesh import Mesh, MPI
+>>> type(make(Mesh("all:1", comm=MPI.COMM_SELF))).__name__
+'MpiCollectives'
 """
+from . import counters
 from .counters import counting
-from .mpi import MpiCollectives
 
-__all__ = ["MpiCollectives", "counting"]
+
+def make(mesh):
+    """The collectives of `mesh`, over the transport named by `mesh.transport`."""
+    if mesh.transport == "nccl":
+        from .nccl import NcclCollectives
+        return NcclCollectives(mesh)
+    if mesh.transport == "staged":
+        from .staged import StagedCollectives
+        return StagedCollectives(mesh)
+    from .mpi import MpiCollectives
+    return MpiCollectives(mesh)
+
+
+__all__ = ["counters", "counting", "make"]

@@ -1,34 +1,80 @@
-"""Collectives over mesh dims on host (or CUDA-aware) buffers, through mpi4py's buffer methods.
+"""The MPI transport: collectives over mpi4py's buffer methods on host buffers, or on GPU buffers
+when the MPI library is CUDA-aware (`transport="mpi"` with the cupy backend).
 
-Every function takes this rank's array and the mesh dims to communicate over, returns a new
-array, makes non-contiguous inputs contiguous, and counts itself when a profile is open. Over a
-group of one rank nothing is sent and nothing is counted.
+Every collective makes non-contiguous inputs contiguous, takes its output from this transport's
+buffer pool, counts itself when a profile is open, runs the SPMD check and the time-out when
+they are on (`guard.py`), and hands the transfer to `_post`, the one method that the staged and
+NCCL transports replace.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
->>> coll = MpiCollectives(Mesh("all:1", comm=MPI.COMM_SELF))
->>> coll.allreduce(np.ones(3), ("all",))
-array([1., 1., 1.])
+>>> coll = Mesh("all:1", comm=MPI.COMM_SELF).collectives
+>>> coll.transport, coll.allreduce(np.ones(3), ("all",))
+('mpi', array([1., 1., 1.]))
 """
 from __future__ import annotations
 
 import sys
-from typing import Sequence
 
 import numpy as np
 from mpi4py import MPI
 
+from ..errors import CollectiveTimeoutError
 from . import counters
+from .base import DONE, Collectives, Request, contiguous, merge_front, split_front
+from .guard import Guard
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+# kind -> (blocking, non-blocking) mpi4py method
+_CALLS = {"allreduce": ("Allreduce", "Iallreduce"), "allgather": ("Allgather", "Iallgather"),
+          "alltoall": ("Alltoall", "Ialltoall"), "reduce_scatter": ("Reduce_scatter_block", "Ireduce_scatter_block"),
+          "exscan": ("Exscan", "Iexscan")}
 
-# Output buffers of at least POOL_MIN_BYTES are recycled; the pool tracks at most
-# POOL_MAX_BYTES of them (idle or in use) and at most POOL_PER_SIZE per size.
-POOL_MIN_BYTES = 1 << 18
-POOL_MAX_BYTES = 256 << 20
-POOL_PER_SIZE = 4
-_pool: dict[int, list] = {}  # nbytes -> uint8 arrays this pool handed out
-_pool_bytes = [0]
+
+class BufferPool:
+    """Output buffers of one transport, keyed by device and size.
+
+    A fresh large host buffer takes a page fault per 4 KiB page when MPI first writes it, which
+    can cost as much as the transfer; so numpy buffers of `min_bytes` or more are views of uint8
+    arrays kept here, and one is handed out again only once its reference count shows that no
+    array (every view's `.base` is the uint8 array) nor anything else holds it. GPU buffers come
+    from CuPy's own memory pool.
+
+    >>> pool = BufferPool(np, min_bytes=8)
+    >>> a, b = pool.empty((4,), np.float32), pool.empty((4,), np.float32)
+    >>> a.base is b.base                       # `a` is alive: `b` gets another buffer
+    False
+    >>> address = a.ctypes.data; del a
+    >>> pool.empty((2, 2), np.float32).ctypes.data == address   # `a`'s, idle now, is handed out again
+    True
+    """
+
+    def __init__(self, xp, device=None, min_bytes: int = 1 << 18, max_bytes: int = 256 << 20, per_size: int = 4):
+        self.xp, self.device = xp, device
+        self.min_bytes, self.max_bytes, self.per_size = min_bytes, max_bytes, per_size
+        self._bufs: dict[tuple, list] = {}
+        self._bytes = 0
+
+    def empty(self, shape: tuple, dtype):
+        """An uninitialised array of `shape` and `dtype`."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.min_bytes or self.xp is not np:
+            return self.xp.empty(shape, dtype)
+        key = (self.device, nbytes)
+        bufs = self._bufs.setdefault(key, [])
+        for i in range(len(bufs)):
+            if sys.getrefcount(bufs[i]) == _IDLE_REFS:  # same expression as in `_refcount`
+                return bufs[i].view(dtype).reshape(shape)
+        raw = np.empty(nbytes, np.uint8)
+        if len(bufs) < self.per_size:
+            if self._bytes + nbytes > self.max_bytes:
+                self._bytes = 0
+                self._bufs.clear()  # forget everything: idle buffers are freed, busy ones live on with their users
+                bufs = self._bufs[key] = []
+            bufs.append(raw)
+            self._bytes += nbytes
+        return raw.view(dtype).reshape(shape)
 
 
 def _refcount(items: list, i: int) -> int:
@@ -38,188 +84,137 @@ def _refcount(items: list, i: int) -> int:
 _IDLE_REFS = _refcount([object()], 0)  # the count of a list item nothing else refers to
 
 
-def _empty(xp, shape: tuple, dtype, nbytes: int):
-    """An uninitialised output buffer; large numpy ones are recycled once nothing refers to them.
-
-    A fresh large buffer takes a page fault per 4 KiB page when MPI first writes it, which can
-    cost as much as the transfer; so buffers of `POOL_MIN_BYTES` or more are views of uint8
-    arrays kept here, and one is handed out again when its refcount shows that no array (every
-    view's `.base` is the uint8 array) nor anything else holds it any more.
-    """
-    if nbytes < POOL_MIN_BYTES or xp is not np:
-        return xp.empty(shape, dtype)
-    bufs = _pool.get(nbytes)
-    if bufs is None:
-        bufs = _pool[nbytes] = []
-    for i in range(len(bufs)):
-        if sys.getrefcount(bufs[i]) == _IDLE_REFS:  # same expression as in `_refcount`
-            return bufs[i].view(dtype).reshape(shape)
-    raw = np.empty(nbytes, np.uint8)
-    if len(bufs) < POOL_PER_SIZE:
-        if _pool_bytes[0] + nbytes > POOL_MAX_BYTES:
-            _pool_bytes[0] = 0
-            _pool.clear()  # forget everything: idle buffers are freed, busy ones live on with their users
-            bufs = _pool[nbytes] = []
-        bufs.append(raw)
-        _pool_bytes[0] += nbytes
-    return raw.view(dtype).reshape(shape)
-
-
-def _contig(xp, x):
-    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)
-
-
-def _split_front(xp, x, axis: int, k: int):
-    """x split into k blocks along `axis`, blocks stacked on a new leading axis, contiguous."""
-    s = x.shape
-    if axis == 0:  # already block-major: a view when x is contiguous
-        return _contig(xp, x).reshape((k, s[0] // k) + s[1:])
-    blocks = x.reshape(s[:axis] + (k, s[axis] // k) + s[axis + 1:])
-    return _contig(xp, xp.moveaxis(blocks, axis, 0))
-
-
-def _merge_front(xp, y, axis: int):
-    """Inverse of `_split_front`: merge leading block axis into `axis` (block-major)."""
-    k, s = y.shape[0], y.shape[1:]
-    if axis == 0:
-        return y.reshape((k * s[0],) + s[1:])
-    return xp.moveaxis(y, 0, axis).reshape(s[:axis] + (k * s[axis],) + s[axis + 1:])
-
-
-class MpiCollectives:
+class MpiCollectives(Collectives):
     """The collectives of one mesh, over MPI sub-communicators per set of mesh dims."""
 
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self.xp = mesh.xp
-        self._groups: dict[tuple, tuple] = {}
+    transport = "mpi"
 
-    def _group(self, mesh_dims: Sequence[str]):
-        """(mesh dims in mesh order, number of ranks, communicator) for `mesh_dims`, cached."""
-        key = tuple(mesh_dims)
-        group = self._groups.get(key)
-        if group is None:
-            dims = tuple(n for n in self.mesh.shape.names if n in set(mesh_dims))
-            k = self.mesh.group_size(dims)
-            group = self._groups[key] = (dims, k, self.mesh.comm_for(dims) if k > 1 else None)
-        return group
+    def __init__(self, mesh):
+        super().__init__(mesh.shape, mesh.xp)
+        self.mesh = mesh
+        self.pool = BufferPool(mesh.xp, mesh.device)
+        self.guard = Guard(mesh._guard_comm, mesh.shape, mesh.coords)
+        self._device = mesh.backend == "cupy"
+        self._host_pool = BufferPool(np) if self._device else self.pool
+
+    def _on(self, x):
+        """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
+        return (np, self._host_pool) if isinstance(x, np.ndarray) else (self.xp, self.pool)
 
     def coord(self, mesh_dim: str) -> int:
         """This rank's coordinate along `mesh_dim`."""
         return self.mesh.coords[mesh_dim]
 
-    def block(self, x, mesh_dim: str, axis: int):
-        """This rank's block of `x` along `axis` when that axis is split over `mesh_dim` (no communication)."""
-        k = self.mesh.shape[mesh_dim].size
-        if k == 1:
-            return x
-        n = x.shape[axis] // k
-        c = self.mesh.coords[mesh_dim]
-        index = (slice(None),) * axis + (slice(c * n, (c + 1) * n),)
-        return x[index].copy()  # a copy, so the full array can be freed
+    def _slice(self, x, axis: int, start, n: int):
+        return x[(slice(None),) * axis + (slice(start, start + n),)].copy()  # a copy: the full array can go
 
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
-        """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""
-        dims, k, comm = self._group(mesh_dims)
-        if k == 1 or x.size == 0:
-            return x
-        x = _contig(self.xp, x)
-        out = _empty(self.xp, x.shape, x.dtype, x.nbytes)
-        counters.record("allreduce", dims, x.size, x.nbytes)
-        comm.Allreduce(x, out, op=_OPS[op])
+    # The transfer: the one step other transports replace ------------------------------------
+    def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None) -> Request:
+        """Start `kind` from `send` into `recv` over `dims`; blocking unless a time-out is set."""
+        comm = self.mesh.comm_for(dims)
+        if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
+            self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
+        nonblocking = Guard.timeout() is not None
+        if kind == "permute":
+            if not nonblocking:
+                comm.Sendrecv(send, dest, 0, recv, src, 0)
+                return DONE
+            reqs = [comm.Irecv(recv, src, 0), comm.Isend(send, dest, 0)]
+            return Request(lambda: MPI.Request.Testall(reqs), lambda: MPI.Request.Waitall(reqs))
+        args = (send, recv) if op is None else (send, recv, _OPS[op])
+        if not nonblocking:
+            getattr(comm, _CALLS[kind][0])(*args)
+            return DONE
+        req = getattr(comm, _CALLS[kind][1])(*args)
+        return Request(req.Test, req.Wait)
+
+    def _run(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str, **kw) -> None:
+        """Check, count, post and complete one transfer (`detail`: the call's parameters, for the check)."""
+        guarded = self.guard.active()
+        if guarded:
+            self.guard.enter(kind, dims, send, detail)
+        counters.record(kind, dims, elements, nbytes)
+        if send.size == 0:
+            return
+        if guarded and Guard.timeout() is not None and not self.mesh.has_comm(dims):
+            # making a sub-communicator is a blocking collective over the whole mesh: first make sure
+            # that every rank is here, under the time-out
+            self.guard.wait_mpi(self.guard.comm.Ibarrier(), f"making the communicator over {'+'.join(dims)}")
+        req = self._post(kind, dims, send, recv, **kw)
+        if guarded and Guard.timeout() is not None:
+            try:
+                self.guard.wait(req, dims)
+            except CollectiveTimeoutError:
+                getattr(req, "abort", lambda: None)()  # a NCCL group that will never finish
+                raise
+        req.wait()
+
+    # The collectives ------------------------------------------------------------------------
+    def _allreduce(self, x, dims: tuple, op: str):
+        xp, pool = self._on(x)
+        x = contiguous(xp, x)
+        out = pool.empty(x.shape, x.dtype)
+        self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
 
-    def allgather(self, x, mesh_dim: str, axis: int):
-        """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`."""
-        dims, k, comm = self._group((mesh_dim,))
-        if k == 1:
-            return x
-        x = _contig(self.xp, x)
-        if axis == 0:  # block-major already: receive straight into the result's shape
-            out = _empty(self.xp, (k * x.shape[0],) + x.shape[1:], x.dtype, k * x.nbytes)
-        else:
-            out = _empty(self.xp, (k,) + x.shape, x.dtype, k * x.nbytes)
-        counters.record("allgather", dims, x.size, x.nbytes)
-        if x.size:
-            comm.Allgather(x, out)
-        return out if axis == 0 else _merge_front(self.xp, out, axis)
+    def _allgather(self, x, mesh_dim: str, axis: int):
+        k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        x = contiguous(xp, x)
+        # axis 0 is block-major already: receive straight into the result's shape
+        out = pool.empty(((k * x.shape[0],) + x.shape[1:]) if axis == 0 else (k,) + x.shape, x.dtype)
+        self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}")
+        return out if axis == 0 else merge_front(xp, out, axis)
 
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
-        """Split `x` into k blocks along `split_axis`, send block j to coordinate j, and
-        concatenate what arrives along `concat_axis` in coordinate order."""
-        dims, k, comm = self._group((mesh_dim,))
-        if k == 1:
-            return x
-        if split_axis == concat_axis == 0:  # blocks go and come back along axis 0: no reshaping
-            send = _contig(self.xp, x)
-            recv = _empty(self.xp, x.shape, x.dtype, x.nbytes)
-        else:
-            send = _split_front(self.xp, x, split_axis, k)
-            recv = _empty(self.xp, send.shape, send.dtype, send.nbytes)
-        counters.record("alltoall", dims, send.size, send.nbytes)
-        if send.size:
-            comm.Alltoall(send, recv)
-        return recv if split_axis == concat_axis == 0 else _merge_front(self.xp, recv, concat_axis)
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
+        k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        flat = split_axis == concat_axis == 0  # blocks go and come back along axis 0: no reshaping
+        send = contiguous(xp, x) if flat else split_front(xp, x, split_axis, k)
+        recv = pool.empty(send.shape, send.dtype)
+        self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}")
+        return recv if flat else merge_front(xp, recv, concat_axis)
 
-    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"):
-        """Reduce `x` over `mesh_dim`; coordinate j keeps block j along `axis`."""
-        dims, k, comm = self._group((mesh_dim,))
-        if k == 1:
-            return x
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str):
+        k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         if axis == 0:  # block j is already the j-th contiguous slab
-            send = _contig(self.xp, x)
+            send = contiguous(xp, x)
             shape = (x.shape[0] // k,) + x.shape[1:]
         else:
-            send = _split_front(self.xp, x, axis, k)
+            send = split_front(xp, x, axis, k)
             shape = send.shape[1:]
-        recv = _empty(self.xp, shape, x.dtype, send.nbytes // k)
-        counters.record("reduce_scatter", dims, send.size, send.nbytes)
-        if send.size:
-            comm.Reduce_scatter_block(send, recv, op=_OPS[op])
+        recv = pool.empty(shape, x.dtype)
+        self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}", op=op)
         return recv
 
-    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True):
-        """Send `x` to coordinate c+offset along `mesh_dim` and return what coordinate c-offset
-        sent; without `wrap`, ranks with no source get zeros."""
-        dims, k, comm = self._group((mesh_dim,))
-        if k == 1 or offset % k == 0 and wrap:
-            if wrap or offset == 0:
-                return x
-            return self.xp.zeros_like(x)
-        c = self.mesh.coords[mesh_dim]
+    def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
+        k, c = self.size((mesh_dim,)), self.mesh.coords[mesh_dim]
         dest, src = c + offset, c - offset
         if wrap:
             dest, src = dest % k, src % k
         dest = dest if 0 <= dest < k else MPI.PROC_NULL
         src = src if 0 <= src < k else MPI.PROC_NULL
-        x = _contig(self.xp, x)
+        xp, pool = self._on(x)
+        x = contiguous(xp, x)
         # Zeros only where nothing arrives; otherwise the receive overwrites every element.
-        out = self.xp.zeros_like(x) if src == MPI.PROC_NULL else _empty(self.xp, x.shape, x.dtype, x.nbytes)
-        counters.record("permute", dims, x.size if dest != MPI.PROC_NULL else 0,
-                        x.nbytes if dest != MPI.PROC_NULL else 0)
-        if x.size:
-            comm.Sendrecv(x, dest, 0, out, src, 0)
+        out = xp.zeros_like(x) if src == MPI.PROC_NULL else pool.empty(x.shape, x.dtype)
+        sends = dest != MPI.PROC_NULL
+        self._run("permute", (mesh_dim,), x, out, x.size if sends else 0, x.nbytes if sends else 0,
+                  f" offset {offset} wrap {wrap}", dest=dest, src=src)
         return out
 
-    def exscan(self, x, mesh_dim: str, op: str = "sum"):
-        """Exclusive prefix reduction over coordinates along `mesh_dim` (zeros on coordinate 0)."""
-        dims, k, comm = self._group((mesh_dim,))
-        if k == 1:
-            return self.xp.zeros_like(x)
-        x = _contig(self.xp, x)
-        out = self.xp.zeros_like(x)
-        counters.record("exscan", dims, x.size, x.nbytes)
-        if x.size:
-            comm.Exscan(x, out, op=_OPS[op])
+    def _exscan(self, x, mesh_dim: str, op: str):
+        xp = self._on(x)[0]
+        x = contiguous(xp, x)
+        out = xp.zeros_like(x)
+        self._run("exscan", (mesh_dim,), x, out, x.size, x.nbytes, f" {op}", op=op)
         if self.mesh.coords[mesh_dim] == 0:
             out[...] = 0
         return out
 
+    # Control values (host, never counted) ----------------------------------------------------
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if `flag` is true on any rank (for errors only one rank can see)."""
         if self.mesh.size == 1:
             return bool(flag)
-        import numpy as np
         mine, out = np.array([int(bool(flag))], np.int32), np.zeros(1, np.int32)
         self.mesh.comm_for(self.mesh.shape.names).Allreduce(mine, out, op=MPI.MAX)
         return bool(out[0])

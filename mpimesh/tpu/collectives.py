@@ -1,8 +1,8 @@
-"""The JAX twin of `collectives/mpi.py`: the same calls over mesh dims, as named-axis
-collectives of `jax.lax`, for an op's `lower(ctx, ...)` run inside `shard_map` (or `vmap`).
+"""The JAX twin of the MPI transport: the same calls over mesh dims, as named-axis collectives of
+`jax.lax`, for an op's `lower(ctx, ...)` run inside `shard_map` (or `vmap`).
 
-Each function has the semantics of its MPI counterpart (see `collectives/mpi.py`), including
-the short cuts over a mesh dim of size 1; the axis names are the mesh dims.
+The short cuts over a mesh dim of size 1 and `block` come from `collectives.base.Collectives`;
+only the transfers differ. The axis names are the mesh dims.
 
     allreduce       lax.psum / lax.pmax / lax.pmin over the axes
     allgather       lax.all_gather(tiled=True)
@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..collectives.base import Collectives
 from ..shape import Shape
 
 
-class JaxCollectives:
+class JaxCollectives(Collectives):
     """`ctx` for replaying op kernels with `jax.numpy` on the named axes of a JAX mesh.
 
     Args:
@@ -30,63 +31,40 @@ class JaxCollectives:
         masks what arrived from beyond the edge.
     """
 
+    transport = "jax"
+
     def __init__(self, mesh_shape: Shape, vmapped: bool = False):
         import jax.numpy as jnp
         from jax import lax
-        self.xp = jnp
+        super().__init__(mesh_shape, jnp)
         self._lax = lax
-        self._names = mesh_shape.names
-        self._sizes = dict(zip(mesh_shape.names, mesh_shape.sizes))
         self._vmapped = vmapped
-
-    def _k(self, mesh_dim: str) -> int:
-        return self._sizes[mesh_dim]
 
     def coord(self, mesh_dim: str):
         """This device's coordinate along `mesh_dim` (a traced int32; 0 on a dim of size 1)."""
-        return 0 if self._k(mesh_dim) == 1 else self._lax.axis_index(mesh_dim)
+        return 0 if self._sizes[mesh_dim] == 1 else self._lax.axis_index(mesh_dim)
 
-    def block(self, x, mesh_dim: str, axis: int):
-        """This device's block of `x` along `axis`, split over `mesh_dim`."""
-        k = self._k(mesh_dim)
-        if k == 1:
-            return x
-        n = x.shape[axis] // k
-        return self._lax.dynamic_slice_in_dim(x, self.coord(mesh_dim) * n, n, axis)
+    def _slice(self, x, axis: int, start, n: int):
+        return self._lax.dynamic_slice_in_dim(x, start, n, axis)
 
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
-        """Elementwise sum/max/min of `x` over the axes `mesh_dims`."""
-        dims = tuple(m for m in self._names if m in set(mesh_dims) and self._k(m) > 1)
-        if not dims or x.size == 0:
-            return x
+    def _allreduce(self, x, mesh_dims: Sequence[str], op: str):
+        dims = tuple(m for m in mesh_dims if self._sizes[m] > 1)
         fn = {"sum": self._lax.psum, "max": self._lax.pmax, "min": self._lax.pmin}[op]
         return fn(x, dims)
 
-    def allgather(self, x, mesh_dim: str, axis: int):
-        """Concatenation of the devices' `x` along `axis`, in coordinate order."""
-        if self._k(mesh_dim) == 1:
-            return x
+    def _allgather(self, x, mesh_dim: str, axis: int):
         return self._lax.all_gather(x, mesh_dim, axis=axis, tiled=True)
 
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
-        """Block j of `x` along `split_axis` to coordinate j; arrivals concatenated along `concat_axis`."""
-        if self._k(mesh_dim) == 1:
-            return x
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
         return self._lax.all_to_all(x, mesh_dim, split_axis, concat_axis, tiled=True)
 
-    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"):
-        """Reduce `x` over `mesh_dim`; coordinate j keeps block j along `axis`."""
-        if self._k(mesh_dim) == 1:
-            return x
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str):
         if op == "sum":
             return self._lax.psum_scatter(x, mesh_dim, scatter_dimension=axis, tiled=True)
         return self.block(self.allreduce(x, (mesh_dim,), op), mesh_dim, axis)
 
-    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True):
-        """`x` sent to coordinate c+offset; what c-offset sent is returned (zeros if none)."""
-        k = self._k(mesh_dim)
-        if k == 1 or offset % k == 0 and wrap:
-            return x if wrap or offset == 0 else self.xp.zeros_like(x)
+    def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
+        k = self._sizes[mesh_dim]
         if x.size == 0:
             return x
         if wrap:
@@ -100,11 +78,8 @@ class JaxCollectives:
         src = self.coord(mesh_dim) - offset
         return self.xp.where((src >= 0) & (src < k), y, self.xp.zeros_like(y))
 
-    def exscan(self, x, mesh_dim: str, op: str = "sum"):
-        """Exclusive prefix reduction over coordinates along `mesh_dim` (zeros on coordinate 0)."""
-        xp, k = self.xp, self._k(mesh_dim)
-        if k == 1:
-            return xp.zeros_like(x)
+    def _exscan(self, x, mesh_dim: str, op: str):
+        xp, k = self.xp, self._sizes[mesh_dim]
         every = self._lax.all_gather(x, mesh_dim, axis=0, tiled=False)  # (k,) + x.shape
         c = self.coord(mesh_dim)
         before = (xp.arange(k) < c).reshape((k,) + (1,) * x.ndim)

@@ -1,0 +1,127 @@
+"""The NCCL transport: GPU collectives on CuPy arrays, one NCCL communicator per sub-mesh group.
+
+A group's communicator is made the first time its mesh dims are used: rank 0 of the group's MPI
+sub-communicator makes the unique id and broadcasts it there. Every transfer is enqueued on the
+current CuPy stream, so it is ordered with the kernels around it and nothing synchronises the host.
+Alltoall and permute are grouped point-to-point sends and receives; exscan is an allgather followed
+by a masked local reduction. Host arrays (control values) take MPI, as on the `mpi` transport.
+With a time-out set, completion is polled through a CUDA event, and a group that times out is
+aborted (`ncclCommAbort`) before the error is raised.
+
+Needs CuPy with NCCL (`cupy.cuda.nccl`) and one GPU per rank: NCCL refuses two ranks on one GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import counters
+from .base import DONE, Request, contiguous
+from .guard import Guard
+from .mpi import MpiCollectives
+
+_REDUCE = {"sum": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN"}
+_DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
+           "bfloat16": "NCCL_BFLOAT16", "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+           "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "bool": "NCCL_UINT8"}
+
+
+def nccl_module():
+    """`cupy.cuda.nccl`, or an ImportError saying what is missing."""
+    from cupy.cuda import nccl
+    if not getattr(nccl, "available", True):
+        raise ImportError("CuPy was built without NCCL")
+    return nccl
+
+
+class NcclCollectives(MpiCollectives):
+    """Collectives over NCCL communicators, one per set of mesh dims (made lazily)."""
+
+    transport = "nccl"
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self._nccl = nccl_module()
+        self._comms: dict[tuple, object] = {}
+
+    def _comm(self, dims: tuple):
+        """The NCCL communicator of this rank's group over `dims`; its rank order is the MPI group's."""
+        comm = self._comms.get(dims)
+        if comm is None:
+            group = self.mesh.comm_for(dims)
+            uid = np.zeros(128, np.int64)
+            if group.Get_rank() == 0:
+                uid[:] = self._nccl.get_unique_id()
+            group.Bcast(uid, root=0)
+            comm = self._nccl.NcclCommunicator(group.Get_size(), tuple(int(v) for v in uid), group.Get_rank())
+            self._comms[dims] = comm
+        return comm
+
+    def _dtype(self, x):
+        name = "bfloat16" if x.dtype.name == "bfloat16" else np.dtype(x.dtype).name
+        if name not in _DTYPES:
+            from ..errors import MpimeshError
+            raise MpimeshError(f"the nccl transport cannot send dtype {x.dtype}")
+        return getattr(self._nccl, _DTYPES[name])
+
+    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None) -> Request:
+        if isinstance(send, np.ndarray):
+            return super()._post(kind, dims, send, recv, op, dest, src)  # host control values: MPI
+        nccl, comm = self._nccl, self._comm(dims)
+        stream = self.xp.cuda.get_current_stream()
+        s, dt, n = stream.ptr, self._dtype(send), send.size
+        if kind == "allreduce":
+            comm.allReduce(send.data.ptr, recv.data.ptr, n, dt, getattr(nccl, _REDUCE[op]), s)
+        elif kind == "allgather":
+            comm.allGather(send.data.ptr, recv.data.ptr, n, dt, s)
+        elif kind == "reduce_scatter":
+            comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, dt, getattr(nccl, _REDUCE[op]), s)
+        elif kind == "alltoall":
+            k, step = comm.size(), send.nbytes // comm.size()
+            nccl.groupStart()
+            for peer in range(k):
+                comm.send(send.data.ptr + peer * step, n // k, dt, peer, s)
+                comm.recv(recv.data.ptr + peer * step, n // k, dt, peer, s)
+            nccl.groupEnd()
+        elif kind == "permute":
+            nccl.groupStart()
+            if dest != MPI.PROC_NULL:
+                comm.send(send.data.ptr, n, dt, dest, s)
+            if src != MPI.PROC_NULL:
+                comm.recv(recv.data.ptr, n, dt, src, s)
+            nccl.groupEnd()
+        else:
+            raise NotImplementedError(kind)
+        if Guard.timeout() is None:
+            return DONE  # ordered on the stream: nothing to wait for on the host
+        done = self.xp.cuda.Event(disable_timing=True)
+        done.record(stream)
+        return _Aborting(done, comm)
+
+    def _exscan(self, x, mesh_dim: str, op: str):
+        if isinstance(x, np.ndarray):
+            return super()._exscan(x, mesh_dim, op)
+        xp, dims = self.xp, (mesh_dim,)
+        k, c = self.size(dims), self.mesh.coords[mesh_dim]
+        x = contiguous(xp, x)
+        every = self.pool.empty((k,) + x.shape, x.dtype)
+        with counters.paused():  # counted once, as the exscan it is
+            self._run("allgather", dims, x, every, x.size, x.nbytes, f" exscan {op}")
+        counters.record("exscan", dims, x.size, x.nbytes)
+        if c == 0:
+            return xp.zeros_like(x)
+        before = every[:c]
+        return {"sum": before.sum, "max": before.max, "min": before.min}[op](axis=0).astype(x.dtype, copy=False)
+
+
+class _Aborting(Request):
+    """A NCCL transfer polled through a CUDA event; the communicator is aborted if it is abandoned."""
+
+    __slots__ = ("_event", "_nccl_comm")
+
+    def __init__(self, event, comm):
+        super().__init__(lambda: event.done, event.synchronize)
+        self._event, self._nccl_comm = event, comm
+
+    def abort(self) -> None:
+        self._nccl_comm.abort()

@@ -1,0 +1,99 @@
+"""The staged transport: device -> pinned host buffer -> MPI -> device, for any MPI library and for
+ranks that share a GPU (which NCCL refuses).
+
+Only the transfer step differs from `mpi.py`: `_post` copies the input into a host staging buffer,
+runs the MPI transfer between host buffers, and copies the result back when the transfer completes.
+Staging buffers are reused (page-locked ones from CuPy on a GPU, so the copies run at full speed).
+Each copy counts in the profile as `"d2h/<mesh dims>"` or `"h2d/<mesh dims>"`; the collective
+itself counts as on any other transport. On the numpy backend (a test of this path on CPU) the
+"device" is the host and the copies are plain host copies, not counted.
+
+>>> from mpimesh import Mesh
+>>> import numpy as np
+>>> coll = Mesh("all:1", comm=MPI.COMM_SELF, transport="staged").collectives
+>>> coll.transport, coll.allreduce(np.ones(2), ("all",))
+('staged', array([1., 1.]))
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import counters
+from .base import DONE, Request
+from .mpi import MpiCollectives
+
+
+class StagingBuffers:
+    """Reusable host buffers by size: page-locked for a GPU backend, plain numpy otherwise.
+
+    >>> bufs = StagingBuffers(np)
+    >>> a = bufs.take(16); bufs.give(a); bufs.take(16) is a
+    True
+    """
+
+    def __init__(self, xp):
+        self._gpu = xp is not np
+        self._free: dict[int, list] = {}
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 host buffer of `nbytes`, this caller's until `give`."""
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        if self._gpu:
+            import cupyx
+            return cupyx.empty_pinned((nbytes,), np.uint8)
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Return `buf` for reuse."""
+        self._free.setdefault(buf.nbytes, []).append(buf)
+
+
+class StagedCollectives(MpiCollectives):
+    """MPI collectives on host copies of this rank's (GPU) arrays."""
+
+    transport = "staged"
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.staging = StagingBuffers(mesh.xp)
+
+    def _host_view(self, buf: np.ndarray, like) -> np.ndarray:
+        return buf.view(like.dtype).reshape(like.shape)
+
+    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None) -> Request:
+        if isinstance(send, np.ndarray) and self._device:
+            return super()._post(kind, dims, send, recv, op, dest, src)  # host control values
+        hs_raw, hr_raw = self.staging.take(send.nbytes), self.staging.take(recv.nbytes)
+        hs, hr = self._host_view(hs_raw, send), self._host_view(hr_raw, recv)
+        self._to_host(send, hs, dims)
+        inner = super()._post(kind, dims, hs, hr, op, dest, src)
+        arrives = not (kind == "permute" and src == MPI.PROC_NULL)  # else `recv` keeps its zeros
+
+        def back():
+            if arrives:
+                self._to_device(hr, recv, dims)
+            self.staging.give(hs_raw)
+            self.staging.give(hr_raw)
+
+        if inner is DONE:
+            back()
+            return DONE
+        return Request(inner.test, inner.wait, back)
+
+    def _to_host(self, src, dst: np.ndarray, dims: tuple) -> None:
+        if not self._device:
+            np.copyto(dst, src)
+            return
+        counters.record("d2h", dims, src.size, src.nbytes)
+        src.get(out=dst)  # synchronises with the stream that wrote `src`
+
+    def _to_device(self, src: np.ndarray, dst, dims: tuple) -> None:
+        if not self._device:
+            np.copyto(dst, src)
+            return
+        counters.record("h2d", dims, src.size, src.nbytes)
+        dst.set(src)
+        self.xp.cuda.get_current_stream().synchronize()  # the staging buffer is reused right after
