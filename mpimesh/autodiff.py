@@ -18,6 +18,7 @@ force when `gradients` is called.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
@@ -44,11 +45,17 @@ def _rules_of(op):
     return layout_scope(mesh, op.rules)
 
 
-def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None) -> list:
+def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release: bool = False) -> list:
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
     Must run inside `mm.trace()` (or pass the trace), and ys and xs must be tensors of that trace.
+
+    With `release=True` (a training step's memory), each intermediate tensor that nothing but the
+    trace holds gives its values back as soon as no remaining gradient rule needs them: the trace
+    keeps only its shape and layout (`trace.Released`), which is all a replay needs. Differentiating
+    the same ops again (second-order gradients) then fails with a clear error, as in PyTorch
+    without `retain_graph`; the default keeps every value until the trace is dropped.
     """
     from .ops.elementwise import add
     from .ops.relayout import to_layout
@@ -63,6 +70,7 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None) -> list:
         if any(id(t) in reach for t in op.inputs):
             reach.update(id(t) for t in op.outputs)
     grads: dict[int, object] = {}
+    memory = _Release(tr, ops, reach, ys, xs) if release else None
 
     def accumulate(t, g):
         if g is None or id(t) not in reach:
@@ -72,21 +80,114 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None) -> list:
 
     for y in ys:
         accumulate(y, _ones_like(y))
-    for op in reversed(ops):
-        if op.grad is None or not any(id(o) in grads for o in op.outputs):
-            continue
-        dys = [grads.get(id(o)) for o in op.outputs]
-        if len(dys) > 1:
-            dys = [d if d is not None else _zeros_like(o) for d, o in zip(dys, op.outputs)]
-        op.needs = tuple(id(t) in reach for t in op.inputs)
-        try:
-            with _rules_of(op):  # the backward of a layout_scope'd op is laid out like its forward
-                for t, g in zip(op.inputs, op.grad(op, *dys)):
-                    accumulate(t, g)
-        finally:
-            op.needs = None
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        if op.grad is not None and any(id(o) in grads for o in op.outputs):
+            _apply(op, grads, reach, accumulate)
+        if memory is not None:
+            memory.after(i, grads)
     out = []
     for x in xs:
         g = grads.get(id(x))
         out.append(_zeros_like(x) if g is None else to_layout(g, x.tensor_layout))
     return out
+
+
+def _apply(op, grads: dict, reach: set, accumulate) -> None:
+    """Run `op`'s gradient rule on its outputs' gradients and accumulate into its inputs'."""
+    dys = [grads.get(id(o)) for o in op.outputs]
+    if len(dys) > 1:
+        dys = [d if d is not None else _zeros_like(o) for d, o in zip(dys, op.outputs)]
+    op.needs = tuple(id(t) in reach for t in op.inputs)
+    try:
+        with _rules_of(op):  # the backward of a layout_scope'd op is laid out like its forward
+            for t, g in zip(op.inputs, op.grad(op, *dys)):
+                accumulate(t, g)
+    finally:
+        op.needs = None
+
+
+class _Release:
+    """Which tensors of a trace autodiff may release, and when.
+
+    A forward tensor is needed until the earliest (in trace order) op that refers to it and whose
+    gradient rule may still run; once the backward walk is past that op its gradient is dropped, and
+    its values are released if only the trace's records hold it (a tensor the user holds, a trace
+    input, or one of `ys`/`xs` is never touched). Tensors of the backward ops appended meanwhile
+    are needed by no rule of this walk: they go as soon as only records hold them.
+    """
+
+    def __init__(self, tr: Trace, ops: list, reach: set, ys: list, xs: list):
+        self.tr, self.reach = tr, reach
+        self.keep = {id(t) for t in list(ys) + list(xs) + list(tr.inputs)}
+        self.tensors: dict[int, object] = {}
+        self.holders: dict[int, list] = {}
+        self.refs: dict[int, int] = {}
+        self.pending: set[int] = set()  # ids no rule needs any more: released once only records hold them
+        self.due: dict[int, list[int]] = {}  # op index -> ids whose last need is that op
+        self.waiting: set[int] = set()  # ids in `due`
+        for rec in ops:
+            self._index(rec)
+        back = {id(y) for y in ys}
+        for op in reversed(ops):
+            if any(id(o) in back for o in op.outputs):
+                back.update(id(t) for t in op.inputs)
+        last: dict[int, int] = {}
+        for i, op in enumerate(ops):
+            if op.grad is not None and any(id(o) in reach and id(o) in back for o in op.outputs):
+                for t in op.inputs + op.outputs:
+                    last.setdefault(id(t), i)
+        for i in self.tensors:
+            if i in last:
+                self.due.setdefault(last[i], []).append(i)
+                self.waiting.add(i)
+            elif i not in self.keep:
+                self.pending.add(i)  # needed by no rule: only its holders matter
+        self.seen = len(ops)
+        self._sweep()
+
+    def _index(self, rec) -> None:
+        for t in rec.inputs + rec.outputs:
+            i = id(t)
+            if i not in self.tensors:
+                self.tensors[i] = t
+                self.holders[i] = []
+                self.refs[i] = 0
+            if rec not in self.holders[i]:
+                self.holders[i].append(rec)
+            self.refs[i] += 1
+
+    def after(self, i: int, grads: dict) -> None:
+        """The backward walk has run op `i`: drop what no remaining rule needs."""
+        for t_id in self.due.pop(i, ()):
+            self.waiting.discard(t_id)
+            if t_id not in self.keep:
+                grads.pop(t_id, None)
+                self.pending.add(t_id)
+        for rec in self.tr.ops[self.seen:]:  # the backward ops recorded meanwhile
+            self._index(rec)
+            self.pending.update(id(t) for t in rec.inputs + rec.outputs
+                                if id(t) not in self.keep and id(t) not in self.waiting)
+        self.seen = len(self.tr.ops)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        for t_id in list(self.pending):
+            if _only_in_records(self.tensors, t_id, self.refs[t_id]):
+                self.tr.release(self.tensors.pop(t_id), self.holders.pop(t_id))
+                del self.refs[t_id]
+                self.pending.discard(t_id)
+                self.reach.discard(t_id)  # its id may be reused by a new tensor from now on
+
+
+def _refcount(tensors: dict, t_id: int) -> int:
+    t = tensors[t_id]
+    return sys.getrefcount(t)
+
+
+_OWN_REFS = _refcount({0: object()}, 0)  # the count of a dict value nothing else refers to
+
+
+def _only_in_records(tensors: dict, t_id: int, record_refs: int) -> bool:
+    """Whether the tensor `tensors[t_id]` is held by nothing but `record_refs` places in trace records."""
+    return _refcount(tensors, t_id) - _OWN_REFS == record_refs

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .collectives import counters
+from .errors import MpimeshError
 
 Lower = Callable[..., Any]
 
@@ -42,6 +43,21 @@ class OpRecord:
         return f"{self.name}({ins}) -> {outs}"
 
 
+class Released:
+    """What a trace keeps of a tensor once nothing needs its values: shape, layout, dtype and mesh
+    (enough to replay or print the trace), never the array."""
+
+    __slots__ = ("mesh", "shape", "tensor_layout", "dtype")
+
+    def __init__(self, t):
+        self.mesh, self.shape, self.tensor_layout, self.dtype = t.mesh, t.shape, t.tensor_layout, t.dtype
+
+    @property
+    def local(self):
+        raise MpimeshError(f"the values of this [{self.shape}] {self.dtype} tensor were released by "
+                           f"autodiff: nothing held it but the trace")
+
+
 class Trace:
     """The ops recorded while the trace was open, in order; tensors used but not produced
     inside it are its `inputs`."""
@@ -63,6 +79,16 @@ class Trace:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    def release(self, t, records) -> None:
+        """Replace `t` by a `Released` stand-in in `records` (those of this trace that refer to it)."""
+        stub = Released(t)
+        for rec in records:
+            rec.inputs = tuple(stub if x is t else x for x in rec.inputs)
+            rec.outputs = tuple(stub if x is t else x for x in rec.outputs)
+        for tr in _open_traces + [self]:  # its id may be reused by a new tensor from now on
+            tr._produced.discard(id(t))
+            tr._seen.discard(id(t))
 
     def gradients(self, ys, xs) -> list:
         """Gradients of the sum of `ys` with respect to each of `xs` (see `mm.gradients`)."""
