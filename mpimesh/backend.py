@@ -98,3 +98,45 @@ def to_device(xp, array):
 def as_dtype(dtype) -> np.dtype:
     """Normalise a dtype spec (`"float32"`, `np.float32`, ...) to a numpy dtype."""
     return np.dtype(dtype)
+
+
+def memory_mark() -> dict:
+    """Start measuring peak memory; returns the marks for `memory_peak`. Host: the process's
+    resident-set high-water mark (`VmHWM`), reset through `/proc/self/clear_refs` where Linux allows
+    it. GPU (once CuPy is in use): the default memory pool, emptied of cached blocks, whose size then
+    grows to the block's high-water mark."""
+    marks = {"host": _host_peak(reset=True)}
+    cp = _cupy_in_use()
+    if cp is not None:
+        pool = cp.get_default_memory_pool()
+        pool.free_all_blocks()
+        marks["gpu"] = pool.total_bytes()
+    return marks
+
+
+def memory_peak(marks: dict) -> dict:
+    """`{"host": bytes[, "gpu": bytes]}`: the peaks since `memory_mark`."""
+    out = {"host": _host_peak(reset=False)}
+    cp = _cupy_in_use()
+    if cp is not None and "gpu" in marks:
+        out["gpu"] = int(cp.get_default_memory_pool().total_bytes())
+    return out
+
+
+def _cupy_in_use():
+    import sys
+    return sys.modules.get("cupy")
+
+
+def _host_peak(reset: bool) -> int:
+    """The resident-set high-water mark in bytes (after resetting it, when asked and allowed)."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        import resource
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -20,11 +20,16 @@ class Profile:
     """What this rank did inside a `profile()` block.
 
     `counters["<kind>/<mesh dims>"]` is `{"calls", "elements", "bytes"}` per collective, where
-    elements is the size of this rank's input buffer; `counters["flops"]` is `{"calls", "flops"}`.
+    elements is the size of this rank's input buffer; `counters["flops"]` is `{"calls", "flops"}`;
+    `counters["d2h"]` and `["h2d"]` count copies between GPU and host made by ops (a staged
+    transport's copies are `"d2h/<mesh dims>"`, `"h2d/<mesh dims>"`). `peak_bytes` is this rank's
+    peak memory during the block, once it has ended: `{"host": ...}` (resident set), plus `"gpu"`
+    (CuPy's memory pool) where CuPy is in use.
     """
 
     def __init__(self, data: dict):
         self.counters = data
+        self.peak_bytes: dict = {}
 
     def elements(self, kind: str = "allreduce") -> int:
         """Total elements this rank fed to collectives of `kind`."""
@@ -39,6 +44,8 @@ class Profile:
         if "flops" in self.counters:
             f = self.counters["flops"]
             rows.append(("flops", str(f["calls"]), f"{f['flops']:.3e}", ""))
+        for where, n in self.peak_bytes.items():
+            rows.append((f"peak memory ({where})", "", "", _human(n)))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
                          for r in rows)
@@ -52,11 +59,32 @@ def _human(n: int) -> str:
     return str(n)
 
 
+_open_peaks: list[dict] = []  # the running peaks of the profiles open now, outermost first
+
+
 @contextmanager
 def profile() -> Iterator[Profile]:
-    """Count the collectives and local compute this rank runs inside the block."""
-    with counters.counting() as data:
-        yield Profile(data)
+    """Count the collectives and local compute this rank runs inside the block, and its peak memory."""
+    from .backend import memory_mark, memory_peak
+    for running in _open_peaks:  # an inner profile resets the high-water marks: fold them in first
+        _fold(running, memory_peak(running["marks"]))
+    running = {"marks": memory_mark(), "peak": {}}
+    _open_peaks.append(running)
+    prof = None
+    try:
+        with counters.counting() as data:
+            prof = Profile(data)
+            yield prof
+    finally:
+        _open_peaks.remove(running)
+        _fold(running, memory_peak(running["marks"]))
+        if prof is not None:
+            prof.peak_bytes = running["peak"]
+
+
+def _fold(running: dict, now: dict) -> None:
+    for k, v in now.items():
+        running["peak"][k] = max(running["peak"].get(k, 0), v)
 
 
 def visualize(t) -> str:

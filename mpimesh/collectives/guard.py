@@ -197,7 +197,7 @@ class Guard:
         op = f"{what}, before {op}" if what else op
         self.broken = (f"{op} on rank {me} was not complete after {timeout:g} s; ranks {missing} never "
                        f"arrived:\n" + "\n".join(notes))
-        sys.stderr.write(f"mpimesh: {self.broken}\n")
+        sys.stderr.write(f"mpimesh: CollectiveTimeoutError: {self.broken}\n")
         sys.stderr.flush()
         raise CollectiveTimeoutError(self.broken)
 
