@@ -4,8 +4,9 @@ process (rank 0 alone, the others idle), and the op trace's recording overhead p
     mpiexec -n 2 python benchmarks/ops.py          # the issue's setting: 2 ranks
     mpiexec -n 1 python benchmarks/ops.py          # 1 rank: pure mpimesh overhead over numpy
 
-Prints a table (numpy ms, mpimesh ms, speedup = numpy / mpimesh) and a verdict for the trace
-overhead target (recording adds <= 5 us per op).
+Prints a table (numpy ms, mpimesh ms, speedup = numpy / mpimesh), a verdict for the trace
+overhead target (recording adds <= 5 us per op) and, on 2+ ranks, the cost of the SPMD check and
+of a collective time-out per small collective (target: the check adds <= 30 us).
 """
 from __future__ import annotations
 
@@ -96,6 +97,35 @@ def trace_overhead() -> tuple[float, float]:
     return run(False), run(True)
 
 
+def guard_overhead(mesh) -> dict:
+    """Microseconds per small allreduce (16 floats over every rank): raw mpi4py, mpimesh with the
+    check off, with `mm.set_spmd_check(True)`, and with a collective time-out (polled requests)."""
+    x = np.ones(16, np.float32)
+    out = np.empty_like(x)
+    comm, dims, reps = mesh.comm_for(mesh.shape.names), mesh.shape.names, 3000
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            mesh.barrier()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) / reps * 1e6
+
+    result = {"raw": best(lambda: comm.Allreduce(x, out)),
+              "off": best(lambda: mesh.collectives.allreduce(x, dims))}
+    mm.set_spmd_check(True)
+    result["check"] = best(lambda: mesh.collectives.allreduce(x, dims))
+    mm.set_spmd_check(False)
+    mm.set_collective_timeout(600)
+    result["timeout"] = best(lambda: mesh.collectives.allreduce(x, dims))
+    mm.set_collective_timeout(None)
+    return result
+
+
 def main() -> None:
     rank0_print(kernel_report())
     mesh = mm.Mesh(f"all:{WORLD.Get_size()}")
@@ -109,6 +139,13 @@ def main() -> None:
     plain, traced = on_rank0(trace_overhead)
     rank0_print(f"\nper-op dispatch on tiny tensors: {plain:.1f} us untraced, {traced:.1f} us traced")
     rank0_print(verdict("trace recording <= 5 us/op", traced - plain <= 5.0, f"{traced - plain:.2f} us"))
+    if mesh.size > 1:
+        g = guard_overhead(mesh)
+        rank0_print(f"\nsmall allreduce (16 floats, {mesh.size} ranks), us per call: raw mpi4py {g['raw']:.1f}, "
+                    f"mpimesh {g['off']:.1f}, with the SPMD check {g['check']:.1f}, with a time-out {g['timeout']:.1f}")
+        rank0_print(verdict("SPMD check <= 30 us per collective", g["check"] - g["off"] <= 30.0,
+                            f"{g['check'] - g['off']:.1f} us"))
+        rank0_print("  (off, the check costs one flag test per collective: nothing is exchanged)")
 
 
 if __name__ == "__main__":
