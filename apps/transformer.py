@@ -178,15 +178,16 @@ def make_optimizer(cfg: Config):
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: choose adafactor or adam")
 
 
-def make_train_step(cfg: Config, optimizer) -> Callable:
+def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
-    `seed` draws the MoE layers' random second-expert choices."""
+    `seed` draws the MoE layers' random second-expert choices. `release`: autodiff gives each
+    activation back as soon as the backward pass is done with it (a lower peak)."""
     def train_step(params: Params, opt_state: dict, batch: dict, seed: int = 0):
         names = list(params)
         with mm.trace():
             loss = loss_fn(params, batch, cfg, True, seed)
-            grads = mm.gradients([loss], [params[n] for n in names])
+            grads = mm.gradients([loss], [params[n] for n in names], release=release)
             params, opt_state = optimizer.update(params, dict(zip(names, grads)), opt_state)
         return params, opt_state, loss
     return train_step

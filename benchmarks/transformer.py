@@ -8,7 +8,8 @@ length 128, byte vocabulary), trained by Adafactor. MFU = model FLOPs per step (
 forward and backward: 3 x 2 x (matmul parameters + attention) per token, the usual convention) /
 step time / peak, where peak is the float32 matmul rate this run measures on the same ranks (a
 2048^3 matmul per rank, one BLAS thread each, all ranks at once). Prints the profile of one step
-(collectives and flops per rank) and the share of the step spent in collectives.
+(collectives and flops per rank), the share of the step spent in collectives, and the step's peak
+resident memory with activations kept until the step ends against released during the backward pass.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def main() -> None:
     peak = peak_flops()
     flops = model_flops(cfg)
     data = np.random.default_rng(1).integers(0, 256, size=1 << 16).astype(np.uint8)
-    results = []
+    results, memory = [], []
     n = WORLD.Get_size()
     for name, rules in LAYOUTS.items():
         mesh = mm.Mesh(f"all:{n}", layout=rules)
@@ -76,6 +77,13 @@ def main() -> None:
             total = time.perf_counter() - t0
         results.append((name, rules, t_med, timer.seconds / total))
         rank0_print(f"\n{name} ({rules}) on {n} rank(s), rank 0's profile of one step:\n{prof.report()}")
+        peaks = {}
+        for release in (False, True):  # one step each, activations kept vs released during backward
+            kept = app.make_train_step(cfg, opt, release=release)
+            with mm.profile(memory=True) as mem:
+                box["p"], box["s"], _ = kept(box["p"], box["s"], batch)
+            peaks[release] = mem.peak_bytes["arrays"]
+        memory.append((name, peaks[False], peaks[True]))
     peak = max(peak, peak_flops())  # measured again after the steps: the higher (warmer) reading counts
     rows = [(name, rules, f"{t * 1e3:.0f}", f"{flops / t / 1e9:.1f}", f"{100 * flops / t / peak:.1f}%",
              f"{100 * comm:.0f}%") for name, rules, t, comm in results]
@@ -83,6 +91,10 @@ def main() -> None:
                 f"batch {cfg.batch} x length {cfg.length}; {flops / 1e9:.1f} model GFLOP per step; "
                 f"measured peak {peak / 1e9:.1f} GFLOP/s on {n} rank(s)")
     rank0_print(table(("layout", "rules", "step ms", "GFLOP/s", "MFU", "comm"), rows))
+    rank0_print("\npeak memory of live arrays in one step on rank 0 (activations kept until the step ends vs "
+                "released as the backward pass goes):")
+    rank0_print(table(("layout", "kept MiB", "released MiB", "ratio"),
+                      [(name, f"{a / 2**20:.0f}", f"{b / 2**20:.0f}", f"{b / a:.2f}") for name, a, b in memory]))
     best = max(float(r[4].rstrip("%")) for r in rows)
     rank0_print(verdict("transformer MFU >= 50%", best >= 50.0, f"best {best:.1f}%"))
 

@@ -100,12 +100,21 @@ def as_dtype(dtype) -> np.dtype:
     return np.dtype(dtype)
 
 
-def memory_mark() -> dict:
+def memory_mark(arrays: bool = False) -> dict:
     """Start measuring peak memory; returns the marks for `memory_peak`. Host: the process's
     resident-set high-water mark (`VmHWM`), reset through `/proc/self/clear_refs` where Linux allows
-    it. GPU (once CuPy is in use): the default memory pool, emptied of cached blocks, whose size then
-    grows to the block's high-water mark."""
+    it (the allocator may keep freed memory, so this can stay high). `arrays`: also the peak of
+    live Python allocations, numpy's arrays included, by `tracemalloc` (exact, but it slows
+    allocation while it runs). GPU (once CuPy is in use): the default memory pool, emptied of cached
+    blocks, whose size then grows to the block's high-water mark."""
     marks = {"host": _host_peak(reset=True)}
+    if arrays:
+        import tracemalloc
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+            marks["started"] = True
+        tracemalloc.reset_peak()
+        marks["arrays"] = 0
     cp = _cupy_in_use()
     if cp is not None:
         pool = cp.get_default_memory_pool()
@@ -117,10 +126,20 @@ def memory_mark() -> dict:
 def memory_peak(marks: dict) -> dict:
     """`{"host": bytes[, "gpu": bytes]}`: the peaks since `memory_mark`."""
     out = {"host": _host_peak(reset=False)}
+    if "arrays" in marks:
+        import tracemalloc
+        out["arrays"] = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
     cp = _cupy_in_use()
     if cp is not None and "gpu" in marks:
         out["gpu"] = int(cp.get_default_memory_pool().total_bytes())
     return out
+
+
+def memory_done(marks: dict) -> None:
+    """Stop what `memory_mark` started."""
+    if marks.get("started"):
+        import tracemalloc
+        tracemalloc.stop()
 
 
 def _cupy_in_use():

@@ -23,8 +23,9 @@ class Profile:
     elements is the size of this rank's input buffer; `counters["flops"]` is `{"calls", "flops"}`;
     `counters["d2h"]` and `["h2d"]` count copies between GPU and host made by ops (a staged
     transport's copies are `"d2h/<mesh dims>"`, `"h2d/<mesh dims>"`). `peak_bytes` is this rank's
-    peak memory during the block, once it has ended: `{"host": ...}` (resident set), plus `"gpu"`
-    (CuPy's memory pool) where CuPy is in use.
+    peak memory during the block, once it has ended: `{"host": ...}` (resident set), `"arrays"`
+    (live allocations, numpy's included; with `profile(memory=True)`), and `"gpu"` (CuPy's memory
+    pool) where CuPy is in use.
     """
 
     def __init__(self, data: dict):
@@ -63,12 +64,13 @@ _open_peaks: list[dict] = []  # the running peaks of the profiles open now, oute
 
 
 @contextmanager
-def profile() -> Iterator[Profile]:
-    """Count the collectives and local compute this rank runs inside the block, and its peak memory."""
-    from .backend import memory_mark, memory_peak
+def profile(memory: bool = False) -> Iterator[Profile]:
+    """Count the collectives and local compute this rank runs inside the block, and its peak memory
+    (`memory=True`: also the exact peak of live arrays, at some cost in speed)."""
+    from .backend import memory_done, memory_mark, memory_peak
     for running in _open_peaks:  # an inner profile resets the high-water marks: fold them in first
         _fold(running, memory_peak(running["marks"]))
-    running = {"marks": memory_mark(), "peak": {}}
+    running = {"marks": memory_mark(memory or any("arrays" in r["marks"] for r in _open_peaks)), "peak": {}}
     _open_peaks.append(running)
     prof = None
     try:
@@ -78,6 +80,7 @@ def profile() -> Iterator[Profile]:
     finally:
         _open_peaks.remove(running)
         _fold(running, memory_peak(running["marks"]))
+        memory_done(running["marks"])
         if prof is not None:
             prof.peak_bytes = running["peak"]
 

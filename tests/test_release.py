@@ -95,3 +95,20 @@ def test_differentiating_released_ops_again_says_why():
         (gg,) = mm.gradients([g2], [x])
     e = np.exp([0.5, 1.0])
     np.testing.assert_allclose(gg.to_numpy(), -np.sin(e) * e * e + np.cos(e) * e, rtol=1e-12)
+
+
+def test_profile_reports_peak_memory():
+    n = 5_000_000  # 40 MB of float64, allocated and freed inside the block
+    with mm.profile(memory=True) as outer:
+        a = np.ones(n)
+        del a
+        with mm.profile() as inner:  # an inner profile resets the high-water marks: the outer keeps its own
+            b = np.ones(1000)
+        del b
+    assert 8 * n <= outer.peak_bytes["arrays"] < 8 * n + (4 << 20)
+    assert inner.peak_bytes["arrays"] < 8 * n // 10
+    assert outer.peak_bytes["host"] >= outer.peak_bytes["arrays"]  # the resident set holds them all
+    assert "peak memory (arrays)" in outer.report()
+    with mm.profile() as plain:
+        pass
+    assert set(plain.peak_bytes) == {"host"}
