@@ -77,7 +77,8 @@ class NcclCollectives(MpiCollectives):
         elif kind == "reduce_scatter":
             comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, dt, getattr(nccl, _REDUCE[op]), s)
         elif kind == "alltoall":
-            k, step = comm.size(), send.nbytes // comm.size()
+            k = self.size(dims)
+            step = send.nbytes // k
             nccl.groupStart()
             for peer in range(k):
                 comm.send(send.data.ptr + peer * step, n // k, dt, peer, s)
