@@ -1,8 +1,9 @@
 """Layout rules and tensor layouts: which tensor dim is split over which mesh dim (pure Python).
 
 A *tensor layout* is a tuple with one entry per tensor dim: the mesh dim it is split over, or
-None. Slice arithmetic: a dim of size n split over a mesh dim of size k holds, on the rank with
-coordinate c, the block `[c*n/k, (c+1)*n/k)`.
+None. Slice arithmetic lives here alone (`block`): a dim of size n split over a mesh dim of size k
+holds, on the rank with coordinate c, block c of `numpy.array_split(range(n), k)`; when k divides n
+that is `[c*n/k, (c+1)*n/k)`. A mesh dim of size 1 splits nothing (`splitting`).
 
 >>> rules = LayoutRules("batch:rows;hidden:cols")
 >>> plan_layout(Shape("batch:8;io:4;hidden:6"), Shape("rows:2;cols:3"), rules)
@@ -123,13 +124,59 @@ def layout_from_spec(shape: Shape, mesh_shape: Shape, spec) -> TensorLayout:
     return plan_layout(shape, mesh_shape, rules)
 
 
-def local_sizes(shape: Shape, mesh_shape: Shape, layout: TensorLayout) -> tuple[int, ...]:
-    """Sizes of one rank's slice.
+def block(size: int, k: int, c):
+    """`(start, stop)` of block `c` when `size` elements are cut into `k` blocks like
+    `numpy.array_split` (the first `size % k` blocks one longer; blocks may be empty). When k
+    divides size, `c` may be a traced value (a JAX replay's axis index).
+
+    >>> [block(7, 3, c) for c in range(3)], block(2, 4, 3), block(8, 4, 1)
+    ([(0, 3), (3, 5), (5, 7)], (2, 2), (2, 4))
+    """
+    q, r = divmod(size, k)
+    if r == 0:
+        return c * q, c * q + q
+    start = c * q + min(c, r)
+    return start, start + q + (1 if c < r else 0)
+
+
+def block_sizes(size: int, k: int) -> tuple[int, ...]:
+    """The sizes of the `k` blocks of `size` elements (`block`'s, in coordinate order).
+
+    >>> block_sizes(7, 3), block_sizes(2, 4)
+    ((3, 2, 2), (1, 1, 0, 0))
+    """
+    q, r = divmod(size, k)
+    return tuple(q + (1 if c < r else 0) for c in range(k))
+
+
+def splitting(mesh_dim: Optional[str], mesh_shape: Shape) -> Optional[str]:
+    """`mesh_dim` if it really splits a tensor dim, None if it is None or of size 1.
+
+    >>> splitting("x", Shape("x:2;y:1")), splitting("y", Shape("x:2;y:1")), splitting(None, Shape("x:2"))
+    ('x', None, None)
+    """
+    return mesh_dim if mesh_dim is not None and mesh_shape[mesh_dim].size > 1 else None
+
+
+def local_sizes(shape: Shape, mesh_shape: Shape, layout: TensorLayout,
+                coords: Optional[Mapping[str, int]] = None) -> tuple[int, ...]:
+    """Sizes of the slice of the rank at `coords` (any rank's when every split divides evenly).
 
     >>> local_sizes(Shape("a:4;b:6"), Shape("x:2"), (None, "x"))
     (4, 3)
     """
-    return tuple(d.size // (mesh_shape[m].size if m else 1) for d, m in zip(shape, layout))
+    out = []
+    for d, m in zip(shape, layout):
+        if m is None:
+            out.append(d.size)
+            continue
+        k = mesh_shape[m].size
+        if coords is None and d.size % k:
+            raise LayoutError(f"dim {d.name!r} (size {d.size}) is split unevenly over mesh dim {m!r} (size {k}): "
+                              f"its slice size depends on the rank, so pass that rank's coords")
+        start, stop = block(d.size, k, coords[m] if coords is not None else 0)
+        out.append(stop - start)
+    return tuple(out)
 
 
 def slice_bounds(shape: Shape, mesh_shape: Shape, layout: TensorLayout,
@@ -144,8 +191,7 @@ def slice_bounds(shape: Shape, mesh_shape: Shape, layout: TensorLayout,
         if m is None:
             out.append(slice(0, d.size))
         else:
-            n = d.size // mesh_shape[m].size
-            out.append(slice(coords[m] * n, (coords[m] + 1) * n))
+            out.append(slice(*block(d.size, mesh_shape[m].size, coords[m])))
     return tuple(out)
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
@@ -17,6 +18,9 @@ from .backend import array_module, resolve_backend
 from .errors import MeshError, ShapeError
 from .layout import LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, plan_layout
 from .shape import Shape, ShapeLike
+
+
+ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
 
 
 class Mesh:
@@ -191,6 +195,7 @@ class Mesh:
                 sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
                 traceback.print_exception(kind, value, tb)
                 sys.stderr.flush()
+                time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
             finally:
                 MPI.COMM_WORLD.Abort(1)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+from ..layout import block, block_sizes
 from ..shape import Shape
 
 
@@ -139,8 +140,10 @@ class Collectives:
         k = self._sizes[mesh_dim]
         if k == 1:
             return x
-        n = x.shape[axis] // k
-        return self._slice(x, axis, self.coord(mesh_dim) * n, n)
+        c = self.coord(mesh_dim)
+        lengths = block_sizes(x.shape[axis], k)
+        n = lengths[0] if len(set(lengths)) == 1 else lengths[c]  # static even where `c` is traced
+        return self._slice(x, axis, block(x.shape[axis], k, c)[0], n)
 
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ..layout import TensorLayout, layout_from_spec
+from ..layout import TensorLayout, layout_from_spec, splitting
 from ..shape import Shape
 from ..trace import dispatch
 
@@ -25,7 +25,7 @@ from ..trace import dispatch
 def relayout_plan(shape: Shape, mesh_shape: Shape, src: TensorLayout, dst: TensorLayout) -> tuple:
     """Steps taking layout `src` to `dst`: `("slice", mesh_dim, axis)`, `("allgather",
     mesh_dim, axis)` or `("alltoall", mesh_dim, split_axis, concat_axis)`."""
-    cur = [m if m and mesh_shape[m].size > 1 else None for m in src]  # size-1 mesh dims split nothing
+    cur = [splitting(m, mesh_shape) for m in src]
     moves = {}
     for m in mesh_shape.names:
         s = src.index(m) if m in src else None

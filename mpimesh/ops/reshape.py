@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..errors import ShapeError
-from ..layout import TensorLayout, local_sizes
+from ..layout import TensorLayout, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike, union_shape
 from ..trace import dispatch
 from .elementwise import align, contiguous, sum_to
@@ -57,7 +57,7 @@ def reshape_groups(old: tuple, new: tuple) -> tuple:
 def reshape_plan(old: Shape, new: Shape, mesh_shape: Shape, src: TensorLayout, dst: TensorLayout) -> tuple:
     """`(mid, post)`: x is brought to layout `mid`, reshaped locally, giving layout `post`."""
     def eff(m):
-        return m if m and mesh_shape[m].size > 1 else None
+        return splitting(m, mesh_shape)
     mid, post = [None] * old.rank, [None] * new.rank
     for gi, gj in reshape_groups(old.sizes, new.sizes):
         new_split = [(p, eff(dst[p])) for p in gj if eff(dst[p])]

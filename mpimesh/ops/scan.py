@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Union
 
+from ..layout import splitting
 from ..shape import Dimension
 from ..trace import dispatch
 from .relayout import to_layout
@@ -42,7 +43,7 @@ def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool
     axis = x.shape.index(name)
     layout = x.mesh.plan(x.shape)
     x = to_layout(x, layout)
-    m = layout[axis] if layout[axis] and x.mesh.shape[layout[axis]].size > 1 else None
+    m = splitting(layout[axis], x.mesh.shape)
     k = x.mesh.shape[m].size if m else 1
     exclusive, reverse = bool(exclusive), bool(reverse)
 

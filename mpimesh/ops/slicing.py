@@ -33,7 +33,7 @@ from functools import lru_cache
 from typing import Optional, Sequence, Union
 
 from ..errors import ShapeError
-from ..layout import TensorLayout
+from ..layout import TensorLayout, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
 from .relayout import to_layout
@@ -83,7 +83,7 @@ def window_plan(shape: Shape, axis: int, src: TensorLayout, out_layout: TensorLa
     offsets (the input dim stays split over the output's mesh dim) or None (the input dim is whole
     on every rank)."""
     def eff(m):
-        return m if m and mesh_shape[m].size > 1 else None
+        return splitting(m, mesh_shape)
     md = eff(out_layout[axis])
     if md is not None and eff(src[axis]) == md:
         k, n = mesh_shape[md].size, shape.sizes[axis]

@@ -296,11 +296,13 @@ class Replay:
 
 
 def _spec(shape: Shape, jax_shape: Shape, rules) -> tuple:
-    """`shape`'s layout on a jax mesh of `jax_shape` by `rules`; replicated if it does not fit."""
+    """`shape`'s layout on a jax mesh of `jax_shape` by `rules` (a LayoutError if it cannot be had:
+    never a silent replication)."""
     try:
         return plan_layout(shape, jax_shape, LayoutRules(rules))
-    except LayoutError:  # a size the mesh dim does not divide, or two dims on one mesh dim
-        return (None,) * shape.rank
+    except LayoutError as e:
+        raise LayoutError(f"replay(layout={str(LayoutRules(rules))!r}) cannot shard a tensor {shape} on the "
+                          f"jax mesh {jax_shape}: {e}") from None
 
 
 def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
