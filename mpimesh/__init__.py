@@ -9,6 +9,10 @@ Shape('[batch:4, hidden:16]')
 """
 from mpi4py import MPI
 
+from . import abort, threads
+abort.install()  # from here on, an uncaught exception on one rank ends the whole job
+threads.configure_at_import()  # before numpy loads BLAS: cores // ranks on this node
+
 from .autodiff import gradients
 from .checkpoint import load, save
 from .collectives.guard import set_collective_timeout, set_spmd_check
@@ -40,3 +44,28 @@ from . import optim
 from . import layers
 
 __version__ = "0.1.0"
+
+# The public API: `from mpimesh import *` and the API reference (docs/build_api.py) list exactly these.
+# tests/test_api_docs.py fails if a public name imported above is missing here.
+__all__ = [
+    # names, shapes, meshes, layouts
+    "Dimension", "Shape", "Mesh", "LayoutRules", "layout_scope",
+    # errors
+    "MpimeshError", "LayoutError", "ShapeError", "MeshError", "CheckpointError", "DivergenceError",
+    "CollectiveTimeoutError",
+    # distributed tensors
+    "DistTensor", "from_numpy", "from_local", "range",
+    # ops
+    "einsum", "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_logsumexp",
+    "reshape", "rename_dimension", "transpose", "broadcast", "relayout",
+    "slice", "concat", "split", "pad", "shift", "halo_exchange",
+    "cumsum", "one_hot", "gather", "top_k", "argmax", "where", "cast", "stop_gradient", "dropout",
+    "relu", "gelu", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "square", "abs", "sin", "cos",
+    "minimum", "maximum", "add", "subtract", "multiply", "divide", "power", "negative",
+    "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
+    "softmax", "log_softmax", "conv1d", "conv2d",
+    # autodiff, checkpoints, measurement, safety nets
+    "trace", "gradients", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    # subpackages
+    "layers", "optim", "tpu",
+]

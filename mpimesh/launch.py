@@ -33,7 +33,12 @@ def find_mpiexec() -> str:
 
 def job_env(**extra: str) -> Dict[str, str]:
     """This process's environment minus the enclosing MPI job's variables (PMI_*, PMIX_*, HYDRA*,
-    MPIR*), plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end)."""
+    MPIR*), plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end).
+
+    >>> env = job_env(MPIEXEC_TIMEOUT="60")
+    >>> env["MPIEXEC_TIMEOUT"], any(k.startswith(("PMI_", "HYDRA")) for k in env)
+    ('60', False)
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA", "MPIR"))}
     env.update(extra)
     return env

@@ -6,21 +6,16 @@
 """
 from __future__ import annotations
 
-import sys
-import time
-import traceback
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional
 
 from mpi4py import MPI
 
+from . import abort, threads
 from .backend import array_module, resolve_backend
 from .errors import MeshError, ShapeError
 from .layout import LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, plan_layout
 from .shape import Shape, ShapeLike
-
-
-ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
 
 
 class Mesh:
@@ -45,11 +40,15 @@ class Mesh:
         except ShapeError as e:
             raise MeshError(f"bad mesh shape {shape!r}: {e}") from None
         comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise MeshError(f"a mesh is built over an MPI intra-communicator (e.g. MPI.COMM_WORLD), got {comm!r}")
+        small = [repr(d.name) for d in self.shape if d.size < 1]
+        if small:
+            raise MeshError(f"mesh {self.shape}: every mesh dim needs size >= 1, but {', '.join(small)} "
+                            f"{'has' if len(small) == 1 else 'have'} size 0")
         if self.shape.size != comm.Get_size():
             raise MeshError(f"mesh {self.shape} has {self.shape.size} processors, but the communicator "
                             f"has {comm.Get_size()} ranks")
-        if any(d.size < 1 for d in self.shape):
-            raise MeshError(f"mesh {self.shape} has a dim of size < 1")
         self.rules = LayoutRules(layout)
         check_rules(self.rules, self.shape)
         self._backend = resolve_backend(backend)
@@ -68,7 +67,8 @@ class Mesh:
         self._subcomms: dict[tuple, MPI.Comm] = {}
         self._scopes: list[LayoutRules] = []
         self._collectives = None
-        self._install_abort_hook()
+        abort.install()
+        threads.configure_for(comm)
 
     @property
     def collectives(self):
@@ -128,8 +128,20 @@ class Mesh:
         return layout_dict(shape, self.plan(shape))
 
     def comm_for(self, mesh_dims: Iterable[str]) -> MPI.Comm:
-        """The sub-communicator over `mesh_dims`: ranks whose coordinates differ only there (cached)."""
-        key = tuple(n for n in self.shape.names if n in set(mesh_dims))
+        """The sub-communicator over `mesh_dims`: ranks whose coordinates differ only there (cached).
+
+        A single name may be given as a string; a name the mesh lacks is a MeshError."""
+        if isinstance(mesh_dims, str):
+            mesh_dims = (mesh_dims,)
+        try:
+            wanted = set(mesh_dims)
+        except TypeError:
+            raise MeshError(f"comm_for: expected mesh dim names, got {mesh_dims!r}") from None
+        key = tuple(n for n in self.shape.names if n in wanted)
+        if len(key) != len(wanted):
+            unknown = ", ".join(sorted(repr(n) for n in wanted if n not in key))
+            raise MeshError(f"comm_for: {unknown} not a mesh dim of mesh {self.shape} "
+                            f"(its dims are {list(self.shape.names)})")
         comm = self._subcomms.get(key)
         if comm is None:
             if self.shape.rank:
@@ -181,27 +193,6 @@ class Mesh:
     def random_uniform(self, shape, seed, minval=0.0, maxval=1.0, dtype="float32", layout=None):
         from .ops.random import random_uniform
         return random_uniform(self, shape, seed, minval, maxval, dtype, layout)
-
-    @staticmethod
-    def _install_abort_hook() -> None:
-        """Make an uncaught exception on any rank print its traceback and end the whole job."""
-        if MPI.COMM_WORLD.Get_size() == 1 or getattr(sys.excepthook, "_mpimesh", False):
-            return
-        previous = sys.excepthook
-
-        def hook(kind, value, tb):
-            try:
-                rank = MPI.COMM_WORLD.Get_rank()
-                sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
-                traceback.print_exception(kind, value, tb)
-                sys.stderr.flush()
-                time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
-            finally:
-                MPI.COMM_WORLD.Abort(1)
-
-        hook._mpimesh = True  # type: ignore[attr-defined]
-        hook.previous = previous  # type: ignore[attr-defined]
-        sys.excepthook = hook
 
 
 @contextmanager

@@ -15,17 +15,21 @@ Ctrl-C interrupts the statement on every rank (SIGINT or SIGUSR1, which launcher
 bare ``mpiexec`` the launcher owns Ctrl-C, and MPICH's ends the job at the second one; ``mpimesh-repl
 -n N`` owns the terminal instead (line editing, history, Ctrl-C as often as needed) and launches
 the ranks itself. If ranks were interrupted inside different collectives they can never meet again:
-rank 0 names them and ends the job rather than hang.
+rank 0 names them and ends the job rather than hang. That includes rank 0 itself: an interrupt that
+arrives during a call Python cannot interrupt (a collective the other ranks skipped) is never seen, so
+rank 0 says at once where it is stuck. SIGTERM or SIGHUP to ``mpimesh-repl`` ends the job with it.
 """
 from __future__ import annotations
 
 import argparse
 import codeop
+import contextlib
 import io
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,13 +41,17 @@ import numpy as np
 from mpi4py import MPI
 
 import mpimesh
+from .abort import ABORT_GRACE
 from .launch import find_mpiexec, job_env
 
 READY = b"\x00mpimesh-repl-ready\x00\n"  # rank 0 -> front end (serve mode): the next statement, please
 POLL = 0.005  # seconds between checks while waiting for a message (MPICH's blocking calls spin)
 GRACE = 5.0  # seconds ranks get to report after an interrupt before they count as stuck
+NOTICE = 1.0  # seconds after an interrupt before rank 0 says where it is stuck, if it has not moved
+KILL_AFTER = 3.0  # seconds the launcher gets to end the job after SIGTERM before it is killed
 HINT = 30.0  # seconds rank 0 waits for the others before saying what it is waiting for
 _CMD, _REPORT = 1, 2  # message tags on the session's own communicator
+_COLLECTIVES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collectives", "")
 
 Report = Tuple[str, Optional[str], Optional[object]]  # (output, traceback, exit code if exit() ran)
 
@@ -89,6 +97,20 @@ class _Tee(io.TextIOBase):
 
 def _ranks(ranks: List[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ",".join(map(str, ranks))
+
+
+def _say(text: str) -> None:
+    """A line for the user from a rank (to the launcher, whatever sys.stdout is redirected to)."""
+    sys.__stdout__.write(text + "\n")
+    sys.__stdout__.flush()
+
+
+def _where(frame) -> str:
+    """The calls `frame` is in, from the statement's line inward, e.g. `<module> (<stdin>:1) > f (a.py:3)`."""
+    stack = traceback.extract_stack(frame)
+    ours = [i for i, f in enumerate(stack) if f.filename == __file__]  # the REPL's frames and their callers
+    return " > ".join(f"{f.name} ({os.path.basename(f.filename)}:{f.lineno})"
+                      for f in stack[ours[-1] + 1 if ours else 0:])
 
 
 def _groups(texts: Dict[int, str]) -> List[Tuple[List[int], str]]:
@@ -196,6 +218,7 @@ class Session:
 
     # -- rank 0 -----------------------------------------------------------------------------------
     def _lead(self) -> int:
+        self._watch()
         print(f"mpimesh {mpimesh.__version__} SPMD REPL on {self.size} rank"
               f"{'s' if self.size > 1 else ''}, Python {sys.version.split()[0]}. Every statement runs on "
               "every rank;\noutput shows once (rank 0's), plus any rank whose output differs. Preloaded: "
@@ -214,6 +237,52 @@ class Session:
             codes = [c for _, _, c in reports.values() if c is not None]
             if codes:
                 return self._end(codes[0])
+
+    def _watch(self) -> None:
+        """Start rank 0's watch on its own interrupts. Python acts on a signal only between bytecodes,
+        so one that arrives during a call that never returns (a collective the other ranks skipped)
+        raises nothing. A thread woken by each signal (through the wakeup fd) checks that the statement
+        moved: if not within NOTICE seconds it says where rank 0 is stuck; if that is one of mpimesh's
+        collectives, it ends the job after GRACE (a long numpy call is left to finish)."""
+        wakeups, self._wakeup = socket.socketpair()
+        self._wakeup.setblocking(False)
+        signal.set_wakeup_fd(self._wakeup.fileno())
+        main = threading.main_thread().ident
+
+        def watch() -> None:
+            while True:
+                if wakeups.recv(1)[0] not in (signal.SIGINT, signal.SIGUSR1) or not self.interrupts.armed:
+                    continue
+                frame = sys._current_frames()[main]
+                at = frame.f_lasti
+
+                def stuck() -> bool:  # still in the statement, at the same instruction of the same frame
+                    return (self.interrupts.armed and sys._current_frames()[main] is frame
+                            and frame.f_lasti == at)
+                time.sleep(NOTICE)
+                if not stuck():
+                    continue
+                if not any(_COLLECTIVES in f.filename for f in traceback.extract_stack(frame)):
+                    _say(f"\nmpimesh-repl: rank 0 has not seen the interrupt yet: it is in {_where(frame)}, a "
+                         "call Python cannot interrupt; the interrupt lands when it returns (a second Ctrl-C "
+                         f"after {GRACE + 1:.0f} s ends the job)")
+                    continue
+                _say(f"\nmpimesh-repl: rank 0 has not seen the interrupt: it is in {_where(frame)}, a call "
+                     "Python cannot interrupt (a collective the other ranks skipped never returns); ending the "
+                     f"job in {GRACE - NOTICE:.0f} s unless it returns")
+                time.sleep(GRACE - NOTICE)
+                if stuck():  # and so is any rank whose report has not come
+                    self._give_up([0, *(r for r in range(1, self.size) if not self.comm.Iprobe(r, _REPORT))])
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    @staticmethod
+    def _give_up(stuck: List[int]) -> None:
+        """End the job: the `stuck` ranks did not stop after an interrupt, and can never meet the others."""
+        _say(f"mpimesh-repl: {_ranks(stuck)} did not stop (stuck in a collective the other ranks left); "
+             "ending the job")
+        time.sleep(ABORT_GRACE)  # the launcher forwards our output before MPI_Abort tears it down
+        MPI.COMM_WORLD.Abort(1)
 
     def _end(self, code) -> int:
         for r in range(1, self.size):
@@ -248,19 +317,14 @@ class Session:
                 interrupted_at = time.monotonic()
             if interrupted_at is None and time.monotonic() > hint_at:
                 hint_at = float("inf")
-                sys.__stdout__.write(f"mpimesh-repl: rank 0 finished {HINT:.0f} s ago; waiting for "
-                                     f"{_ranks(missing)} (a collective only some ranks run never ends: "
-                                     "Ctrl-C interrupts)\n")
-                sys.__stdout__.flush()
+                _say(f"mpimesh-repl: rank 0 finished {HINT:.0f} s ago; waiting for {_ranks(missing)} (a "
+                     "collective only some ranks run never ends: Ctrl-C interrupts)")
             for r in list(missing):
                 if self.comm.Iprobe(source=r, tag=_REPORT):
                     reports[r] = self.comm.recv(source=r, tag=_REPORT)
                     missing.remove(r)
             if missing and interrupted_at is not None and time.monotonic() - interrupted_at > GRACE:
-                sys.__stdout__.write(f"mpimesh-repl: {_ranks(missing)} did not stop (stuck in a collective "
-                                     "the other ranks left); ending the job\n")
-                sys.__stdout__.flush()
-                MPI.COMM_WORLD.Abort(1)
+                self._give_up(missing)
             time.sleep(POLL)
         return reports
 
@@ -304,11 +368,15 @@ def _marker_prefix(buf: bytes) -> int:
 class FrontEnd:
     """`mpimesh-repl -n N`: reads statements with readline, sends each to rank 0 of a launched job,
     copies the job's output to the terminal, and turns Ctrl-C during a statement into SIGUSR1 for
-    the launcher to forward (MPICH's mpiexec ends the job at a second SIGINT, but not at SIGUSR1)."""
+    the launcher to forward (MPICH's mpiexec ends the job at a second SIGINT, but not at SIGUSR1).
+    SIGTERM or SIGHUP (the terminal closed) ends the job, then this process."""
 
-    def __init__(self, cmd: List[str]):
+    def __init__(self, cmd: List[str], ranks: int):
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=job_env(),
-                                     start_new_session=True)
+                                     start_new_session=True)  # its own process group, for _end_job
+        self.ranks = ranks
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
         self.ready = threading.Event()
         self.reader = threading.Thread(target=self._copy, daemon=True)
         self.reader.start()
@@ -345,9 +413,26 @@ class FrontEnd:
                 if first is None or time.monotonic() - first < GRACE + 1:
                     first = first or time.monotonic()
                     self.proc.send_signal(signal.SIGUSR1)
-                else:  # rank 0 itself is stuck in a collective: only ending the job is left
-                    print("\nmpimesh-repl: the ranks do not stop; ending the job", flush=True)
-                    self.proc.terminate()
+                else:  # rank 0 cannot even end the job: only we can
+                    self._end_job("the ranks do not stop")
+
+    def _on_signal(self, signum, frame) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no KeyboardInterrupt while we end the job
+        self._end_job(signal.Signals(signum).name)
+        sys.exit(128 + signum)
+
+    def _end_job(self, why: str) -> None:
+        """Say so, and end the job: SIGTERM to the launcher's process group (MPICH's mpiexec then ends
+        every rank, whichever process group it is in), then SIGKILL to what remains of the group."""
+        with contextlib.suppress(OSError):  # a terminal that hung up
+            print(f"\nmpimesh-repl: {why}: ending the job ({self.ranks} rank{'s' if self.ranks > 1 else ''})",
+                  file=sys.stderr, flush=True)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            deadline = time.monotonic() + KILL_AFTER
+            while self.proc.poll() is None and time.monotonic() < deadline:  # poll: safe in a signal handler
+                time.sleep(0.05)
 
     def loop(self) -> int:
         """Statements in, output out, until exit(), Ctrl-D or the job ends; return its exit status."""
@@ -374,7 +459,6 @@ class FrontEnd:
         return code
 
 
-
 def main(argv: Optional[List[str]] = None) -> int:
     """`mpimesh-repl [-n N] [--launcher CMD]`: with -n, launch N ranks and drive them from this
     terminal; without, be one rank of the session (as under `mpiexec -n N python -m mpimesh.repl`)."""
@@ -394,7 +478,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.exit(2, f"error: {e}\n")
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()  # this process only drives the job
-    return FrontEnd([*launcher, sys.executable, "-m", "mpimesh.repl", "--serve"]).loop()
+    return FrontEnd([*launcher, sys.executable, "-m", "mpimesh.repl", "--serve"], ns.np).loop()
 
 
 if __name__ == "__main__":

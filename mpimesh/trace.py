@@ -15,13 +15,37 @@ so the same function runs on MPI ranks and under a JAX replay.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .collectives import counters
-from .errors import MpimeshError
+from .errors import LayoutError, MpimeshError
+from .layout import local_sizes
 
 Lower = Callable[..., Any]
+
+_debug = {"on": os.environ.get("MPIMESH_DEBUG", "") not in ("", "0")}
+
+
+def set_debug(enabled: bool) -> None:
+    """Check every op's local outputs against their shapes and layouts (`MPIMESH_DEBUG=1` at start).
+
+    Off, `dispatch` still checks what costs nothing per element: one output per spec, each layout
+    a layout of its shape on this mesh. On, it also checks each local array's shape against the
+    slice its layout gives this rank, and raises `LayoutError` naming the op, dim and sizes: an
+    op whose kernel and declared layout disagree is caught where it runs, not ops later.
+
+    >>> set_debug(True); debugging()
+    True
+    >>> set_debug(False)
+    """
+    _debug["on"] = bool(enabled)
+
+
+def debugging() -> bool:
+    """Whether `set_debug` is on."""
+    return _debug["on"]
 
 
 class OpRecord:
@@ -136,12 +160,20 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
     from .tensor import DistTensor
 
     mesh = inputs[0].mesh
+    for shape, layout in out_specs:
+        _check_spec(name, shape, layout, mesh)
     result = lower(mesh.collectives, *[t.local for t in inputs])
     if len(out_specs) == 1:
         result = (result,)
+    elif not isinstance(result, tuple) or len(result) != len(out_specs):
+        raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned "
+                           f"{len(result) if isinstance(result, tuple) else 1}")
     # asarray: a kernel reducing to a scalar may return a numpy scalar; `local` is always an array
     outputs = [DistTensor(mesh, shape, layout, mesh.xp.asarray(local))
                for (shape, layout), local in zip(out_specs, result)]
+    if _debug["on"]:
+        for i, t in enumerate(outputs):
+            _check_local(name, i, t)
     if flops and counters.active():
         counters.record_flops(flops)
     if _open_traces:
@@ -149,3 +181,28 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
         for tr in _open_traces:
             tr._append(rec)
     return outputs
+
+
+def _check_spec(name: str, shape, layout, mesh) -> None:
+    """An output layout must name one mesh dim (or None) per dim of its shape, each mesh dim once."""
+    if len(layout) != shape.rank:
+        raise LayoutError(f"op {name!r}: output layout {layout} has {len(layout)} entries for the "
+                          f"{shape.rank} dims of [{shape}]")
+    split = [m for m in layout if m is not None]
+    for m in split:
+        if m not in mesh.shape:
+            raise LayoutError(f"op {name!r}: output [{shape}] is laid out on mesh dim {m!r}, but the mesh "
+                              f"has dims {list(mesh.shape.names)}")
+    if len(set(split)) != len(split):
+        raise LayoutError(f"op {name!r}: output [{shape}] uses a mesh dim twice in layout {layout}")
+
+
+def _check_local(name: str, index: int, t) -> None:
+    """Debug mode: `t.local` must be exactly this rank's slice of `t` under its layout."""
+    want = local_sizes(t.shape, t.mesh.shape, t.tensor_layout, t.mesh.coords)
+    got = tuple(t.local.shape)
+    if got != want:
+        bad = [f"{d.name} {g} (want {w})" for d, g, w in zip(t.shape, got, want) if g != w]
+        raise LayoutError(f"op {name!r} output {index} [{t.shape}] layout {t.layout}: rank "
+                          f"{t.mesh.rank}'s local shape is {got}, its layout gives {want}"
+                          + (f": {', '.join(bad)}" if bad and len(got) == len(want) else ""))

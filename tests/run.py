@@ -7,7 +7,8 @@ Usage::
     python tests/run.py tests/test_shape.py      # paths given replace tests/
 
 Each run is ``mpiexec -n N python -m pytest --with-mpi -q -p no:cacheprovider tests/ [args]``, killed
-after ``MPIMESH_TEST_TIMEOUT`` seconds (default 600). A run passes only if pytest exits 0 on every rank:
+after ``MPIMESH_TEST_TIMEOUT`` seconds (default 600), with ``MPIMESH_DEBUG=1`` (every op's local output
+shapes checked against their layouts; ``MPIMESH_DEBUG=0`` turns it off). A run passes only if pytest exits 0 on every rank:
 "no tests collected" (exit 5) is a failure. Only rank 0 reports live (see tests/conftest.py). The last line
 is ``<runs> passed, <runs> failed``, counting rank counts; the exit status is 0 only if every run passed.
 """
@@ -52,6 +53,7 @@ def main(extra: List[str]) -> int:
     # Up to 8 ranks share a few cores: one BLAS thread each, or they fight for the cores.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
+    env.setdefault("MPIMESH_DEBUG", "1")  # every op's local outputs checked against their layouts
     targets = [] if _has_paths(extra) else ["tests/"]
     results: List[Tuple[int, int, float]] = []
     for n in ranks:

@@ -50,3 +50,28 @@ def test_clean_job_exits_zero(tmp_path):
         assert float(mm.reduce_sum(x).to_numpy()) == 4.0
     """)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_exception_before_any_mesh_aborts_all(tmp_path):
+    # The guard is in force from `import mpimesh`: rank 1 dies opening a missing file before any Mesh
+    # exists, and rank 0, already waiting in a plain MPI barrier, is taken down too.
+    proc, seconds = _run(tmp_path, """
+        import mpimesh as mm
+        if mm.MPI.COMM_WORLD.Get_rank() == 1:
+            open("/nonexistent/mpimesh-input.txt")
+        mm.MPI.COMM_WORLD.Barrier()
+    """)
+    assert proc.returncode != 0
+    assert "uncaught exception on rank 1" in proc.stderr
+    assert "mpimesh-input.txt" in proc.stderr
+    assert seconds < 60
+
+
+def test_opt_out_keeps_pythons_hook(tmp_path):
+    proc, _ = _run(tmp_path, """
+        import os, sys
+        os.environ["MPIMESH_NO_ABORT"] = "1"
+        import mpimesh
+        assert not getattr(sys.excepthook, "_mpimesh", False)
+    """)
+    assert proc.returncode == 0, proc.stderr

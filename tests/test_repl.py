@@ -1,10 +1,12 @@
 """The SPMD REPL driven as a user would: statements piped into `mpiexec -n 4 python -m mpimesh.repl`,
 and typed into a pseudo-terminal (the `mpimesh-repl -n N` front end, and a bare mpiexec) with
 multi-line input, Ctrl-C at the prompt and during a statement, an error on one rank, Ctrl-D and
-exit(). Values are checked against numpy computed here; every job must end with all its ranks."""
+exit(), and rank 0 stuck in a collective (Ctrl-C, SIGTERM). Values are checked against numpy computed
+here; every job must end with all its ranks."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import signal
 import subprocess
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pexpect
+import psutil
 import pytest
 from mpi4py import MPI
 
@@ -53,6 +56,37 @@ def _ended(child: pexpect.spawn) -> int:
     child.expect(pexpect.EOF, timeout=60)
     child.close()
     return child.exitstatus
+
+
+def _rank_0_alone_in_a_collective(child: pexpect.spawn) -> list[psutil.Process]:
+    """Make rank 0 of the 2-rank session `child` enter a collective that rank 1 skips (rank 1 reports
+    and waits for the next statement); the job's processes (launcher, ranks), for `_left_running`."""
+    child.sendline('mesh = mm.Mesh("rows:2")')
+    child.expect(">>> ")
+    child.sendline('if rank == 0: print("rank 0 alone"); mesh.collectives.allreduce(np.ones(2), ["rows"])')
+    child.sendline("")
+    child.expect("\nrank 0 alone")
+    time.sleep(1)  # in MPI now, where Python's signal handlers never run
+    return psutil.Process(child.pid).children(recursive=True)
+
+
+def _left_running(job: list[psutil.Process], timeout: float) -> list[str]:
+    """The command lines of the processes of `job` still running after up to `timeout` s; they are
+    killed, so that nothing a test starts outlives it (as tests/test_notebook.py checks its engines)."""
+    def running(proc: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):  # gone
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    deadline = time.monotonic() + timeout
+    while (alive := [proc for proc in job if running(proc)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    names = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            names.append(" ".join(proc.cmdline()))
+            proc.kill()
+    return names
 
 
 @spawns
@@ -173,6 +207,39 @@ def test_ranks_stuck_in_a_collective_end_the_job():
         assert _ended(child) != 0
     finally:
         child.terminate(force=True)
+
+
+@spawns
+def test_ctrl_c_with_rank_0_alone_in_a_collective_says_so_and_ends_the_job():
+    child = _spawn([sys.executable, "-m", "mpimesh.repl", "-n", "2"])
+    job: list[psutil.Process] = []
+    try:
+        job = _rank_0_alone_in_a_collective(child)
+        child.sendintr()  # SIGUSR1 to every rank: rank 1 is idle, rank 0 never sees it
+        child.expect(r"rank 0 has not seen the interrupt: it is in <module> \(<stdin>:1\) > allreduce", timeout=3)
+        child.expect(r"rank 0 did not stop \(stuck in a collective the other ranks left\); ending the job",
+                     timeout=15)
+        assert _ended(child) != 0
+        assert not _left_running(job, timeout=5)
+    finally:
+        child.terminate(force=True)
+        _left_running(job, timeout=0)
+
+
+@spawns
+def test_sigterm_to_the_front_end_ends_the_job():
+    child = _spawn([sys.executable, "-m", "mpimesh.repl", "-n", "2"])
+    job: list[psutil.Process] = []
+    try:
+        job = _rank_0_alone_in_a_collective(child)
+        assert len(job) >= 3, job  # the launcher and both ranks
+        child.kill(signal.SIGTERM)
+        child.expect(r"mpimesh-repl: SIGTERM: ending the job \(2 ranks\)", timeout=5)
+        assert _ended(child) == 128 + signal.SIGTERM
+        assert not _left_running(job, timeout=5)
+    finally:
+        child.terminate(force=True)
+        _left_running(job, timeout=0)
 
 
 def test_format_reports_groups_ranks():

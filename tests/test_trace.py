@@ -201,3 +201,53 @@ def test_gradients_outside_trace_raises():
         mm.gradients([y], [x])
     with pytest.raises(ValueError):  # MpimeshError is a ValueError
         mm.gradients([y], [x])
+
+
+@pytest.fixture(name="debug")
+def debug_fixture():
+    from mpimesh.trace import debugging, set_debug
+    was = debugging()
+    set_debug(True)
+    try:
+        yield
+    finally:
+        set_debug(was)
+
+
+def _op(x, out_layout, kernel, n_out=1):
+    """A hand-made op through dispatch: `kernel` maps x's local array to the outputs."""
+    from mpimesh.trace import dispatch
+    return dispatch("handmade", [x], [(x.shape, out_layout)] * n_out, lambda ctx, a: kernel(a))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_debug_catches_a_kernel_whose_local_shape_disagrees_with_its_layout(shape, debug):
+    probe = get_mesh(shape)
+    m = max(probe.shape.names, key=lambda n: probe.shape[n].size)  # the mesh dim that splits most
+    mesh = get_mesh(shape, f"a:{m}")
+    x = mesh.from_numpy(np.arange(32.0).reshape(8, 4), "a:8;k:4")
+    k = mesh.shape[m].size
+    # Declares x's own layout but keeps one row too many: only debug mode can see it.
+    with pytest.raises(mm.LayoutError, match=r"'handmade' output 0 .* local shape is \(%d, 4\)" % (8 // k + 1)):
+        _op(x, x.tensor_layout, lambda a: np.concatenate([a, a[:1]]))
+    # Declares the dim replicated but returns the local slice: wrong whenever a is really split.
+    if k > 1:
+        with pytest.raises(mm.LayoutError, match=r"its layout gives \(8, 4\)"):
+            _op(x, (None, None), lambda a: a)
+    (y,) = _op(x, x.tensor_layout, lambda a: a * 2)  # a correct op passes and computes
+    np.testing.assert_array_equal(y.to_numpy(), 2 * np.arange(32.0).reshape(8, 4))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dispatch_checks_specs_even_without_debug(shape):
+    mesh = get_mesh(shape)
+    x = mesh.from_numpy(np.ones((8, 4)), "a:8;k:4")
+    m = mesh.shape.names[0]
+    with pytest.raises(mm.LayoutError, match="1 entries for the 2 dims"):
+        _op(x, (None,), lambda a: a)
+    with pytest.raises(mm.LayoutError, match="mesh dim 'nope'"):
+        _op(x, ("nope", None), lambda a: a)
+    with pytest.raises(mm.LayoutError, match="uses a mesh dim twice"):
+        _op(x, (m, m), lambda a: a)
+    with pytest.raises(mm.MpimeshError, match="declares 2 outputs, but its kernel returned 1"):
+        _op(x, (None, None), lambda a: a, n_out=2)

@@ -9,6 +9,9 @@ With a time-out set, completion is polled through a CUDA event, and a group that
 aborted (`ncclCommAbort`) before the error is raised.
 
 Needs CuPy with NCCL (`cupy.cuda.nccl`) and one GPU per rank: NCCL refuses two ranks on one GPU.
+
+>>> _DTYPES["bfloat16"], _REDUCE["sum"]  # what each dtype and reduction is sent as
+('NCCL_BFLOAT16', 'NCCL_SUM')
 """
 from __future__ import annotations
 

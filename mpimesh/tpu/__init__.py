@@ -2,6 +2,9 @@
 
 Importing mpimesh does not import JAX: it is imported when a replay is built
 (`pip install 'mpimesh[tpu]'`). See `tpu/replay.py` for the two modes.
+
+>>> MODES  # how a trace is replayed: per-device kernels, or the global program placed by XLA
+('shard_map', 'gspmd')
 """
 from .replay import MODES, Replay, ReplayError, replay
 

@@ -12,6 +12,12 @@ only the transfers differ. The axis names are the mesh dims.
                     so ranks with no source get zeros, as with MPI.PROC_NULL
     exscan          lax.all_gather of the k values, then a masked reduction of those before us
     block, coord    lax.dynamic_slice_in_dim at lax.axis_index, lax.axis_index
+
+>>> import jax, jax.numpy as jnp
+>>> ctx = JaxCollectives(Shape("all:2"), vmapped=True)
+>>> x = jnp.arange(4.0).reshape(2, 2)  # row i is device i's block
+>>> jax.vmap(lambda b: ctx.allreduce(b, ["all"]), axis_name="all")(x).tolist()
+[[2.0, 4.0], [2.0, 4.0]]
 """
 from __future__ import annotations
 

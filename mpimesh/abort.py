@@ -1,0 +1,45 @@
+"""One rank's uncaught exception ends the whole job, from `import mpimesh` on.
+
+Without this, a rank that dies (say, before its first `Mesh`, opening a missing file) leaves the
+others waiting forever in their next collective. Under MPI with more than one rank, `install()`
+wraps `sys.excepthook`: it prints the traceback with the rank's number, leaves the launcher
+`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. Set `MPIMESH_NO_ABORT=1` to keep
+Python's own hook (a debugger's post-mortem, say).
+
+>>> install()  # idempotent; a no-op on one rank
+>>> getattr(sys.excepthook, "_mpimesh", False) == (MPI.COMM_WORLD.Get_size() > 1)
+True
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from mpi4py import MPI
+
+ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
+
+
+def install() -> None:
+    """Make an uncaught exception on any rank print its traceback and end the whole job (called at
+    import, and again by `Mesh` for a program that initialises MPI itself after importing us)."""
+    if (not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1 or getattr(sys.excepthook, "_mpimesh", False)
+            or os.environ.get("MPIMESH_NO_ABORT", "") not in ("", "0")):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
+            traceback.print_exception(kind, value, tb)
+            sys.stderr.flush()
+            time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
+        finally:
+            MPI.COMM_WORLD.Abort(1)
+
+    hook._mpimesh = True  # type: ignore[attr-defined]
+    hook.previous = previous  # type: ignore[attr-defined]
+    sys.excepthook = hook

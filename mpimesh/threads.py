@@ -1,0 +1,113 @@
+"""BLAS/OpenMP threads per rank: by default the cores divided among the ranks on this node.
+
+Ranks that share a node's cores and each start a full set of BLAS threads fight over them, and
+every timing is skewed (one app's layout ranking flipped). So under MPI, mpimesh gives each
+rank `max(1, cores // ranks on this node)` threads:
+
+- at `import mpimesh`, from the launcher's count of ranks on this node (Hydra's
+  `MPI_LOCALNRANKS`, Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MVAPICH, Cray PALS, SLURM), by
+  setting `OMP_NUM_THREADS`, `OPENBLAS_NUM_THREADS` and `MKL_NUM_THREADS` before numpy loads BLAS;
+- otherwise at the first `Mesh` (counting the node's ranks with `COMM_TYPE_SHARED`), or where
+  numpy had loaded BLAS already, through threadpoolctl.
+
+Overrides: `MPIMESH_THREADS=N`, or any of those three variables set before the program starts
+(they are then left alone); `set_threads(n)` at run time. `describe()` says what is in force.
+
+>>> info = settings()
+>>> sorted(info), info["threads"] >= 1
+(['cores', 'local_ranks', 'source', 'threads'], True)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_LOCAL_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+               "PALS_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_state: dict = {"threads": None, "source": "not set", "local_ranks": None}
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a launcher's binding narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _env_int(name: str) -> Optional[int]:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else None
+
+
+def _launcher_local_ranks() -> Optional[int]:
+    for name in _LOCAL_VARS:
+        n = _env_int(name)
+        if n is not None:
+            return n
+    return None
+
+
+def _apply(n: int, source: str, local_ranks: Optional[int]) -> None:
+    _state.update(threads=n, source=source, local_ranks=local_ranks)
+    for var in _VARS:
+        os.environ[var] = str(n)  # for BLAS loaded from now on, and for child processes
+    if "numpy" in sys.modules:  # BLAS may be loaded already: its pools are resized in place
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            return
+        threadpool_limits(limits=n)
+
+
+def configure_at_import() -> None:
+    """Set the default before numpy loads, where the launcher says how many ranks share the node."""
+    forced = _env_int("MPIMESH_THREADS")
+    if forced is not None:
+        _apply(forced, "MPIMESH_THREADS", _launcher_local_ranks())
+    elif any(v in os.environ for v in _VARS):
+        _state.update(threads=_env_int("OMP_NUM_THREADS") or _env_int("OPENBLAS_NUM_THREADS")
+                      or _env_int("MKL_NUM_THREADS"), source="environment")
+    else:
+        local = _launcher_local_ranks()
+        if local is not None:
+            _apply(max(1, cores() // local), "cores // local ranks", local)
+
+
+def configure_for(comm) -> None:
+    """At the first `Mesh` (a collective over `comm`): the default, if nothing has set one yet."""
+    if _state["source"] != "not set" or comm.Get_size() == 1:
+        return
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    _apply(max(1, cores() // local), "cores // local ranks", local)
+
+
+def set_threads(n: int) -> None:
+    """Use `n` BLAS/OpenMP threads on this rank from now on."""
+    if not isinstance(n, int) or n < 1:
+        from .errors import MpimeshError
+        raise MpimeshError(f"threads must be a positive int, got {n!r}")
+    _apply(n, "set_threads", _state["local_ranks"])
+
+
+def settings() -> dict:
+    """`{"threads", "source", "cores", "local_ranks"}`: what is in force and why."""
+    return {"threads": _state["threads"] or cores(), "source": _state["source"], "cores": cores(),
+            "local_ranks": _state["local_ranks"]}
+
+
+def describe() -> str:
+    """One line for a program's header, e.g. `BLAS threads per rank: 1 (2 cores, 4 ranks on this node)`."""
+    s = settings()
+    if s["source"] == "cores // local ranks":
+        why = f"{s['cores']} cores, {s['local_ranks']} ranks on this node; MPIMESH_THREADS=N overrides"
+    elif s["source"] == "not set":
+        why = "one rank: the BLAS default"
+    else:
+        why = f"from {s['source']}"
+    return f"BLAS threads per rank: {s['threads']} ({why})"
