@@ -36,16 +36,11 @@ import sys
 import time
 from typing import Dict, Tuple, Union
 
-# Ranks share the cores: one BLAS thread each by default (before numpy loads BLAS).
-_LOCAL = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, str(max(1, (os.cpu_count() or 1) // max(1, int(_LOCAL)))))
-
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import mpimesh as mm  # noqa: E402
+import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
+import numpy as np  # noqa: E402
+from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
 from mpimesh.layers.conv import conv2d, init_conv2d  # noqa: E402
 from mpimesh.layers.core import flatten, unflatten  # noqa: E402
 
@@ -167,28 +162,44 @@ def balanced_2d(n: int) -> str:
     return f"rows:{r};cols:{n // r}"
 
 
+DIMS = {"batch": "images per step (--batch)", "height": "image rows (--size)", "width": "image columns (--size)",
+        "channels": "input channels (1)", "hidden0, hidden1, ...": "channels of each hidden layer (--width)",
+        "logit": "output channels (1)", "fh, fw": "the 3x3 filters' taps"}
+
+
+def model_dims(depth: int) -> dict:
+    """The tensor dims of a network with `depth` hidden layers (what --layout may name)."""
+    names = ["batch", "height", "width", "channels", "logit", "fh", "fw"] + [f"hidden{i}" for i in range(depth)]
+    return dict.fromkeys(names, "")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mesh", default=None, help="mesh shape (default: the squarest rows:r;cols:c of the ranks)")
+    ap = parser(__doc__.split("\n\n")[0], DIMS, "height:rows;width:cols")
+    ap.add_argument("--mesh", default=None, help="mesh shape (None: the squarest rows:r;cols:c of the ranks)")
     ap.add_argument("--layout", default="height:rows;width:cols", help="layout rules (the input's layout)")
     ap.add_argument("--size", type=int, default=256, help="image height and width (2048: benchmark size)")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="images per step")
     ap.add_argument("--depth", type=int, default=3, help="hidden conv layers (plus the logit layer)")
     ap.add_argument("--width", type=int, default=8, help="channels per hidden layer")
     ap.add_argument("--blur", type=int, default=5, help="box-blur window of the target (odd)")
     ap.add_argument("--noise", type=float, default=0.0, help="stddev of Gaussian noise on the input")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--print-every", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=100, help="training steps")
+    ap.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    ap.add_argument("--print-every", type=int, default=10, help="steps between progress lines")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     return ap.parse_args(argv)
 
 
+@main_guard
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.blur < 1 or args.blur % 2 == 0:
-        raise SystemExit(f"--blur must be odd and positive, got {args.blur}")
+        raise UsageError(f"--blur must be odd and positive, got {args.blur}")
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+           if k in ("size", "batch", "depth", "width", "steps", "print_every") and v < 1]
+    if bad:
+        raise UsageError(f"{', '.join(bad)}: must be at least 1")
+    check_layout(args.layout, model_dims(args.depth))
     world = mm.MPI.COMM_WORLD
     mesh = mm.Mesh(args.mesh or balanced_2d(world.Get_size()), layout=args.layout)
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
@@ -202,6 +213,7 @@ def main(argv=None) -> None:
     opt = mm.optim.Adam(args.lr)
     state = opt.init(params)
     x, _ = batch(1)
+    say(mm.threads.describe())
     say(f"mesh {mesh.shape} rules '{mesh.layout}' -> input {x.shape} layout {x.layout or 'replicated'}, "
         f"local slice {x.local.shape}; {sum(p.shape.size for p in params.values())} parameters")
     times = []

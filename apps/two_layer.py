@@ -36,6 +36,7 @@ from typing import Dict, NamedTuple, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import mpimesh as mm  # noqa: E402
+from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
 
 LAYOUTS = ["", "batch:all", "hidden:all", "batch:rows;hidden:cols", "batch:rows;hidden:cols;io:planes"]
 Params = Dict[str, "mm.DistTensor"]
@@ -254,26 +255,38 @@ def run_layout(rules: str, s: Sizes, args, comm_size: int) -> None:
     say("   loss: " + " -> ".join(f"{v:.4g}" for v in losses))
 
 
+DIMS = {"batch": "examples per step (--batch)", "io": "input and output features (--d-io)",
+        "hidden": "the hidden layer's units (--d-hidden)"}
+
+
+@main_guard
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--d-io", type=int, default=512)
-    p.add_argument("--d-hidden", type=int, default=2048)
+    p = parser(__doc__.split("\n")[0] + ", each timed; rank 0 prints.", DIMS, "batch:rows;hidden:cols")
+    p.add_argument("--batch", type=int, default=256, help="examples per step")
+    p.add_argument("--d-io", type=int, default=512, help="input and output features")
+    p.add_argument("--d-hidden", type=int, default=2048, help="hidden units")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the profiled one")
-    p.add_argument("--lr", type=float, default=None, help="SGD learning rate (default 4/d_hidden)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None, help="SGD learning rate (None: 4/d_hidden)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--layouts", nargs="+", default=None, metavar="RULES",
-                   help='a subset of the layouts, e.g. "[]" "batch:rows;hidden:cols"')
+                   help='a subset of the layouts, e.g. "[]" "batch:rows;hidden:cols" (None: the paper\'s five)')
     p.add_argument("--no-input-grad", dest="input_grad", action="store_false",
                    help="skip the input gradient dx (a first layer needs none)")
     args = p.parse_args(argv)
     args.lr = 4.0 / args.d_hidden if args.lr is None else args.lr
     layouts = LAYOUTS if args.layouts is None else ["" if r.strip() in ("[]", "") else r for r in args.layouts]
+    for rules in layouts:
+        check_layout(rules, DIMS, "--layouts")
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+           if k in ("batch", "d_io", "d_hidden") and v < 1 or k == "steps" and v < 0]
+    if bad:
+        raise UsageError(f"{', '.join(bad)}: sizes must be positive and --steps at least 0")
     s = Sizes.of(args.batch, args.d_io, args.d_hidden)
     n = mm.MPI.COMM_WORLD.Get_size()
     if mm.MPI.COMM_WORLD.Get_rank() == 0:
         print(f"two-layer net y = relu(x·w + bias)·v: b={s.batch.size} d_io={s.io.size} d_h={s.hidden.size}, "
-              f"float32, {n} ranks, lr={args.lr:g}, input gradient {'on' if args.input_grad else 'off'}")
+              f"float32, {n} ranks, lr={args.lr:g}, input gradient {'on' if args.input_grad else 'off'}\n"
+              f"{mm.threads.describe()}")
     for rules in layouts:
         run_layout(rules, s, args, n)
 

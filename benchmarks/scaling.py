@@ -75,6 +75,7 @@ import two_layer as tl  # noqa: E402
 import mpimesh as mm  # noqa: E402
 from mpimesh.launch import find_mpiexec, job_env  # noqa: E402
 from mpimesh.layout import plan_layout  # noqa: E402  (pure layout maths: the library's own checks)
+from mpimesh.extras import require  # noqa: E402
 
 BYTES_PER_ELEMENT = 4  # every workload is float32
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -600,7 +601,7 @@ def write_csv(rows: List[dict], path: str) -> None:
 
 def plot(rows: List[dict], out: str, size: str) -> List[str]:
     """One PNG per workload and mode: step time and efficiency against ranks, a line per layout."""
-    import matplotlib
+    matplotlib = require("matplotlib", "bench", "benchmarks/scaling.py's plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import LogFormatter
@@ -710,6 +711,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             raise UsageError(f"--repeat {args.repeat} and --rounds {args.rounds} must be >= 1, "
                              f"--warmup {args.warmup} >= 0")
         if args.worker is None:
+            require("matplotlib", "bench", "benchmarks/scaling.py's plots")  # before the sweep, not after
             args.launcher = args.launcher or f"{shlex.quote(find_mpiexec())} -n {{n}}"
             if "{n}" not in args.launcher:
                 raise UsageError(f"--launcher {args.launcher!r} must contain {{n}} (the rank count)")
@@ -719,7 +721,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 raise UsageError("--skip-unfit left no case to run:\n  " + "\n  ".join(skipped))
             for reason in skipped:
                 print(f"skipped: {reason}", flush=True)
-    except (UsageError, FileNotFoundError) as e:
+    except (UsageError, FileNotFoundError, mm.MpimeshError) as e:
         ap.error(str(e))
     return args
 

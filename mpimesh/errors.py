@@ -27,6 +27,11 @@ class MeshError(MpimeshError):
     """A mesh whose size differs from its communicator, or a malformed mesh string."""
 
 
+class DTypeError(MpimeshError, TypeError):
+    """A dtype mpimesh cannot hold (not a bool, integer, float or complex type, or not a dtype at
+    all), or a value that the dtype cannot represent. Also a TypeError, as numpy's dtype errors are."""
+
+
 class CheckpointError(MpimeshError):
     """A checkpoint that is truncated, corrupted or does not match what was asked for."""
 
@@ -38,3 +43,7 @@ class DivergenceError(MpimeshError):
 
 class CollectiveTimeoutError(MpimeshError):
     """A collective did not complete within the time-out; names the ranks that never arrived."""
+
+
+class MissingDependencyError(MpimeshError, ImportError):
+    """An optional package a feature needs is not installed; names the extra that brings it."""

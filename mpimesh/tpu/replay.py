@@ -36,6 +36,7 @@ import numpy as np
 
 from ..backend import to_host
 from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
+from ..extras import require
 from ..layout import LayoutRules, local_sizes, plan_layout
 from ..shape import Shape
 from .collectives import JaxCollectives
@@ -335,6 +336,7 @@ def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
     >>> bool(np.isclose(z, y.to_numpy(), rtol=1e-6))
     True
     """
+    require("jax", "tpu", "mm.tpu.replay")
     if mode not in MODES:
         raise MpimeshError(f"replay mode must be one of {MODES}, got {mode!r}")
     plan = _Plan(trace, inputs, outputs)

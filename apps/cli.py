@@ -1,0 +1,89 @@
+"""What the apps share on the command line: help that explains layouts on the app's own dims and
+shows every default, layout rules checked against the model's dims, and errors as one line per
+job (from rank 0) instead of a traceback per rank.
+
+>>> p = parser("demo", {"batch": "examples per step", "hidden": "the hidden layer's units"},
+...            example="batch:rows;hidden:cols")
+>>> _ = p.add_argument("--steps", type=int, default=3, help="training steps")
+>>> "(default: 3)" in p.format_help() and "hidden:cols" in p.format_help()
+True
+>>> try:
+...     check_layout("batch:all;nope:all", {"batch": "", "hidden": ""})
+... except UsageError as e:
+...     print(e)
+--layout 'batch:all;nope:all' names dim 'nope', which this model does not have; its dims are batch, hidden
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from typing import Callable, Dict, Optional
+
+import mpimesh as mm
+
+
+class UsageError(Exception):
+    """A bad flag or input file, found before any work starts (the same on every rank)."""
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each help text; the description and epilog kept as written."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line per job, not one usage block per rank
+        _fail(f"{self.prog}: error: {message} (--help lists the flags)")
+
+
+def _rank() -> int:
+    return mm.MPI.COMM_WORLD.Get_rank()
+
+
+def _fail(line: str):
+    if _rank() == 0:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    sys.exit(2)
+
+
+def layout_help(dims: Dict[str, str], example: str) -> str:
+    """The epilog: what layout rules are, on this app's dims."""
+    width = max(len(d) for d in dims)
+    rows = "\n".join(f"  {d:<{width}}  {what}" for d, what in dims.items())
+    return (f"layouts:\n  Ranks form a mesh with named dims (--mesh, e.g. \"rows:2;cols:2\"). Layout rules "
+            f"such as\n  \"{example}\" say which tensor dims are split over which mesh dims;\n  dims the rules "
+            f"do not name are replicated. Layouts change speed and memory,\n  never results. This model's "
+            f"tensor dims:\n{rows}")
+
+
+def parser(description: str, dims: Dict[str, str], example: str) -> argparse.ArgumentParser:
+    """An ArgumentParser with defaults in the help, the layout epilog, and one-line errors."""
+    return _Parser(description=description, epilog=layout_help(dims, example), formatter_class=_Formatter)
+
+
+def check_layout(rules: str, dims: Dict[str, str], flag: str = "--layout") -> None:
+    """Refuse rules naming a tensor dim the model does not have (they would silently replicate it)."""
+    try:
+        pairs = mm.LayoutRules(rules).pairs
+    except mm.MpimeshError as e:
+        raise UsageError(f"{flag} {rules!r}: {e}") from None
+    for dim, _ in pairs:
+        if dim not in dims:
+            raise UsageError(f"{flag} {rules!r} names dim {dim!r}, which this model does not have; "
+                             f"its dims are {', '.join(dims)}")
+
+
+def main_guard(main: Callable) -> Callable:
+    """Run `main`; a UsageError, MpimeshError or OSError (raised on every rank alike, since the apps
+    check their input before they start) becomes one line from rank 0 and exit status 2. A time-out
+    or divergence is left to end the job with its traceback (its ranks may never meet again)."""
+    @functools.wraps(main)
+    def run(argv: Optional[list] = None):
+        try:
+            return main(argv)
+        except (mm.CollectiveTimeoutError, mm.DivergenceError):
+            raise
+        except (UsageError, mm.MpimeshError, OSError) as e:
+            _fail(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {e}")
+    return run
