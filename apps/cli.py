@@ -75,9 +75,10 @@ def check_layout(rules: str, dims: Dict[str, str], flag: str = "--layout") -> No
 
 
 def main_guard(main: Callable) -> Callable:
-    """Run `main`; a UsageError, MpimeshError or OSError (raised on every rank alike, since the apps
-    check their input before they start) becomes one line from rank 0 and exit status 2. A time-out
-    or divergence is left to end the job with its traceback (its ranks may never meet again)."""
+    """`main` for the command line (in-process callers get the exceptions): a UsageError,
+    MpimeshError or OSError (raised on every rank alike, since the apps check their input before
+    they start) becomes one line from rank 0 and exit status 2. A time-out or divergence is left
+    to end the job with its traceback (its ranks may never meet again)."""
     @functools.wraps(main)
     def run(argv: Optional[list] = None):
         try:

@@ -190,7 +190,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-@main_guard
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.blur < 1 or args.blur % 2 == 0:
@@ -244,4 +243,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main)()  # errors in bad input: one line per job

@@ -3,7 +3,7 @@
     mpiexec -n 4 python apps/transformer.py                       # the defaults: ~2 minutes on 2 cores
     mpiexec -n 4 python apps/transformer.py --mesh "rows:4;cols:1" --layout "batch:rows"
     mpiexec -n 2 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 1000
-    mpiexec -n 2 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 2000 --resume
+    mpiexec -n 4 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 2000 --resume
 
 Every rank runs this same program (SPMD) and holds only its slices of the parameters, optimizer
 state and activations; the `--layout` rules decide what is split over which mesh dim. The default
@@ -24,6 +24,23 @@ the step spent inside collectives, bytes sent), held-out loss and bits per byte 
 measured by timing every collective call of the mesh (wall time inside the call, which includes
 waiting for slower peers: on an oversubscribed machine that is mostly time slices lent to other
 ranks); the bytes come from `mm.profile()`'s counters; `--profile` prints them per step.
+
+Checkpoints: `--checkpoint DIR` saves `DIR/step-NNNNNNNN` every `--save-every` steps and at the
+end (the parameters and the whole optimizer state), then deletes all but the newest two. Each save
+is atomic (`mpimesh.checkpoint.save_step`: every rank writes and fsyncs its slices in a temporary
+sibling directory; after they all have, rank 0 writes the index last and renames the directory into
+place), so a job killed at any moment, even mid-save, leaves the previous checkpoint whole.
+`--steps` is the total step count: `--resume` continues from the newest complete checkpoint in DIR
+up to `--steps`, on any rank count, mesh and layout, with the same batches (they depend only on
+`--seed` and the step), so the loss curve is the uninterrupted one to float rounding. A checkpoint
+already at `--steps` leaves nothing to do; one past it is an error. These are refused at start, on
+every rank, before any training: a DIR that holds anything but checkpoints; without `--resume`, a
+DIR that holds a checkpoint, unless `--overwrite` (which deletes them and starts from step 0); with
+`--resume`, a model of other sizes, naming the tensor and dim (`checkpoint has d_model:64, expected
+d_model:128`). `--log-json FILE`: rank 0 writes one line `{"step": 12, "loss": 4.52}` per step.
+
+    mpiexec -n 2 python apps/transformer.py --checkpoint ckpt --steps 40 --save-every 10 --log-json a.jsonl
+    mpiexec -n 4 python apps/transformer.py --checkpoint ckpt --steps 80 --resume --mesh "rows:4;cols:1"
 
 The training step (`make_train_step`) is pure mpimesh: forward, `mm.gradients`, optimizer update,
 recorded in one `mm.trace()`.
@@ -47,6 +64,7 @@ and samples run in mpimesh on the parameters brought back with `from_numpy` (app
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -55,17 +73,21 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
-_LOCAL = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") or "1"
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # ranks share the cores
-    os.environ.setdefault(_var, str(max(1, (os.cpu_count() or 1) // max(1, int(_LOCAL)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
 import numpy as np  # noqa: E402
-
-import mpimesh as mm  # noqa: E402
-from mpimesh import layers  # noqa: E402
+from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
+from mpimesh import checkpoint, layers  # noqa: E402
+from mpimesh.extras import require  # noqa: E402
 
 PAPER_LAYOUT = "batch:rows;heads:cols;d_ff:cols;vocab:cols"
+DIMS = {"batch": "sequences per step (--batch)", "length": "positions in a sequence (--length)",
+        "memory_length": "the positions attended to (--length)", "d_model": "the residual stream (--d-model)",
+        "heads": "attention heads (--heads)", "d_kv": "per-head query/key/value size (--d-kv)",
+        "d_ff": "feed-forward hidden units (--d-ff)", "vocab": "the byte vocabulary (--vocab)",
+        "experts": "MoE experts (--experts, with --moe-every)"}
+KEEP = 2  # checkpoints kept in --checkpoint DIR
 Params = Dict[str, "mm.DistTensor"]
 
 
@@ -215,17 +237,18 @@ def load_corpus(path: Optional[str] = None, max_bytes: int = 4 << 20, heldout: f
     elif os.path.isfile(path):
         files, where = [path], path
     else:
-        raise FileNotFoundError(f"--data {path!r}: no such file or folder")
+        raise UsageError(f"--data {path!r}: no such file or folder")
     key = (lambda f: zlib.crc32(os.path.relpath(f, path or "/").encode()))
-    train, held, total = [], [], 0
+    train, held, total, binary = [], [], 0, 0
     for f in sorted(files, key=lambda f: (key(f), f)):  # a fixed, path-hash order: a mix of the tree
         try:
             with open(f, "rb") as fh:
                 data = fh.read(max_bytes - total)
         except OSError:
             continue
-        if not data or b"\0" in data[:4096]:
-            continue  # binary file
+        if b"\0" in data[:4096]:
+            binary += 1
+            continue
         total += len(data)
         if len(files) == 1:
             cut = int(len(data) * (1 - heldout))
@@ -237,7 +260,9 @@ def load_corpus(path: Optional[str] = None, max_bytes: int = 4 << 20, heldout: f
             break
     tr, he = b"\n".join(train), b"\n".join(held)
     if len(he) < 4096 or len(tr) < 4096:
-        raise ValueError(f"corpus {where}: {len(tr)} training and {len(he)} held-out bytes; need 4 KiB of each")
+        why = f" ({binary} of {len(files)} files skipped as binary: a NUL byte in their first 4 KiB)" if binary else ""
+        raise UsageError(f"--data: {where} gives {len(tr)} training and {len(he)} held-out bytes{why}; "
+                         f"need 4 KiB of text for each")
     desc = f"{where}: {len(train) + len(held)} files, {len(tr):,} training + {len(he):,} held-out bytes"
     return np.frombuffer(tr, np.uint8), np.frombuffer(he, np.uint8), desc
 
@@ -323,32 +348,51 @@ class CommTimer:
         return timed
 
 
-def save_checkpoint(path: str, params: Params, opt_state: dict) -> None:
-    """Parameters and the whole optimizer state (its step included) with `mm.save`."""
-    tensors = {f"params/{k}": t for k, t in params.items()}
-    tensors["opt/step"] = opt_state["step"]
+def checkpoint_tensors(params: Params, opt_state: dict) -> Params:
+    """The flat dict a checkpoint holds: `params/<name>`, `opt/step` and `opt/<slot>/<name>`."""
+    out = {f"params/{k}": t for k, t in params.items()}
     for slot, d in opt_state.items():
-        if slot != "step":
-            tensors.update({f"opt/{slot}/{k}": t for k, t in d.items()})
-    mm.save(path, tensors)
+        out.update({"opt/step": d} if slot == "step" else {f"opt/{slot}/{k}": t for k, t in d.items()})
+    return out
+
+
+def save_checkpoint(root: str, step: int, params: Params, opt_state: dict) -> str:
+    """Parameters and the whole optimizer state as the checkpoint `root/step-NNNNNNNN` (atomic;
+    then all but the newest KEEP in `root` are deleted); returns its path."""
+    return checkpoint.save_step(root, step, checkpoint_tensors(params, opt_state), keep=KEEP)
 
 
 def load_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -> tuple:
-    """`(params, opt_state, step)` from `path`, resharded onto `mesh`; `params`/`opt_state` are
-    freshly initialised templates whose keys (and shapes) the checkpoint must match."""
-    ck = mm.load(path, mesh)
-    want = {f"params/{k}" for k in params} | {"opt/step"} | {
-        f"opt/{s}/{k}" for s, d in opt_state.items() if s != "step" for k in d}
-    if set(ck) != want:
-        missing, extra = sorted(want - set(ck))[:4], sorted(set(ck) - want)[:4]
-        raise mm.CheckpointError(f"checkpoint {path!r} does not fit this model and optimizer: missing "
-                                 f"{missing}, unexpected {extra}")
-    new_params = {k: ck[f"params/{k}"] for k in params}
-    state = {s: ({k: ck[f"opt/{s}/{k}"] for k in d} if s != "step" else ck["opt/step"]) for s, d in opt_state.items()}
-    for k, t in new_params.items():
-        if t.shape != params[k].shape:
-            raise mm.CheckpointError(f"checkpoint {path!r}: {k} has shape {t.shape}, the model {params[k].shape}")
-    return new_params, state, int(state["step"].to_numpy())
+    """`(params, opt_state, step)` from the checkpoint `path`, resharded onto `mesh`. `params` and
+    `opt_state` are templates (a fresh init): the checkpoint must hold their names and shapes, else
+    a CheckpointError on every rank names the first tensor and dim that differ."""
+    like = checkpoint_tensors(params, opt_state)
+    ck = mm.load(path, mesh, shapes={k: t.shape for k, t in like.items()})
+    state = {s: ck["opt/step"] if s == "step" else {k: ck[f"opt/{s}/{k}"] for k in d} for s, d in opt_state.items()}
+    return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy())
+
+
+def start_step(args: argparse.Namespace, mesh: mm.Mesh) -> int:
+    """The step training starts from: with `--resume` the newest complete checkpoint's, else 0.
+    Refuses (CheckpointError on every rank) a --checkpoint DIR holding other things, one holding a
+    checkpoint without --resume or --overwrite, and --resume of a checkpoint past --steps.
+    Otherwise, without --resume, deletes DIR's checkpoints (--overwrite) and interrupted saves."""
+    if not args.checkpoint:
+        return 0
+    found = checkpoint.steps(args.checkpoint, mesh)
+    if args.resume:
+        if not found:
+            raise mm.CheckpointError(f"--resume: no complete checkpoint in {args.checkpoint!r}; run without --resume")
+        if found[-1] > args.steps:
+            raise mm.CheckpointError(f"--resume: the checkpoint in {args.checkpoint!r} is at step {found[-1]}, past "
+                                     f"--steps {args.steps} (the total step count, not steps to add); pass --steps "
+                                     f"above {found[-1]} to train on")
+        return found[-1]
+    if found and not args.overwrite:
+        raise mm.CheckpointError(f"--checkpoint {args.checkpoint!r} already holds a checkpoint at step {found[-1]}: "
+                                 f"pass --resume to continue it, or --overwrite to delete it and start from step 0")
+    checkpoint.prune(args.checkpoint, mesh, keep=0)
+    return 0
 
 
 def default_mesh(n: int) -> str:
@@ -357,12 +401,43 @@ def default_mesh(n: int) -> str:
     return f"rows:{r};cols:{n // r}"
 
 
+def _misfit(cfg: Config, mesh_shape: str, layout: str) -> Optional[str]:
+    """Why `layout` cannot split the model on `mesh_shape` (a dim not divisible by its mesh dim), or None."""
+    shape, rules = mm.Shape(mesh_shape), mm.LayoutRules(layout)
+    for name, m in rules.pairs:
+        if name in DIMS and m in shape.names and (name != "experts" or cfg.experts):
+            size, k = cfg.dim(name).size, shape[m].size
+            if size % k:
+                return f"dim {name!r} (size {size}) is not divisible by mesh dim {m!r} (size {k})"
+    return None
+
+
+def check_fit(cfg: Config, mesh_shape: str, layout: str, world: int) -> None:
+    """Refuse, before anything runs, a layout the mesh cannot split the model by; suggest a mesh
+    of `world` ranks that can, else a data-parallel mesh with a --batch that divides."""
+    why = _misfit(cfg, mesh_shape, layout)
+    if why is None:
+        return
+    fits = [f"rows:{r};cols:{world // r}" for r in range(1, world + 1) if world % r == 0]
+    fits = [m for m in fits if _misfit(cfg, m, layout) is None]
+    hint = (f"--mesh {fits[0]!r} fits" if fits else
+            f"--mesh 'rows:{world};cols:1' with --batch {world * math.ceil(cfg.batch / world)} fits "
+            f"(data-parallel), as would sizes that divide")
+    raise UsageError(f"--mesh {mesh_shape!r} with --layout {layout!r}: {why}; on {world} rank"
+                     f"{'s' if world > 1 else ''}, {hint}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = parser(__doc__.split("\n\n")[0] + "\n\nFull description: the top of apps/transformer.py.", DIMS,
+                PAPER_LAYOUT)
     c = Config()
-    for name in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length", "batch"):
-        ap.add_argument(f"--{name}", f"--{name.replace('_', '-')}", type=int, default=getattr(c, name))
-    ap.add_argument("--seq", dest="length", type=int, help="alias of --length")
+    sizes = {"d_model": "residual stream width", "heads": "attention heads", "d_kv": "per-head key/value size",
+             "d_ff": "feed-forward hidden units", "layers": "Transformer blocks", "vocab": "vocabulary (>= 256 bytes)",
+             "length": "positions per sequence (alias --seq)", "batch": "sequences per step"}
+    for name, what in sizes.items():
+        flags = dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"])  # --d-model and --d_model
+        ap.add_argument(*flags, dest=name, type=int, default=getattr(c, name), help=what)
+    ap.add_argument("--seq", dest="length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--activation", default=c.activation, choices=["relu", "gelu"])
     ap.add_argument("--optimizer", default=c.optimizer, choices=["adafactor", "adam"])
     ap.add_argument("--lr", type=float, default=None, help="adafactor: relative step (default min(0.01, 1/sqrt(t))); adam: 3e-3")
@@ -373,38 +448,53 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'experts', 'experts:<the mesh dim of batch>' is added (GShard: experts on the groups' "
                          "mesh dim; the dispatch and combine are alltoalls over it)")
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=200, help="the total number of training steps (with --resume too)")
     ap.add_argument("--mesh", default=None, help="e.g. 'rows:2;cols:2' (default: the squarest rows x cols; with "
                     "--backend jax: rows:2;cols:2)")
     ap.add_argument("--backend", default="mpi", choices=["mpi", "jax"],
                     help="jax: ONE process (no mpiexec); the train step is recorded once with mpimesh on 1 rank "
                          "and replayed by JAX for the loop on a jax mesh named and sized like --mesh (host "
                          "devices on CPU), sharded by --layout; see apps/transformer_jax.py")
-    ap.add_argument("--layout", default=PAPER_LAYOUT)
+    ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below)")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
-    ap.add_argument("--max-bytes", type=int, default=4 << 20)
+    ap.add_argument("--max-bytes", type=int, default=4 << 20, help="corpus bytes read at most")
     ap.add_argument("--heldout", type=float, default=0.1, help="held-out fraction")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-every", type=int, default=20)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--checkpoint", default=None, help="checkpoint directory (saved every --save-every and at the end)")
-    ap.add_argument("--save-every", type=int, default=100)
-    ap.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
+    ap.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+    ap.add_argument("--checkpoint", default=None, help=f"directory of step-NNNNNNNN checkpoints, saved every "
+                    f"--save-every steps and at the end; the newest {KEEP} are kept")
+    ap.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                    "--checkpoint, up to --steps")
+    ap.add_argument("--overwrite", action="store_true", help="start from step 0 although --checkpoint holds "
+                    "checkpoints (they are deleted)")
+    ap.add_argument("--log-json", default=None, metavar="FILE", help='rank 0 writes one line {"step": S, "loss": L} '
+                    "per training step")
     ap.add_argument("--profile", action="store_true", help="print the comm/compute counters of every step")
     ap.add_argument("--samples", type=int, default=3, help="sampled lines at the end")
-    ap.add_argument("--sample-bytes", type=int, default=120)
-    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--sample-bytes", type=int, default=120, help="bytes per sampled line")
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     args = ap.parse_args(argv)
-    if args.resume and not args.checkpoint:
-        ap.error("--resume needs --checkpoint DIR")
+    if (args.resume or args.overwrite) and not args.checkpoint:
+        ap.error(f"--{'resume' if args.resume else 'overwrite'} needs --checkpoint DIR")
+    if args.resume and args.overwrite:
+        ap.error("--resume continues the checkpoint that --overwrite deletes: give one of them")
     if args.moe_every > 0 and args.experts < 2:
         ap.error(f"--moe-every {args.moe_every} needs --experts E with E >= 2, got {args.experts}")
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+           if k in (*sizes, "steps", "log_every", "eval_every", "eval_batches", "save_every") and v < 1]
+    if bad:
+        ap.error(f"{', '.join(bad)}: must be at least 1")
+    if not 0 < args.heldout < 1:
+        ap.error(f"--heldout {args.heldout}: a fraction between 0 and 1")
     return args
 
 
 def _jax_helper():
     """apps/transformer_jax.py (imports jax only when the jax backend is asked for)."""
+    require("jax", "tpu", "--backend jax")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import transformer_jax
     return transformer_jax
@@ -421,8 +511,9 @@ def main(argv=None) -> None:
                                                   "batch", "activation", "optimizer", "lr", "warmup",
                                                   "moe_every", "experts")})
     if cfg.vocab < 256:
-        raise ValueError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
+        raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
+    check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
     args.layout = moe_layout(args.layout, cfg.moe_every)
     if args.backend == "jax":  # one process: record on 1 rank, replay on the jax mesh (transformer_jax.py)
         if world != 1:
@@ -433,23 +524,29 @@ def main(argv=None) -> None:
         ones = ";".join(f"{n}:1" for n in mm.Shape(jax_mesh).names)  # --mesh's dim names, each of size 1
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
+        check_fit(cfg, args.mesh or default_mesh(world), args.layout, world)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout)
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
+    start = start_step(args, mesh)
+    if args.resume and start == args.steps:
+        say(f"nothing to do: the checkpoint in {args.checkpoint!r} is at step {start}, and --steps {args.steps} is "
+            f"the total step count; pass a larger --steps to train on")
+        return
     train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
     base = unigram_bits_per_byte(train)
 
     params = init_params(mesh, cfg, args.seed)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
-    start = 0
     if args.resume:
-        params, opt_state, start = load_checkpoint(args.checkpoint, mesh, params, opt_state)
+        params, opt_state, start = load_checkpoint(checkpoint.step_path(args.checkpoint, start), mesh, params,
+                                                   opt_state)
     n_params = sum(t.shape.size for t in params.values())
     if args.backend == "jax":
         say(f"mpimesh transformer, jax backend: 1 process, jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
             f"{devices[0].platform} devices, layout {args.layout!r}")
     else:
-        say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}")
+        say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; {mm.threads.describe()}")
     say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads}x{cfg.d_kv}, d_ff {cfg.d_ff}, "
         f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}")
     if cfg.moe_every:
@@ -458,7 +555,7 @@ def main(argv=None) -> None:
     say(f"data: {desc}")
     say(f"unigram baseline: {base:.3f} bits per byte (entropy of the training bytes)")
     if args.resume:
-        say(f"resumed from {args.checkpoint} at step {start}")
+        say(f"resumed from {checkpoint.step_path(args.checkpoint, start)} at step {start}")
 
     train_step = make_train_step(cfg, optimizer)
     if args.backend == "jax":
@@ -471,6 +568,7 @@ def main(argv=None) -> None:
             f"{time.perf_counter() - t0:.1f} s")
     else:
         timer = CommTimer(mesh)
+    log = open(args.log_json, "w") if args.log_json and mesh.rank == 0 else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     t_begin = time.perf_counter()
     for step in range(start, args.steps):
@@ -491,6 +589,9 @@ def main(argv=None) -> None:
             if args.profile:
                 say(f"step {step + 1} profile (rank 0):\n{prof.report()}")
         done = step + 1
+        if log:
+            log.write(json.dumps({"step": done, "loss": loss_value}) + "\n")
+            log.flush()
         if done % args.log_every == 0 or done == args.steps:
             t, c, b, lo, n = acc
             comm = "jax (XLA)" if args.backend == "jax" else \
@@ -507,14 +608,17 @@ def main(argv=None) -> None:
             say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
                 f"(unigram baseline {base:.3f})", flush=True)
         if saving:
-            save_checkpoint(args.checkpoint, params, opt_state)
+            save_checkpoint(args.checkpoint, done, params, opt_state)
+    if log:
+        log.close()
     train_time = time.perf_counter() - t_begin
     held_loss = evaluate(params, mesh, held, cfg, args.eval_batches)
     bpb = held_loss / math.log(2)
-    say(f"final held-out loss {held_loss:.3f} nats = {bpb:.3f} bits per byte, {base - bpb:.3f} bits below the unigram "
-        f"baseline {base:.3f}; training {train_time:.1f} s ({args.steps - start} steps)")
+    say(f"final held-out loss {held_loss:.3f} nats = {bpb:.3f} bits per byte, {abs(base - bpb):.3f} bits "
+        f"{'below' if bpb <= base else 'above'} the unigram baseline {base:.3f}; training {train_time:.1f} s "
+        f"({args.steps - start} steps)")
     if args.checkpoint:
-        say(f"checkpoint: {args.checkpoint} (step {args.steps})")
+        say(f"checkpoint: {checkpoint.step_path(args.checkpoint, args.steps)}")
     if args.samples > 0 and args.sample_bytes > 0:
         split = mesh.tensor_layout([cfg.dim("batch")])
         k = mesh.shape[split["batch"]].size if split else 1
@@ -534,4 +638,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main)()  # errors in bad input: one line per job

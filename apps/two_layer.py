@@ -259,7 +259,6 @@ DIMS = {"batch": "examples per step (--batch)", "io": "input and output features
         "hidden": "the hidden layer's units (--d-hidden)"}
 
 
-@main_guard
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = parser(__doc__.split("\n")[0] + ", each timed; rank 0 prints.", DIMS, "batch:rows;hidden:cols")
     p.add_argument("--batch", type=int, default=256, help="examples per step")
@@ -292,4 +291,4 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_guard(main)()  # errors in bad input: one line per job

@@ -12,7 +12,8 @@ from) and each slice (file, global offset, shape, byte offset and length, a CRC-
 rank has finished, rank 0 renames it into place (an existing checkpoint is first renamed away, then
 removed), so a reader never sees a half-written checkpoint. `load` reads from each saved slice only
 the chunks that overlap this rank's new slice, verifies their checksums, and assembles its block.
-Any failure on any rank raises the same `CheckpointError` on every rank.
+Any failure on any rank raises the same `CheckpointError` on every rank. `load(..., shapes=)`
+checks the names and shapes against what the caller expects, from the index alone, before reading.
 
 >>> import numpy as np, os, tempfile, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -20,14 +21,35 @@ Any failure on any rank raises the same `CheckpointError` on every rank.
 >>> mm.save(path, {"w": mesh.from_numpy(np.arange(6.0).reshape(2, 3), "a:2;b:3")})
 >>> mm.load(path, mesh)["w"].to_numpy()[1]
 array([3., 4., 5.])
+>>> mm.load(path, mesh, shapes={"w": "a:2;b:4"})
+Traceback (most recent call last):
+mpimesh.errors.CheckpointError: checkpoint '...ckpt' does not fit: tensor 'w': checkpoint has b:3, expected b:4
+
+A training loop keeps numbered checkpoints in one directory: `save_step(root, step, tensors, keep=2)`
+saves `root/step-NNNNNNNN` as above, then deletes all but the newest `keep` complete ones and the
+temporary directories of interrupted saves; `steps(root, mesh)` lists the complete ones. A save killed
+on any rank never leaves a `step-*` directory behind, so the newest listed is always loadable.
+
+>>> root = os.path.join(tempfile.mkdtemp(), "run")
+>>> for step in (10, 20, 30):
+...     _ = save_step(root, step, {"w": mesh.zeros("a:2")})
+>>> steps(root, mesh), sorted(os.listdir(root))
+([20, 30], ['step-00000020', 'step-00000030'])
+
+`MPIMESH_TEST_SLOW_SAVE=SECONDS` (for tests only): every rank, once its part file is written and before
+the index (the commit marker), prints its rank and pid to stderr and sleeps that long, a window in
+which a test kills it (tests/test_crash_safe.py).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import secrets
 import shutil
+import sys
+import time
 import zlib
 from typing import Mapping, Optional
 
@@ -36,10 +58,12 @@ import numpy as np
 from .backend import to_host
 from .errors import CheckpointError
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
-from .shape import Shape
+from .shape import Shape, ShapeLike
 
 FORMAT, VERSION, INDEX = "mpimesh-checkpoint", 1, "index.json"
 CHUNK_BYTES = 4 << 20  # one CRC-32 per chunk of about this many bytes
+STEP_DIR = re.compile(r"step-(\d{8,})")  # save_step's checkpoints
+LEFTOVER = re.compile(r"\.step-\d{8,}\.(tmp|old)-[0-9a-f]+")  # an interrupted save's or a deletion's
 
 
 # ---------------------------------------------------------------- agreement between ranks
@@ -135,19 +159,7 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
     An existing checkpoint at `path` is replaced; any other existing file or non-empty directory is
     refused. `mesh` is needed only for an empty dict.
     """
-    if not isinstance(tensors, Mapping):
-        raise CheckpointError(f"save needs a dict of name -> DistTensor, got {type(tensors).__name__}")
-    items = list(tensors.items())
-    for name, t in items:
-        if not isinstance(name, str) or not hasattr(t, "tensor_layout"):
-            raise CheckpointError(f"save needs a dict of str -> DistTensor; entry {name!r} is "
-                                  f"{type(name).__name__} -> {type(t).__name__}")
-    mesh = mesh if mesh is not None else (items[0][1].mesh if items else None)
-    if mesh is None:
-        raise CheckpointError("save of an empty dict needs mesh=")
-    for name, t in items:
-        if t.mesh is not mesh:
-            raise CheckpointError(f"tensor {name!r} lives on {t.mesh}, not on {mesh}: save tensors of one mesh")
+    items, mesh = _items_and_mesh(tensors, mesh)
     plan = _plan(items, mesh.shape, chunk_bytes)
 
     # Rank 0 checks the target and makes the temporary directory; every rank learns its name.
@@ -182,6 +194,7 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
                         f.write(view)
                     f.flush()
                     os.fsync(f.fileno())
+            _test_pause(mesh, target)
         except (OSError, CheckpointError) as e:
             err = f"cannot write checkpoint {target!r}: {e}"
         _sync(mesh, err)
@@ -203,6 +216,34 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
     finally:
         if mesh.rank == 0 and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)  # only after a failure: success renamed it
+
+
+def _items_and_mesh(tensors: Mapping[str, object], mesh) -> tuple[list, object]:
+    """`(list of (name, tensor), their mesh)` after checking that `tensors` is a dict of tensors on one mesh."""
+    if not isinstance(tensors, Mapping):
+        raise CheckpointError(f"save needs a dict of name -> DistTensor, got {type(tensors).__name__}")
+    items = list(tensors.items())
+    for name, t in items:
+        if not isinstance(name, str) or not hasattr(t, "tensor_layout"):
+            raise CheckpointError(f"save needs a dict of str -> DistTensor; entry {name!r} is "
+                                  f"{type(name).__name__} -> {type(t).__name__}")
+    mesh = mesh if mesh is not None else (items[0][1].mesh if items else None)
+    if mesh is None:
+        raise CheckpointError("save of an empty dict needs mesh=")
+    for name, t in items:
+        if t.mesh is not mesh:
+            raise CheckpointError(f"tensor {name!r} lives on {t.mesh}, not on {mesh}: save tensors of one mesh")
+    return items, mesh
+
+
+def _test_pause(mesh, target: str) -> None:
+    """`MPIMESH_TEST_SLOW_SAVE=SECONDS`: say who is where and sleep, so a test can kill a rank mid-save."""
+    seconds = float(os.environ.get("MPIMESH_TEST_SLOW_SAVE") or 0)
+    if seconds > 0:
+        sys.stderr.write(f"mpimesh: MPIMESH_TEST_SLOW_SAVE: rank {mesh.rank} pid {os.getpid()} sleeps "
+                         f"{seconds} s inside the save of {target}\n")  # one write: one line, not interleaved
+        sys.stderr.flush()
+        time.sleep(seconds)
 
 
 def _fill_crcs(mesh, plan: dict, me: int, crcs: list[list[int]]) -> None:
@@ -253,12 +294,15 @@ def _swap_in(tmp: str, target: str) -> None:
 
 # ---------------------------------------------------------------- load
 
-def load(path: str, mesh, layout: Optional[RulesLike] = None) -> dict:
+def load(path: str, mesh, layout: Optional[RulesLike] = None,
+         shapes: Optional[Mapping[str, ShapeLike]] = None) -> dict:
     """The tensors saved at `path`, as a dict name -> DistTensor on `mesh`, laid out by `layout`
     (layout rules for every tensor; default: the rules in force on `mesh`).
 
     A collective. Works whatever mesh shape and layout the checkpoint was saved from. A missing,
-    truncated, corrupted or inconsistent checkpoint raises CheckpointError on every rank.
+    truncated, corrupted or inconsistent checkpoint raises CheckpointError on every rank, and so
+    does one whose tensors are not exactly the names and shapes `shapes` gives (when given):
+    the message names the first tensor and the dims whose sizes differ.
     """
     from .tensor import DistTensor
 
@@ -279,6 +323,8 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None) -> dict:
     _sync(mesh, err)
     target, text = json.loads(_bcast_text(mesh, text, 0))
     specs = _parse_index(text, os.path.join(target, INDEX))  # identical on every rank
+    if shapes is not None:
+        _check_shapes(specs, shapes, target)
 
     layouts = [plan_layout(spec["shape"], mesh.shape, rules) for spec in specs]  # LayoutError: everywhere
     out, err, files = {}, None, {}
@@ -293,6 +339,26 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None) -> dict:
             f.close()
     _sync(mesh, err)
     return {name: DistTensor(mesh, shape, tl, mesh.xp.asarray(local)) for name, (shape, tl, local) in out.items()}
+
+
+def _check_shapes(specs: list[dict], shapes: Mapping[str, ShapeLike], where: str) -> None:
+    """CheckpointError unless `specs` hold exactly the tensors of `shapes`: sizes first, then names."""
+    have = {spec["name"]: spec["shape"] for spec in specs}
+    want = {name: Shape(shape) for name, shape in shapes.items()}
+    differ = [(name, have[name], w) for name, w in want.items() if name in have and have[name] != w]
+    if differ:
+        name, h, w = differ[0]
+        if h.names == w.names:  # only the dims that differ: "d_model:64, expected d_model:128"
+            pairs = [(a, b) for a, b in zip(h, w) if a.size != b.size]
+            h, w = (", ".join(f"{d.name}:{d.size}" for d in side) for side in zip(*pairs))
+        more = f" (and {len(differ) - 1} more tensors)" if len(differ) > 1 else ""
+        raise CheckpointError(f"checkpoint {where!r} does not fit: tensor {name!r}: checkpoint has {h}, "
+                              f"expected {w}{more}")
+    missing, extra = [n for n in want if n not in have], [n for n in have if n not in want]
+    if missing or extra:
+        few = (lambda names: f"{names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+        parts = ([f"lacks {few(missing)}"] if missing else []) + ([f"has unexpected {few(extra)}"] if extra else [])
+        raise CheckpointError(f"checkpoint {where!r} does not fit: it {' and '.join(parts)}")
 
 
 def _read_block(root: str, spec: dict, bounds: tuple, files: dict) -> np.ndarray:
@@ -401,3 +467,79 @@ def _check_files(specs: list[dict], files: dict, bad) -> None:
             end += n
         if end != size:
             raise bad(f"file {f!r}: its slices cover {end} bytes, the index says {size}")
+
+
+# ---------------------------------------------------------------- a directory of numbered checkpoints
+
+def step_path(root: str, step: int) -> str:
+    """The checkpoint of `step` in `root`: `root/step-NNNNNNNN`."""
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def steps(root: str, mesh) -> list[int]:
+    """The steps of the complete checkpoints in `root`, oldest first ([] if `root` is missing or
+    empty), the same on every rank. A collective; `root` holding anything but checkpoints and the
+    leftovers of interrupted saves (a file, say) raises CheckpointError on every rank."""
+    err, found = None, []
+    if mesh.rank == 0:
+        try:
+            found = _scan(root)[0]
+        except CheckpointError as e:
+            err = str(e)
+        except OSError as e:
+            err = f"cannot list checkpoints in {root!r}: {e}"
+    _sync(mesh, err)
+    return json.loads(_bcast_text(mesh, json.dumps(found), 0))
+
+
+def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int = 2, mesh=None,
+              chunk_bytes: int = CHUNK_BYTES) -> str:
+    """`save(step_path(root, step), tensors)`, then delete all but the newest `keep` complete
+    checkpoints in `root` and the leftovers of interrupted saves (after the new one is complete).
+    A collective; returns the new checkpoint's path."""
+    mesh = _items_and_mesh(tensors, mesh)[1]
+    steps(root, mesh)  # refuses a directory of other things before writing into it
+    path = step_path(root, step)
+    save(path, tensors, mesh=mesh, chunk_bytes=chunk_bytes)
+    prune(root, mesh, keep)
+    return path
+
+
+def prune(root: str, mesh, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints in `root` and the leftovers of
+    interrupted saves (rank 0 deletes; a collective). Each checkpoint is first renamed to a
+    leftover name, so an interrupted deletion never leaves a partial `step-*` directory."""
+    err = None
+    if mesh.rank == 0:
+        try:
+            done, leftovers = _scan(root)
+            for step in done[:max(0, len(done) - keep)]:
+                old = f".step-{step:08d}.old-{secrets.token_hex(8)}"
+                os.replace(step_path(root, step), os.path.join(root, old))
+                leftovers.append(old)
+            for name in leftovers:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except (OSError, CheckpointError) as e:
+            err = f"cannot delete old checkpoints in {root!r}: {e}"
+    _sync(mesh, err)
+
+
+def _scan(root: str) -> tuple[list[int], list[str]]:
+    """(the steps of the complete checkpoints in `root` sorted, the leftovers' names)."""
+    if not os.path.lexists(root):
+        return [], []
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root!r} is not a directory of checkpoints: it is a file")
+    done, leftovers, other = [], [], []
+    for name in sorted(os.listdir(root)):
+        m = STEP_DIR.fullmatch(name)
+        if m and _is_checkpoint(os.path.join(root, name)):
+            done.append(int(m[1]))
+        elif LEFTOVER.fullmatch(name):
+            leftovers.append(name)
+        elif not m:
+            other.append(name)
+    if other:
+        raise CheckpointError(f"{root!r} is not a directory of checkpoints: it holds {other[:3]}"
+                              f"{f' and {len(other) - 3} more' if len(other) > 3 else ''}; refusing to use it")
+    return sorted(done), leftovers

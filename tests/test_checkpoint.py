@@ -1,8 +1,10 @@
 """Checkpoints: save on one mesh and layout, load on another (values vs numpy), atomic replace,
-and corrupted, truncated or inconsistent checkpoints failing with CheckpointError on every rank."""
+corrupted, truncated, inconsistent or mismatched (`shapes=`) checkpoints failing with CheckpointError
+on every rank, and directories of numbered checkpoints (save_step, steps, prune)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import sys
@@ -326,3 +328,51 @@ def test_bad_arguments(shared_dir):
         mm.save(path, {"u": mesh.zeros(f"a:{N + 1}")})
         with pytest.raises(mm.LayoutError, match=f"'a' \\(size {N + 1}\\)"):
             mm.load(path, mesh, "a:all")
+
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"x": "a:8;b:32;c:8", "w": "b:32;h:24"}, r"tensor 'x': checkpoint has b:16, expected b:32 \(and 1 more tensors\)$"),
+    ({"x": "a:8;b:16;c:4"}, r"tensor 'x': checkpoint has c:8, expected c:4$"),
+    ({"x": "a:8;b:16", "v": "a:8"}, r"tensor 'x': checkpoint has \[a:8, b:16, c:8\], expected \[a:8, b:16\]$"),
+    ({"v": "a:8"}, r"it lacks \['v'\]$"),
+    ({"idx": None, "s": None}, r"it has unexpected \['idx', 's'\]$"),
+])
+def test_load_checks_expected_shapes(shared_dir, change, match):
+    """`shapes=`: sizes that differ are named (tensor, dim, both sizes) before missing or extra names,
+    from the index alone, on every rank."""
+    mesh, path, glob = saved(shared_dir, "shapes")
+    assert_values(mm.load(path, mesh, shapes=SHAPES), glob)
+    want = {k: v for k, v in {**SHAPES, **change}.items() if v is not None}
+    with pytest.raises(mm.CheckpointError, match=f"checkpoint {re.escape(repr(path))} does not fit: {match}"):
+        mm.load(path, world(f"all:{N}"), "c:all", shapes=want)
+
+
+def listed(mesh: mm.Mesh, root: str) -> list[str]:
+    """The names in `root`, read between barriers (rank 0 deletes files in the next collective)."""
+    mesh.barrier()
+    names = sorted(os.listdir(root))
+    mesh.barrier()
+    return names
+
+
+def test_step_directory_keeps_the_newest_complete(shared_dir):
+    """save_step keeps the newest `keep` checkpoints and removes interrupted saves' leftovers; steps
+    lists the complete ones only; a directory of other things is refused before anything is written."""
+    mesh = world(f"all:{N}")
+    root = str(shared_dir / "steps")
+    glob = arrays(6)
+    for step in (5, 10, 15):
+        assert ckpt.save_step(root, step, tensors(mesh, glob, "a:all"), keep=2) == ckpt.step_path(root, step)
+    on_rank0(mesh, lambda: (Path(root, ".step-00000020.tmp-0123abcd").mkdir(), Path(root, "step-00000030").mkdir()))
+    assert ckpt.steps(root, mesh) == [10, 15]  # neither the crashed save nor a step-* without an index
+    assert_values(mm.load(ckpt.step_path(root, 15), mesh), glob)
+    ckpt.save_step(root, 20, tensors(mesh, glob, "a:all"), keep=2)
+    assert listed(mesh, root) == ["step-00000015", "step-00000020", "step-00000030"]
+    ckpt.prune(root, mesh, keep=0)
+    assert listed(mesh, root) == ["step-00000030"]
+    on_rank0(mesh, lambda: Path(root, "notes.txt").write_text("keep me"))
+    for call in (lambda: ckpt.steps(root, mesh), lambda: ckpt.save_step(root, 25, tensors(mesh, glob, ""))):
+        with pytest.raises(mm.CheckpointError, match=r"not a directory of checkpoints: it holds \['notes.txt'\]"):
+            call()
+    assert listed(mesh, root) == ["notes.txt", "step-00000030"]

@@ -1,5 +1,7 @@
 """apps/transformer.py: training gives the same loss curve under every layout and mesh (compared
-with a 1-rank run made inside the test), and resuming from a checkpoint changes nothing."""
+with a 1-rank run made inside the test), resuming from a checkpoint changes nothing, and the
+command line refuses, on every rank and before training, a checkpoint directory it must not use.
+(Killing a rank mid-save and resuming on other ranks: tests/test_crash_safe.py.)"""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,7 @@ from mpi4py import MPI
 
 import mpimesh as mm
 from meshes import mesh_shapes
+from mpimesh import checkpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
 import transformer as T  # noqa: E402
@@ -100,8 +103,7 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
     mesh = mm.Mesh(T.default_mesh(MPI.COMM_WORLD.Get_size()), layout=T.PAPER_LAYOUT)
     straight, _, _ = run(mesh, corpus, steps=2 * n)
     first, params, opt_state = run(mesh, corpus, steps=n)
-    path = _shared_dir(tmp_path)
-    T.save_checkpoint(path, params, opt_state)
+    path = T.save_checkpoint(_shared_dir(tmp_path), n, params, opt_state)
     template = T.init_params(mesh, CFG, seed=99)  # different values: everything must come from the file
     params2, state2, step = T.load_checkpoint(path, mesh, template, T.make_optimizer(CFG).init(template))
     assert step == n
@@ -119,19 +121,21 @@ def test_checkpoint_for_another_model_is_refused(corpus, tmp_path):
     mesh = mm.Mesh(mesh_shapes()[0], layout="batch:all")
     params = T.init_params(mesh, CFG, seed=0)
     opt = T.make_optimizer(CFG)
-    path = _shared_dir(tmp_path)
-    T.save_checkpoint(path, params, opt.init(params))
+    path = T.save_checkpoint(_shared_dir(tmp_path), 0, params, opt.init(params))
     bigger = CFG.__class__(**{**CFG.__dict__, "layers": 2})
     template = T.init_params(mesh, bigger, seed=0)
-    with pytest.raises(mm.CheckpointError, match="layer1"):
+    with pytest.raises(mm.CheckpointError, match=r"lacks \['params/layer1/"):
         T.load_checkpoint(path, mesh, template, opt.init(template))
+
+
+TINY = ["--d_model", "16", "--heads", "8", "--d_kv", "4", "--d_ff", "32", "--layers", "1", "--length", "8",
+        "--batch", "8", "--data", CORPUS, "--heldout", "0.3", "--log-every", "2", "--eval-every", "2",
+        "--eval-batches", "1", "--save-every", "2", "--samples", "0"]
 
 
 def test_command_line_trains_saves_resumes_and_samples(tmp_path, capsys):
     path = _shared_dir(tmp_path)
-    tiny = ["--d_model", "16", "--heads", "8", "--d_kv", "4", "--d_ff", "32", "--layers", "1", "--length", "8",
-            "--batch", "8", "--data", CORPUS, "--heldout", "0.3", "--log-every", "2", "--eval-every", "2",
-            "--eval-batches", "1", "--checkpoint", path, "--save-every", "2", "--samples", "1", "--sample-bytes", "3"]
+    tiny = TINY + ["--checkpoint", path, "--samples", "1", "--sample-bytes", "3"]
     T.main(tiny + ["--steps", "4"])
     T.main(tiny + ["--steps", "6", "--resume", "--profile"])
     out = capsys.readouterr().out
@@ -141,6 +145,67 @@ def test_command_line_trains_saves_resumes_and_samples(tmp_path, capsys):
             assert text in out, f"{text!r} missing from:\n{out}"
     else:
         assert out == ""
+
+
+def saved_steps(path: str) -> list[int]:
+    return checkpoint.steps(path, mm.Mesh(f"all:{MPI.COMM_WORLD.Get_size()}"))
+
+
+def test_checkpoint_without_resume_is_refused_at_start(tmp_path, capsys):
+    """A directory holding a checkpoint: refused before training, naming its step, unless
+    --overwrite, which deletes it (the new run's saves alone remain)."""
+    path = _shared_dir(tmp_path)
+    T.main(TINY + ["--checkpoint", path, "--steps", "6", "--save-every", "3"])
+    assert saved_steps(path) == [3, 6]
+    capsys.readouterr()
+    with pytest.raises(mm.CheckpointError, match="already holds a checkpoint at step 6: pass --resume .* --overwrite"):
+        T.main(TINY + ["--checkpoint", path, "--steps", "4"])
+    assert "loss" not in capsys.readouterr().out  # refused before training
+    assert saved_steps(path) == [3, 6]
+    T.main(TINY + ["--checkpoint", path, "--steps", "4", "--overwrite"])
+    assert saved_steps(path) == [2, 4]
+
+
+@pytest.mark.parametrize("what", ["folder", "file"])
+def test_directory_of_other_things_is_refused_at_start(tmp_path, capsys, what):
+    path = _shared_dir(tmp_path)
+    MPI.COMM_WORLD.barrier()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        if what == "folder":
+            os.mkdir(path)
+            open(os.path.join(path, "notes.txt"), "w").close()
+        else:
+            open(path, "w").close()
+    MPI.COMM_WORLD.barrier()
+    with pytest.raises(mm.CheckpointError, match="notes.txt" if what == "folder" else "is a file"):
+        T.main(TINY + ["--checkpoint", path, "--steps", "2"])
+    assert capsys.readouterr().out == ""  # refused before anything, training included
+
+
+def test_resume_at_or_past_steps(tmp_path, capsys):
+    """--steps is the total: a checkpoint at it leaves nothing to do; one past it is refused."""
+    path = _shared_dir(tmp_path)
+    T.main(TINY + ["--checkpoint", path, "--steps", "4"])
+    capsys.readouterr()
+    T.main(TINY + ["--checkpoint", path, "--steps", "4", "--resume"])
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert out.startswith("nothing to do: the checkpoint in") and "at step 4" in out and "loss" not in out, out
+    with pytest.raises(mm.CheckpointError, match="at step 4, past --steps 3 .* pass --steps above 4"):
+        T.main(TINY + ["--checkpoint", path, "--steps", "3", "--resume"])
+    assert "loss" not in capsys.readouterr().out
+    assert saved_steps(path) == [2, 4]
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--d_model=128", "tensor 'params/embed/weights': checkpoint has d_model:16, expected d_model:128"),
+    ("--length=4", "tensor 'params/pos/weights': checkpoint has length:8, expected length:4")])
+def test_resume_with_other_sizes_names_the_dim(tmp_path, flag, message):
+    """d_model 128 also changes Adafactor's slots (factored from 128): still the sizes are named."""
+    path = _shared_dir(tmp_path)
+    T.main(TINY + ["--checkpoint", path, "--steps", "2"])
+    with pytest.raises(mm.CheckpointError, match=message):
+        T.main(TINY + ["--checkpoint", path, "--steps", "4", "--resume", flag])
 
 
 MOE_CFG = CFG.__class__(**{**CFG.__dict__, "layers": 2, "moe_every": 2, "experts": 8})

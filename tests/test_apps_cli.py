@@ -1,0 +1,113 @@
+"""The apps explain themselves and refuse bad input in one line per job, before any work starts:
+--help shows every default, no flag twice, and the model's own tensor dims; a layout naming a dim
+the model lacks, a bad flag or a bad value is one line on stderr and exit status 2."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpimesh.launch import find_mpiexec, job_env
+
+ROOT = Path(__file__).resolve().parents[1]
+APPS = {"two_layer": ["batch", "io", "hidden"],
+        "segment": ["batch", "height", "width", "channels", "logit"],
+        "transformer": ["batch", "length", "d_model", "heads", "d_kv", "d_ff", "vocab"]}
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts jobs of its own")
+
+
+def _run(app: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "apps" / f"{app}.py"), *args]
+    return subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_help_shows_defaults_dims_and_no_flag_twice(app):
+    proc = subprocess.run([sys.executable, str(ROOT / "apps" / f"{app}.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, env=job_env())
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    options = re.findall(r"^  (-[-\w]+(?:[ =][A-Z_]+)?(?:, -[-\w]+(?:[ =][A-Z_]+)?)*)", text, re.M)
+    for line in options:
+        flags = [f.split()[0] for f in line.split(", ")]
+        assert len(set(flags)) == len(flags), f"{app}: {line!r} lists a flag twice"
+    blocks = re.split(r"\n(?=  -)", text.split("\noptions:\n", 1)[1].split("\nlayouts:\n", 1)[0])
+    for block in blocks:
+        flag = block.split()[0]
+        if flag in ("-h,", "--help") or "store_" in block:
+            continue
+        takes_value = bool(re.match(r"\s*--[-\w]+ [A-Z_]", block))
+        if takes_value:
+            assert "(default:" in block, f"{app}: {flag} does not show its default"
+    epilog = text.split("\nlayouts:\n", 1)[1]
+    for dim in APPS[app]:
+        assert re.search(rf"^\s+{dim}\b", epilog, re.M), f"{app}: the epilog does not list dim {dim!r}"
+
+
+@pytest.mark.parametrize("app,flag", [("two_layer", "--layouts"), ("segment", "--layout"),
+                                      ("transformer", "--layout")])
+def test_layout_naming_a_dim_the_model_lacks_is_one_line(app, flag):
+    proc = _run(app, flag, "nonexistent_dim:all", "--mesh", "all:2") if app != "two_layer" else \
+        _run(app, flag, "nonexistent_dim:all")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "nonexistent_dim" in lines[0] and all(d in lines[0] for d in APPS[app][:3])
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("app", sorted(APPS))
+def test_bad_flag_is_one_line(app):
+    proc = _run(app, "--no-such-flag")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert "--no-such-flag" in proc.stderr
+
+
+@pytest.mark.parametrize("app,args", [("two_layer", ["--batch", "0"]), ("segment", ["--blur", "4"]),
+                                      ("segment", ["--steps", "0"])])
+def test_bad_value_is_one_line(app, args):
+    proc = _run(app, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert args[0] in proc.stderr
+
+
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--length", "16",
+        "--batch", "4", "--data", str(ROOT / "tests" / "data" / "corpus.txt"), "--samples", "0",
+        "--eval-batches", "1", "--heldout", "0.3"]
+
+
+def test_transformer_on_3_ranks_suggests_a_mesh_that_fits():
+    proc = _run("transformer", "--steps", "1", ranks=3)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "is not divisible by mesh dim 'cols' (size 3)" in line
+    assert "--mesh 'rows:3;cols:1' with --batch 33 fits" in line
+    # ...and the suggestion works
+    proc = _run("transformer", *TINY, "--batch", "6", "--steps", "1", "--mesh", "rows:3;cols:1", ranks=3)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_transformer_binary_data_says_why(tmp_path):
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 64)
+    proc = _run("transformer", "--data", str(blob), "--steps", "1")
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "1 of 1 files skipped as binary" in line
+
+
+def test_transformer_says_above_when_worse_than_the_baseline():
+    proc = _run("transformer", *TINY, "--steps", "1", ranks=1)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("final held-out loss"))
+    bpb, base = (float(v) for v in
+                 __import__("re").search(r"= ([\d.]+) bits per byte.*baseline ([\d.]+)", line).groups())
+    assert bpb > base and "bits above the unigram baseline" in line and "-" not in line.split("bits per byte,")[1]
+    assert "BLAS threads per rank" in proc.stdout
