@@ -21,8 +21,8 @@ from .collectives import counters
 from .errors import MpimeshError
 
 BACKENDS = ("numpy", "cupy")
-_GPU_HINT = ("pip install '.[gpu]' from a checkout (cupy-cuda12x; for CUDA 13 install cupy-cuda13x "
-             "instead), on a machine with an NVIDIA GPU and its driver")
+_GPU_HINT = ("run `python3 install.py gpu` in the mpimesh checkout (cupy-cuda12x; `gpu-cuda13` for "
+             "CUDA 13), on a machine with an NVIDIA GPU and its driver")
 
 
 def resolve_backend(backend: Optional[str]) -> str:

@@ -23,7 +23,7 @@ from mpi4py import MPI  # noqa: E402
 import mpimesh as mm  # noqa: E402
 from meshes import global_array, mesh_shapes  # noqa: E402
 
-jax = pytest.importorskip("jax", reason="jax is not installed (pip install 'mpimesh[tpu]')")
+jax = pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
 
 WORLD = MPI.COMM_WORLD
 N, RANK = WORLD.Get_size(), WORLD.Get_rank()

@@ -236,7 +236,7 @@ def test_jax_backend_equals_eager_steps(corpus):
     devices, the paper's layout as shardings) gives the eager mpimesh losses and parameters."""
     if MPI.COMM_WORLD.Get_size() != 1:
         pytest.skip("the jax backend runs as one process: tested on the 1-rank session only")
-    jax = pytest.importorskip("jax", reason="jax is not installed (pip install 'mpimesh[tpu]')")
+    jax = pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
     TJ = T._jax_helper()
     try:
         TJ.jax_devices(4)

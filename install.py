@@ -1,0 +1,79 @@
+"""Install this checkout (editable) into a virtual environment, then run a command with its Python.
+
+Usage::
+
+    python3 install.py [EXTRAS] [-- ARGS...]
+    python3 install.py mpich -- -m mpimesh.launch -n 4 apps/transformer.py
+    python3 install.py mpich,test -- tests/run.py
+
+The environment is the active virtual environment if there is one ($VIRTUAL_ENV set, or python3 is a
+venv's), else ``.venv`` beside this file, created if missing. That works where the system Python
+refuses ``pip install`` (PEP 668, "externally-managed-environment") and where ``python3 -m venv`` has
+no ensurepip (Debian/Ubuntu without python3-venv): the venv is then made ``--without-pip`` and the
+system pip (>= 22.3) installs pip into it with ``--python``. Then it runs
+``<env python> -m pip install -e ".[EXTRAS]"`` and, given ``-- ARGS``, execs ``<env python> ARGS`` with
+the environment's bin/ first on PATH, as if activated. Standard library only; Python >= 3.9.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+BIN, EXE = ("Scripts", "python.exe") if os.name == "nt" else ("bin", "python")
+
+
+def fail(message):
+    sys.exit(f"install.py: {message}")
+
+
+def has_pip(python):
+    return subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True).returncode == 0
+
+
+def make_venv(venv):
+    """``venv``'s Python and whether it was made now: made (again, if it has no working pip) with ensurepip,
+    or where there is none (Debian/Ubuntu without python3-venv) without pip, then pip by the system's pip."""
+    python = venv / BIN / EXE
+    if python.exists() and has_pip(python):
+        return python, False
+    if subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], capture_output=True).returncode != 0:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], capture_output=True)
+        if python.exists():
+            subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "pip"])
+    if not python.exists() or not has_pip(python):
+        fail(f"cannot make a virtual environment with pip in {venv}: {sys.executable} has no ensurepip and no "
+             "pip >= 22.3 (on Debian/Ubuntu: `sudo apt install python3-venv`, then run this again)")
+    return python, True
+
+
+def main(argv):
+    extras, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    if len(extras) > 1 or extras[:1] in (["-h"], ["--help"]):
+        print(__doc__, file=sys.stderr if len(extras) > 1 else sys.stdout)
+        return 2 if len(extras) > 1 else 0
+    if sys.prefix != sys.base_prefix:  # python3 is a venv's
+        venv, python, which = Path(sys.prefix), Path(sys.executable), "the active"
+    elif os.environ.get("VIRTUAL_ENV"):  # activated, though python3 is another
+        venv = Path(os.environ["VIRTUAL_ENV"])
+        python, which = venv / BIN / EXE, "the active"
+        if not python.exists():
+            fail(f"$VIRTUAL_ENV is {venv}, which has no {BIN}/{EXE}: deactivate it, or activate a working one")
+    else:
+        venv = ROOT / ".venv"
+        python, made = make_venv(venv)
+        which = "a new" if made else "the existing"
+    print(f"install.py: using {which} virtual environment {venv}", flush=True)
+    spec = f".[{extras[0]}]" if extras and extras[0] else "."
+    if subprocess.run([str(python), "-m", "pip", "install", "-e", spec], cwd=ROOT).returncode != 0:
+        fail(f'`{python} -m pip install -e "{spec}"` failed (see above)')
+    if not args:
+        return 0
+    env = dict(os.environ, VIRTUAL_ENV=str(venv), PATH=os.pathsep.join([str(venv / BIN), os.environ.get("PATH", "")]))
+    if os.name == "nt":
+        return subprocess.call([str(python), *args], env=env)
+    os.execve(str(python), [str(python), *args], env)  # signals (Ctrl-C) go straight to the command
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

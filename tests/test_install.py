@@ -1,0 +1,213 @@
+"""The README's first two commands, run exactly as written, where a newcomer would run them.
+
+They are read from README.md's first code block and run with ``shell=True`` in a copy of this checkout
+(``git ls-files``: tracked and new, not ignored, files), in two scenarios:
+
+- a fresh Debian/Ubuntu: ``python3`` is a "system Python" that refuses ``pip install`` (PEP 668) and
+  whose ``venv`` has no ensurepip (Debian without python3-venv). The commands must make ``.venv``;
+- an already-active venv (``VIRTUAL_ENV`` set, its bin/ first on PATH): they must install into it and
+  make no ``.venv``.
+
+The system Python is this interpreter's installation copied into tmp_path, minimally, laid out as
+CPython finds itself: ``bin/python3.X`` (the binary itself, not a symlink, so that the prefix is found
+from the copy: CPython looks upward from the executable's folder for ``lib/python3.X/os.py``, and for
+``lib/python3.X/lib-dynload``), ``bin/python3`` -> it, ``lib/python3.X/`` the stdlib without
+``site-packages`` (but pip), ``ensurepip`` and ``test``, plus an ``EXTERNALLY-MANAGED`` file, and
+``lib/libpython3.X.so*`` if the binary is linked against it (a binary whose RUNPATH is absolute, like
+pyenv's, loads the original, which is the same file). Files are hard links where possible (fast).
+
+The transformer command runs as written (the app has no knob to shorten it: two to three minutes on
+two shared cores) and must end with held-out bits per byte below the unigram baseline. The test command
+runs with ``MPIMESH_TEST_RANKS=1`` and `` tests/test_shape_layout.py`` appended (tests/run.py passes its
+arguments to pytest; a path replaces tests/), so it does not run the whole suite, or this test, again.
+
+Slow: 6 to 10 minutes on 2 shared cores (two transformer runs, four installs from pip's cache), so only
+the 1-rank session runs it, and that session needs more than tests/run.py's default
+``MPIMESH_TEST_TIMEOUT`` of 600 s (.ci/run sets 1800). ``pytest -m "not slow"`` leaves it out.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from mpi4py import MPI
+
+from mpimesh.launch import job_env
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
+INNER = "MPIMESH_TEST_INSTALL_INNER"  # set for the commands, so a suite they run skips this test
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="runs its own MPI jobs; the 1-rank session does"),
+    pytest.mark.skipif(os.environ.get(INNER) == "1", reason="already inside test_install's commands"),
+    pytest.mark.skipif(os.name != "posix", reason="simulates a Debian/Ubuntu system Python"),
+]
+
+
+def readme_commands() -> List[str]:
+    """The command lines of README.md's first code block: install-and-run the app, install-and-test."""
+    block = re.search(r"^```\w*\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M)
+    assert block, "README.md has no code block"
+    lines = [line for line in block.group(1).splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert len(lines) == 2 and "apps/transformer.py" in lines[0] and "tests/run.py" in lines[1], lines
+    return lines
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def fake_system_python(root: Path) -> Path:
+    """This interpreter's installation copied into `root` as a Debian-like system Python (see the module
+    docstring); returns its bin folder, which holds `python3`."""
+    base = Path(sys.base_prefix)
+    binary = base / "bin" / VERSION
+    if not binary.is_file():
+        pytest.skip(f"no {binary} to copy")
+    (root / "bin").mkdir(parents=True)
+    _link_or_copy(str(binary), str(root / "bin" / VERSION))
+    (root / "bin" / "python3").symlink_to(VERSION)
+    libdir, ldlibrary = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LDLIBRARY") or ""
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir:  # libpython3.X.so*, for $ORIGIN/../lib
+        (root / "lib").mkdir()
+        for lib in Path(libdir).glob(ldlibrary.split(".so")[0] + ".so*"):
+            _link_or_copy(str(lib), str(root / "lib" / lib.name))
+    stdlib, copy = Path(sysconfig.get_paths()["stdlib"]), root / "lib" / VERSION
+    left_out = {"site-packages", "ensurepip", "test"}
+    shutil.copytree(stdlib, copy, symlinks=True, copy_function=_link_or_copy,
+                    ignore=lambda folder, names: left_out & set(names) if folder == str(stdlib) else ())
+    site = stdlib / "site-packages"
+    (copy / "site-packages").mkdir()
+    for pip in [site / "pip", *site.glob("pip-*.dist-info")]:  # the system pip, as python3-pip brings
+        shutil.copytree(pip, copy / "site-packages" / pip.name, symlinks=True, copy_function=_link_or_copy)
+    (copy / "EXTERNALLY-MANAGED").write_text("[externally-managed]\nError=To install Python packages "
+                                             "system-wide, try apt install python3-xyz (simulated).\n")
+    return root / "bin"
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The checkout's files (tracked, and new ones git does not ignore) copied to `dest`; outside git, the
+    tree less environments and caches."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked archive)
+        shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "venv", "__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache", "build"))
+        return dest
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():  # listed but deleted in the working tree: skip
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def shell_env(path_first: List[Path], **extra: str) -> Dict[str, str]:
+    """A newcomer's shell: no enclosing MPI job, no active venv (this test's own is taken off PATH),
+    `path_first` at the front of PATH."""
+    # PIP_COMPILE=0: no .pyc for the installed packages (speed only: it halves the test extras' install).
+    env = job_env(**{INNER: "1", "PIP_PROGRESS_BAR": "off", "PIP_COMPILE": "0"})
+    for var in ("VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "PYTHONHOME", "PYTHONPATH", "CONDA_PREFIX",
+                "PIP_USER", "PIP_BREAK_SYSTEM_PACKAGES", "PIP_REQUIRE_VIRTUALENV", "MPIMESH_TEST_RANKS"):
+        env.pop(var, None)
+    own = {Path(sys.prefix, "bin").resolve(), Path(sys.executable).parent.resolve()}
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() not in own]
+    env["PATH"] = os.pathsep.join([*map(str, path_first), *rest])
+    env.update(extra)
+    return env
+
+
+def run(cmd: str, cwd: Path, env: Dict[str, str], timeout: int = 900) -> str:
+    """`cmd` through the shell; its output (stdout and stderr) if it exits 0. A time-out kills its whole
+    process group (the shell, mpiexec and the ranks)."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, shell=True, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0] + f"\n[killed after {timeout} s]"
+    print(f"[{time.monotonic() - start:.0f} s, exit {proc.returncode}] {cmd}", flush=True)  # shown with -s or -rP
+    assert proc.returncode == 0, f"`{cmd}` exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def run_readme(repo: Path, env: Dict[str, str]) -> str:
+    """Both README commands in `repo`; checks the app's result and the tests' summary; returns the output."""
+    app, tests = readme_commands()
+    out = run(app, repo, env)
+    final = re.search(r"final held-out loss [\d.]+ nats = ([\d.]+) bits per byte, .* baseline ([\d.]+);", out)
+    assert final, out[-4000:]
+    assert float(final.group(1)) < float(final.group(2)), final.group(0)
+    out2 = run(f"{tests} tests/test_shape_layout.py", repo, dict(env, MPIMESH_TEST_RANKS="1"))
+    assert re.search(r"^1 passed, 0 failed$", out2, re.M), out2[-4000:]
+    return out + out2
+
+
+def imports_from(python: Path, env: Dict[str, str]) -> Path:
+    """Where `python`, started outside any checkout, imports mpimesh from."""
+    out = subprocess.run([str(python), "-c", "import mpimesh, os; print(os.path.dirname(mpimesh.__file__))"],
+                         env=env, cwd=python.parent, capture_output=True, text=True, check=True).stdout
+    return Path(out.strip()).parent
+
+
+@pytest.fixture
+def long_test():
+    """Minutes by design (each command has its own timeout): no faulthandler dump after faulthandler_timeout."""
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.usefixtures("long_test")
+def test_fresh_debian_system_python(tmp_path):
+    system_bin = fake_system_python(tmp_path / "usr")
+    repo = copy_checkout(tmp_path / "mpimesh")
+    env = shell_env([system_bin])
+    where = run("command -v python3 && python3 -c 'import sys; print(sys.prefix)'", repo, env).split()
+    assert where == [str(system_bin / "python3"), str(tmp_path / "usr")]  # the copy found itself
+    refused = subprocess.run("python3 -m pip install six", shell=True, cwd=repo, env=env,
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "externally-managed-environment" in refused.stderr, refused
+    no_venv = subprocess.run("python3 -m venv probe", shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert no_venv.returncode != 0 and "ensurepip" in no_venv.stderr, no_venv  # as on Debian
+    assert run("python3 -c 'import venv, importlib.util; print(importlib.util.find_spec(\"ensurepip\"))'",
+               repo, env) == "None\n"
+
+    out = run_readme(repo, env)
+    venv = repo / ".venv"
+    assert f"install.py: using a new virtual environment {venv}" in out
+    assert f"install.py: using the existing virtual environment {venv}" in out
+    assert f"home = {system_bin}" in (venv / "pyvenv.cfg").read_text()
+    assert imports_from(venv / "bin" / "python", env) == repo  # editable: the checkout itself
+    shutil.rmtree(tmp_path)  # passed: no need to keep a gigabyte of venv
+
+
+@pytest.mark.usefixtures("long_test")
+def test_inside_an_active_venv(tmp_path):
+    system_bin = fake_system_python(tmp_path / "usr")
+    repo = copy_checkout(tmp_path / "mpimesh")
+    active = tmp_path / "myenv"
+    subprocess.run([str(Path(sys.base_prefix, "bin", VERSION)), "-m", "venv", str(active)], check=True,
+                   env=shell_env([system_bin]), capture_output=True)
+    env = shell_env([active / "bin", system_bin], VIRTUAL_ENV=str(active))
+
+    out = run_readme(repo, env)
+    assert out.count(f"install.py: using the active virtual environment {active}") == 2
+    assert not (repo / ".venv").exists()
+    assert imports_from(active / "bin" / "python", env) == repo
+    shutil.rmtree(tmp_path)
