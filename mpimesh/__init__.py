@@ -67,5 +67,5 @@ __all__ = [
     # autodiff, checkpoints, measurement, safety nets
     "trace", "gradients", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
     # subpackages
-    "layers", "optim", "tpu",
+    "layers", "optim", "tpu", "threads",
 ]
