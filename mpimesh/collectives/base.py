@@ -6,6 +6,14 @@ fills in the underscored methods (`_allreduce`, `_allgather`, ...), which are on
 data must really move. The MPI-based transports (`mpi.py`, `staged.py`, `nccl.py`) and the JAX
 twin (`tpu/collectives.py`) derive from it.
 
+Uneven blocks: a length n cut over k ranks is cut like `numpy.array_split` (`layout.block_sizes`;
+blocks may be empty). `allgather` and `alltoall` take the global length (`size`) of the axis they
+assemble, `reduce_scatter` and `alltoall` cut a whole axis; where every block has the same length
+the transport's equal-block path runs, exactly as without `size`. Otherwise the transport's method
+gets the block lengths (`sizes`) and moves exactly the real elements (no transport pads its
+messages), and the profile counts, as for equal blocks, this rank's input to the collective: its
+block for `allgather`, its whole input for `alltoall` and `reduce_scatter`.
+
 >>> import numpy as np
 >>> from mpimesh.shape import Shape
 >>> c = Collectives(Shape("rows:1;cols:1"), np)
@@ -14,8 +22,9 @@ twin (`tpu/collectives.py`) derive from it.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
+from ..errors import MpimeshError
 from ..layout import block, block_sizes
 from ..shape import Shape
 
@@ -29,8 +38,8 @@ class CollectivesLike(Protocol):
     def coord(self, mesh_dim: str): ...
     def block(self, x, mesh_dim: str, axis: int): ...
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"): ...
-    def allgather(self, x, mesh_dim: str, axis: int): ...
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int): ...
+    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None): ...
+    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None): ...
     def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"): ...
     def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True): ...
     def exscan(self, x, mesh_dim: str, op: str = "sum"): ...
@@ -103,13 +112,16 @@ class Collectives:
     def _allreduce(self, x, mesh_dims: tuple, op: str):
         raise NotImplementedError
 
-    def _allgather(self, x, mesh_dim: str, axis: int):
+    def _allgather(self, x, mesh_dim: str, axis: int, sizes: Optional[tuple]):
+        """`sizes`: None (equal blocks) or the k unequal block lengths along `axis`."""
         raise NotImplementedError
 
-    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes: Optional[tuple]):
+        """`sizes`: None (equal blocks both ways) or `(split block lengths, concat block lengths)`."""
         raise NotImplementedError
 
-    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str):
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes: Optional[tuple]):
+        """`sizes`: None (equal blocks) or the k unequal block lengths along `axis`."""
         raise NotImplementedError
 
     def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
@@ -152,20 +164,47 @@ class Collectives:
             return x
         return self._allreduce(x, dims, op)
 
-    def allgather(self, x, mesh_dim: str, axis: int):
-        """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`."""
-        return x if self._sizes[mesh_dim] == 1 else self._allgather(x, mesh_dim, axis)
+    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None):
+        """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`.
 
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
-        """Split `x` into k blocks along `split_axis`, send block j to coordinate j, and
-        concatenate what arrives along `concat_axis` in coordinate order."""
-        if self._sizes[mesh_dim] == 1:
+        `size`: the length of the result along `axis`, where coordinate c holds block c of
+        `block_sizes(size, k)` (None: equal blocks, k * x.shape[axis]). E.g. size 5 over 2 ranks:
+        coordinate 0 passes 3 rows, coordinate 1 passes 2, and both get all 5.
+        """
+        k = self._sizes[mesh_dim]
+        if k == 1:
             return x
-        return self._alltoall(x, mesh_dim, split_axis, concat_axis)
+        return self._allgather(x, mesh_dim, axis, None if size is None else _unequal(block_sizes(size, k)))
+
+    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None):
+        """Cut `x` into k blocks along `split_axis` (like `numpy.array_split`; that axis has the same
+        length on every rank), send block j to coordinate j, and concatenate what arrives along
+        `concat_axis` in coordinate order.
+
+        `size`: the length of the result along `concat_axis`, where coordinate c's `x` holds block c
+        of `block_sizes(size, k)` there (None: equal blocks, k * x.shape[concat_axis]). E.g. over 2
+        ranks, x of shape (5, 3) on coordinate 0 and (5, 2) on coordinate 1, split_axis 0,
+        concat_axis 1, size 5: coordinate 0 gets rows 0:3 of both, shape (3, 5); coordinate 1 rows 3:5.
+        """
+        k = self._sizes[mesh_dim]
+        if k == 1:
+            return x
+        splits = block_sizes(x.shape[split_axis], k)
+        concats = block_sizes(k * x.shape[concat_axis] if size is None else size, k)
+        if _unequal(splits) is None and _unequal(concats) is None:
+            return self._alltoall(x, mesh_dim, split_axis, concat_axis, None)
+        if split_axis == concat_axis:
+            raise MpimeshError(f"alltoall along one axis needs equal blocks: length {x.shape[split_axis]} "
+                               f"(size {size}) over mesh dim {mesh_dim!r} of size {k}")
+        return self._alltoall(x, mesh_dim, split_axis, concat_axis, (splits, concats))
 
     def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"):
-        """Reduce `x` over `mesh_dim`; coordinate j keeps block j along `axis`."""
-        return x if self._sizes[mesh_dim] == 1 else self._reduce_scatter(x, mesh_dim, axis, op)
+        """Reduce `x` over `mesh_dim`; coordinate j keeps block j along `axis` (cut like
+        `numpy.array_split`: 5 rows over 2 ranks leave 3 on coordinate 0, 2 on coordinate 1)."""
+        k = self._sizes[mesh_dim]
+        if k == 1:
+            return x
+        return self._reduce_scatter(x, mesh_dim, axis, op, _unequal(block_sizes(x.shape[axis], k)))
 
     def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True):
         """Send `x` to coordinate c+offset along `mesh_dim` and return what coordinate c-offset
@@ -180,6 +219,60 @@ class Collectives:
         if self._sizes[mesh_dim] == 1:
             return self.xp.zeros_like(x)
         return self._exscan(x, mesh_dim, op)
+
+
+def _unequal(sizes: tuple) -> Optional[tuple]:
+    """`sizes` if the blocks differ in length, else None (the equal-block path)."""
+    return sizes if len(set(sizes)) > 1 else None
+
+
+def block_counts(shape: Sequence[int], axis: int, sizes: Sequence[int]) -> tuple:
+    """Elements in each block of an array of `shape` cut along `axis` into blocks of `sizes`.
+
+    >>> block_counts((4, 9, 2), 1, (3, 3, 2, 1))
+    (24, 24, 16, 8)
+    """
+    inner = 1
+    for i, n in enumerate(shape):
+        inner *= 1 if i == axis else n
+    return tuple(n * inner for n in sizes)
+
+
+def pack(xp, x, axis: int, sizes: Sequence[int]):
+    """`x`'s blocks along `axis` (lengths `sizes`, summing to x.shape[axis]), each C-contiguous,
+    one after another in a flat array (a view where x is contiguous and axis is 0).
+
+    >>> import numpy as np
+    >>> pack(np, np.arange(6).reshape(2, 3), 1, (2, 1))
+    array([0, 1, 3, 4, 2, 5])
+    """
+    if axis == 0:
+        return contiguous(xp, x).reshape(-1)
+    out, at, start = xp.empty(x.size, x.dtype), 0, 0
+    for n in sizes:
+        piece = x[(slice(None),) * axis + (slice(start, start + n),)]
+        out[at:at + piece.size].reshape(piece.shape)[...] = piece
+        at, start = at + piece.size, start + n
+    return out
+
+
+def unpack(xp, flat, shape: Sequence[int], axis: int, sizes: Sequence[int]):
+    """Inverse of `pack`: the blocks in `flat` (block j: `shape` with length `sizes[j]` along
+    `axis`) concatenated along `axis` (a view of `flat` when axis is 0).
+
+    >>> import numpy as np
+    >>> unpack(np, np.array([0, 1, 3, 4, 2, 5]), (2, 0), 1, (2, 1))
+    array([[0, 1, 2],
+           [3, 4, 5]])
+    """
+    shape = tuple(shape)
+    if axis == 0:
+        return flat.reshape((sum(sizes),) + shape[1:])
+    pieces, at = [], 0
+    for n, count in zip(sizes, block_counts(shape, axis, sizes)):
+        pieces.append(flat[at:at + count].reshape(shape[:axis] + (n,) + shape[axis + 1:]))
+        at += count
+    return xp.concatenate(pieces, axis)
 
 
 def split_front(xp, x, axis: int, k: int):

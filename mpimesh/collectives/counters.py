@@ -20,7 +20,11 @@ def active() -> bool:
 
 def record(kind: str, mesh_dims: Sequence[str], elements: int, nbytes: int) -> None:
     """Count one collective call of `kind` over `mesh_dims` with this rank's input size (a host-device
-    copy, `"h2d"` or `"d2h"`, has no mesh dims and is keyed by its kind alone)."""
+    copy, `"h2d"` or `"d2h"`, has no mesh dims and is keyed by its kind alone).
+
+    The input is what this rank hands the transport: its block for an allgather, all of `x` for an
+    alltoall or reduce-scatter (its own block included). With unequal blocks that is exactly what it
+    sends, never padding (no transport pads), and 0 for an empty block (the call still counts)."""
     if not _open:
         return
     key = f"{kind}/{'+'.join(mesh_dims)}" if mesh_dims else kind

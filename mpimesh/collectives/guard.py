@@ -2,7 +2,8 @@
 
 `set_spmd_check(True)` (or `MPIMESH_SPMD_CHECK=1`): before each collective, every rank of the mesh
 confirms, in one small allreduce on a communicator of its own, that all ranks are at the same op
-(a per-mesh sequence number, kind, mesh dims, dtype, local shape). If not, every rank raises
+(a per-mesh sequence number, kind, mesh dims, dtype, local shape; along an axis cut into unequal
+blocks the local shape shows the global length instead, see `uneven_shape`). If not, every rank raises
 `DivergenceError` naming what each rank was doing and where in the user's code; no data moved,
 so the mesh stays usable. The check is not counted in the profile.
 
@@ -102,13 +103,14 @@ class Guard:
         """The time-out in force, seconds, or None."""
         return _settings["timeout"]
 
-    def enter(self, kind: str, dims: tuple, x, detail: str = "") -> None:
-        """Before a collective: refuse on a broken mesh, count it, and run the SPMD check if on."""
+    def enter(self, kind: str, dims: tuple, x, detail: str = "", shape: Optional[str] = None) -> None:
+        """Before a collective: refuse on a broken mesh, count it, and run the SPMD check if on
+        (`shape`: the local shape to compare, where it is not x's: see `uneven_shape`)."""
         if self.broken:
             raise CollectiveTimeoutError(f"this mesh is unusable after an earlier time-out: {self.broken}")
         self.seq += 1
         self._state = (f"#{self.seq} {kind} over {'+'.join(dims)} {x.dtype} local shape "
-                       f"{tuple(x.shape)}{detail}")
+                       f"{shape or tuple(x.shape)}{detail}")
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()
 
@@ -200,6 +202,22 @@ class Guard:
         sys.stderr.write(f"mpimesh: CollectiveTimeoutError: {self.broken}\n")
         sys.stderr.flush()
         raise CollectiveTimeoutError(self.broken)
+
+
+def uneven_shape(shape, axis: int, sizes: tuple, c: int) -> str:
+    """The local `shape` as the SPMD check compares it when `axis` holds block c of unequal blocks
+    of lengths `sizes`: that axis shows the global length over the block count (the same on every
+    rank) if the local length is block c's, else the local length and block c's, which no other
+    coordinate can show.
+
+    >>> uneven_shape((2, 3), 1, (3, 2, 2), 0), uneven_shape((2, 2), 1, (3, 2, 2), 1)
+    ('(2, 7/3)', '(2, 7/3)')
+    >>> uneven_shape((2, 2), 1, (3, 2, 2), 0)
+    '(2, 2 but block 0 of 7/3 is 3)'
+    """
+    whole = f"{sum(sizes)}/{len(sizes)}"
+    mine = whole if shape[axis] == sizes[c] else f"{shape[axis]} but block {c} of {whole} is {sizes[c]}"
+    return "(" + ", ".join(mine if i == axis else str(n) for i, n in enumerate(shape)) + ")"
 
 
 class _Polled:

@@ -4,7 +4,9 @@ when the MPI library is CUDA-aware (`transport="mpi"` with the cupy backend).
 Every collective makes non-contiguous inputs contiguous, takes its output from this transport's
 buffer pool, counts itself when a profile is open, runs the SPMD check and the time-out when
 they are on (`guard.py`), and hands the transfer to `_post`, the one method that the staged and
-NCCL transports replace.
+NCCL transports replace. Unequal blocks (see `base`) take the v-variants (`Allgatherv`, `Alltoallv`,
+`Reduce_scatter` and their non-blocking forms, which the time-out polls as any other): blocks
+are packed one after another and exactly the real elements move.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
@@ -21,14 +23,16 @@ from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
 from . import counters
-from .base import DONE, Collectives, Request, contiguous, merge_front, split_front
-from .guard import Guard
+from .base import DONE, Collectives, Request, block_counts, contiguous, merge_front, pack, split_front, unpack
+from .guard import Guard, uneven_shape
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 # kind -> (blocking, non-blocking) mpi4py method
 _CALLS = {"allreduce": ("Allreduce", "Iallreduce"), "allgather": ("Allgather", "Iallgather"),
           "alltoall": ("Alltoall", "Ialltoall"), "reduce_scatter": ("Reduce_scatter_block", "Ireduce_scatter_block"),
           "exscan": ("Exscan", "Iexscan")}
+_VCALLS = {"allgather": ("Allgatherv", "Iallgatherv"), "alltoall": ("Alltoallv", "Ialltoallv"),
+           "reduce_scatter": ("Reduce_scatter", "Ireduce_scatter")}  # unequal blocks
 
 
 class BufferPool:
@@ -109,8 +113,9 @@ class MpiCollectives(Collectives):
         return x[(slice(None),) * axis + (slice(start, start + n),)].copy()  # a copy: the full array can go
 
     # The transfer: the one step other transports replace ------------------------------------
-    def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None) -> Request:
-        """Start `kind` from `send` into `recv` over `dims`; blocking unless a time-out is set."""
+    def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
+        """Start `kind` from `send` into `recv` over `dims`; blocking unless a time-out is set.
+        `counts`: for unequal blocks, (elements to each coordinate, elements from each coordinate)."""
         comm = self.mesh.comm_for(dims)
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
@@ -121,20 +126,29 @@ class MpiCollectives(Collectives):
                 return DONE
             reqs = [comm.Irecv(recv, src, 0), comm.Isend(send, dest, 0)]
             return Request(lambda: MPI.Request.Testall(reqs), lambda: MPI.Request.Waitall(reqs))
-        args = (send, recv) if op is None else (send, recv, _OPS[op])
+        if counts is None:
+            calls, args = _CALLS[kind], (send, recv)
+        elif kind == "reduce_scatter":
+            calls, args = _VCALLS[kind], (send, recv, list(counts[1]))
+        else:  # [buffer, counts], the counts a list (mpi4py reads a tuple as (counts, displacements))
+            sends, recvs = list(counts[0]), list(counts[1])
+            calls, args = _VCALLS[kind], ([send, sends] if kind == "alltoall" else send, [recv, recvs])
+        args += () if op is None else (_OPS[op],)
         if not nonblocking:
-            getattr(comm, _CALLS[kind][0])(*args)
+            getattr(comm, calls[0])(*args)
             return DONE
-        req = getattr(comm, _CALLS[kind][1])(*args)
+        req = getattr(comm, calls[1])(*args)
         return Request(req.Test, req.Wait)
 
-    def _run(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str, **kw) -> None:
-        """Check, count, post and complete one transfer (`detail`: the call's parameters, for the check)."""
+    def _run(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
+             shape=None, **kw) -> None:
+        """Check, count, post and complete one transfer (`detail`: the call's parameters, and `shape`
+        the local shape where it is not send's, for the check)."""
         guarded = self.guard.active()
         if guarded:
-            self.guard.enter(kind, dims, send, detail)
+            self.guard.enter(kind, dims, send, detail, shape)
         counters.record(kind, dims, elements, nbytes)
-        if send.size == 0:
+        if send.size == 0 and kw.get("counts") is None:  # unequal blocks: others may have data
             return
         if guarded and Guard.timeout() is not None and not self.mesh.has_comm(dims):
             # making a sub-communicator is a blocking collective over the whole mesh: first make sure
@@ -157,24 +171,46 @@ class MpiCollectives(Collectives):
         self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
 
-    def _allgather(self, x, mesh_dim: str, axis: int):
+    def _allgather(self, x, mesh_dim: str, axis: int, sizes):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         x = contiguous(xp, x)
+        if sizes is not None:
+            counts = block_counts(x.shape, axis, sizes)
+            out = pool.empty((sum(counts),), x.dtype)
+            self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}",
+                      uneven_shape(x.shape, axis, sizes, self.coord(mesh_dim)), counts=((x.size,) * k, counts))
+            return unpack(xp, out, x.shape, axis, sizes)
         # axis 0 is block-major already: receive straight into the result's shape
         out = pool.empty(((k * x.shape[0],) + x.shape[1:]) if axis == 0 else (k,) + x.shape, x.dtype)
         self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}")
         return out if axis == 0 else merge_front(xp, out, axis)
 
-    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        if sizes is not None:
+            (splits, concats), c = sizes, self.coord(mesh_dim)
+            send = pack(xp, x, split_axis, splits)
+            piece = x.shape[:split_axis] + (splits[c],) + x.shape[split_axis + 1:]  # each sender's block for us
+            counts = (block_counts(x.shape, split_axis, splits), block_counts(piece, concat_axis, concats))
+            recv = pool.empty((sum(counts[1]),), x.dtype)
+            self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}",
+                      uneven_shape(x.shape, concat_axis, concats, c), counts=counts)
+            return unpack(xp, recv, piece, concat_axis, concats)
         flat = split_axis == concat_axis == 0  # blocks go and come back along axis 0: no reshaping
         send = contiguous(xp, x) if flat else split_front(xp, x, split_axis, k)
         recv = pool.empty(send.shape, send.dtype)
         self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}")
         return recv if flat else merge_front(xp, recv, concat_axis)
 
-    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str):
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        if sizes is not None:
+            send, counts = pack(xp, x, axis, sizes), block_counts(x.shape, axis, sizes)
+            c = self.coord(mesh_dim)
+            recv = pool.empty(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:], x.dtype)
+            self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}",
+                      op=op, counts=(counts, counts))
+            return recv
         if axis == 0:  # block j is already the j-th contiguous slab
             send = contiguous(xp, x)
             shape = (x.shape[0] // k,) + x.shape[1:]

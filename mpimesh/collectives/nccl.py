@@ -4,9 +4,11 @@ A group's communicator is made the first time its mesh dims are used: rank 0 of 
 sub-communicator makes the unique id and broadcasts it there. Every transfer is enqueued on the
 current CuPy stream, so it is ordered with the kernels around it and nothing synchronises the host.
 Alltoall and permute are grouped point-to-point sends and receives; exscan is an allgather followed
-by a masked local reduction. Host arrays (control values) take MPI, as on the `mpi` transport.
-With a time-out set, completion is polled through a CUDA event, and a group that times out is
-aborted (`ncclCommAbort`) before the error is raised.
+by a masked local reduction. Unequal blocks (see `base`) are never padded: allgather and alltoall
+become grouped sends and receives of each block's real length, reduce-scatter one grouped reduce
+per block rooted at its owner, so the profile counts what was sent. Host arrays (control values)
+take MPI, as on the `mpi` transport. With a time-out set, completion is polled through a CUDA
+event, and a group that times out is aborted (`ncclCommAbort`) before the error is raised.
 
 Needs CuPy with NCCL (`cupy.cuda.nccl`) and one GPU per rank: NCCL refuses two ranks on one GPU.
 
@@ -14,6 +16,8 @@ Needs CuPy with NCCL (`cupy.cuda.nccl`) and one GPU per rank: NCCL refuses two r
 ('NCCL_BFLOAT16', 'NCCL_SUM')
 """
 from __future__ import annotations
+
+from itertools import accumulate
 
 import numpy as np
 from mpi4py import MPI
@@ -67,13 +71,26 @@ class NcclCollectives(MpiCollectives):
             raise MpimeshError(f"the nccl transport cannot send dtype {x.dtype}")
         return getattr(self._nccl, _DTYPES[name])
 
-    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None) -> Request:
+    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
         if isinstance(send, np.ndarray):
-            return super()._post(kind, dims, send, recv, op, dest, src)  # host control values: MPI
+            return super()._post(kind, dims, send, recv, op, dest, src, counts)  # host control values: MPI
         nccl, comm = self._nccl, self._comm(dims)
         stream = self.xp.cuda.get_current_stream()
         s, dt, n = stream.ptr, self._dtype(send), send.size
-        if kind == "allreduce":
+        if counts is not None:  # unequal blocks, packed one after another
+            (sends, recvs), item = counts, send.itemsize
+            nccl.groupStart()
+            if kind == "reduce_scatter":
+                for root, at in enumerate(_starts(sends)):
+                    comm.reduce(send.data.ptr + at * item, recv.data.ptr, sends[root], dt,
+                                getattr(nccl, _REDUCE[op]), root, s)
+            else:  # allgather sends all of `send` to every peer
+                froms = _starts(sends) if kind == "alltoall" else (0,) * len(sends)
+                for peer, (at, to) in enumerate(zip(froms, _starts(recvs))):
+                    comm.send(send.data.ptr + at * item, sends[peer], dt, peer, s)
+                    comm.recv(recv.data.ptr + to * item, recvs[peer], dt, peer, s)
+            nccl.groupEnd()
+        elif kind == "allreduce":
             comm.allReduce(send.data.ptr, recv.data.ptr, n, dt, getattr(nccl, _REDUCE[op]), s)
         elif kind == "allgather":
             comm.allGather(send.data.ptr, recv.data.ptr, n, dt, s)
@@ -116,6 +133,11 @@ class NcclCollectives(MpiCollectives):
             return xp.zeros_like(x)
         before = every[:c]
         return {"sum": before.sum, "max": before.max, "min": before.min}[op](axis=0).astype(x.dtype, copy=False)
+
+
+def _starts(counts) -> tuple:
+    """Where each of the blocks of `counts` elements starts when packed one after another."""
+    return (0,) + tuple(accumulate(counts))[:-1]
 
 
 class _Aborting(Request):

@@ -5,8 +5,9 @@ Only the transfer step differs from `mpi.py`: `_post` copies the input into a ho
 runs the MPI transfer between host buffers, and copies the result back when the transfer completes.
 Staging buffers are reused (page-locked ones from CuPy on a GPU, so the copies run at full speed).
 Each copy counts in the profile as `"d2h/<mesh dims>"` or `"h2d/<mesh dims>"`; the collective
-itself counts as on any other transport. On the numpy backend (a test of this path on CPU) the
-"device" is the host and the copies are plain host copies, not counted.
+itself counts as on any other transport. Unequal blocks are staged the same way (`mpi.py` packs
+them into flat buffers, and exactly those are copied). On the numpy backend (a test of this path
+on CPU) the "device" is the host and the copies are plain host copies, not counted.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
@@ -63,13 +64,13 @@ class StagedCollectives(MpiCollectives):
     def _host_view(self, buf: np.ndarray, like) -> np.ndarray:
         return buf.view(like.dtype).reshape(like.shape)
 
-    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None) -> Request:
+    def _post(self, kind, dims, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
         if isinstance(send, np.ndarray) and self._device:
-            return super()._post(kind, dims, send, recv, op, dest, src)  # host control values
+            return super()._post(kind, dims, send, recv, op, dest, src, counts)  # host control values
         hs_raw, hr_raw = self.staging.take(send.nbytes), self.staging.take(recv.nbytes)
         hs, hr = self._host_view(hs_raw, send), self._host_view(hr_raw, recv)
         self._to_host(send, hs, dims)
-        inner = super()._post(kind, dims, hs, hr, op, dest, src)
+        inner = super()._post(kind, dims, hs, hr, op, dest, src, counts)
         arrives = not (kind == "permute" and src == MPI.PROC_NULL)  # else `recv` keeps its zeros
 
         def back():

@@ -13,6 +13,15 @@ only the transfers differ. The axis names are the mesh dims.
     exscan          lax.all_gather of the k values, then a masked reduction of those before us
     block, coord    lax.dynamic_slice_in_dim at lax.axis_index, lax.axis_index
 
+Unequal blocks (`numpy.array_split` of a length over k devices, see `collectives.base`): every
+device's array needs the same static shape, so a device holds its block padded with zeros to the
+largest block. The block lengths are static (the lengths and k are Python ints; only the coordinate
+is traced), so each collective pads every block to the largest with a static gather (`_spread`),
+runs the equal-block collective, and keeps the real rows with another (`_keep`): allgather's
+result and alltoall's `concat_axis` hold no padding; alltoall's `split_axis`, reduce_scatter's
+`axis` and `block` are zero-padded blocks. E.g. 5 rows over 2 devices: device 1 holds rows 3, 4 and
+a row of zeros.
+
 >>> import jax, jax.numpy as jnp
 >>> ctx = JaxCollectives(Shape("all:2"), vmapped=True)
 >>> x = jnp.arange(4.0).reshape(2, 2)  # row i is device i's block
@@ -23,7 +32,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from ..collectives.base import Collectives
+from ..errors import MpimeshError
+from ..layout import block_sizes
 from ..shape import Shape
 
 
@@ -53,21 +66,49 @@ class JaxCollectives(Collectives):
     def _slice(self, x, axis: int, start, n: int):
         return self._lax.dynamic_slice_in_dim(x, start, n, axis)
 
+    def block(self, x, mesh_dim: str, axis: int):
+        """This device's block of `x` along `axis`; an unequal one zero-padded to the largest."""
+        sizes = block_sizes(x.shape[axis], self._sizes[mesh_dim])
+        if len(set(sizes)) == 1:
+            return super().block(x, mesh_dim, axis)
+        return self.xp.take(_spread(self.xp, x, axis, sizes), self.coord(mesh_dim) * max(sizes)
+                            + self.xp.arange(max(sizes)), axis=axis)
+
+    def _check_padded(self, x, axis: int, sizes: tuple, what: str):
+        """MpimeshError (at trace time) unless `axis` has the largest block's length."""
+        if x.shape[axis] != max(sizes):
+            raise MpimeshError(f"{what}: axis {axis} of a device's block has length {x.shape[axis]}, but "
+                               f"blocks {sizes} are held padded to the largest, {max(sizes)}")
+
     def _allreduce(self, x, mesh_dims: Sequence[str], op: str):
         dims = tuple(m for m in mesh_dims if self._sizes[m] > 1)
         fn = {"sum": self._lax.psum, "max": self._lax.pmax, "min": self._lax.pmin}[op]
         return fn(x, dims)
 
-    def _allgather(self, x, mesh_dim: str, axis: int):
-        return self._lax.all_gather(x, mesh_dim, axis=axis, tiled=True)
+    def _allgather(self, x, mesh_dim: str, axis: int, sizes):
+        if sizes is not None:
+            self._check_padded(x, axis, sizes, "allgather")
+        elif x.shape[axis] == 0:  # every block empty (XLA refuses to gather along an empty axis)
+            return x
+        y = self._lax.all_gather(x, mesh_dim, axis=axis, tiled=True)
+        return y if sizes is None else _keep(self.xp, y, axis, sizes)
 
-    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int):
-        return self._lax.all_to_all(x, mesh_dim, split_axis, concat_axis, tiled=True)
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes):
+        if sizes is None:
+            return self._lax.all_to_all(x, mesh_dim, split_axis, concat_axis, tiled=True)
+        splits, concats = sizes
+        self._check_padded(x, concat_axis, concats, "alltoall")
+        y = _spread(self.xp, x, split_axis, splits)
+        y = self._lax.all_to_all(y, mesh_dim, split_axis, concat_axis, tiled=True)
+        return _keep(self.xp, y, concat_axis, concats)
 
-    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str):
-        if op == "sum":
-            return self._lax.psum_scatter(x, mesh_dim, scatter_dimension=axis, tiled=True)
-        return self.block(self.allreduce(x, (mesh_dim,), op), mesh_dim, axis)
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes):
+        if op != "sum":
+            return self.block(self.allreduce(x, (mesh_dim,), op), mesh_dim, axis)
+        if sizes is None and x.shape[axis] == 0:  # every block empty (XLA refuses to scatter along it)
+            return x
+        x = x if sizes is None else _spread(self.xp, x, axis, sizes)
+        return self._lax.psum_scatter(x, mesh_dim, scatter_dimension=axis, tiled=True)
 
     def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
         k = self._sizes[mesh_dim]
@@ -101,6 +142,37 @@ class JaxCollectives(Collectives):
     def any_rank(self, flag: bool) -> bool:
         """`flag` (checks that need it run on shapes alone, which every device shares)."""
         return bool(flag)
+
+
+def _spread(xp, x, axis: int, sizes: tuple):
+    """`x` with each block along `axis` (lengths `sizes`) zero-padded to the largest (a static gather;
+    `x` itself where the blocks are equal).
+
+    >>> import jax.numpy as jnp
+    >>> _spread(jnp, jnp.arange(1, 6), 0, (3, 2)).tolist()
+    [1, 2, 3, 4, 5, 0]
+    """
+    if len(set(sizes)) == 1:
+        return x
+    width, starts = max(sizes), np.cumsum((0,) + sizes[:-1])
+    rows = np.arange(width)
+    index = np.concatenate([np.where(rows < n, start + rows, sum(sizes)) for start, n in zip(starts, sizes)])
+    zero = xp.zeros(x.shape[:axis] + (1,) + x.shape[axis + 1:], x.dtype)
+    return xp.take(xp.concatenate([x, zero], axis), index, axis=axis)
+
+
+def _keep(xp, y, axis: int, sizes: tuple):
+    """The real rows of `y`, whose blocks along `axis` are padded to the largest of `sizes` (a static
+    gather; `y` itself where the blocks are equal).
+
+    >>> import jax.numpy as jnp
+    >>> _keep(jnp, jnp.array([1, 2, 3, 4, 5, 0]), 0, (3, 2)).tolist()
+    [1, 2, 3, 4, 5]
+    """
+    if len(set(sizes)) == 1:
+        return y
+    width = max(sizes)
+    return xp.take(y, np.concatenate([c * width + np.arange(n) for c, n in enumerate(sizes)]), axis=axis)
 
 
 def _lowest(xp, dtype):
