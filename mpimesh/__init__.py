@@ -16,8 +16,8 @@ threads.configure_at_import()  # before numpy loads BLAS: cores // ranks on this
 from .autodiff import gradients
 from .checkpoint import load, save
 from .collectives.guard import set_collective_timeout, set_spmd_check
-from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, LayoutError, MeshError, MpimeshError,
-                     ShapeError)
+from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, DTypeError, LayoutError, MeshError,
+                     MissingDependencyError, MpimeshError, ShapeError)
 from .layout import LayoutRules
 from .mesh import Mesh, layout_scope
 from .ops.einsum import einsum
@@ -52,7 +52,7 @@ __all__ = [
     "Dimension", "Shape", "Mesh", "LayoutRules", "layout_scope",
     # errors
     "MpimeshError", "LayoutError", "ShapeError", "MeshError", "CheckpointError", "DivergenceError",
-    "CollectiveTimeoutError",
+    "CollectiveTimeoutError", "DTypeError", "MissingDependencyError",
     # distributed tensors
     "DistTensor", "from_numpy", "from_local", "range",
     # ops

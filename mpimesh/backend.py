@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from .collectives import counters
-from .errors import MpimeshError
+from .errors import DTypeError, MpimeshError
 
 BACKENDS = ("numpy", "cupy")
 _GPU_HINT = ("run `python3 install.py gpu` in the mpimesh checkout (cupy-cuda12x; `gpu-cuda13` for "
@@ -95,9 +95,39 @@ def to_device(xp, array):
     return xp.asarray(array)
 
 
+_KINDS = "biufc"  # bool, signed and unsigned integers, floats, complex: what the collectives can move
+
+
+def check_dtype(dt: np.dtype, what: str = "dtype") -> np.dtype:
+    """`dt` if tensors may have it (bool, integer, float or complex), else a `DTypeError` naming
+    `what` and the dtype."""
+    if dt.name == "bfloat16":
+        raise DTypeError(f"{what} is bfloat16, which is not supported yet: the collectives cannot move it "
+                         f"(low precision is still to come); use 'float16' or 'float32'")
+    if dt.kind not in _KINDS or dt.fields is not None or dt.subdtype is not None:
+        raise DTypeError(f"{what} is {dt!s}, which tensors cannot hold: they hold bool, integer, float or "
+                         f"complex values (e.g. 'float32', 'int32', 'bool')")
+    return dt
+
+
 def as_dtype(dtype) -> np.dtype:
-    """Normalise a dtype spec (`"float32"`, `np.float32`, ...) to a numpy dtype."""
-    return np.dtype(dtype)
+    """Normalise a dtype spec (`"float32"`, `np.float32`, ...) to a numpy dtype in native byte
+    order; a `DTypeError` (an MpimeshError) for anything else, None included, or a dtype tensors
+    cannot hold.
+
+    >>> as_dtype("float32"), as_dtype(np.int64), as_dtype(">i2")
+    (dtype('float32'), dtype('int64'), dtype('int16'))
+    """
+    if dtype is None:
+        raise DTypeError("dtype None: give a dtype such as 'float32'")
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        raise DTypeError("dtype 'bfloat16' is not supported yet: the collectives cannot move it (low precision "
+                         "is still to come); use 'float16' or 'float32'")
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError, SyntaxError) as e:  # SyntaxError: numpy's parser of comma strings
+        raise DTypeError(f"cannot read {dtype!r} as a dtype ({e}): give a dtype such as 'float32'") from None
+    return check_dtype(dt, f"dtype {dtype!r}").newbyteorder("=")  # '>i2' is int16: kernels compute natively
 
 
 def memory_mark(arrays: bool = False) -> dict:

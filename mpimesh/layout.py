@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import LayoutError
-from .shape import Shape, parse_pairs
+from .shape import Shape, name_problem, parse_pairs
 
 TensorLayout = Tuple[Optional[str], ...]
 
@@ -30,18 +30,27 @@ class LayoutRules:
     __slots__ = ("pairs", "_map")
 
     def __init__(self, rules: "RulesLike" = ""):
-        if isinstance(rules, LayoutRules):
+        if rules is None:
+            pairs = ()
+        elif isinstance(rules, LayoutRules):
             pairs = rules.pairs
         elif isinstance(rules, str):
             pairs = tuple(parse_pairs(rules, "layout rule", LayoutError))
         elif isinstance(rules, Mapping):
             pairs = tuple((k, v) for k, v in rules.items() if v is not None)
+        elif isinstance(rules, (bytes, bytearray)) or not isinstance(rules, Iterable):
+            raise LayoutError(f"cannot read {rules!r} as layout rules: expected a string like 'batch:rows', "
+                              f"a list of (tensor_dim, mesh_dim) pairs or a dict")
         else:
-            pairs = tuple(tuple(p) for p in rules)
+            pairs = tuple(rules)
         mapping: dict[str, str] = {}
         for pair in pairs:
-            if len(pair) != 2 or not all(isinstance(p, str) and p for p in pair):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise LayoutError(f"bad layout rule {pair!r}: expected (tensor_dim, mesh_dim)")
+            for name in pair:
+                why = name_problem(name)
+                if why:
+                    raise LayoutError(f"bad layout rule {tuple(pair)!r}: {name!r} is not a dim name ({why})")
             tdim, mdim = pair
             if mapping.get(tdim, mdim) != mdim:
                 raise LayoutError(f"tensor dim {tdim!r} is mapped to two mesh dims: {mapping[tdim]!r} and {mdim!r}")
@@ -114,7 +123,10 @@ def layout_from_spec(shape: Shape, mesh_shape: Shape, spec) -> TensorLayout:
     >>> layout_from_spec(Shape("a:4;b:6"), Shape("x:2"), "b:x")
     (None, 'x')
     """
-    if isinstance(spec, tuple) and len(spec) == shape.rank and all(s is None or isinstance(s, str) for s in spec):
+    if isinstance(spec, tuple) and spec and all(s is None or isinstance(s, str) for s in spec):
+        if len(spec) != shape.rank:
+            raise LayoutError(f"tensor layout {spec!r} has {len(spec)} entries, but shape {shape} has "
+                              f"{shape.rank} dims (give one mesh dim or None per dim)")
         return validate_layout(shape, mesh_shape, spec)
     rules = LayoutRules(spec)
     for tdim, _ in rules.pairs:

@@ -9,9 +9,11 @@ Dimension(name='io', size=32)
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import re
 from functools import lru_cache
-from typing import Iterable, Iterator, NamedTuple, Sequence, Union
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 from .errors import ShapeError
 
@@ -49,18 +51,56 @@ def parse_pairs(text: str, what: str, error: type) -> list[tuple[str, str]]:
     return pairs
 
 
+_BAD_NAME_CHARS = re.compile(r"[:;,\s]")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def name_problem(name) -> Optional[str]:
+    """Why `name` cannot name a dim (tensor or mesh), or None if it can: a name is a non-empty
+    string without ':', ';', ',' or whitespace (those separate entries in shape and rules strings).
+
+    >>> name_problem("batch"), name_problem(""), name_problem("a:b")
+    (None, 'a name must be a non-empty string', "a name must not contain ':', ';', ',' or whitespace")
+    """
+    if not isinstance(name, str) or not name:
+        return "a name must be a non-empty string"
+    if _BAD_NAME_CHARS.search(name):
+        return "a name must not contain ':', ';', ',' or whitespace"
+    return None
+
+
+def _size(name: str, size) -> int:
+    """`size` as a non-negative int: an int (numpy's too), an integral float, or a string of digits."""
+    if isinstance(size, str):
+        if _DIGITS.fullmatch(size):
+            return int(size)
+    elif not isinstance(size, bool) and type(size).__name__ != "bool_":
+        try:
+            value = operator.index(size)
+        except TypeError:
+            value = None
+            if isinstance(size, numbers.Real):
+                f = float(size)
+                if math.isfinite(f) and f.is_integer():
+                    value = int(f)
+        if value is not None and value >= 0:
+            return value
+    raise ShapeError(f"dimension {name!r} has invalid size {size!r}: expected a non-negative integer")
+
+
 def _to_dim(d) -> Dimension:
-    if isinstance(d, Dimension):
-        return d
+    if isinstance(d, (str, bytes, bytearray)):
+        raise ShapeError(f"cannot read {d!r} as a dimension: expected Dimension or (name, size)")
     try:
         name, size = d
-        size_i = int(size)
     except (TypeError, ValueError):
         raise ShapeError(f"cannot read {d!r} as a dimension: expected Dimension or (name, size)") from None
-    if not isinstance(name, str) or not name:
-        raise ShapeError(f"dimension name must be a non-empty string, got {name!r}")
-    if size_i < 0 or size_i != float(size):
-        raise ShapeError(f"dimension {name!r} has invalid size {size!r}")
+    why = name_problem(name)
+    if why:
+        raise ShapeError(f"bad dimension name {name!r} (size {size!r}): {why}")
+    size_i = _size(name, size)
+    if isinstance(d, Dimension) and type(size) is int:
+        return d
     return Dimension(name, size_i)
 
 
@@ -78,7 +118,12 @@ class Shape:
     def __new__(cls, dims: ShapeLike = ()):
         if isinstance(dims, Shape):
             return dims
-        return _make_shape(dims if isinstance(dims, str) else tuple(_to_dim(d) for d in dims))
+        if isinstance(dims, str):
+            return _make_shape(dims)
+        if isinstance(dims, (bytes, bytearray)) or not isinstance(dims, Iterable):
+            raise ShapeError(f"cannot read {dims!r} as a shape: expected a string like 'batch:8;io:32', "
+                             f"a Shape, or a list of Dimensions or (name, size) pairs")
+        return _make_shape(tuple(_to_dim(d) for d in dims))
 
     @classmethod
     def _build(cls, dims: tuple) -> "Shape":
@@ -110,7 +155,7 @@ class Shape:
         """Position of dim `name`; ShapeError if absent."""
         try:
             return self._index[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable name, e.g. a list
             raise ShapeError(f"dim {name!r} is not in shape {self}") from None
 
     def __getitem__(self, key):
@@ -118,12 +163,17 @@ class Shape:
             return self.dims[self.index(key)]
         if isinstance(key, slice):
             return Shape(self.dims[key])
+        if isinstance(key, bool) or not hasattr(key, "__index__"):
+            raise ShapeError(f"shape {self} is indexed by a dim name, a position or a slice, not {key!r}")
         return self.dims[key]
 
     def __contains__(self, item) -> bool:
         if isinstance(item, Dimension):
             return item.name in self._index and self.dims[self._index[item.name]] == item
-        return item in self._index
+        try:
+            return item in self._index
+        except TypeError:  # unhashable: not a name
+            return False
 
     def __iter__(self) -> Iterator[Dimension]:
         return iter(self.dims)
@@ -186,16 +236,29 @@ def union_shape(shapes: Sequence[Shape], what: str = "op") -> Shape:
     return Shape(tuple(seen.values()))
 
 
-def dim_names(dims) -> tuple[str, ...]:
+def dim_names(dims, shape: Optional["Shape"] = None, what: str = "op") -> tuple[str, ...]:
     """Names from a name, a Dimension, a Shape (or shape string) or a list of names/Dimensions.
+    With `shape`, a dim given with a size must have that size in `shape` (ShapeError otherwise).
 
     >>> dim_names("io"), dim_names(Dimension("io", 4)), dim_names(["a", ("b", 2)]), dim_names("a:1;b:2")
     (('io',), ('io',), ('a', 'b'), ('a', 'b'))
     """
     if isinstance(dims, Dimension):
-        return (dims.name,)
-    if isinstance(dims, str):
-        return Shape(dims).names if ":" in dims else (dims,)
-    if isinstance(dims, Shape):
-        return dims.names
-    return tuple(d if isinstance(d, str) else _to_dim(d).name for d in dims)
+        sized = [_to_dim(dims)]
+    elif isinstance(dims, str):
+        sized = list(Shape(dims)) if ":" in dims else [dims]
+    elif isinstance(dims, Shape):
+        sized = list(dims)
+    elif isinstance(dims, (bytes, bytearray)) or not isinstance(dims, Iterable):
+        raise ShapeError(f"cannot read {dims!r} as dim names: expected a name, a Dimension, a Shape or a list of them")
+    else:
+        sized = [d if isinstance(d, str) else _to_dim(d) for d in dims]
+    names = [d if isinstance(d, str) else d.name for d in sized]
+    if len(set(names)) != len(names):
+        raise ShapeError(f"{what}: dims {names} name {sorted({n for n in names if names.count(n) > 1})} twice")
+    if shape is not None:
+        for d in sized:
+            if isinstance(d, Dimension) and d.name in shape and shape[d.name].size != d.size:
+                raise ShapeError(f"{what}: dim {d.name}:{d.size} does not match {d.name}:{shape[d.name].size} "
+                                 f"of shape {shape}")
+    return tuple(names)

@@ -8,10 +8,12 @@
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from .backend import as_dtype, to_host
-from .errors import ShapeError
+from .backend import as_dtype, check_dtype, to_host
+from .errors import DTypeError, ShapeError
 from .layout import TensorLayout, layout_dict, layout_from_spec, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
 
@@ -124,12 +126,17 @@ def from_numpy(mesh, array, shape: ShapeLike, layout=None) -> DistTensor:
     `layout` (rules string, list or dict; default: the rules in force) says which dims are split.
     """
     shape = Shape(shape)
-    array = np.asarray(array)
-    if array.shape != shape.sizes:
-        raise ShapeError(f"from_numpy: array of shape {array.shape} does not match shape {shape}")
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):  # a list, a scalar: numpy reads it
+        try:
+            array = np.asarray(array)
+        except (TypeError, ValueError) as e:  # a ragged list, say
+            raise ShapeError(f"from_numpy: cannot read the value as an array of shape {shape}: {e}") from None
+    if tuple(array.shape) != shape.sizes:
+        raise ShapeError(f"from_numpy: array of shape {tuple(array.shape)} does not match shape {shape}")
+    dt = check_dtype(np.dtype(array.dtype), f"from_numpy: the array's dtype (shape {shape})").newbyteorder("=")
     tl = _layout(mesh, shape, layout)
     local = array[slice_bounds(shape, mesh.shape, tl, mesh.coords)]
-    return DistTensor(mesh, shape, tl, mesh.xp.array(local, copy=True))
+    return DistTensor(mesh, shape, tl, mesh.xp.array(local, dtype=dt, copy=True))
 
 
 def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
@@ -139,22 +146,81 @@ def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
     tl = _layout(mesh, shape, layout)
     want = local_sizes(shape, mesh.shape, tl)
     got = tuple(getattr(local, "shape", ()))
-    if mesh.collectives.any_rank(got != want):
+    dtype = getattr(local, "dtype", None)
+    try:
+        check_dtype(np.dtype(dtype) if dtype is not None else np.asarray(local).dtype)
+        bad_dtype = None
+    except (DTypeError, TypeError, ValueError) as e:
+        bad_dtype = str(e)
+    if mesh.collectives.any_rank(got != want or bad_dtype is not None):
         raise ShapeError(f"from_local: each rank's slice of {shape} with layout {layout_dict(shape, tl)} "
-                         f"must have shape {want}; rank {mesh.rank} has {got} (or another rank differs)")
+                         f"must have shape {want} and a numeric dtype; rank {mesh.rank} has {got}"
+                         f"{f' ({bad_dtype})' if bad_dtype else ''} (or another rank differs)")
     return DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
 
 
 def full(mesh, shape: ShapeLike, value, dtype="float32", layout=None) -> DistTensor:
     """A tensor filled with `value`."""
     shape = Shape(shape)
+    dt = as_dtype(dtype)
+    fill = fill_value(value, dt, f"full({shape})")
     tl = _layout(mesh, shape, layout)
-    return DistTensor(mesh, shape, tl, mesh.xp.full(local_sizes(shape, mesh.shape, tl), value, as_dtype(dtype)))
+    return DistTensor(mesh, shape, tl, mesh.xp.full(local_sizes(shape, mesh.shape, tl), fill, dt))
+
+
+def fill_value(value, dt: np.dtype, what: str):
+    """`value` as a 0-d array of dtype `dt`; a DTypeError if it is not one number that `dt` can hold
+    (a string, None, a list, 1000 for int8, 1.5 or nan for an integer dtype, 1e40 for float32, 1j
+    for a real dtype).
+
+    >>> fill_value(3, np.dtype("float32"), "full").dtype, fill_value(True, np.dtype("int8"), "full")
+    (dtype('float32'), array(1, dtype=int8))
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and not -2 ** 63 <= value < 2 ** 64:
+        if dt.kind in "iu":  # beyond every integer dtype
+            raise DTypeError(f"{what}: the value {value} is outside the range of dtype {dt}")
+        if not -(2 ** 1024) < value < 2 ** 1024:  # beyond float64
+            raise DTypeError(f"{what}: the value {value} overflows dtype {dt}")
+        value = float(value)
+    try:
+        v = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise DTypeError(f"{what}: cannot read {value!r} as a number of dtype {dt} ({e})") from None
+    if v.ndim != 0 or v.dtype.kind not in "biufc":
+        raise DTypeError(f"{what}: the value must be one number, got {value!r} (numpy dtype {v.dtype}, "
+                         f"shape {v.shape})")
+    if v.dtype.kind == "c" and dt.kind != "c":
+        if v.imag != 0:
+            raise DTypeError(f"{what}: the complex value {value!r} does not fit dtype {dt}")
+        v = v.real
+    if dt.kind == "b":
+        return np.asarray(bool(v), dt)
+    if dt.kind in "iu":
+        if v.dtype.kind == "f":
+            f = float(v)
+            if not (math.isfinite(f) and f.is_integer()):
+                raise DTypeError(f"{what}: the value {value!r} is not an integer, so dtype {dt} cannot hold it")
+            n = int(f)
+        else:
+            n = int(v.item())
+        info = np.iinfo(dt)
+        if not info.min <= n <= info.max:
+            raise DTypeError(f"{what}: the value {value!r} is outside the range [{info.min}, {info.max}] "
+                             f"of dtype {dt}")
+        return np.asarray(n, dt)
+    with np.errstate(over="raise", invalid="raise"):
+        try:
+            return np.asarray(v.astype(dt))
+        except FloatingPointError:
+            raise DTypeError(f"{what}: the value {value!r} overflows dtype {dt}") from None
 
 
 def arange(mesh, dim: Dimension, dtype="int32", layout=None) -> DistTensor:
     """`0 .. dim.size-1` along `dim` (the API's `mm.range`)."""
     shape = Shape([dim])
+    dt = as_dtype(dtype)
+    if dt.kind == "b":
+        raise DTypeError(f"range({shape}): dtype bool cannot count 0..{shape.sizes[0] - 1}")
     tl = _layout(mesh, shape, layout)
     (bounds,) = slice_bounds(shape, mesh.shape, tl, mesh.coords)
-    return DistTensor(mesh, shape, tl, mesh.xp.arange(bounds.start, bounds.stop, dtype=as_dtype(dtype)))
+    return DistTensor(mesh, shape, tl, mesh.xp.arange(bounds.start, bounds.stop, dtype=dt))

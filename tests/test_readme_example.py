@@ -35,11 +35,12 @@ def test_readme_example_prints_once_and_matches_one_rank(tmp_path):
     code = _example()
     assert "mpiexec -n 4" in code
     out = _run(tmp_path, code, 4)
-    assert sorted(re.findall(r"^rank (\d): local \(4, 16\)$", out, re.M)) == ["0", "1", "2", "3"]
+    # ranks' lines may reach the launcher's stdout glued together: search, don't anchor
+    assert sorted(re.findall(r"rank (\d): local \(4, 16\)", out)) == ["0", "1", "2", "3"]
     assert out.count("[batch:8, io:16] {'batch': 'rows'}") == 1
     assert len(re.findall(r"^allreduce/cols\s+1\s+64\b", out, re.M)) == 1
-    loss4 = [float(v) for v in re.findall(r"^(-?\d+\.\d+(?:e-?\d+)?)$", out, re.M)]
+    loss4 = [float(v) for v in re.findall(r"(-?\d+\.\d+(?:e-?\d+)?)$", out, re.M)]
     one = _run(tmp_path, code.replace('"rows:2;cols:2"', '"rows:1;cols:1"'), 1)
-    loss1 = [float(v) for v in re.findall(r"^(-?\d+\.\d+(?:e-?\d+)?)$", one, re.M)]
+    loss1 = [float(v) for v in re.findall(r"(-?\d+\.\d+(?:e-?\d+)?)$", one, re.M)]
     assert len(loss4) == 1 and len(loss1) == 1
     assert loss4[0] == pytest.approx(loss1[0], rel=1e-5)

@@ -93,9 +93,12 @@ def _paddings(padding, nsp: int, what: str):
             raise MpimeshError(bad)
         return padding.upper()
     try:
-        pads = tuple((int(b), int(a)) for b, a in padding)
+        pads = tuple((b, a) for b, a in padding)
     except (TypeError, ValueError):
         raise MpimeshError(bad) from None
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for pair in pads for v in pair):
+        raise MpimeshError(bad)
+    pads = tuple((int(b), int(a)) for b, a in pads)
     if len(pads) != nsp or any(b < 0 or a < 0 for b, a in pads):
         raise MpimeshError(f"{what}: padding needs {nsp} non-negative (before, after) pairs, got {padding!r}")
     return pads

@@ -12,6 +12,8 @@ layout, and each rank computes only its own slice of it: no communication.
 """
 from __future__ import annotations
 
+import numbers
+
 from ..errors import MpimeshError
 from ..trace import dispatch
 from .random import global_index, uniform01
@@ -20,18 +22,29 @@ from .relayout import to_layout
 _STREAM = 0x44524F50  # "DROP": a stream of the hash that random_uniform/random_normal do not use
 
 
+def _integer(v):
+    """`v` as an int if it is an integer (an int, numpy's, or an integral float), else None."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        return int(v) if int(v) == v else None
+    except (OverflowError, ValueError):  # inf, nan
+        return None
+
+
 def dropout(x, rate: float, seed: int):
     """x with each element zeroed with probability `rate` and the kept ones scaled by 1/(1-rate).
 
     The mask depends only on `seed` and x's shape. `rate` 0 returns x. Gradient: dy through the
     same mask and scale.
     """
+    seed_arg = seed
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
+        raise MpimeshError(f"dropout rate must be a number in [0, 1), got {rate!r}")
     rate = float(rate)
-    if not 0.0 <= rate < 1.0:
-        raise MpimeshError(f"dropout rate must be in [0, 1), got {rate}")
-    if isinstance(seed, bool) or int(seed) != seed:
-        raise MpimeshError(f"dropout seed must be an integer, got {seed!r}")
-    seed = int(seed)
+    seed = _integer(seed)
+    if seed is None:
+        raise MpimeshError(f"dropout seed must be an integer, got {seed_arg!r}")
     if rate == 0.0:
         return x
     layout = x.mesh.plan(x.shape)

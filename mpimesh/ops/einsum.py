@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import opt_einsum
 
-from ..errors import ShapeError
+from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..trace import dispatch
@@ -175,10 +175,16 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     xs = list(xs)
     if not xs:
         raise ShapeError("einsum needs at least one input")
+    for i, x in enumerate(xs):
+        if not hasattr(x, "tensor_layout"):
+            raise TypeError(f"einsum: input {i} is a {type(x).__name__}, not a DistTensor")
     mesh = xs[0].mesh
+    if any(x.mesh is not mesh for x in xs):
+        raise MeshError(f"einsum: inputs live on different meshes ({', '.join(str(x.mesh.shape) for x in xs)})")
     in_shapes = tuple(x.shape for x in xs)
     if output_shape is None:
-        out = default_output(in_shapes, None if reduced_dims is None else dim_names(reduced_dims))
+        reduced = None if reduced_dims is None else dim_names(reduced_dims, union_shape(in_shapes, "einsum"), "einsum")
+        out = default_output(in_shapes, reduced)
     else:
         out = Shape(output_shape)
     out_layout = mesh.plan(out)

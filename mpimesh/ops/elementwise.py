@@ -17,6 +17,10 @@ import math
 from functools import lru_cache
 from typing import Callable
 
+import numpy as np
+
+from ..backend import as_dtype
+from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes
 from ..shape import Shape, union_shape
 from ..trace import dispatch
@@ -25,6 +29,38 @@ from .relayout import to_layout
 
 def _is_tensor(x) -> bool:
     return hasattr(x, "tensor_layout")
+
+
+_COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")  # numpy compares any int
+
+
+def _scalar(v, what: str, dtype=None):
+    """`v` if it can be the non-tensor operand of an elementwise op with a tensor of `dtype`: one
+    number (a Python or numpy scalar, or a 0-d array); a ShapeError for arrays and lists (they have
+    no dim names, so they cannot be laid out), a DTypeError for anything else (a string, None) and
+    for a Python int that the tensor's integer dtype cannot hold (numpy would raise OverflowError)."""
+    if isinstance(v, int) and not isinstance(v, bool) and dtype is not None:
+        kind = np.dtype(dtype).kind
+        if kind in "iub":
+            info = np.iinfo(np.dtype(dtype) if kind != "b" else np.int64)
+            if not info.min <= v <= info.max:
+                raise DTypeError(f"{what}: the integer {v} is outside the range [{info.min}, {info.max}] of the "
+                                 f"tensor's dtype {np.dtype(dtype) if kind != 'b' else 'int64 (bool promoted)'}")
+        elif kind in "fc" and not -(2 ** 1023) <= v <= 2 ** 1023:  # (this module shadows abs)
+            raise DTypeError(f"{what}: the integer {v} is too large for a float")
+    if isinstance(v, (bool, int, float, complex)):
+        return v
+    dtype, ndim = getattr(v, "dtype", None), getattr(v, "ndim", None)  # numpy's scalars and arrays, cupy's
+    if isinstance(dtype, np.dtype) and isinstance(ndim, int) and dtype.kind in "biufc":
+        if ndim == 0:
+            return v
+        raise ShapeError(f"{what}: a non-tensor operand must be one number, got an array of shape {v.shape}: "
+                         f"make it a DistTensor (mesh.from_numpy) to combine it by dim names")
+    if isinstance(v, (list, tuple)) or ndim is not None:
+        raise ShapeError(f"{what}: a non-tensor operand must be one number, got a {type(v).__name__}: "
+                         f"make it a DistTensor (mesh.from_numpy) to combine it by dim names")
+    raise DTypeError(f"{what}: the other operand must be a DistTensor or a number, got {v!r} "
+                     f"({type(v).__name__})")
 
 
 @lru_cache(maxsize=4096)
@@ -100,17 +136,20 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
         if not _is_tensor(x) and not _is_tensor(y):
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
         if not _is_tensor(y):
+            y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
             x = to_layout(x, x.mesh.plan(x.shape))
             (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: kernel(ctx.xp, a, y),
                             {"scalar": y, "side": "right"}, rule)
             return z
         if not _is_tensor(x):
+            x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
             y = to_layout(y, y.mesh.plan(y.shape))
             (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: kernel(ctx.xp, x, b),
                             {"scalar": x, "side": "left"}, rule)
             return z
         if x.mesh is not y.mesh:
-            raise ValueError(f"{name}: inputs live on different meshes")
+            raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
+                            f"or two meshes of one shape)")
         out, out_layout, x_layout, y_layout = _binary_plan(x.shape, y.shape, x.mesh.shape, x.mesh.layout, name)
         x = to_layout(x, x_layout)
         y = to_layout(y, y_layout)
@@ -199,8 +238,7 @@ def cast(x, dtype):
     >>> cast(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2"), "int32").dtype
     dtype('int32')
     """
-    import numpy as np
-    dt = np.dtype(dtype)
+    dt = as_dtype(dtype)
     x = to_layout(x, x.mesh.plan(x.shape))
     if x.dtype == dt:
         return x
@@ -215,6 +253,11 @@ def where(cond, x, y):
     new dims, then y's); x or y may be scalars. No gradient flows to `cond`."""
     if not _is_tensor(cond):
         raise TypeError("where: cond must be a DistTensor")
+    other = next((t.dtype for t in (x, y) if _is_tensor(t)), None)
+    x = x if _is_tensor(x) else _scalar(x, "where", other)
+    y = y if _is_tensor(y) else _scalar(y, "where", other)
+    if any(_is_tensor(t) and t.mesh is not cond.mesh for t in (x, y)):
+        raise MeshError("where: inputs live on different meshes")
     if cond.dtype != bool:
         cond = not_equal(cond, 0)
     tensors = [t for t in (cond, x, y) if _is_tensor(t)]

@@ -22,9 +22,11 @@ from typing import Optional
 
 import numpy as np
 
+from ..backend import as_dtype
 from ..errors import MpimeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Dimension, Shape, union_shape
+from ..tensor import fill_value
 from ..trace import dispatch
 from .einsum import contraction_plan, einsum
 from .relayout import to_layout
@@ -82,6 +84,8 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     """
     _check_indices(indices, "one_hot")
     dim = _new_dim(output_dim, "one_hot")
+    dt = as_dtype(dtype)
+    on, off = fill_value(on_value, dt, "one_hot on_value"), fill_value(off_value, dt, "one_hot off_value")
     if dim.name in indices.shape:
         raise ShapeError(f"one_hot: output dim {dim.name}:{dim.size} is already in the indices shape {indices.shape}")
     mesh = indices.mesh
@@ -90,14 +94,13 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     indices = to_layout(indices, out_layout[:-1])
     m = _split(mesh.shape, out_layout[-1])
     n = dim.size // (mesh.shape[m].size if m else 1)
-    dt = np.dtype(dtype)
 
     def lower(ctx, a):
         xp = ctx.xp
         pos = xp.arange(n)
         if m:
             pos = pos + ctx.coord(m) * n  # this rank's global index range
-        return xp.where(a[..., None] == pos, xp.asarray(on_value, dt), xp.asarray(off_value, dt))
+        return xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
     (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
                     {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
     return y

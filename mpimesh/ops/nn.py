@@ -23,7 +23,7 @@ from .relayout import to_layout
 
 
 def _reduced_names(x, reduced_dim, what: str) -> tuple:
-    names = dim_names(reduced_dim)
+    names = dim_names(reduced_dim, x.shape, what)
     if not names:
         raise ShapeError(f"{what}: no reduced dim given for shape {x.shape}")
     for n in names:

@@ -13,10 +13,13 @@ counter), so the values are the same on 1 rank and on 8, whatever the layout.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import numpy as np
 
 from ..backend import as_dtype
+from ..errors import DTypeError, MpimeshError
 from ..layout import local_sizes, slice_bounds
 from ..shape import Shape, ShapeLike
 from ..tensor import DistTensor, _layout
@@ -26,9 +29,11 @@ _GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _mix(z):
-    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic)."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic: numpy warns of the wrap only
+    for a 0-d array, the slice of a scalar tensor, so that warning is off)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
 
 
@@ -54,8 +59,29 @@ def global_index(xp, shape: Shape, mesh_shape: Shape, layout, coords) -> "np.nda
 
 def uniform01(xp, index, seed: int, stream: int = 0):
     """Float64 uniforms in [0, 1) for each global index."""
-    bits = _mix(index * np.uint64(_GOLDEN) + _key(seed, stream))
+    with np.errstate(over="ignore"):  # wrapping arithmetic (see _mix)
+        bits = _mix(index * np.uint64(_GOLDEN) + _key(seed, stream))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def check_seed(seed, what: str) -> int:
+    """`seed` as an int (numpy's ints too); an MpimeshError for anything else."""
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise MpimeshError(f"{what}: the seed must be an integer, got {seed!r}")
+    return operator.index(seed)
+
+
+def _real(value, what: str) -> float:
+    """`value` as a float (a Python or numpy real number); a DTypeError for anything else."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise DTypeError(f"{what} must be a real number, got {value!r}")
+    try:
+        f = float(value)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise DTypeError(f"{what} must be finite, got {value!r}")
+    return f
 
 
 def _random(mesh, shape: ShapeLike, layout, fill):
@@ -68,6 +94,8 @@ def _random(mesh, shape: ShapeLike, layout, fill):
 def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dtype="float32", layout=None):
     """Uniform values in [minval, maxval) that depend only on `seed` and `shape`."""
     dt = as_dtype(dtype)
+    seed = check_seed(seed, "random_uniform")
+    minval, maxval = _real(minval, "random_uniform: minval"), _real(maxval, "random_uniform: maxval")
 
     def fill(xp, i):
         y = (minval + (maxval - minval) * uniform01(xp, i, seed)).astype(dt)
@@ -82,6 +110,8 @@ def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dt
 def random_normal(mesh, shape: ShapeLike, seed: int, mean=0.0, stddev=1.0, dtype="float32", layout=None):
     """Normal values (Box-Muller) that depend only on `seed` and `shape`."""
     dt = as_dtype(dtype)
+    seed = check_seed(seed, "random_normal")
+    mean, stddev = _real(mean, "random_normal: mean"), _real(stddev, "random_normal: stddev")
 
     def fill(xp, i):
         u1 = 1.0 - uniform01(xp, i, seed, 0)  # in (0, 1]: log is finite

@@ -33,7 +33,7 @@ def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dim) -> Shape:
         return out
     if reduced_dim is None:
         return Shape(())
-    names = dim_names(reduced_dim)
+    names = dim_names(reduced_dim, x.shape, "reduction")
     for n in names:
         if n not in x.shape:
             raise ShapeError(f"reduced dim {n!r} is not in the input shape {x.shape}")

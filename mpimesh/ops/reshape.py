@@ -91,6 +91,8 @@ def reshape(x, new_shape: ShapeLike):
 
 def rename_dimension(x, old_name: str, new_name: str):
     """x with dim `old_name` renamed `new_name` (laid out by the rules for the new name)."""
+    if not isinstance(old_name, str):
+        raise ShapeError(f"rename_dimension: the dim to rename must be given by name, got {old_name!r}")
     d = x.shape[old_name]
     return reshape(x, [Dimension(new_name, d.size) if e.name == old_name else e for e in x.shape])
 

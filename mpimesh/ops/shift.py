@@ -39,7 +39,10 @@ def window_pieces(n: int, k: int, start: int, length: int, wrap: bool) -> tuple:
     if n == 0 or length <= 0:
         return ()
     pieces = []
-    for p in range(start // n, -(-(start + length) // n)):
+    first, last = start // n, -(-(start + length) // n)
+    if not wrap:  # only the k blocks exist: a huge window must not cost a loop over the void
+        first, last = max(first, -(k - 1)), min(last, k)
+    for p in range(first, last):
         lo, hi = max(start - p * n, 0), min(start + length - p * n, n)
         if hi > lo and (wrap or abs(p) < k):
             pieces.append((p, lo, hi, p * n + lo - start))

@@ -28,11 +28,10 @@ Shape('[i:12]')
 from __future__ import annotations
 
 import builtins
-import numbers
 from functools import lru_cache
 from typing import Optional, Sequence, Union
 
-from ..errors import ShapeError
+from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
@@ -59,9 +58,14 @@ def _resized(shape: Shape, axis: int, size: int) -> Shape:
 
 
 def _int(v, what: str) -> int:
-    if isinstance(v, bool) or int(v) != v:
-        raise ShapeError(f"{what} must be an integer, got {v!r}")
-    return int(v)
+    """`v` as an int (an int, numpy's too, or an integral float); ShapeError for anything else."""
+    if not isinstance(v, (bool, str, bytes)):
+        try:
+            if int(v) == v:
+                return int(v)
+        except (TypeError, ValueError, OverflowError):  # None, nan, inf, a list
+            pass
+    raise ShapeError(f"{what} must be an integer, got {v!r}")
 
 
 @lru_cache(maxsize=4096)
@@ -200,9 +204,9 @@ def pad(x, paddings: Sequence[int], dim_name: str):
     """
     name = _dim_name(x, dim_name, "pad")
     axis, n = x.shape.index(name), x.shape[name].size
-    if len(paddings) != 2:
+    if isinstance(paddings, (str, bytes)) or not hasattr(paddings, "__len__") or len(paddings) != 2:
         raise ShapeError(f"pad of dim {name!r}: paddings must be [before, after], got {paddings!r}")
-    before, after = (_int(p, "padding") for p in paddings)
+    before, after = (_int(p, f"pad of dim {name!r}: padding") for p in paddings)
     if before < 0 or after < 0:
         raise ShapeError(f"pad of dim {name!r} (size {n}): paddings {[before, after]} must be >= 0")
     s = n + before + after
@@ -224,13 +228,17 @@ def concat(xs: Sequence, dim_name: str):
     xs = list(xs)
     if not xs:
         raise ShapeError("concat needs at least one tensor")
+    for i, x in enumerate(xs):
+        if not hasattr(x, "tensor_layout"):
+            raise TypeError(f"concat: input {i} is a {type(x).__name__}, not a DistTensor")
     names = [_dim_name(x, dim_name, "concat") for x in xs]
     name = names[0]
     axis = xs[0].shape.index(name)
     rest = xs[0].shape.without([name])
     for x in xs[1:]:
         if x.mesh is not xs[0].mesh:
-            raise ValueError("concat: inputs live on different meshes")
+            raise MeshError(f"concat: inputs live on different meshes ({xs[0].mesh.shape} and {x.mesh.shape}, "
+                            f"or two meshes of one shape)")
         if x.shape.without([name]) != rest or x.shape.index(name) != axis:
             raise ShapeError(f"concat along {name!r}: shapes {xs[0].shape} and {x.shape} differ in other dims "
                              f"(or in the position of {name!r})")
@@ -253,13 +261,13 @@ def split(x, dim: Union[str, Dimension], num_or_sizes: Union[int, Sequence[int]]
     """
     name = _dim_name(x, dim, "split")
     axis, n = x.shape.index(name), x.shape[name].size
-    if isinstance(num_or_sizes, numbers.Integral):
-        num = int(num_or_sizes)
+    if isinstance(num_or_sizes, (str, bytes)) or not hasattr(num_or_sizes, "__iter__"):
+        num = _int(num_or_sizes, f"split of dim {name!r}: the number of pieces")
         if num < 1 or n % num:
             raise ShapeError(f"split: dim {name!r} (size {n}) cannot be cut into {num} equal pieces")
         sizes = [n // num] * num
     else:
-        sizes = [_int(s, "split size") for s in num_or_sizes]  # type: ignore[union-attr]
+        sizes = [_int(s, f"split of dim {name!r}: size") for s in num_or_sizes]
         if not sizes or min(sizes) < 0 or sum(sizes) != n:
             raise ShapeError(f"split: sizes {sizes} of dim {name!r} must be >= 0 and sum to its size {n}")
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
