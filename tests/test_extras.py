@@ -82,3 +82,15 @@ def test_transformer_backend_jax_without_jax_is_one_line():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip() == ("transformer.py: error: --backend jax needs jax, which is not installed: run "
                                    "`python3 install.py tpu` in the mpimesh checkout (or pip install -e \".[tpu]\")")
+
+
+def test_notebook_without_ipyparallel_names_the_extra():
+    import json
+    cells = json.loads((ROOT / "examples" / "jupyter_mpimesh.ipynb").read_text())["cells"]
+    first = next("".join(c["source"]) for c in cells if "require(\"ipyparallel\"" in "".join(c["source"]))
+    setup = first.split("cluster = ")[0]  # the imports, up to starting engines
+    proc = _python({"ipyparallel"}, setup)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "mpimesh.errors.MissingDependencyError: MPI engines in Jupyter needs ipyparallel, which is not installed: "
+        "run `python3 install.py notebook` in the mpimesh checkout (or pip install -e \".[notebook]\")")

@@ -90,8 +90,9 @@ class Guard:
     def __init__(self, comm: MPI.Comm, mesh_shape, coords: dict):
         self.comm, self._shape, self._coords = comm, mesh_shape, coords
         self.seq = 0
+        self._pair = (np.empty(2, np.int64), np.empty(2, np.int64))  # the check's send and receive buffers
         self.broken: Optional[str] = None
-        self._state = ""  # what this rank is waiting in, for others' questions
+        self._op: Optional[tuple] = None  # (seq, kind, dims, dtype, local shape, detail) of the current collective
 
     @staticmethod
     def active() -> bool:
@@ -109,15 +110,27 @@ class Guard:
         if self.broken:
             raise CollectiveTimeoutError(f"this mesh is unusable after an earlier time-out: {self.broken}")
         self.seq += 1
-        self._state = (f"#{self.seq} {kind} over {'+'.join(dims)} {x.dtype} local shape "
-                       f"{shape or tuple(x.shape)}{detail}")
+        self._op = (self.seq, kind, dims, x.dtype, shape or tuple(x.shape), detail)  # formatted only when needed
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()
 
+    @property
+    def _state(self) -> str:
+        """What this rank is in (or last was in), for messages and others' questions."""
+        if self._op is None:
+            return ""
+        seq, kind, dims, dtype, shape, detail = self._op
+        return f"#{seq} {kind} over {'+'.join(dims)} {dtype} local shape {shape}{detail}"
+
     def _check(self) -> None:
-        h = zlib.crc32(self._state.encode())
-        mine, out = np.array([h, -h], np.int64), np.empty(2, np.int64)
-        self.wait_mpi(self.comm.Iallreduce(mine, out, op=MPI.MIN), "the SPMD check")
+        seq, kind, dims, dtype, shape, detail = self._op  # a compact key: str(dtype) alone costs 4 us
+        h = zlib.crc32(f"{seq}|{kind}|{dims}|{dtype.char}{dtype.itemsize}|{shape}|{detail}".encode())
+        mine, out = self._pair
+        mine[0], mine[1] = h, -h
+        if _settings["timeout"] is None:  # the common case: one blocking allreduce of two ints
+            self.comm.Allreduce(mine, out, op=MPI.MIN)
+        else:
+            self.wait_mpi(self.comm.Iallreduce(mine, out, op=MPI.MIN), "the SPMD check")
         if out[0] == -out[1]:
             return
         every = self._gather_states(f"{self._state} at {user_frame()}")
