@@ -63,3 +63,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.write(f"\n{'>' * 25} rank {rank} report {'>' * 25}\n{report}\n"
                          f"{'<' * 25} end of rank {rank} report {'<' * 18}\n")
         sys.stdout.flush()
+
+
+@pytest.fixture(name="checked")
+def checked_fixture():
+    """The SPMD check on for one test (`mm.set_spmd_check`), off again afterwards."""
+    import mpimesh as mm  # here, not at the top: collecting must not initialise MPI
+    mm.set_spmd_check(True)
+    try:
+        yield
+    finally:
+        mm.set_spmd_check(False)

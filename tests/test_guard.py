@@ -23,15 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 N = MPI.COMM_WORLD.Get_size()
 
 
-@pytest.fixture(name="checked")
-def checked_fixture():
-    mm.set_spmd_check(True)
-    try:
-        yield
-    finally:
-        mm.set_spmd_check(False)
-
-
 def _diverge(mesh: mm.Mesh, mine) -> str:
     """Run `mine()` (which differs by rank), expecting a DivergenceError on every rank; its message."""
     with pytest.raises(mm.DivergenceError) as info:

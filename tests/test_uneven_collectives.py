@@ -213,14 +213,6 @@ def test_equal_blocks_with_size_change_nothing(mesh: mm.Mesh) -> None:
 
 # ---------------------------------------------------------------- the SPMD check
 
-@pytest.fixture(name="checked")
-def checked_fixture():
-    mm.set_spmd_check(True)
-    try:
-        yield
-    finally:
-        mm.set_spmd_check(False)
-
 
 @pytest.mark.mpi(min_size=2)
 def test_a_rank_with_another_size_or_block_diverges_everywhere(checked) -> None:
