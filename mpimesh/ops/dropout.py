@@ -16,20 +16,10 @@ import numbers
 
 from ..errors import MpimeshError
 from ..trace import dispatch
-from .random import global_index, uniform01
+from .random import check_seed, global_index, uniform01
 from .relayout import to_layout
 
 _STREAM = 0x44524F50  # "DROP": a stream of the hash that random_uniform/random_normal do not use
-
-
-def _integer(v):
-    """`v` as an int if it is an integer (an int, numpy's, or an integral float), else None."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return None
-    try:
-        return int(v) if int(v) == v else None
-    except (OverflowError, ValueError):  # inf, nan
-        return None
 
 
 def dropout(x, rate: float, seed: int):
@@ -38,13 +28,10 @@ def dropout(x, rate: float, seed: int):
     The mask depends only on `seed` and x's shape. `rate` 0 returns x. Gradient: dy through the
     same mask and scale.
     """
-    seed_arg = seed
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
         raise MpimeshError(f"dropout rate must be a number in [0, 1), got {rate!r}")
     rate = float(rate)
-    seed = _integer(seed)
-    if seed is None:
-        raise MpimeshError(f"dropout seed must be an integer, got {seed_arg!r}")
+    seed = check_seed(seed, "dropout")
     if rate == 0.0:
         return x
     layout = x.mesh.plan(x.shape)
