@@ -13,7 +13,10 @@ updates the parameters.
 
 Only the input's layout is chosen (`--layout`, the mesh's rules, default
 "height:rows;width:cols"): every op's output follows the same rules, so every activation stays
-split like the input; each convolution brings one-pixel halos from its neighbours by
+split like the input. Any rank count works: the default mesh is the squarest rows x cols shape
+with rows * cols = ranks (1 x p, a 1-D split, for a prime p), and image sizes need not divide
+(blocks of `numpy.array_split`; a block may be shorter than a halo, or empty). Each convolution
+brings one-pixel halos from its neighbours by
 point-to-point permutes (corners come with the second, widened exchange), the bias, relu and loss
 terms are local, and the loss mean and the filter gradients are allreduces. Every rank draws the
 same global images with numpy and keeps its own slice. Rank 0 prints the loss and pixel accuracy
@@ -23,6 +26,7 @@ the input mask, the step time, and the communication of one step.
 Run::
 
     mpiexec -n 4 python apps/segment.py                       # 2x2 mesh, 256x256 images, ~1 min
+    mpiexec -n 3 python apps/segment.py --size 64 --steps 20  # 1x3 mesh, width in blocks 22, 21, 21
     mpiexec -n 4 python apps/segment.py --mesh "rows:4;cols:1" --layout "height:rows"
     mpiexec -n 2 python apps/segment.py --size 2048 --steps 20   # the benchmark size
     python apps/segment.py --mesh "all:1" --layout ""          # one process, unsplit
@@ -157,7 +161,11 @@ def train_step(params: Params, opt, state, x, t):
 # ------------------------------------------------------------------------------------ main
 
 def balanced_2d(n: int) -> str:
-    """'rows:r;cols:c' with r*c = n, r <= c, as square as possible."""
+    """'rows:r;cols:c' with r*c = n, r <= c, as square as possible (rows:1 for a prime n).
+
+    >>> balanced_2d(6), balanced_2d(7)
+    ('rows:2;cols:3', 'rows:1;cols:7')
+    """
     r = max(d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0)
     return f"rows:{r};cols:{n // r}"
 
@@ -175,7 +183,8 @@ def model_dims(depth: int) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__.split("\n\n")[0], DIMS, "height:rows;width:cols")
-    ap.add_argument("--mesh", default=None, help="mesh shape (None: the squarest rows:r;cols:c of the ranks)")
+    ap.add_argument("--mesh", default=None,
+                    help="mesh shape (None: the squarest rows:r;cols:c with r*c = ranks, any rank count)")
     ap.add_argument("--layout", default="height:rows;width:cols", help="layout rules (the input's layout)")
     ap.add_argument("--size", type=int, default=256, help="image height and width (2048: benchmark size)")
     ap.add_argument("--batch", type=int, default=2, help="images per step")

@@ -396,35 +396,14 @@ def start_step(args: argparse.Namespace, mesh: mm.Mesh) -> int:
 
 
 def default_mesh(n: int) -> str:
-    """`rows:r;cols:c` with r*c == n, r <= c, as square as possible."""
+    """`rows:r;cols:c` with r*c == n, r <= c, as square as possible (a prime n: `rows:1;cols:n`,
+    in effect 1-D; sizes that the mesh dims do not divide are cut unevenly).
+
+    >>> default_mesh(4), default_mesh(3), default_mesh(6)
+    ('rows:2;cols:2', 'rows:1;cols:3', 'rows:2;cols:3')
+    """
     r = max(d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0)
     return f"rows:{r};cols:{n // r}"
-
-
-def _misfit(cfg: Config, mesh_shape: str, layout: str) -> Optional[str]:
-    """Why `layout` cannot split the model on `mesh_shape` (a dim not divisible by its mesh dim), or None."""
-    shape, rules = mm.Shape(mesh_shape), mm.LayoutRules(layout)
-    for name, m in rules.pairs:
-        if name in DIMS and m in shape.names and (name != "experts" or cfg.experts):
-            size, k = cfg.dim(name).size, shape[m].size
-            if size % k:
-                return f"dim {name!r} (size {size}) is not divisible by mesh dim {m!r} (size {k})"
-    return None
-
-
-def check_fit(cfg: Config, mesh_shape: str, layout: str, world: int) -> None:
-    """Refuse, before anything runs, a layout the mesh cannot split the model by; suggest a mesh
-    of `world` ranks that can, else a data-parallel mesh with a --batch that divides."""
-    why = _misfit(cfg, mesh_shape, layout)
-    if why is None:
-        return
-    fits = [f"rows:{r};cols:{world // r}" for r in range(1, world + 1) if world % r == 0]
-    fits = [m for m in fits if _misfit(cfg, m, layout) is None]
-    hint = (f"--mesh {fits[0]!r} fits" if fits else
-            f"--mesh 'rows:{world};cols:1' with --batch {world * math.ceil(cfg.batch / world)} fits "
-            f"(data-parallel), as would sizes that divide")
-    raise UsageError(f"--mesh {mesh_shape!r} with --layout {layout!r}: {why}; on {world} rank"
-                     f"{'s' if world > 1 else ''}, {hint}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -524,7 +503,6 @@ def main(argv=None) -> None:
         ones = ";".join(f"{n}:1" for n in mm.Shape(jax_mesh).names)  # --mesh's dim names, each of size 1
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
-        check_fit(cfg, args.mesh or default_mesh(world), args.layout, world)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout)
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
     start = start_step(args, mesh)
@@ -620,9 +598,7 @@ def main(argv=None) -> None:
     if args.checkpoint:
         say(f"checkpoint: {checkpoint.step_path(args.checkpoint, args.steps)}")
     if args.samples > 0 and args.sample_bytes > 0:
-        split = mesh.tensor_layout([cfg.dim("batch")])
-        k = mesh.shape[split["batch"]].size if split else 1
-        n = k * math.ceil(args.samples / k)  # the batch dim must divide over its mesh dim
+        n = args.samples
         lines = np.flatnonzero(held[:-cfg.length - 1] == ord("\n"))
         picks = lines[np.linspace(0, len(lines) - 1, n + 2).astype(int)[1:-1]] + 1
         prompts = np.stack([held[p - cfg.length:p] if p >= cfg.length else held[:cfg.length] for p in picks])

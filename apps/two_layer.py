@@ -215,7 +215,7 @@ def run_layout(rules: str, s: Sizes, args, comm_size: int) -> None:
     say(f"\n== layout {name}   mesh {shape}")
     try:
         with mm.layout_scope(mesh, rules):
-            mesh.plan(mm.Shape(list(s)))  # sizes divisible, mesh dims known, each used once
+            mesh.plan(mm.Shape(list(s)))  # mesh dims known, each used once
     except mm.LayoutError as e:
         say(f"   skipped: {e}")
         return

@@ -430,7 +430,8 @@ def parse_overrides(specs: Sequence[str]) -> Dict[str, Dict[str, int]]:
 
 def check_case(case: Case) -> None:
     """UsageError if the case's layout names a dim its workload lacks, or does not fit its mesh
-    (unknown mesh dim, two dims of one tensor on one mesh dim, a size not divisible)."""
+    (unknown mesh dim, two dims of one tensor on one mesh dim, a size not divisible: the step runs, but the
+    communication formulas count equal blocks)."""
     wl = WORKLOADS[case.workload]
     where = f"{case.workload}, {case.mode} scaling, {case.ranks} ranks, layout {case.layout} ({case.rules or '[]'})"
     try:
@@ -446,9 +447,13 @@ def check_case(case: Case) -> None:
         raise UnfitError(f"{where}: mesh {case.mesh} has {mesh_shape.size} processors, not {case.ranks}")
     for shape in wl.shapes(case.sizes):
         try:
-            plan_layout(shape, mesh_shape, rules)
+            layout = plan_layout(shape, mesh_shape, rules)
         except mm.LayoutError as e:
             raise UnfitError(f"{where}, mesh {case.mesh}: {e}") from e
+        for d, m in zip(shape, layout):  # mpimesh runs uneven blocks, but the formulas here assume equal ones
+            if m is not None and d.size % mesh_shape[m].size:
+                raise UnfitError(f"{where}, mesh {case.mesh}: dim {d.name!r} (size {d.size}) is not divisible by "
+                                 f"mesh dim {m!r} (size {mesh_shape[m].size}); the scaling formulas need equal blocks")
 
 
 def plan_cases(args: argparse.Namespace, n: int, skipped: Optional[List[str]] = None) -> List[Case]:

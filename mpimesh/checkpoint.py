@@ -4,7 +4,8 @@ A checkpoint is a directory holding `index.json` and one `part-NNNNN.bin` per me
 writes slices (NNNNN: the position's row-major index in the mesh it was saved from). A part file is
 the raw little-endian bytes of that position's slices, one after another. Among ranks holding
 identical replicas of a slice only the one at coordinate 0 of every mesh dim the tensor is not split
-over writes it. The index names each tensor (dims and sizes, dtype, layout, the mesh it was saved
+over writes it. Slices are the layout's blocks (`numpy.array_split`'s), so they may differ in shape
+and be empty. The index names each tensor (dims and sizes, dtype, layout, the mesh it was saved
 from) and each slice (file, global offset, shape, byte offset and length, a CRC-32 per chunk of
 `chunk_elements` elements). No pickle anywhere.
 
@@ -247,21 +248,27 @@ def _test_pause(mesh, target: str) -> None:
 
 
 def _fill_crcs(mesh, plan: dict, me: int, crcs: list[list[int]]) -> None:
-    """Gather every writer's chunk checksums onto every rank and put them into `plan`'s slices."""
-    per = [math.ceil(math.prod(spec["slices"][0]["shape"]) / spec["chunk_elements"])
-           for spec in plan["tensors"]]
+    """Gather every writer's chunk checksums onto every rank and put them into `plan`'s slices.
+
+    Each tensor gets as many entries per rank as its largest slice has chunks (slices of an uneven
+    layout differ in size), so every rank contributes a vector of the same length."""
+    def chunks(spec: dict, s: dict) -> int:
+        return math.ceil(math.prod(s["shape"]) / spec["chunk_elements"])
+
+    per = [max(chunks(spec, s) for s in spec["slices"]) for spec in plan["tensors"]]
     vec, it = np.zeros(sum(per), np.int64), iter(crcs)
     starts = np.cumsum([0] + per)
     for k, spec in enumerate(plan["tensors"]):
         if any(s["_pos"] == me for s in spec["slices"]):
-            vec[starts[k]:starts[k + 1]] = next(it)
+            mine = next(it)
+            vec[starts[k]:starts[k] + len(mine)] = mine
     x = vec.reshape((1,) * mesh.shape.rank + vec.shape)
     for axis, m in enumerate(mesh.shape.names):
         x = mesh.collectives.allgather(x, m, axis)
     x = x.reshape(mesh.size, vec.size)  # row-major mesh position -> checksums
     for k, spec in enumerate(plan["tensors"]):
         for s in spec["slices"]:
-            s["crc32"] = [int(c) for c in x[s.pop("_pos"), starts[k]:starts[k + 1]]]
+            s["crc32"] = [int(c) for c in x[s.pop("_pos"), starts[k]:starts[k] + chunks(spec, s)]]
 
 
 def _is_checkpoint(path: str) -> bool:

@@ -3,10 +3,10 @@
 Every check that can raise runs on shapes and layouts alone, which are the same on every
 rank, so every rank raises the same error before any communication starts.
 
->>> raise LayoutError("dim 'batch' (size 6) is not divisible by mesh dim 'rows' (size 4)")
+>>> raise LayoutError("dim 'batch' is laid out on mesh dim 'planes', but the mesh has dims ['rows', 'cols']")
 Traceback (most recent call last):
 ...
-mpimesh.errors.LayoutError: dim 'batch' (size 6) is not divisible by mesh dim 'rows' (size 4)
+mpimesh.errors.LayoutError: dim 'batch' is laid out on mesh dim 'planes', but the mesh has dims ['rows', 'cols']
 """
 
 
@@ -15,8 +15,8 @@ class MpimeshError(ValueError):
 
 
 class LayoutError(MpimeshError):
-    """A layout that cannot be realised: two tensor dims on one mesh dim, an unknown mesh dim,
-    or a size not divisible by its mesh dim."""
+    """A layout that cannot be realised: two tensor dims on one mesh dim, or an unknown mesh dim
+    (sizes need not divide: a dim is cut like `numpy.array_split`)."""
 
 
 class ShapeError(MpimeshError):

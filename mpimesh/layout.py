@@ -96,7 +96,7 @@ def plan_layout(shape: Shape, mesh_shape: Shape, rules: LayoutRules) -> TensorLa
 
 
 def validate_layout(shape: Shape, mesh_shape: Shape, layout: TensorLayout) -> TensorLayout:
-    """Check a tensor layout: known mesh dims, each used once, sizes divisible."""
+    """Check a tensor layout: known mesh dims, each used once (sizes need not divide: see `block`)."""
     used: dict[str, str] = {}
     for dim, mdim in zip(shape, layout):
         if mdim is None:
@@ -107,10 +107,6 @@ def validate_layout(shape: Shape, mesh_shape: Shape, layout: TensorLayout) -> Te
         if mdim in used:
             raise LayoutError(f"tensor dims {used[mdim]!r} and {dim.name!r} of shape {shape} are both "
                               f"laid out on mesh dim {mdim!r} (size {mesh_shape[mdim].size})")
-        k = mesh_shape[mdim].size
-        if dim.size % k:
-            raise LayoutError(f"dim {dim.name!r} (size {dim.size}) is not divisible by mesh dim "
-                              f"{mdim!r} (size {k}) in shape {shape}")
         used[mdim] = dim.name
     return tuple(layout)
 

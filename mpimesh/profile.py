@@ -93,6 +93,7 @@ def _fold(running: dict, now: dict) -> None:
 def visualize(t) -> str:
     """Which global slice each rank holds: a grid of the blocks of the split dims (rows: the first
     split dim, columns: the others), each cell naming the ranks that hold it, then one line per rank.
+    Blocks are `numpy.array_split`'s, so they may differ in size or be empty (marked `(empty)`).
     Pure layout arithmetic, no communication.
 
     >>> import mpimesh as mm
@@ -109,21 +110,24 @@ def visualize(t) -> str:
     from .layout import slice_bounds
     mesh, names = t.mesh, t.shape.names
     layout = ", ".join(f"{k}: {v}" for k, v in t.layout.items())
-    holders: dict = {}  # a block's ((start, stop) per dim) -> the ranks holding it
+    holders: dict = {}  # a block's ((coord, start, stop) per dim) -> the ranks holding it
     lines = []
     for rank, coords in enumerate(product(*[range(s) for s in mesh.shape.sizes])):
         c = dict(zip(mesh.shape.names, coords))
-        block = tuple((b.start, b.stop) for b in slice_bounds(t.shape, mesh.shape, t.tensor_layout, c))
+        bounds = slice_bounds(t.shape, mesh.shape, t.tensor_layout, c)
+        # the coordinate tells apart the empty blocks that share their bounds
+        block = tuple((c[m] if m else 0, b.start, b.stop) for m, b in zip(t.tensor_layout, bounds))
         holders.setdefault(block, []).append(rank)
         where = ",".join(f"{k}={v}" for k, v in c.items())
-        lines.append(f"  rank {rank} ({where}): " + _label(names, block, range(len(names))))
+        empty = " (empty)" if any(b.start == b.stop for b in bounds) else ""
+        lines.append(f"  rank {rank} ({where}): " + _label(names, block, range(len(names))) + empty)
     head = f"DistTensor {t.shape} {t.dtype} on mesh {mesh.shape}, layout {{{layout}}}"
     return "\n".join([head, "", *_grid(t, holders), "", *lines])
 
 
-def _label(names, block: tuple, axes) -> str:
-    """`a[0:2] b[3:6]`: the ranges of `block` along `axes`."""
-    return " ".join(f"{names[i]}[{block[i][0]}:{block[i][1]}]" for i in axes)
+def _label(names, block, axes) -> str:
+    """`a[0:2] b[3:6]`: the ranges of `block` ((coord, start, stop) per axis) along `axes`."""
+    return " ".join(f"{names[i]}[{block[i][1]}:{block[i][2]}]" for i in axes)
 
 
 def _grid(t, holders: dict) -> list[str]:

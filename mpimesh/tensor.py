@@ -51,7 +51,7 @@ class DistTensor:
         coll = self.mesh.collectives
         for axis, m in enumerate(self.tensor_layout):
             if m is not None:
-                x = coll.allgather(x, m, axis)
+                x = coll.allgather(x, m, axis, self.shape[axis].size)
         return to_host(x)
 
     def __repr__(self) -> str:
@@ -140,11 +140,12 @@ def from_numpy(mesh, array, shape: ShapeLike, layout=None) -> DistTensor:
 
 
 def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
-    """Assemble a tensor from each rank's own slice (a collective: a wrong slice shape on any
-    rank raises ShapeError on every rank)."""
+    """Assemble a tensor from each rank's own slice: its block of every split dim, cut like
+    `numpy.array_split` (so slices may differ in shape between ranks, or be empty). A collective:
+    a wrong slice shape on any rank raises ShapeError on every rank."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
-    want = local_sizes(shape, mesh.shape, tl)
+    want = local_sizes(shape, mesh.shape, tl, mesh.coords)
     got = tuple(getattr(local, "shape", ()))
     dtype = getattr(local, "dtype", None)
     try:
@@ -154,8 +155,9 @@ def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
         bad_dtype = str(e)
     if mesh.collectives.any_rank(got != want or bad_dtype is not None):
         raise ShapeError(f"from_local: each rank's slice of {shape} with layout {layout_dict(shape, tl)} "
-                         f"must have shape {want} and a numeric dtype; rank {mesh.rank} has {got}"
-                         f"{f' ({bad_dtype})' if bad_dtype else ''} (or another rank differs)")
+                         f"must be its block, of a numeric dtype; rank {mesh.rank} has shape {got}"
+                         f"{f' ({bad_dtype})' if bad_dtype else ''}, its block has shape {want} "
+                         f"(or another rank's slice is wrong)")
     return DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
 
 
@@ -165,7 +167,7 @@ def full(mesh, shape: ShapeLike, value, dtype="float32", layout=None) -> DistTen
     dt = as_dtype(dtype)
     fill = fill_value(value, dt, f"full({shape})")
     tl = _layout(mesh, shape, layout)
-    return DistTensor(mesh, shape, tl, mesh.xp.full(local_sizes(shape, mesh.shape, tl), fill, dt))
+    return DistTensor(mesh, shape, tl, mesh.xp.full(local_sizes(shape, mesh.shape, tl, mesh.coords), fill, dt))
 
 
 def fill_value(value, dt: np.dtype, what: str):

@@ -18,7 +18,9 @@ import mpimesh as mm
 _SHAPES = {
     1: ["all:1", "rows:1;cols:1", "rows:1;cols:1;planes:1"],
     2: ["all:2", "rows:1;cols:2", "rows:2;cols:1;planes:1"],
+    3: ["all:3", "rows:1;cols:3", "rows:3;cols:1;planes:1"],
     4: ["all:4", "rows:2;cols:2", "rows:1;cols:2;planes:2"],
+    6: ["all:6", "rows:2;cols:3", "rows:3;cols:1;planes:2"],
     8: ["all:8", "rows:2;cols:4", "rows:2;cols:2;planes:2"],
 }
 
@@ -89,13 +91,22 @@ def spec(rules: dict) -> str:
 
 def expected_local(ref: np.ndarray, names: tuple, layout: dict, mesh: mm.Mesh) -> np.ndarray:
     """This rank's block of the global `ref` under `layout` (independent slice arithmetic)."""
-    index = []
+    out = ref
     for axis, name in enumerate(names):
         m = layout.get(name)
-        k, c = (mesh.shape[m].size, mesh.coords[m]) if m else (1, 0)
-        n = ref.shape[axis] // k
-        index.append(slice(c * n, (c + 1) * n))
-    return ref[tuple(index)]
+        if m:  # block c of numpy.array_split, the contract's cut (blocks may be uneven or empty)
+            out = np.array_split(out, mesh.shape[m].size, axis=axis)[mesh.coords[m]]
+    return out
+
+
+def local_size(mesh: mm.Mesh, sizes: dict, layout: dict) -> int:
+    """Elements of this rank's block of a tensor with dim `sizes` under `layout` (numpy.array_split
+    lengths, independent of mpimesh's arithmetic)."""
+    n = 1
+    for d, s in sizes.items():
+        m = layout.get(d)
+        n *= len(np.array_split(np.arange(s), mesh.shape[m].size)[mesh.coords[m]]) if m else s
+    return n
 
 
 def collectives(prof) -> dict:

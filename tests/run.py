@@ -1,8 +1,8 @@
-"""The test entry point: the whole suite under MPI on 1, 2, 4 and 8 ranks.
+"""The test entry point: the whole suite under MPI on 1, 2, 3, 4 and 8 ranks (3: uneven blocks).
 
 Usage::
 
-    python tests/run.py                          # every test, on 1, 2, 4 and 8 ranks
+    python tests/run.py                          # every test, on 1, 2, 3, 4 and 8 ranks
     MPIMESH_TEST_RANKS="1 4" python tests/run.py -x -k einsum
     python tests/run.py tests/test_shape.py      # paths given replace tests/
 
@@ -47,7 +47,7 @@ def _has_paths(args: List[str]) -> bool:
 
 
 def main(extra: List[str]) -> int:
-    ranks = [int(n) for n in os.environ.get("MPIMESH_TEST_RANKS", "1 2 4 8").split()]
+    ranks = [int(n) for n in os.environ.get("MPIMESH_TEST_RANKS", "1 2 3 4 8").split()]
     timeout = int(os.environ.get("MPIMESH_TEST_TIMEOUT", "1800"))
     mpiexec = find_mpiexec()
     env: Dict[str, str] = dict(os.environ, MPIEXEC_TIMEOUT=str(timeout), MPIMESH_TEST_QUIET_NONZERO="1")

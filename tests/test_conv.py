@@ -1,6 +1,8 @@
 """mm.conv2d and mm.conv1d against a direct numpy loop-over-taps reference (explicit padding), for
 SAME/VALID, strides 1 and 2, dilation 1 and 2, with batch, one or both spatial dims, in- and
-out-channels split; the halo traffic; LayoutError for outputs that do not divide; gradients."""
+out-channels split, in equal blocks and in numpy.array_split blocks of sizes that do not divide
+(input and output blocks that do not line up, blocks shorter than the halo, empty blocks); the
+halo traffic; gradients."""
 from __future__ import annotations
 
 import itertools
@@ -76,6 +78,7 @@ CONFIGS = [
     (3, 3, (1, 1), "VALID", (4, 4)),  # 8 outputs, halo of 4 rows/cols per side
 ]
 X2 = "b:8;h:16;w:16;ci:4"
+X2_UNEVEN = "b:3;h:11;w:10;ci:4"  # over 3, 4 or 8 ranks: unequal blocks, some shorter than a halo
 
 
 def rule_sets(mesh: mm.Mesh) -> list[dict]:
@@ -93,34 +96,25 @@ def rule_sets(mesh: mm.Mesh) -> list[dict]:
     return [r for r in out if len(set(r.values())) == len(r)]
 
 
-def divisible(mesh: mm.Mesh, sizes: dict, rules: dict) -> bool:
-    return all(sizes[d] % mesh.shape[m].size == 0 for d, m in rules.items() if d in sizes)
-
-
+@pytest.mark.parametrize("xs", [X2, X2_UNEVEN])
 @pytest.mark.parametrize("mesh_shape", SHAPES)
-def test_conv2d_forward(mesh_shape):
+def test_conv2d_forward(mesh_shape, xs):
     mesh = get_mesh(mesh_shape)
-    x = global_array(X2, seed=1)
+    x = global_array(xs, seed=1)
+    nb, ci = mm.Shape(xs)["b"].size, mm.Shape(xs)["ci"].size
     errs = []
     for fh, fw, strides, padding, dilation in CONFIGS:
-        w = global_array(f"fh:{fh};fw:{fw};ci:4;co:8", seed=2)
+        w = global_array(f"fh:{fh};fw:{fw};ci:{ci};co:8", seed=2)
         want = np_conv(x.astype(np.float64), w.astype(np.float64), strides, padding, dilation)
         oh, ow = want.shape[1:3]
         for rules in rule_sets(mesh):
-            in_sizes = {"b": 8, "h": 16, "w": 16, "ci": 4, "co": 8}
-            if not divisible(mesh, in_sizes, rules):
-                continue
-            what = f"{fh}x{fw} s={strides} {padding} d={dilation} rules={rules}"
+            what = f"{xs} {fh}x{fw} s={strides} {padding} d={dilation} rules={rules}"
             with mm.layout_scope(mesh, spec(rules)):
-                xt = mesh.from_numpy(x, X2)
-                wt = mesh.from_numpy(w, f"fh:{fh};fw:{fw};ci:4;co:8")
-                if not divisible(mesh, {"h": oh, "w": ow}, rules):
-                    with pytest.raises(mm.LayoutError, match="'[hw]'"):
-                        mm.conv2d(xt, wt, strides, padding, dilation)
-                    continue
+                xt = mesh.from_numpy(x, xs)
+                wt = mesh.from_numpy(w, f"fh:{fh};fw:{fw};ci:{ci};co:8")
                 y = mm.conv2d(xt, wt, strides=strides, padding=padding, dilation=dilation)
             want_layout = {d: m for d, m in rules.items() if d != "ci"}
-            if y.shape != mm.Shape(f"b:8;h:{oh};w:{ow};co:8") or y.layout != want_layout:
+            if y.shape != mm.Shape(f"b:{nb};h:{oh};w:{ow};co:8") or y.layout != want_layout:
                 errs.append(f"{what}: shape {y.shape} layout {y.layout}")
                 continue
             try:
@@ -132,31 +126,32 @@ def test_conv2d_forward(mesh_shape):
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_conv1d_forward(mesh_shape):
+    """Lengths 32 (equal blocks on 2, 4, 8 ranks), 13 and 5 (unequal; 5 over 8 leaves 3 empty)."""
     mesh = get_mesh(mesh_shape)
-    x = global_array("b:2;len:32;ci:3", seed=3)
     errs = []
-    for f, s, padding, d in ((3, 1, "SAME", 1), (3, 2, "SAME", 2), (4, 1, "SAME", 1), (5, 1, "VALID", 1),
-                             (2, 2, "VALID", 1), (3, 1, "VALID", 2), (3, 3, "SAME", 1), (9, 1, "SAME", 3)):
-        w = global_array(f"tap:{f};ci:3;co:2", seed=4)
-        want = np_conv(x.astype(np.float64), w.astype(np.float64), (s,), padding, (d,))
-        o = want.shape[1]
-        for m in [None] + big(mesh):
-            rules = {"len": m} if m else {}
-            with mm.layout_scope(mesh, spec(rules)):
-                xt = mesh.from_numpy(x, "b:2;len:32;ci:3")
-                wt = mesh.from_numpy(w, f"tap:{f};ci:3;co:2")
-                if not divisible(mesh, {"len": o}, rules):
-                    with pytest.raises(mm.LayoutError, match="'len'"):
-                        mm.conv1d(xt, wt, s, padding, d)
+    for n in (32, 13, 5):
+        xs = f"b:2;len:{n};ci:3"
+        x = global_array(xs, seed=3)
+        for f, s, padding, d in ((3, 1, "SAME", 1), (3, 2, "SAME", 2), (4, 1, "SAME", 1), (5, 1, "VALID", 1),
+                                 (2, 2, "VALID", 1), (3, 1, "VALID", 2), (3, 3, "SAME", 1), (9, 1, "SAME", 3),
+                                 (2, 1, ((3, 0),), 1), (1, 4, ((0, 6),), 1)):
+            w = global_array(f"tap:{f};ci:3;co:2", seed=4)
+            want = np_conv(x.astype(np.float64), w.astype(np.float64), (s,), padding, (d,))
+            o = want.shape[1]
+            for m in [None] + big(mesh):
+                rules = {"len": m} if m else {}
+                with mm.layout_scope(mesh, spec(rules)):
+                    xt = mesh.from_numpy(x, xs)
+                    wt = mesh.from_numpy(w, f"tap:{f};ci:3;co:2")
+                    y = mm.conv1d(xt, wt, stride=s, padding=padding, dilation=d)
+                what = f"len={n} f={f} s={s} {padding} d={d} {rules}"
+                if y.shape != mm.Shape(f"b:2;len:{o};co:2") or y.layout != rules:
+                    errs.append(f"{what}: {y.shape} {y.layout}")
                     continue
-                y = mm.conv1d(xt, wt, stride=s, padding=padding, dilation=d)
-            if y.shape != mm.Shape(f"b:2;len:{o};co:2") or y.layout != rules:
-                errs.append(f"f={f} s={s} {padding} d={d} {rules}: {y.shape} {y.layout}")
-                continue
-            try:
-                np.testing.assert_allclose(y.to_numpy(), want, rtol=1e-4, atol=1e-4)
-            except AssertionError as e:
-                errs.append(f"f={f} s={s} {padding} d={d} {rules}: {e}")
+                try:
+                    np.testing.assert_allclose(y.to_numpy(), want, rtol=1e-4, atol=1e-4)
+                except AssertionError as e:
+                    errs.append(f"{what}: {e}")
     assert not errs, f"{len(errs)} failures:\n" + "\n".join(errs[:4])
 
 
@@ -165,13 +160,17 @@ def test_explicit_padding():
     mesh = get_mesh(SHAPES[-1])
     b = big(mesh)
     rules = {"h": b[0], "w": b[-1]} if len(b) >= 2 else ({"h": b[0]} if b else {})
-    x, w = global_array(X2, seed=13), global_array("fh:3;fw:2;ci:4;co:8", seed=14)
-    for padding in (((1, 1), (0, 1)), ((2, 0), (1, 0)), ((0, 2), (4, 5))):  # outputs 16 or 24
-        want = np_conv(x.astype(np.float64), w.astype(np.float64), (1, 1), padding, (1, 1))
-        with mm.layout_scope(mesh, spec(rules)):
-            y = mm.conv2d(mesh.from_numpy(x, X2), mesh.from_numpy(w, "fh:3;fw:2;ci:4;co:8"), padding=padding)
-        assert y.shape == mm.Shape(f"b:8;h:{want.shape[1]};w:{want.shape[2]};co:8")
-        np.testing.assert_allclose(y.to_numpy(), want, rtol=1e-4, atol=1e-4)
+    w = global_array("fh:3;fw:2;ci:4;co:8", seed=14)
+    for xs in (X2, X2_UNEVEN):
+        x = global_array(xs, seed=13)
+        for padding in (((1, 1), (0, 1)), ((2, 0), (1, 0)), ((0, 2), (4, 5))):
+            for strides in ((1, 1), (2, 3)):
+                want = np_conv(x.astype(np.float64), w.astype(np.float64), strides, padding, (1, 1))
+                with mm.layout_scope(mesh, spec(rules)):
+                    y = mm.conv2d(mesh.from_numpy(x, xs), mesh.from_numpy(w, "fh:3;fw:2;ci:4;co:8"), strides,
+                                  padding=padding)
+                assert y.shape == mm.Shape(f"b:{x.shape[0]};h:{want.shape[1]};w:{want.shape[2]};co:8")
+                np.testing.assert_allclose(y.to_numpy(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
@@ -217,13 +216,6 @@ def test_errors():
         mm.conv2d(x, mesh.ones("fh:3;fw:3;ci:4;co:2"), strides=(1, 0))
     with pytest.raises(mm.ShapeError, match="'b'"):
         mm.conv2d(x, mesh.ones("fh:3;fw:3;ci:4;b:2"))
-    b = big(mesh)
-    if b:
-        k = mesh.shape[b[0]].size
-        xo = mesh.from_numpy(global_array(f"b:2;h:{4 * k + 1};ci:2"), f"b:2;h:{4 * k + 1};ci:2")
-        with mm.layout_scope(mesh, f"h:{b[0]}"):  # output h: 4k divides, input h: 4k+1 does not
-            with pytest.raises(mm.LayoutError, match=f"'h' \\(size {4 * k + 1}\\)"):
-                mm.conv1d(xo, mesh.ones("t:2;ci:2;co:1"), padding="VALID")
 
 
 def grad_layouts(mesh: mm.Mesh, dims: tuple) -> list[dict]:
@@ -236,36 +228,43 @@ def grad_layouts(mesh: mm.Mesh, dims: tuple) -> list[dict]:
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_conv2d_gradients(mesh_shape):
+    """Equal blocks (16 x 16 on 1, 2, 4, 8 ranks) and unequal ones (7 x 5: empty blocks on 8 ranks)."""
     mesh = get_mesh(mesh_shape)
-    xs, fs = "b:2;h:16;w:16;ci:2", "fh:3;fw:3;ci:2;co:2"
-    x, w = global_array(xs, seed=7, dtype=np.float64), global_array(fs, seed=8, dtype=np.float64)
-    for rules in grad_layouts(mesh, ("h", "w")):
-        for strides, dilation in (((1, 1), (1, 1)), ((2, 2), (2, 1))):
-            oh, ow = 16 // strides[0], 16 // strides[1]
-            ys = f"b:2;h:{oh};w:{ow};co:2"
-            r = global_array(ys, seed=9, dtype=np.float64)
-            with mm.layout_scope(mesh, spec(rules)):
-                check_gradients(mesh, lambda a, f, q, s=strides, d=dilation: mm.conv2d(a, f, s, "SAME", d) * q,
-                                [x, w, r], [xs, fs, ys], wrt=[0, 1])
+    fs = "fh:3;fw:3;ci:2;co:2"
+    w = global_array(fs, seed=8, dtype=np.float64)
+    for nh, nw in ((16, 16), (7, 5)):
+        xs = f"b:2;h:{nh};w:{nw};ci:2"
+        x = global_array(xs, seed=7, dtype=np.float64)
+        for rules in grad_layouts(mesh, ("h", "w")):
+            for strides, dilation in (((1, 1), (1, 1)), ((2, 2), (2, 1))):
+                oh, ow = (out_size(n, 3, s, d, "SAME")[0] for n, s, d in zip((nh, nw), strides, dilation))
+                ys = f"b:2;h:{oh};w:{ow};co:2"
+                r = global_array(ys, seed=9, dtype=np.float64)
+                with mm.layout_scope(mesh, spec(rules)):
+                    check_gradients(mesh, lambda a, f, q, s=strides, d=dilation: mm.conv2d(a, f, s, "SAME", d) * q,
+                                    [x, w, r], [xs, fs, ys], wrt=[0, 1])
 
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_conv1d_gradients(mesh_shape):
-    """conv1d gradients, including windows that differ per rank (VALID) and a split in-channels dim."""
+    """conv1d gradients, including windows that differ per rank (VALID), strided outputs whose
+    blocks do not line up with the input's (length 11), and a split in-channels dim."""
     mesh = get_mesh(mesh_shape)
-    xs = "b:2;len:16;ci:8"
-    x = global_array(xs, seed=10, dtype=np.float64)
-    for rules in grad_layouts(mesh, ("len", "ci")):
-        k = mesh.shape[rules["len"]].size if "len" in rules else 1
-        f, d = (3, 4) if k == 8 else (5, 1)  # VALID outputs 8 or 12
-        for tap, stride, padding, dil in ((f, 1, "VALID", d), (4, 2, "SAME", 1)):
-            fs = f"tap:{tap};ci:8;co:3"
-            o = out_size(16, tap, stride, dil, padding)[0]
-            ys = f"b:2;len:{o};co:3"
-            w, r = global_array(fs, seed=11, dtype=np.float64), global_array(ys, seed=12, dtype=np.float64)
-            with mm.layout_scope(mesh, spec(rules)):
-                check_gradients(mesh, lambda a, fl, q, s=stride, p=padding, dl=dil: mm.conv1d(a, fl, s, p, dl) * q,
-                                [x, w, r], [xs, fs, ys], wrt=[0, 1])
+    for n in (16, 11):
+        xs = f"b:2;len:{n};ci:8"
+        x = global_array(xs, seed=10, dtype=np.float64)
+        for rules in grad_layouts(mesh, ("len", "ci")):
+            k = mesh.shape[rules["len"]].size if "len" in rules else 1
+            f, d = (3, 4) if k == 8 else (5, 1)  # VALID outputs 8 or 12 (16), 3 or 7 (11)
+            for tap, stride, padding, dil in ((f, 1, "VALID", d), (4, 2, "SAME", 1), (3, 3, "VALID", 1)):
+                fs = f"tap:{tap};ci:8;co:3"
+                o = out_size(n, tap, stride, dil, padding)[0]
+                ys = f"b:2;len:{o};co:3"
+                w, r = global_array(fs, seed=11, dtype=np.float64), global_array(ys, seed=12, dtype=np.float64)
+                with mm.layout_scope(mesh, spec(rules)):
+                    check_gradients(mesh,
+                                    lambda a, fl, q, s=stride, p=padding, dl=dil: mm.conv1d(a, fl, s, p, dl) * q,
+                                    [x, w, r], [xs, fs, ys], wrt=[0, 1])
 
 
 def test_conv_second_order():

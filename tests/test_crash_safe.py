@@ -108,16 +108,26 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, victim):
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000003"]  # the newest 2, no leftovers
 
 
-def test_resume_on_another_rank_count_and_mesh(tmp_path):
+@pytest.mark.parametrize("n,mesh", [(4, "rows:2;cols:2"), (3, "rows:1;cols:3")])
+def test_resume_on_another_rank_count_and_mesh(tmp_path, n, mesh):
     """4 steps on 2 ranks (rows:1;cols:2, the paper's layout) against 2 steps there, then steps 3
-    and 4 resumed on 4 ranks (rows:2;cols:2) from its checkpoint: the same losses, step by step."""
+    and 4 resumed on `n` ranks from its checkpoint: the same losses, step by step. On 3 ranks the
+    heads (8) and d_ff (32) split unevenly, and the checkpoint of step 4 written there loads on one
+    rank with the reference's parameters."""
     a, b = tmp_path / "a", tmp_path / "b"
     run(2, "--steps", "4", "--log-json", str(a))
     run(2, "--steps", "2", "--checkpoint", str(tmp_path / "ck"), "--log-json", str(b))
-    out = run(4, "--steps", "4", "--checkpoint", str(tmp_path / "ck"), "--resume", "--mesh", "rows:2;cols:2",
+    out = run(n, "--steps", "4", "--checkpoint", str(tmp_path / "ck"), "--resume", "--mesh", mesh,
               "--log-json", str(tmp_path / "c"))
-    assert "4 ranks, mesh [rows:2, cols:2]" in out and "at step 2" in out
+    assert f"{n} ranks, mesh {mm.Shape(mesh)}" in out and "at step 2" in out
     straight, resumed = logged(a), {**logged(b), **logged(tmp_path / "c")}
     assert list(straight) == list(resumed) == [1, 2, 3, 4]
     np.testing.assert_allclose(list(resumed.values()), list(straight.values()), rtol=1e-5)
-    assert checkpoint.steps(str(tmp_path / "ck"), mm.Mesh("all:1", comm=MPI.COMM_SELF)) == [3, 4]
+    one = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    assert checkpoint.steps(str(tmp_path / "ck"), one) == [3, 4]
+    if n == 3:
+        after = reference(4)[1][-1]
+        saved = mm.load(checkpoint.step_path(str(tmp_path / "ck"), 4), one)
+        assert int(saved["opt/step"].to_numpy()) == 4
+        for name, value in after.items():
+            np.testing.assert_allclose(saved[f"params/{name}"].to_numpy(), value, rtol=1e-4, atol=1e-6, err_msg=name)

@@ -1,6 +1,8 @@
 """mm.dropout: the mask is the same under every mesh, layout and rank count (compared with a 1-rank
-COMM_SELF mesh), kept values are scaled by 1/(1-rate), the kept fraction is about 1-rate, no
-communication; gradients. mm.stop_gradient: identity forward, zero gradient."""
+COMM_SELF mesh), sizes that do not divide and empty blocks included, kept values are scaled by
+1/(1-rate), the kept fraction is about 1-rate, no communication; gradients. The random tensors it
+shares its hash with (mesh.random_uniform/random_normal) are layout-independent too.
+mm.stop_gradient: identity forward, zero gradient."""
 from __future__ import annotations
 
 import functools
@@ -50,6 +52,43 @@ def test_mask_same_for_every_layout_and_rank_count(mshape: str) -> None:
                 got = y.to_numpy()
                 errs.expect(np.allclose(got, want, rtol=1e-14, atol=0) and np.array_equal(got != 0, mask),
                             f"rate={rate} seed={seed} x={lay} rules={rules}: mask or values differ")
+    errs.check()
+
+
+UNEVEN = "a:5;b:2;c:7"  # no divisor of 3 or 4 ranks; b:2 leaves blocks empty on 3 or more
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_uneven_and_empty_blocks(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    a = global_array(UNEVEN, 5, np.float64)
+    mask = reference_mask(UNEVEN, 0.4, 11)
+    want = np.where(mask, a / 0.6, 0.0)
+    for lay in layouts(mesh, ["a", "b", "c"]):
+        x = mesh.from_numpy(a, UNEVEN, layout=lay)
+        with mm.layout_scope(mesh, lay), mm.profile() as prof:
+            y = mm.dropout(x, 0.4, 11)
+        errs.expect(not [k for k in prof.counters if k != "flops"], f"x={lay}: communicated: {prof.counters}")
+        got = y.to_numpy()
+        errs.expect(np.allclose(got, want, rtol=1e-14, atol=0) and np.array_equal(got != 0, mask),
+                    f"x={lay}: mask or values differ")
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_random_tensors_uneven_and_empty_blocks(mshape: str) -> None:
+    """random_uniform/random_normal give the 1-rank values under every layout, uneven ones included."""
+    mesh, errs = get_mesh(mshape), Errors()
+    uniform = self_mesh().random_uniform(UNEVEN, seed=3, minval=-2.0, maxval=5.0, dtype="float64").to_numpy()
+    normal = self_mesh().random_normal(UNEVEN, seed=4, dtype="float32").to_numpy()
+    errs.expect(bool(((-2.0 <= uniform) & (uniform < 5.0)).all()) and np.unique(normal).size == normal.size,
+                "reference draws out of range or repeated")
+    for lay in layouts(mesh, ["a", "b", "c"]):
+        u = mesh.random_uniform(UNEVEN, seed=3, minval=-2.0, maxval=5.0, dtype="float64", layout=lay)
+        z = mesh.random_normal(UNEVEN, seed=4, dtype="float32", layout=lay)
+        errs.expect(u.layout == lay and z.layout == lay, f"layouts {u.layout} {z.layout} != {lay}")
+        errs.expect(np.array_equal(u.to_numpy(), uniform), f"random_uniform x={lay} differs")
+        errs.expect(np.array_equal(z.to_numpy(), normal), f"random_normal x={lay} differs")
     errs.check()
 
 

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from meshes import (  # noqa: E402
-    big, collectives, Errors, expected_local, get_mesh, global_array, layouts, mesh_shapes)
+    big, collectives, Errors, expected_local, get_mesh, global_array, layouts, local_size, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
 
@@ -210,13 +210,6 @@ def test_bad_output_raises() -> None:
 
 
 # --------------------------------------------------------------------------------- communication
-
-def local_size(mesh: mm.Mesh, sizes: dict, layout: dict) -> int:
-    n = 1
-    for d, s in sizes.items():
-        n *= s // (mesh.shape[layout[d]].size if d in layout else 1)
-    return n
-
 
 @pytest.mark.parametrize("mshape", SHAPES)
 def test_split_contracted_dim_allreduces_once(mshape: str) -> None:

@@ -755,9 +755,9 @@ def _op_case(op: str, x, g, args: dict, mesh, mesh_shape):
             ax, h = _axis(a["dim"]), int(a["halo"])
             m = mesh.plan(x.shape)[ax]
             k = mesh.shape[m].size if m else 1
-            n = g.shape[ax] // k
+            starts = np.cumsum([0] + [len(b) for b in np.array_split(np.arange(g.shape[ax]), k)])
             p = np.pad(g, [(h, h) if i == ax else (0, 0) for i in range(3)])
-            ref = np.concatenate([np.take(p, np.arange(c * n, c * n + n + 2 * h), ax) for c in range(k)], ax)
+            ref = np.concatenate([np.take(p, np.arange(starts[c], starts[c + 1] + 2 * h), ax) for c in range(k)], ax)
             _close(y.to_numpy(), ref)
         elif op == "cumsum":
             y = mm.cumsum(x, a["dim"], exclusive=a["exclusive"])

@@ -90,6 +90,17 @@ def test_check_changes_no_value_and_no_count():
     assert plain_counts == checked_counts
 
 
+@pytest.mark.skipif(N < 4 or N % 2, reason="needs a mesh with two dims of size > 1")
+def test_uneven_blocks_of_another_mesh_dim_are_not_a_divergence(checked):
+    """a:3 over rows leaves the rows groups different local shapes; collectives over cols (each
+    within one row) are consistent and must pass the check, with the right values."""
+    mesh = mm.Mesh(f"rows:2;cols:{N // 2}", layout="a:rows;b:cols")
+    g = np.arange(21.0).reshape(3, 7)
+    x = mesh.from_numpy(g, "a:3;b:7")
+    np.testing.assert_array_equal(mm.shift(x, 1, "b", wrap=True).to_numpy(), np.roll(g, 1, axis=1))
+    np.testing.assert_array_equal(mm.reduce_sum(x, reduced_dim="b").to_numpy(), g.sum(1))
+
+
 def test_settings_reject_bad_values():
     with pytest.raises(mm.MpimeshError, match="positive number of seconds"):
         mm.set_collective_timeout(-1)

@@ -1,5 +1,6 @@
 """one_hot, gather, top_k and argmax against numpy on the global arrays, over 1-D/2-D/3-D meshes and
-several layouts (split output/vocabulary/reduced dims included), their communication, and gradients."""
+several layouts (split output/vocabulary/reduced dims included; sizes that do not divide the mesh
+dims and blocks left empty), their communication, and gradients."""
 from __future__ import annotations
 
 import os
@@ -19,11 +20,14 @@ pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()
 
 
+def block_len(mesh: mm.Mesh, size: int, m) -> int:
+    """This rank's block length of a dim of `size` split over mesh dim `m` (None: whole)."""
+    return len(np.array_split(np.arange(size), mesh.shape[m].size)[mesh.coords[m]]) if m else size
+
+
 def local_size(mesh: mm.Mesh, sizes: dict, layout: dict) -> int:
-    n = 1
-    for d, s in sizes.items():
-        n *= s // (mesh.shape[layout[d]].size if d in layout else 1)
-    return n
+    """This rank's element count of a tensor with dims `sizes` laid out by `layout`."""
+    return int(np.prod([block_len(mesh, s, layout.get(d)) for d, s in sizes.items()]))
 
 
 def rule_variants(mesh: mm.Mesh, a: str, b: str) -> list[dict]:
@@ -286,7 +290,7 @@ def test_top_k_split_dim_exchanges_only_candidates(mshape: str) -> None:
                 x = mesh.from_numpy(data, "b:8;v:64", layout={"v": m, **rules})
                 with mm.layout_scope(mesh, rules), mm.profile() as prof:
                     v, i = mm.top_k(x, "v", mm.Dimension("k", k))
-                cand = local_size(mesh, {"b": 8}, rules) * min(k, 64 // mesh.shape[m].size)
+                cand = local_size(mesh, {"b": 8}, rules) * min(k, block_len(mesh, 64, m))
                 want = {f"allgather/{m}": {"calls": 2, "elements": 2 * cand, "bytes": 8 * cand}}
                 errs.expect(collectives(prof) == want, f"m={m} k={k} rules={rules}: {collectives(prof)} != {want}")
                 errs.result(f"m={m} k={k} rules={rules} values", v, rv, ("b", "k"), rules)
@@ -318,7 +322,8 @@ def test_argmax_split_dim_exchanges_one_candidate(mshape: str) -> None:
         x = mesh.from_numpy(data, "b:8;v:32", layout={"v": m})
         with mm.profile() as prof:
             y = mm.argmax(x, "v")
-        want = {f"allgather/{m}": {"calls": 2, "elements": 16, "bytes": 32 + 32}}
+        n = min(1, block_len(mesh, 32, m))  # one candidate per row from a non-empty block
+        want = {f"allgather/{m}": {"calls": 2, "elements": 16 * n, "bytes": (32 + 32) * n}}
         errs.expect(collectives(prof) == want, f"m={m}: {collectives(prof)} != {want}")
         errs.result(f"m={m}", y, ref, ("b",), {})
     errs.check()
@@ -332,6 +337,168 @@ def test_top_k_gradient(mshape: str) -> None:
     cases = [{}] + [{"v": m} for m in bd] + [{"b": m} for m in bd[:1]]
     for lx in cases:
         check_gradients(mesh, lambda x: mm.square(mm.top_k(x, "v", "k:3")[0]), [data], ["b:8;v:16"], [lx])
+
+
+# ------------------------------------------------------------------- uneven and empty blocks
+
+UNEVEN = (2, 5, 7, 10)  # no divisor of 3 or 4 ranks; 2 leaves blocks empty on 3 or more
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_one_hot_uneven_and_empty_blocks(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    for v in UNEVEN:
+        idx = int_array("b:5;s:3", -1, v + 1, v)
+        ref = (idx[..., None] == np.arange(v)).astype(np.float32)
+        for rules in rule_variants(mesh, "b", "v"):
+            for li in layouts(mesh, ["b", "s"], limit=3):
+                i = mesh.from_numpy(idx, "b:5;s:3", layout=li)
+                with mm.layout_scope(mesh, rules), mm.profile() as prof:
+                    y = mm.one_hot(i, f"v:{v}")
+                if li == {d: m for d, m in rules.items() if d != "v"}:
+                    errs.expect(collectives(prof) == {}, f"v={v} rules={rules}: {collectives(prof)}")
+                errs.result(f"v={v} rules={rules} i={li}", y, ref, ("b", "s", "v"), rules)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_gather_uneven_and_empty_blocks(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    for v in UNEVEN:
+        w = global_array(f"v:{v};d:3", v)
+        idx = int_array("b:5;s:2", -1, v + 1, v + 1)
+        ref = gather_ref(w, idx)
+        for rules in rule_variants(mesh, "b", "d"):
+            for lw in layouts(mesh, ["v", "d"], limit=4):
+                for li in layouts(mesh, ["b", "s"], limit=2):
+                    x = mesh.from_numpy(w, f"v:{v};d:3", layout=lw)
+                    i = mesh.from_numpy(idx, "b:5;s:2", layout=li)
+                    with mm.layout_scope(mesh, rules):
+                        y = mm.gather(x, i, "v")
+                    errs.result(f"v={v} rules={rules} w={lw} i={li}", y, ref, ("b", "s", "d"), rules)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_gather_batched_uneven(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    w = global_array("n:5;v:7;d:2", 31)
+    idx = int_array("s:3;n:5", 0, 7, 32)
+    ref = np.stack([w[np.arange(5), idx[s]] for s in range(3)])  # [s, n, d]
+    for rules in [{}] + [{"n": m} for m in big(mesh)[:1]] + [{"s": m} for m in big(mesh)[-1:]]:
+        for lw in layouts(mesh, ["n", "v", "d"], limit=4):
+            for li in layouts(mesh, ["s", "n"], limit=3):
+                x = mesh.from_numpy(w, "n:5;v:7;d:2", layout=lw)
+                i = mesh.from_numpy(idx, "s:3;n:5", layout=li)
+                with mm.layout_scope(mesh, rules):
+                    y = mm.gather(x, i, "v")
+                errs.result(f"rules={rules} w={lw} i={li}", y, ref, ("s", "n", "d"), rules)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_gather_uneven_vocab_one_allreduce(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    w, idx = global_array("v:5;d:3", 33), int_array("b:7", 0, 5, 34)
+    for m in big(mesh):
+        others = [o for o in big(mesh) if o != m]
+        for rules in [{}] + [{"b": o} for o in others[:1]]:
+            x = mesh.from_numpy(w, "v:5;d:3", layout={"v": m})
+            i = mesh.from_numpy(idx, "b:7", layout=rules)
+            with mm.layout_scope(mesh, rules), mm.profile() as prof:
+                y = mm.gather(x, i, "v")
+            n = local_size(mesh, {"b": 7, "d": 3}, rules)
+            want = {f"allreduce/{m}": {"calls": 1, "elements": n, "bytes": 4 * n}} if n else {}
+            errs.expect(collectives(prof) == want, f"m={m} rules={rules}: {collectives(prof)} != {want}")
+            errs.result(f"m={m} rules={rules}", y, gather_ref(w, idx), ("b", "d"), rules)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_top_k_and_argmax_uneven_and_empty_blocks(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    bd = big(mesh)
+    for v in UNEVEN:
+        for data in (tied(f"b:5;v:{v}", v), global_array(f"b:5;v:{v}", v + 2)):
+            for k in sorted({1, 2, v}):
+                rv, ri = top_k_ref(data, 1, k)
+                rules_list = [{}] + [{"b": m} for m in bd[-1:]] + [{"k": m} for m in bd[:1]]
+                for rules in rules_list:
+                    for lx in layouts(mesh, ["b", "v"], limit=4):
+                        x = mesh.from_numpy(data, f"b:5;v:{v}", layout=lx)
+                        with mm.layout_scope(mesh, rules):
+                            values, indices = mm.top_k(x, "v", f"k:{k}")
+                        what = f"v={v} k={k} rules={rules} x={lx}"
+                        errs.result(f"{what} values", values, rv, ("b", "k"), rules)
+                        errs.result(f"{what} indices", indices, ri, ("b", "k"), rules)
+            for lx in layouts(mesh, ["b", "v"], limit=4):
+                x = mesh.from_numpy(data, f"b:5;v:{v}", layout=lx)
+                for rules in ({}, {"b": bd[-1]} if bd else {}):
+                    with mm.layout_scope(mesh, rules):
+                        y = mm.argmax(x, "v")
+                    errs.result(f"argmax v={v} rules={rules} x={lx}", y, np.argmax(data, 1).astype(np.int32),
+                                ("b",), rules)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_uneven_split_dim_exchanges_only_real_candidates(mshape: str) -> None:
+    """Over v:5 (or v:2, empty blocks on 3+ ranks) each rank sends min(k, its block length)
+    candidates per row; a rank with an empty block sends nothing."""
+    mesh, errs = get_mesh(mshape), Errors()
+    for v in (2, 5):
+        data = tied(f"b:3;v:{v}", 35)
+        for m in big(mesh):
+            x = mesh.from_numpy(data, f"b:3;v:{v}", layout={"v": m})
+            for k in sorted({1, 2, v}):
+                rv, ri = top_k_ref(data, 1, k)
+                with mm.profile() as prof:
+                    values, indices = mm.top_k(x, "v", f"k:{k}")
+                cand = 3 * min(k, block_len(mesh, v, m))
+                want = {f"allgather/{m}": {"calls": 2, "elements": 2 * cand, "bytes": 8 * cand}}
+                errs.expect(collectives(prof) == want, f"v={v} m={m} k={k}: {collectives(prof)} != {want}")
+                errs.result(f"v={v} m={m} k={k} values", values, rv, ("b", "k"), {})
+                errs.result(f"v={v} m={m} k={k} indices", indices, ri, ("b", "k"), {})
+            with mm.profile() as prof:
+                y = mm.argmax(x, "v")
+            cand = 3 * min(1, block_len(mesh, v, m))
+            want = {f"allgather/{m}": {"calls": 2, "elements": 2 * cand, "bytes": 8 * cand}}
+            errs.expect(collectives(prof) == want, f"argmax v={v} m={m}: {collectives(prof)} != {want}")
+            errs.result(f"argmax v={v} m={m}", y, np.argmax(data, 1).astype(np.int32), ("b",), {})
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_empty_dims(mshape: str) -> None:
+    """Dims of size 0: empty outputs of the right shape; argmax over one has no answer."""
+    mesh = get_mesh(mshape)
+    m = (big(mesh) or [None])[0]
+    lay = {"b": m} if m else {}
+    i = mesh.from_numpy(np.zeros(0, np.int32), "b:0", layout=lay)
+    assert mm.one_hot(i, "v:3").to_numpy().shape == (0, 3)
+    assert mm.gather(mesh.ones("v:3;d:2", layout={"v": m} if m else {}), i, "v").to_numpy().shape == (0, 2)
+    x = mesh.from_numpy(np.zeros((0, 3)), "b:0;v:3", layout=lay)
+    assert mm.argmax(x, "v").to_numpy().shape == (0,)
+    assert mm.top_k(x, "v", "k:2")[1].to_numpy().shape == (0, 2)
+    assert mm.one_hot(mesh.from_numpy(np.zeros(2, np.int32), "b:2"), "v:0").to_numpy().shape == (2, 0)
+    with pytest.raises(mm.ShapeError, match="v:0"):
+        mm.argmax(mesh.from_numpy(np.zeros((2, 0)), "b:2;v:0"), "v")
+
+
+@pytest.mark.parametrize("mshape", SHAPES[:2])
+def test_uneven_gradients(mshape: str) -> None:
+    mesh = get_mesh(mshape)
+    bd = big(mesh)
+    w = global_array("v:5;d:3", 36, np.float64)
+    idx = np.array([[1, 4, 1, 7], [0, 3, -1, 2]], dtype=np.int32)
+    data = np.random.default_rng(37).permutation(21).reshape(3, 7) / 4.0  # no ties
+    for m in [None] + bd:
+        lay = {"v": m} if m else {}
+        check_gradients(mesh, lambda x, i: mm.square(mm.gather(x, i, "v")), [w, idx], ["v:5;d:3", "b:2;s:4"],
+                        [lay, {"s": m} if m else {}], wrt=[0])
+        for rules in [{}] + ([{"k": m}, {"b": m}] if m else []):
+            check_gradients(mesh, scoped(mesh, rules, lambda x: mm.square(mm.top_k(x, "v", "k:3")[0])),
+                            [data], ["b:3;v:7"], [lay])
 
 
 def test_errors() -> None:

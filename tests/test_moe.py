@@ -1,5 +1,6 @@
 """mm.layers' GShard mixture of experts: the distributed layer (experts split over the mesh dim of
-the groups, as many ways as the run has ranks) against a loop-by-loop numpy reference with the same
+the groups, as many ways as the run has ranks, evenly or not: 5 experts over 2 or 3 ranks, 3 over
+4, some ranks holding no expert or no group) against a loop-by-loop numpy reference with the same
 random draws, alltoall counts of both passes, hand-built capacity-overflow and aux-loss cases, and
 finite-difference gradients."""
 from __future__ import annotations
@@ -88,6 +89,11 @@ def reference(x, wg, wi, wo, u, capacity, policy="random", threshold=0.2, loss_c
     return y, loss_coef * n_exp * n_exp * aux / n_groups
 
 
+def block_len(mesh: mm.Mesh, size: int, m) -> int:
+    """This rank's block length of a dim of `size` split over mesh dim `m`."""
+    return len(np.array_split(np.arange(size), mesh.shape[m].size)[mesh.coords[m]])
+
+
 def draws(seed: int, n_groups: int = G, n_tokens: int = S) -> np.ndarray:
     return self_mesh().random_uniform(f"group:{n_groups};tokens:{n_tokens}", seed, dtype=F64).to_numpy()
 
@@ -159,12 +165,80 @@ def test_two_alltoalls_each_way(config):
         assert sum(v["calls"] for v in a2a.values()) == want, a2a
         if want:
             assert set(a2a) == {f"alltoall/{m}"}, a2a
-            # Each moves one [E, G, C, M] expert buffer: this rank's slice of it.
+            # Each moves one [E, G, C, M] expert buffer: this rank's slice of it, split by G
+            # one way and by E the other (blocks of unequal length where 8 does not divide).
             cap = expert_capacity(S, E, 1.25)
-            assert a2a[f"alltoall/{m}"]["elements"] == 2 * E * G * cap * M // mesh.shape[m].size
+            want_elems = (E * block_len(mesh, G, m) + block_len(mesh, E, m) * G) * cap * M
+            assert a2a[f"alltoall/{m}"]["elements"] == want_elems
         assert not any(k.startswith("allgather/") for k in prof.counters), prof.counters
     for g, t in zip(grads, [x, p["wg"], p["wi"], p["wo"]]):
         assert g.tensor_layout == t.tensor_layout
+
+
+# ---- uneven blocks ----------------------------------------------------------------------------------------
+UNEVEN = [  # (G, S, M, E, H): E and G not divisible by 2, 3, 4 or 8 ranks; ranks with no expert
+    (3, 8, 4, 5, 6),
+    (5, 6, 4, 3, 4),
+    (2, 4, 3, 2, 4),
+]
+
+
+def uneven_rules() -> list:
+    """(mesh shape, rules): experts and groups on the largest mesh dim, d_ff on another if any."""
+    out = []
+    for shape in mesh_shapes()[:2]:
+        m, o = split_dims(shape)
+        out.append((shape, f"group:{m};experts:{m}" + (f";d_ff:{o}" if o else "")))
+    return out
+
+
+@pytest.mark.parametrize("dims", range(len(UNEVEN)))
+def test_uneven_experts_and_groups(dims):
+    g, s, m_, e, h = UNEVEN[dims]
+    xs = f"group:{g};tokens:{s};d_model:{m_}"
+    xa = global_array(xs, 40 + dims, np.float64)
+    for shape, rules in uneven_rules():
+        mesh = mm.Mesh(shape, layout=rules)
+        md, _ = split_dims(shape)
+        p = init_moe(mesh, dims, f"d_model:{m_}", f"experts:{e}", f"d_ff:{h}", dtype=F64)
+        w = {k: t.to_numpy() for k, t in p.items()}
+        for layout in (None, {}):  # x by the rules (groups split), and replicated
+            x = mesh.from_numpy(xa, xs, layout=layout)
+            for kw, cf in (({"seed": 3}, 1.25), ({"seed": 4, "second_policy": "all", "capacity_factor": 0.5,
+                                                 "min_capacity": 1}, 0.5)):
+                with mm.profile() as prof:
+                    y, aux = moe(p, x, "group", **kw)
+                cap = expert_capacity(s, e, cf, kw.get("min_capacity", 4))
+                ry, raux = reference(xa, w["wg"], w["wi"], w["wo"], draws(kw["seed"], g, s), cap,
+                                     kw.get("second_policy", "random"))
+                np.testing.assert_allclose(y.to_numpy(), ry, rtol=1e-10, atol=1e-12, err_msg=f"{shape} {kw}")
+                np.testing.assert_allclose(float(aux), raux, rtol=1e-10, err_msg=f"{shape} {kw}")
+                a2a = {k: v for k, v in prof.counters.items() if k.startswith("alltoall/")}
+                if mesh.shape[md].size > 1:
+                    want = (e * block_len(mesh, g, md) + block_len(mesh, e, md) * g) * cap * m_
+                    assert a2a == {f"alltoall/{md}": {"calls": 2, "elements": want, "bytes": 8 * want}}, a2a
+                else:
+                    assert a2a == {}, a2a
+
+
+@pytest.mark.parametrize("dims", range(2))
+def test_uneven_gradients_by_finite_differences(dims):
+    g, s, m_, e, h = UNEVEN[dims]
+    shape, rules = uneven_rules()[-1]
+    mesh = mm.Mesh(shape, layout=rules)
+    shapes = [f"group:{g};tokens:{s};d_model:{m_}", f"d_model:{m_};experts:{e}",
+              f"experts:{e};d_model:{m_};d_ff:{h}", f"experts:{e};d_ff:{h};d_model:{m_}"]
+    arrays = [global_array(sh, 70 + i, np.float64) for i, sh in enumerate(shapes)]
+    arrays[1] = arrays[1] * 2.0  # confident gates
+    u = draws(11, g, s)
+    assert margins(arrays[0], arrays[1], u) > 1e-4, "pick another seed: a near-tie could flip"
+
+    def f(x, wg, wi, wo):
+        y, aux = moe({"wg": wg, "wi": wi, "wo": wo}, x, "group", seed=11, loss_coef=0.5, capacity_factor=1.0,
+                     min_capacity=2)
+        return mm.reduce_sum(mm.sin(y)) + aux
+
+    check_gradients(mesh, f, arrays, shapes, [None, {}, None, None], wrt=[0, 1, 2, 3], directions=2, seed=dims)
 
 
 # ---- hand-built cases ------------------------------------------------------------------------------------
@@ -280,7 +354,4 @@ def test_errors():
         moe(p, x, "batch")
     with pytest.raises(mm.MpimeshError, match="second_policy"):
         moe(p, x, "group", second_policy="sometimes")
-    if mesh.size > 1:  # a replicated x whose group dim the rules cannot split
-        with pytest.raises(mm.LayoutError, match="group"):
-            moe(p, mesh.ones(f"group:{mesh.size + 1};tokens:4;d_model:{M}", layout={}), "group")
     assert math.isfinite(float(moe(p, x, "group")[1]))

@@ -1,5 +1,6 @@
 """softmax and log_softmax against numpy on the global arrays, over 1-D/2-D/3-D meshes and several
-layouts (the reduced dim split included), large inputs, their communication, and gradients."""
+layouts (the reduced dim split included, evenly or not, with blocks left empty), large inputs,
+their communication, and gradients."""
 from __future__ import annotations
 
 import os
@@ -131,6 +132,101 @@ def test_gradients(mshape: str, op: str) -> None:
         def f(x, w):
             return fn(x, "v") * w  # a weighted sum: sum(softmax) alone is constant
         check_gradients(mesh, f, [data, c], ["b:8;v:16", "b:8;v:16"], [lx, lx], wrt=[0])
+
+
+UNEVEN = (2, 5, 7, 10)  # no divisor of 3 or 4 ranks; 2 leaves blocks empty on 3 or more
+
+
+def block_len(mesh: mm.Mesh, size: int, m) -> int:
+    """This rank's block length of a dim of `size` split over mesh dim `m` (None: whole)."""
+    return len(np.array_split(np.arange(size), mesh.shape[m].size)[mesh.coords[m]]) if m else size
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_uneven_and_empty_blocks(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    for v in UNEVEN:
+        data = global_array(f"b:5;v:{v}", v, np.float64) * 50
+        data[0, :] = 7.0  # ties
+        data[1, -1] = -np.inf  # a masked entry, in the last block
+        ls = ref_log_softmax(data, (1,))
+        for rules in rule_variants(mesh):
+            for lx in layouts(mesh, ["b", "v"], limit=4):
+                x = mesh.from_numpy(data, f"b:5;v:{v}", layout=lx)
+                with mm.layout_scope(mesh, rules):
+                    y = mm.softmax(x, "v")
+                    z = mm.log_softmax(x, "v")
+                errs.result(f"softmax v={v} rules={rules} x={lx}", y, np.exp(ls), rules, 1e-12)
+                zgot = z.to_numpy()
+                errs.expect(bool(np.isneginf(zgot[1, -1])), f"log_softmax v={v}: masked {zgot[1, -1]}")
+                errs.close(f"log_softmax v={v} rules={rules} x={lx}", zgot[np.isfinite(ls)], ls[np.isfinite(ls)],
+                           1e-12, 1e-12)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_two_reduced_dims_uneven(mshape: str) -> None:
+    mesh, errs = get_mesh(mshape), Errors()
+    data = global_array("b:3;v:5;c:2", 6, np.float64) * 10
+    ls = ref_log_softmax(data, (1, 2))
+    bd = big(mesh)
+    rules_list = [{}] + [{"c": m} for m in bd[:1]] + ([{"v": bd[1], "c": bd[0]}] if len(bd) > 1 else [])
+    for rules in rules_list:
+        for lx in layouts(mesh, ["b", "v", "c"], limit=4):
+            x = mesh.from_numpy(data, "b:3;v:5;c:2", layout=lx)
+            with mm.layout_scope(mesh, rules):
+                y = mm.softmax(x, ["v", "c"])
+                z = mm.log_softmax(x, ["v", "c"])
+            errs.result(f"softmax rules={rules} x={lx}", y, np.exp(ls), rules, 1e-12)
+            errs.result(f"log_softmax rules={rules} x={lx}", z, ls, rules, 1e-12)
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_uneven_split_reduced_dim_two_allreduces(mshape: str) -> None:
+    """The two allreduces carry the rows this rank holds, whether its block of v is short or empty."""
+    mesh, errs = get_mesh(mshape), Errors()
+    for v in (2, 5):
+        data = global_array(f"b:7;v:{v}", 7)
+        ls = ref_log_softmax(data, (1,))
+        for m in big(mesh):
+            others = [o for o in big(mesh) if o != m]
+            for rules in [{"v": m}] + [{"v": m, "b": o} for o in others[:1]]:
+                x = mesh.from_numpy(data, f"b:7;v:{v}", layout=rules)
+                with mm.layout_scope(mesh, rules), mm.profile() as prof:
+                    y = mm.softmax(x, "v")
+                n = block_len(mesh, 7, rules.get("b"))
+                want = {f"allreduce/{m}": {"calls": 2, "elements": 2 * n, "bytes": 8 * n}} if n else {}
+                errs.expect(collectives(prof) == want, f"v={v} rules={rules}: {collectives(prof)} != {want}")
+                errs.result(f"softmax v={v} rules={rules}", y, np.exp(ls), rules, 1e-5)
+    errs.check()
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("mshape", SHAPES[:2])
+def test_uneven_gradients(mshape: str, op: str) -> None:
+    mesh = get_mesh(mshape)
+    fn = getattr(mm, op)
+    data = global_array("b:3;v:5", 8, np.float64) * 3
+    c = global_array("b:3;v:5", 9, np.float64)
+    bd = big(mesh)
+    cases = [{}] + [{"v": m} for m in bd] + [{"b": m} for m in bd[:1]]
+    if len(bd) > 1:
+        cases.append({"b": bd[1], "v": bd[0]})
+    for lx in cases:
+        check_gradients(mesh, lambda x, w: fn(x, "v") * w, [data, c], ["b:3;v:5", "b:3;v:5"], [lx, lx], wrt=[0])
+
+
+def test_local_extreme_of_an_empty_block() -> None:
+    """The identity of the allreduce that follows: -inf/inf, or the dtype's extreme integers."""
+    from mpimesh.ops.nn import local_extreme
+    for dt, lo, hi in ((np.float32, -np.inf, np.inf), (np.int16, -2 ** 15, 2 ** 15 - 1), (np.bool_, False, True)):
+        a = np.zeros((3, 0, 2), dt)
+        got_max, got_min = local_extreme(np, a, (1,)), local_extreme(np, a, (1, 2), "min", keepdims=True)
+        assert got_max.shape == (3, 2) and got_max.dtype == dt and (got_max == lo).all()
+        assert got_min.shape == (3, 1, 1) and got_min.dtype == dt and (got_min == hi).all()
+    a = np.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(local_extreme(np, a, (1,), "min"), [0.0, 3.0])
 
 
 def test_errors() -> None:

@@ -13,9 +13,12 @@ from meshes import global_array, layouts, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 
-# Dims split in tests are multiples of 8, so every layout of `layouts` divides evenly.
-SHAPES = {"w": "io:8;hidden:16", "b": "hidden:16", "e": "vocab:16;io:8;heads:3", "s": "a:8;k:2"}
+# Dims split in tests are multiples of 8: even on 2, 4 and 8 ranks, uneven on 3. "u" and "o" do not
+# divide 2, 3 or 4 ranks, and r:2 leaves blocks empty on 3 ranks and more.
+SHAPES = {"w": "io:8;hidden:16", "b": "hidden:16", "e": "vocab:16;io:8;heads:3", "s": "a:8;k:2",
+          "u": "p:5;q:7;r:2", "o": "m:10;q:7"}
 SPLITTABLE = ["io", "hidden", "vocab", "a"]
+UNEVEN = ["p", "q", "r", "m"]
 STEPS = 5
 
 
@@ -130,14 +133,14 @@ def run(mesh, opt, ref, names, layout, steps=STEPS, dtype=np.float64, rtol=1e-10
     return params, state, ref_states
 
 
-def configs(limit: int = 3):
+def configs(limit: int = 3, dims=SPLITTABLE):
     """(mesh, layout) pairs: every mesh shape of this rank count, a few layouts of the split dims.
     The mesh's own rules differ from the params' layouts, so state must follow the params."""
     for shape in mesh_shapes():
         mesh = mm.Mesh(shape)
         rules = {"io": mesh.shape.names[-1]} if mesh.shape[-1].size > 1 else {}
         mesh = mm.Mesh(shape, layout=rules)
-        for lay in layouts(mesh, SPLITTABLE, limit=limit):
+        for lay in layouts(mesh, dims, limit=limit):
             yield mesh, lay
 
 
@@ -160,6 +163,33 @@ def test_adam(wd):
             np.testing.assert_allclose(state["v"][n].to_numpy(), refs[n]["v"], rtol=1e-10)
 
 
+@pytest.mark.parametrize("which", ["sgd", "adam", "adafactor"])
+def test_uneven_layouts(which):
+    """Params whose split dims do not divide the mesh (5, 7, 10; r:2 with empty blocks): the same
+    updates and state as the numpy reference on one rank, each state tensor cut like its param."""
+    opt, ref = {
+        "sgd": (mm.optim.SGD(0.1, momentum=0.9), ref_sgd(0.1, 0.9)),
+        "adam": (mm.optim.Adam(0.01, weight_decay=0.05), ref_adam(0.01, wd=0.05)),
+        "adafactor": (mm.optim.Adafactor(min_dim_size_to_factor=4, beta1=0.5),
+                      ref_adafactor(min_dim=4, beta1=0.5)),
+    }[which]
+    for mesh, lay in configs(limit=5, dims=UNEVEN):
+        params, state, refs = run(mesh, opt, ref, ["u", "o"], lay, steps=3, rtol=1e-9)
+        for name, p in params.items():  # this rank's blocks are numpy.array_split's
+            want = p.to_numpy()
+            for axis, d in enumerate(p.shape.names):
+                if d in lay:
+                    want = np.array_split(want, mesh.shape[lay[d]].size, axis=axis)[mesh.coords[lay[d]]]
+            np.testing.assert_array_equal(p.local, want)
+        if which == "adam":
+            for n in ("u", "o"):
+                np.testing.assert_allclose(state["v"][n].to_numpy(), refs[n]["v"], rtol=1e-9)
+        if which == "adafactor":  # u: d0 = q (7), d1 = p (5); o: d0 = m (10), d1 = q (7)
+            assert state["vr"]["u"].shape == mm.Shape("p:5;r:2") and state["vc"]["o"].shape == mm.Shape("m:10")
+            np.testing.assert_allclose(state["vr"]["u"].to_numpy(), refs["u"]["col"].T, rtol=1e-9)
+            np.testing.assert_allclose(state["vc"]["o"].to_numpy(), refs["o"]["row"], rtol=1e-9)
+
+
 def test_adam_float32_and_schedule():
     """float32 params; a learning-rate schedule given as a function of the step tensor."""
     mesh = mm.Mesh(mesh_shapes()[1])
@@ -178,7 +208,7 @@ def test_adafactor_factored_and_unfactored():
     for mesh, lay in configs():
         clipped: list = []
         opt = mm.optim.Adafactor(min_dim_size_to_factor=8)
-        _, state, refs = run(mesh, opt, ref_adafactor(min_dim=8, clipped=clipped), list(SHAPES), lay, rtol=1e-9)
+        _, state, refs = run(mesh, opt, ref_adafactor(min_dim=8, clipped=clipped), ["w", "b", "e", "s"], lay, rtol=1e-9)
         assert clipped, "the test gradients should trigger update clipping"
         assert sorted(state["vr"]) == ["e", "w"] and sorted(state["vc"]) == ["e", "w"]
         assert sorted(state["v"]) == ["b", "s"] and "m" not in state

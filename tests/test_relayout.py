@@ -330,7 +330,7 @@ def test_bad_layouts_raise() -> None:
         mm.relayout(x, f"z:{m}")
     with pytest.raises((mm.LayoutError, ValueError)):
         mm.relayout(x, [("a", m), ("b", m)])
-    if any(d.size > 1 and 3 % d.size for d in mesh.shape):
-        bad = next(d for d in mesh.shape if d.size > 1 and 3 % d.size)
-        with pytest.raises(mm.LayoutError, match="c"):
-            mm.relayout(x, f"c:{bad.name}")
+    if any(d.size > 1 and 3 % d.size for d in mesh.shape):  # uneven blocks are not an error (wave 2)
+        odd = next(d for d in mesh.shape if d.size > 1 and 3 % d.size)
+        y = mm.relayout(x, f"c:{odd.name}")
+        assert y.local.shape[2] == len(np.array_split(range(3), odd.size)[mesh.coords[odd.name]])

@@ -99,7 +99,11 @@ def test_comm_equals_formula_and_hand_count(scaling, workload, layout, mode):
     sizes = scaling.sizes_for(workload, "tiny", mode, N, {})
     assert sizes["batch"] == scaling.WORKLOADS[workload].sizes["tiny"]["batch"] * (N if mode == "weak" else 1)
     case = scaling.Case(workload, mode, layout, rules, scaling.mesh_for("auto", rules, N), N, sizes)
-    scaling.check_case(case)
+    try:
+        scaling.check_case(case)
+    except scaling.UnfitError as e:  # e.g. batch 64 over 3 ranks: the step runs, but the formulas count equal blocks
+        assert any(N % k for k in (2, 4, 8)), e
+        pytest.skip(str(e))
     mesh = _mesh(case.mesh)
     expected = hand_count(workload, layout, sizes, case.mesh)
     row = scaling.run_case(case, mesh, repeat=1, warmup=0)
@@ -121,8 +125,9 @@ def test_result_row_has_every_field(scaling, tmp_path):
     assert row["sizes"] == "batch=16 io=8 hidden=32"
     assert 0 < row["step_ms_min"] <= row["step_ms_median"]
     assert len(row["loadavg"].split()) == 3 and row["blas_kernel"]
-    # the step's matmuls: forward x·w, h·v; backward dv, dh, dw, dx: 6 x 2·b·io·h/N flops per rank
-    assert row["gflop_per_rank"] * 1e9 >= 6 * 2 * 16 * 8 * 32 // N
+    # the step's matmuls: forward x·w, h·v; backward dv, dh, dw, dx: 6 x 2·b·io·h/N flops per rank (at
+    # least the smallest block of hidden's when N does not divide 32)
+    assert row["gflop_per_rank"] * 1e9 >= 6 * 2 * 16 * 8 * (32 // N)
     scaling.add_scaling([row])
     path = tmp_path / f"rows{MPI.COMM_WORLD.Get_rank()}.csv"
     scaling.write_csv([row], str(path))

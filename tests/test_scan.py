@@ -1,6 +1,7 @@
 """mm.cumsum against numpy on the global arrays (inclusive, exclusive, reversed), over 1-D/2-D/3-D
-meshes and several layouts including the scanned dim split; its communication (one exscan of the
-block totals over the split dim's mesh dim, never an allgather of the data); gradients."""
+meshes and several layouts including the scanned dim split, evenly or not (sizes 0 to 7: unequal
+and empty blocks); its communication (one exscan of the block totals over the split dim's mesh
+dim, never an allgather of the data); gradients."""
 from __future__ import annotations
 
 import os
@@ -105,7 +106,7 @@ def test_split_dim_uses_one_exscan(mshape: str) -> None:
         rules = {"i": m, **({"a": others[0]} if others else {})}
         mesh = get_mesh(mshape, ";".join(f"{d}:{v}" for d, v in rules.items()))
         x = mesh.from_numpy(a, "a:8;i:16")
-        a_local = 8 // (mesh.shape[rules["a"]].size if "a" in rules else 1)
+        a_local = len(expected_local(np.arange(8), ("a",), rules, mesh))
         for exclusive in (False, True):
             with mm.profile() as prof:
                 y = mm.cumsum(x, "i", exclusive=exclusive)
@@ -118,10 +119,29 @@ def test_split_dim_uses_one_exscan(mshape: str) -> None:
                     f"reverse m={m}: {collectives(prof)}")
         with mm.profile() as prof:
             y = mm.cumsum(x, "a")
-        i_local = 16 // mesh.shape[m].size
+        i_local = len(expected_local(np.arange(16), ("i",), rules, mesh))
         want = {f"exscan/{rules['a']}": {"calls": 1, "elements": i_local, "bytes": 8 * i_local}} if "a" in rules else {}
         errs.expect(collectives(prof) == want, f"cumsum over a, rules={rules}: {collectives(prof)} != {want}")
         errs.expect(np.allclose(y.to_numpy(), np.cumsum(a, 0)), f"cumsum over a m={m}")
+    errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_cumsum_uneven_sizes(mshape: str) -> None:
+    """Scanned dims of sizes 0 to 7 (and an empty other dim), every layout: unequal blocks, and
+    blocks empty on some ranks, whose totals of zero still take part in the exscan."""
+    mesh, errs = get_mesh(mshape), Errors()
+    for n in range(8):
+        for na in (0, 3):
+            a = global_array(f"a:{na};i:{n}", n, np.float64)
+            for lay in layouts(mesh, ["a", "i"]):
+                with mm.layout_scope(mesh, lay):
+                    x = mesh.from_numpy(a, f"a:{na};i:{n}")
+                    for exclusive, reverse in MODES:
+                        y = mm.cumsum(x, "i", exclusive, reverse)
+                        want = expected_local(ref_cumsum(a, 1, exclusive, reverse), ("a", "i"), lay, mesh)
+                        errs.expect(y.local.shape == want.shape and np.allclose(y.local, want, rtol=1e-12, atol=1e-12),
+                                    f"n={n} a={na} excl={exclusive} rev={reverse} layout={lay}")
     errs.check()
 
 
@@ -147,3 +167,18 @@ def test_gradients(mshape: str) -> None:
         for exclusive, reverse in MODES:
             check_gradients(mesh, lambda x: mm.cumsum(x, "i", exclusive, reverse) * wt, [a], ["a:2;i:16"], [lay],
                             directions=1)
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_gradients_uneven(mshape: str) -> None:
+    """The scanned dim split unevenly (size 5; size 2 leaves blocks empty over 3 or more ranks)."""
+    bd = big(get_mesh(mshape))
+    for n in (5, 2):
+        a = global_array(f"a:2;i:{n}", 7, np.float64)
+        w = global_array(f"a:2;i:{n}", 8, np.float64)
+        for rules, lay in [(f"i:{m}", {"i": m}) for m in bd[-1:]] + [("", {"i": bd[0]} if bd else {})]:
+            mesh = get_mesh(mshape, rules)
+            wt = mesh.from_numpy(w, f"a:2;i:{n}")
+            for exclusive, reverse in MODES:
+                check_gradients(mesh, lambda x: mm.cumsum(x, "i", exclusive, reverse) * wt, [a], [f"a:2;i:{n}"],
+                                [lay], directions=1)

@@ -1,7 +1,9 @@
 """apps/segment.py and mm.layers.conv: the spatially split network's loss and gradients equal the
 unsplit network's (a 1-rank COMM_SELF mesh on every rank) and a numpy forward pass, for 1-D
-(height or width) and 2-D (height and width) spatial splits; the halo traffic of one conv layer
-is exactly halo x boundary length x channels x batch x itemsize per neighbour."""
+(height or width) and 2-D (height and width) spatial splits, on images whose sizes divide and on
+small ones that do not (blocks shorter than a halo, empty blocks); the halo traffic of one conv
+layer is exactly halo x boundary length x channels x batch x itemsize per neighbour; the app runs
+end to end on the rank count it is given."""
 from __future__ import annotations
 
 import functools
@@ -24,14 +26,15 @@ from mpimesh.layers.conv import conv2d as conv_layer, init_conv2d  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()
-B, H, W, DEPTH, WIDTH = 2, 16, 24, 2, 4  # H, W divisible by 8; 8-way splits leave 2 rows >= halo
+B, H, W, DEPTH, WIDTH = 2, 16, 24, 2, 4  # 8-way splits leave 2 rows >= halo; H over 3 ranks: (6, 5, 5)
+SMALL = (5, 7)  # height, width: over 4 ranks blocks (2, 1, 1, 1), over 8 some empty
 
 
 def configs() -> list[tuple[str, str]]:
     """(mesh shape, rules): 1-D height split, 1-D width split, 2-D height x width split, and
     2-D spatial with the batch on the third mesh dim."""
     out = [(SHAPES[0], "height:all"), (SHAPES[0], "width:all")]
-    if len(SHAPES) == 3:  # rank counts with 2-D and 3-D meshes (1, 2, 4, 8)
+    if len(SHAPES) == 3:  # rank counts with 2-D and 3-D meshes (1, 2, 3, 4, 6, 8)
         out += [(SHAPES[1], "height:rows;width:cols"),
                 (SHAPES[2], "batch:planes;height:rows;width:cols")]
     return out
@@ -61,7 +64,7 @@ def np_loss(params: dict, x: np.ndarray, t: np.ndarray) -> float:
 
 def run(mesh: mm.Mesh, x: np.ndarray, t: np.ndarray):
     """(loss, {name: gradient}, {name: parameter}) as global arrays, one network step on `mesh`."""
-    xs, ts = segment.image_shape(B, (H, W))
+    xs, ts = segment.image_shape(B, x.shape[1:3])
     params = segment.init_params(mesh, 3, DEPTH, WIDTH)
     # non-zero biases, so their gradients and the bias add are exercised
     params = {k: (v + 0.1 * mesh.random_normal(v.shape, 7 + i) if k.endswith("bias") else v)
@@ -72,10 +75,10 @@ def run(mesh: mm.Mesh, x: np.ndarray, t: np.ndarray):
             {k: p.to_numpy() for k, p in params.items()}, xd)
 
 
-@functools.lru_cache(maxsize=1)
-def reference():
+@functools.lru_cache(maxsize=None)
+def reference(size: tuple = (H, W)):
     """The unsplit network on a 1-rank mesh (every rank computes it alone)."""
-    x, t = segment.make_batch(11, B, (H, W))
+    x, t = segment.make_batch(11, B, size)
     loss, grads, params, _ = run(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF), x, t)
     return x, t, loss, grads, params
 
@@ -86,12 +89,13 @@ def test_reference_matches_numpy():
     np.testing.assert_allclose(loss, np_loss(params, x, t), rtol=1e-5)
 
 
+@pytest.mark.parametrize("size", [(H, W), SMALL])
 @pytest.mark.parametrize("block_bytes", [None, 1])
 @pytest.mark.parametrize("shape,rules", configs())
-def test_split_network_equals_unsplit(shape, rules, block_bytes, monkeypatch):
+def test_split_network_equals_unsplit(shape, rules, block_bytes, size, monkeypatch):
     """block_bytes=1: the stride-1 conv kernels work one output row per block (vs. whole images)."""
     mesh = get_mesh(shape, rules)
-    x, t, loss0, grads0, params0 = reference()
+    x, t, loss0, grads0, params0 = reference(size)
     if block_bytes:
         monkeypatch.setattr(conv_ops, "_BLOCK_BYTES", block_bytes)
     loss, grads, params, xd = run(mesh, x, t)
@@ -161,3 +165,19 @@ def test_conv_layer_options_and_errors():
         init_conv2d(mesh, 0, 3, 3, "c:2", "c:2")
     with pytest.raises(mm.ShapeError, match="ci:5"):
         conv_layer(init_conv2d(mesh, 0, 3, 3, "ci:5", "co:1"), x)
+
+
+def test_default_mesh_is_the_squarest_2d_shape():
+    assert [segment.balanced_2d(n) for n in (1, 2, 3, 4, 6, 7, 8, 12)] == [
+        "rows:1;cols:1", "rows:1;cols:2", "rows:1;cols:3", "rows:2;cols:2", "rows:2;cols:3", "rows:1;cols:7",
+        "rows:2;cols:4", "rows:3;cols:4"]
+
+
+def test_app_runs_on_this_rank_count(capsys):
+    """The whole app with its default mesh on every rank of COMM_WORLD, on 9 x 9 images (unequal
+    blocks over 2, 4, 5 or more ranks)."""
+    segment.main(["--size", "9", "--steps", "2", "--print-every", "1", "--depth", "1", "--width", "2"])
+    out = capsys.readouterr().out
+    if mm.MPI.COMM_WORLD.Get_rank() == 0:
+        assert "step    1  loss" in out and "held-out pixel accuracy" in out, out
+        assert f"mesh [{segment.balanced_2d(mm.MPI.COMM_WORLD.Get_size()).replace(';', ', ')}]" in out, out

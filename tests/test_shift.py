@@ -1,6 +1,7 @@
 """mm.shift and mm.halo_exchange against numpy on the global arrays: shifts across slice edges,
 offsets larger than a slice and than the dim, wrap and zero fill; halos wider than a neighbour's
-slice; the permute traffic; gradients."""
+slice; sizes that do not divide (blocks of numpy.array_split, some empty, and a dim of size 0);
+the permute traffic; gradients."""
 from __future__ import annotations
 
 import os
@@ -18,6 +19,8 @@ import mpimesh as mm  # noqa: E402
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()
 SHAPE = "a:8;b:16"
+# sizes that rarely divide: blocks of 7 over 3 are (3, 2, 2), of 2 over 4 (1, 1, 0, 0), of 5 over 8 have 3 empty
+UNEVEN = ["a:3;b:7", "a:5;b:2", "a:2;b:5", "a:3;b:0"]
 
 
 def rule_sets(mesh: mm.Mesh) -> list[dict]:
@@ -34,6 +37,8 @@ def rule_sets(mesh: mm.Mesh) -> list[dict]:
 def np_shift(x: np.ndarray, offset: int, axis: int, wrap: bool) -> np.ndarray:
     """out[i] = x[i - offset], by explicit indexing."""
     n = x.shape[axis]
+    if n == 0:
+        return x.copy()
     src = np.arange(n) - offset
     if wrap:
         return np.take(x, src % n, axis=axis)
@@ -44,51 +49,63 @@ def np_shift(x: np.ndarray, offset: int, axis: int, wrap: bool) -> np.ndarray:
 
 
 def np_halo(x: np.ndarray, axis: int, halo: int, k: int, wrap: bool) -> np.ndarray:
-    """Blocks of x along `axis` (k of them), each widened by `halo` global neighbours per side."""
+    """The k blocks of x along `axis` (numpy.array_split's), each widened by `halo` global
+    neighbours per side."""
     n_all = x.shape[axis]
-    n = n_all // k
+    starts = np.cumsum([0] + [len(p) for p in np.array_split(np.arange(n_all), k)])
     blocks = []
-    for c in range(k):
-        idx = c * n - halo + np.arange(n + 2 * halo)
+    for start, stop in zip(starts[:-1], starts[1:]):
+        idx = start - halo + np.arange(stop - start + 2 * halo)
         valid = (idx >= 0) & (idx < n_all)
-        vals = np.take(x, idx % n_all if wrap else np.clip(idx, 0, n_all - 1), axis=axis)
+        if n_all == 0:
+            vals = np.zeros(x.shape[:axis] + (idx.size,) + x.shape[axis + 1:], x.dtype)
+        else:
+            vals = np.take(x, idx % n_all if wrap else np.clip(idx, 0, n_all - 1), axis=axis)
         if not wrap:
             vals = np.where(valid.reshape([-1 if i == axis else 1 for i in range(x.ndim)]), vals, 0)
         blocks.append(vals)
     return np.concatenate(blocks, axis=axis)
 
 
+def sizes(shape: str) -> tuple[int, int]:
+    return tuple(mm.Shape(shape).sizes)
+
+
+@pytest.mark.parametrize("shape", [SHAPE] + UNEVEN)
 @pytest.mark.parametrize("mesh_shape", SHAPES)
-def test_shift_forward(mesh_shape):
+def test_shift_forward(mesh_shape, shape):
     mesh = get_mesh(mesh_shape)
-    x = global_array(SHAPE, seed=1)
+    x = global_array(shape, seed=1)
+    na = sizes(shape)[0]
+    offsets = (-21, -5, -1, 0, 1, 2, 3, 5, 9, 15, 16, 37) if shape == SHAPE else (-8, -3, -1, 1, 2, 4, 6, 13)
     errs = []
     for rules in rule_sets(mesh):
         with mm.layout_scope(mesh, spec(rules)):
-            t = mesh.from_numpy(x, SHAPE)
-            for offset in (-21, -5, -1, 0, 1, 2, 3, 5, 9, 15, 16, 37):
+            t = mesh.from_numpy(x, shape)
+            for offset in offsets:
                 for wrap in (True, False):
-                    for dim, axis in (("b", 1), (mm.Dimension("a", 8), 0)):
+                    for dim, axis in (("b", 1), (mm.Dimension("a", na), 0)):
                         y = mm.shift(t, offset, dim, wrap)
                         want = np_shift(x, offset, axis, wrap)
                         got = y.to_numpy()
                         if y.layout != rules or not np.array_equal(got, want):
-                            errs.append(f"{rules} offset={offset} wrap={wrap} dim={dim}: layout {y.layout}")
+                            errs.append(f"{shape} {rules} offset={offset} wrap={wrap} dim={dim}: layout {y.layout}")
     assert not errs, "\n".join(errs[:5])
 
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_shift_traffic(mesh_shape):
-    """A shift by n + 1 of a dim split in blocks of n sends the block in two pieces to two ranks."""
+    """A shift by n + 1 of a dim split in equal blocks of n sends the block in two pieces to two ranks."""
     mesh = get_mesh(mesh_shape)
     b = big(mesh)
     if not b:
         pytest.skip("no mesh dim of size > 1")
     m = b[-1]
     k = mesh.shape[m].size
-    n = 16 // k
+    shape = "a:8;b:24"  # 24 divides over 2, 3, 4, 6 and 8
+    n = 24 // k
     with mm.layout_scope(mesh, f"b:{m}"):
-        t = mesh.from_numpy(global_array(SHAPE), SHAPE)
+        t = mesh.from_numpy(global_array(shape), shape)
         with mm.profile() as prof:
             mm.shift(t, n + 1, "b", wrap=True)
     counts = {key: v for key, v in prof.counters.items() if key != "flops"}
@@ -101,39 +118,47 @@ def test_shift_traffic(mesh_shape):
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_halo_exchange_forward(mesh_shape):
     mesh = get_mesh(mesh_shape)
-    x = global_array(SHAPE, seed=2)
     errs = []
-    for rules in rule_sets(mesh):
-        k = mesh.shape[rules["b"]].size if "b" in rules else 1
-        with mm.layout_scope(mesh, spec(rules)):
-            t = mesh.from_numpy(x, SHAPE)
-            for halo in (0, 1, 2, 3, 5, 17):  # wider than a slice of 2 (8 ranks) or 4 (4 ranks), or the dim
-                for wrap in (False, True):
-                    y = mm.halo_exchange(t, "b", halo, wrap=wrap)
-                    want = np_halo(x, 1, halo, k, wrap)
-                    if y.shape != mm.Shape(f"a:8;b:{16 + 2 * halo * k}") or y.layout != rules:
-                        errs.append(f"{rules} halo={halo}: shape {y.shape} layout {y.layout}")
-                    elif not np.array_equal(y.to_numpy(), want):
-                        errs.append(f"{rules} halo={halo} wrap={wrap}: values differ")
+    for shape in [SHAPE] + UNEVEN:
+        x = global_array(shape, seed=2)
+        na, nb = sizes(shape)
+        for rules in rule_sets(mesh):
+            k = mesh.shape[rules["b"]].size if "b" in rules else 1
+            with mm.layout_scope(mesh, spec(rules)):
+                t = mesh.from_numpy(x, shape)
+                # wider than a slice of 2 (8 ranks) or 4 (4 ranks), than empty slices, or the dim
+                for halo in ((0, 1, 2, 3, 5, 17) if shape == SHAPE else (1, 2, 3, 8)):
+                    for wrap in (False, True):
+                        y = mm.halo_exchange(t, "b", halo, wrap=wrap)
+                        want = np_halo(x, 1, halo, k, wrap)
+                        if y.shape != mm.Shape(f"a:{na};b:{nb + 2 * halo * k}") or y.layout != rules:
+                            errs.append(f"{shape} {rules} halo={halo}: shape {y.shape} layout {y.layout}")
+                        elif not np.array_equal(y.to_numpy(), want):
+                            errs.append(f"{shape} {rules} halo={halo} wrap={wrap}: values differ")
     assert not errs, "\n".join(errs[:5])
 
 
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_halo_exchange_traffic(mesh_shape):
-    """A halo of 1 sends one boundary column to each existing neighbour, nothing more."""
+    """A halo of 1 sends one boundary column to each existing neighbour, nothing more, with equal
+    blocks (b:16 over 2, 4, 8) and unequal ones (b:2k+1: one block of 3, the others of 2)."""
     mesh = get_mesh(mesh_shape)
     b = big(mesh)
     if not b:
         pytest.skip("no mesh dim of size > 1")
     m = b[0]
     k, c = mesh.shape[m].size, mesh.coords[m]
-    with mm.layout_scope(mesh, f"b:{m}"):
-        t = mesh.from_numpy(global_array(SHAPE), SHAPE)
-        with mm.profile() as prof:
-            mm.halo_exchange(t, "b", 1)
     neighbours = (c > 0) + (c < k - 1)
-    assert prof.counters[f"permute/{m}"]["elements"] == 8 * neighbours
-    assert set(prof.counters) == {f"permute/{m}"}
+    for shape in ("a:8;b:16", f"a:8;b:{2 * k + 1}"):
+        with mm.layout_scope(mesh, f"b:{m}"):
+            t = mesh.from_numpy(global_array(shape), shape)
+            with mm.profile() as prof:
+                mm.halo_exchange(t, "b", 1)
+            with mm.profile() as prof_shift:
+                mm.shift(t, 1, "b", wrap=False)
+        assert prof.counters[f"permute/{m}"]["elements"] == 8 * neighbours, shape
+        assert set(prof.counters) == {f"permute/{m}"}
+        assert prof_shift.counters[f"permute/{m}"]["elements"] == 8 * (c < k - 1), shape
 
 
 def test_errors():
@@ -152,19 +177,21 @@ def test_errors():
 @pytest.mark.parametrize("mesh_shape", SHAPES)
 def test_gradients(mesh_shape):
     mesh = get_mesh(mesh_shape)
-    x = global_array(SHAPE, seed=3, dtype=np.float64)
-    for rules in rule_sets(mesh)[-2:]:
-        k = mesh.shape[rules["b"]].size if "b" in rules else 1
-        with mm.layout_scope(mesh, spec(rules)):
-            for offset, wrap in ((3, False), (-7, True), (21, True)):
-                r = global_array(SHAPE, seed=4, dtype=np.float64)
-                check_gradients(mesh, lambda t, w, o=offset, wr=wrap: mm.shift(t, o, "b", wr) * w,
-                                [x, r], [SHAPE, SHAPE], wrt=[0])
-            for halo, wrap in ((1, False), (5, True)):
-                hshape = f"a:8;b:{16 + 2 * halo * k}"
-                r = global_array(hshape, seed=5, dtype=np.float64)
-                check_gradients(mesh, lambda t, w, h=halo, wr=wrap: mm.halo_exchange(t, "b", h, wr) * w,
-                                [x, r], [SHAPE, hshape], wrt=[0])
+    for shape in (SHAPE, "a:3;b:7", "a:5;b:2"):
+        x = global_array(shape, seed=3, dtype=np.float64)
+        na, nb = sizes(shape)
+        for rules in rule_sets(mesh)[-2:]:
+            k = mesh.shape[rules["b"]].size if "b" in rules else 1
+            with mm.layout_scope(mesh, spec(rules)):
+                for offset, wrap in ((3, False), (-7, True), (21, True)):
+                    r = global_array(shape, seed=4, dtype=np.float64)
+                    check_gradients(mesh, lambda t, w, o=offset, wr=wrap: mm.shift(t, o, "b", wr) * w,
+                                    [x, r], [shape, shape], wrt=[0])
+                for halo, wrap in ((1, False), (5, True)):
+                    hshape = f"a:{na};b:{nb + 2 * halo * k}"
+                    r = global_array(hshape, seed=5, dtype=np.float64)
+                    check_gradients(mesh, lambda t, w, h=halo, wr=wrap: mm.halo_exchange(t, "b", h, wr) * w,
+                                    [x, r], [shape, hshape], wrt=[0])
 
 
 def test_second_order_halo():

@@ -10,12 +10,15 @@ import pytest
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from meshes import divisible_layouts, global_array, layouts, mesh_fixture  # noqa: E402,F401 (mesh_fixture is the `mesh` fixture)
+from meshes import global_array, layouts, mesh_fixture  # noqa: E402,F401 (mesh_fixture is the `mesh` fixture)
 
 import mpimesh as mm  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
-SHAPE = mm.Shape("a:8;b:16;c:8")
+SHAPE = mm.Shape("a:8;b:16;c:8")  # uneven over 3 ranks
+# sizes that do not divide 2, 3 or 4 ranks; b:2 leaves blocks empty on 3 and more ranks, c:0 on all
+ODD = mm.Shape("a:5;b:2;c:7")
+EMPTY = mm.Shape("a:3;c:0")
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +28,12 @@ def ref_mesh() -> mm.Mesh:
 
 
 def local_of(g: np.ndarray, shape: mm.Shape, mesh: mm.Mesh, layout: dict) -> np.ndarray:
-    """This rank's slice of global `g`, by hand: split each laid-out axis into k blocks, take ours."""
+    """This rank's slice of global `g`, by hand: cut each laid-out axis into k blocks like
+    numpy.array_split (the first n % k one longer, some possibly empty), take ours."""
     for axis, name in enumerate(shape.names):
         m = layout.get(name)
         if m is not None:
-            g = np.split(g, mesh.shape[m].size, axis=axis)[mesh.coords[m]]
+            g = np.array_split(g, mesh.shape[m].size, axis=axis)[mesh.coords[m]]
     return g
 
 
@@ -43,15 +47,24 @@ def all_ranks(flag: bool) -> bool:
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float32, np.int64])
-def test_from_numpy_roundtrip(mesh: mm.Mesh, dtype) -> None:
-    g = (global_array(str(SHAPE), seed=1) * 100).astype(dtype)
-    for lay in divisible_layouts(mesh, SHAPE, limit=8) + [{"c": mesh.shape.names[-1]}]:
-        t = mesh.from_numpy(g, SHAPE, layout=lay)
-        assert t.shape == SHAPE and t.layout == lay and t.dtype == dtype and t.mesh is mesh
-        np.testing.assert_array_equal(t.local, local_of(g, SHAPE, mesh, lay))
-        out = t.to_numpy()
+@pytest.mark.parametrize("shape", [SHAPE, ODD, EMPTY])
+def test_from_numpy_roundtrip(mesh: mm.Mesh, dtype, shape) -> None:
+    g = (global_array(str(shape), seed=1) * 100).astype(dtype)
+    for lay in layouts(mesh, list(shape.names), limit=8) + [{"c": mesh.shape.names[-1]}]:
+        t = mesh.from_numpy(g, shape, layout=lay)
+        assert t.shape == shape and t.layout == lay and t.dtype == dtype and t.mesh is mesh
+        np.testing.assert_array_equal(t.local, local_of(g, shape, mesh, lay))
+        with mm.profile() as prof:
+            out = t.to_numpy()
         assert out.dtype == dtype and out.shape == g.shape
         np.testing.assert_array_equal(out, g)
+        # the gathers send this rank's block, then the gathered block along the next split axis
+        sent, x = 0, t.local
+        for axis, name in enumerate(shape.names):
+            if name in lay and mesh.shape[lay[name]].size > 1:
+                sent += x.size
+                x = local_of(g, shape, mesh, {d: m for d, m in lay.items() if shape.index(d) > axis})
+        assert prof.elements("allgather") == sent, (lay, prof.counters)
 
 
 @pytest.mark.mpi
@@ -79,54 +92,68 @@ def test_from_numpy_shape_mismatch(mesh: mm.Mesh) -> None:
 
 
 @pytest.mark.mpi
-def test_from_local(mesh: mm.Mesh) -> None:
-    g = global_array(str(SHAPE), seed=2)
-    for lay in divisible_layouts(mesh, SHAPE, limit=6):
-        local = local_of(g, SHAPE, mesh, lay).copy()
-        t = mm.from_local(local, SHAPE, mesh, layout=lay)
+@pytest.mark.parametrize("shape", [SHAPE, ODD, EMPTY])
+def test_from_local(mesh: mm.Mesh, shape) -> None:
+    g = global_array(str(shape), seed=2)
+    for lay in layouts(mesh, list(shape.names), limit=6):
+        local = local_of(g, shape, mesh, lay).copy()
+        t = mm.from_local(local, shape, mesh, layout=lay)
         assert t.layout == lay
         np.testing.assert_array_equal(t.to_numpy(), g)
 
 
 @pytest.mark.mpi
-def test_from_local_wrong_shape_on_one_rank(mesh: mm.Mesh) -> None:
-    g = global_array(str(SHAPE), seed=3)
+@pytest.mark.parametrize("shape", [SHAPE, ODD])
+def test_from_local_wrong_shape_on_one_rank(mesh: mm.Mesh, shape) -> None:
+    """One rank passes a block one row too long (or, uneven, another rank's block): every rank raises."""
+    g = global_array(str(shape), seed=3)
     last = mesh.size - 1
-    for lay in divisible_layouts(mesh, SHAPE, limit=3):
-        local = local_of(g, SHAPE, mesh, lay)
+    for lay in layouts(mesh, list(shape.names), limit=4):
+        local = local_of(g, shape, mesh, lay)
         if mesh.rank == last:  # only one rank is wrong
-            local = np.concatenate([local, local[:1]], axis=0)
+            local = np.zeros((local.shape[0] + 1,) + local.shape[1:], local.dtype)
         try:
-            mm.from_local(local, SHAPE, mesh, layout=lay)
+            mm.from_local(local, shape, mesh, layout=lay)
             ok = False
         except mm.ShapeError as e:
-            ok = "a:8" in str(e)
+            ok = f"a:{shape[0].size}" in str(e)
         assert all_ranks(ok), lay
+    if mesh.size > 1:  # every rank passes the first rank's block: wrong wherever blocks differ
+        m = mesh.shape.names[0] if mesh.shape[0].size > 1 else mesh.shape.names[-1]
+        first = np.array_split(g, mesh.shape[m].size, axis=0)[0]
+        try:
+            mm.from_local(first, shape, mesh, layout={"a": m})
+            ok = shape[0].size % mesh.shape[m].size == 0
+        except mm.ShapeError as e:
+            ok = shape[0].size % mesh.shape[m].size != 0 and "a:" in str(e)
+        assert all_ranks(ok)
 
 
 @pytest.mark.mpi
-def test_zeros_ones_full(mesh: mm.Mesh) -> None:
-    for lay in divisible_layouts(mesh, SHAPE, limit=4):
-        z, o = mesh.zeros(SHAPE, layout=lay), mesh.ones(SHAPE, layout=lay)
-        f = mesh.full(SHAPE, 2.5, "float64", layout=lay)
-        i = mesh.full(SHAPE, 7, dtype=np.int32, layout=lay)
+@pytest.mark.parametrize("shape", [SHAPE, ODD, EMPTY])
+def test_zeros_ones_full(mesh: mm.Mesh, shape) -> None:
+    for lay in layouts(mesh, list(shape.names), limit=4):
+        z, o = mesh.zeros(shape, layout=lay), mesh.ones(shape, layout=lay)
+        f = mesh.full(shape, 2.5, "float64", layout=lay)
+        i = mesh.full(shape, 7, dtype=np.int32, layout=lay)
         for t, value, dtype in ((z, 0, np.float32), (o, 1, np.float32), (f, 2.5, np.float64), (i, 7, np.int32)):
             assert t.layout == lay and t.dtype == dtype
-            assert t.local.shape == local_of(np.empty(SHAPE.sizes), SHAPE, mesh, lay).shape
-            np.testing.assert_array_equal(t.to_numpy(), np.full(SHAPE.sizes, value, dtype))
+            assert t.local.shape == local_of(np.empty(shape.sizes), shape, mesh, lay).shape
+            np.testing.assert_array_equal(t.to_numpy(), np.full(shape.sizes, value, dtype))
 
 
 @pytest.mark.mpi
-def test_range(mesh: mm.Mesh) -> None:
-    dim = mm.Dimension("a", 16)
+@pytest.mark.parametrize("n", [16, 7, 2])
+def test_range(mesh: mm.Mesh, n: int) -> None:
+    dim = mm.Dimension("a", n)
     for lay in layouts(mesh, ["a"]):
         r = mm.range(mesh, dim, layout=lay)
         assert r.shape == mm.Shape([dim]) and r.dtype == np.int32 and r.layout == lay
-        np.testing.assert_array_equal(r.local, local_of(np.arange(16), r.shape, mesh, lay))
-        np.testing.assert_array_equal(r.to_numpy(), np.arange(16))
+        np.testing.assert_array_equal(r.local, local_of(np.arange(n), r.shape, mesh, lay))
+        np.testing.assert_array_equal(r.to_numpy(), np.arange(n))
         f = mm.range(mesh, dim, dtype="float32", layout=lay)
         assert f.dtype == np.float32
-        np.testing.assert_array_equal(f.to_numpy(), np.arange(16, dtype=np.float32))
+        np.testing.assert_array_equal(f.to_numpy(), np.arange(n, dtype=np.float32))
 
 
 # ---------------------------------------------------------------- random
@@ -141,7 +168,7 @@ def test_random_layout_independent(mesh: mm.Mesh, ref_mesh: mm.Mesh, kind: str, 
         return on.random_uniform(SHAPE, seed=11, minval=-2.0, maxval=5.0, dtype=dtype, layout=lay)
     ref = make(ref_mesh, None).to_numpy()
     assert ref.dtype == np.dtype(dtype) and len(np.unique(ref)) > SHAPE.size // 2
-    for lay in divisible_layouts(mesh, SHAPE, limit=6):
+    for lay in layouts(mesh, list(SHAPE.names), limit=6):
         t = make(mesh, lay)
         assert t.layout == lay
         np.testing.assert_array_equal(t.local, local_of(ref, SHAPE, mesh, lay))

@@ -55,6 +55,8 @@ def _numpy_step(x, w, v):
     ("all:4", "hidden:all", (None, "all")),
     ("rows:2;cols:4", "batch:rows;io:cols", ("cols", None)),
     ("all:8", "batch:all;hidden:all", (None, None)),  # two dims on one mesh dim: x and y replicated
+    ("all:3", "hidden:all", (None, None)),  # 16 over 3: replicated at the jit boundary, split inside
+    ("rows:2;cols:3", "batch:rows;hidden:cols", (None, None)),
 ])
 def test_global_program_on_jax_meshes(shape, rules, w_spec):
     tr, ins, outs = _record()
@@ -65,7 +67,8 @@ def test_global_program_on_jax_meshes(shape, rules, w_spec):
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(np.asarray(v), want_v, rtol=1e-4, atol=1e-6)
     if shape != "all:8":
-        assert f.in_shardings[1].spec == PartitionSpec(*w_spec) == w.sharding.spec
+        assert f.in_shardings[1].spec == PartitionSpec(*w_spec) == f.out_shardings[1].spec
+        assert w.sharding.is_equivalent_to(f.out_shardings[1], 2)
     else:  # hidden:all fits w [io, hidden]; batch:all and hidden:all cannot both split y
         assert f.in_shardings[1].spec == PartitionSpec(None, "all")
 

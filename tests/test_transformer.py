@@ -93,6 +93,34 @@ def test_same_loss_curve_under_every_layout(corpus, config, optimizer):
         assert params["layer0/ffn/wi/kernel"].layout == {"d_ff": "cols"}
 
 
+def _loss_and_grads(mesh: mm.Mesh, cfg, data: np.ndarray) -> tuple:
+    params = T.init_params(mesh, cfg, seed=3)
+    batch = T.make_batch(mesh, data, cfg, T.train_offsets(data, cfg, 5, 0))
+    names = sorted(params)
+    with mm.trace():
+        loss = T.loss_fn(params, batch, cfg)
+        grads = mm.gradients([loss], [params[n] for n in names])
+    return float(loss), {n: g.to_numpy() for n, g in zip(names, grads)}
+
+
+def test_vocab_257_split_equals_one_rank(corpus):
+    """GPT-2-like vocabulary that no rank count divides, split over every rank (uneven blocks of the
+    embedding and logits): the loss, every gradient and a short loss curve equal one rank's."""
+    cfg = CFG.__class__(**{**CFG.__dict__, "vocab": 257})
+    n = MPI.COMM_WORLD.Get_size()
+    one = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    mesh = mm.Mesh(f"all:{n}", layout="vocab:all")
+    ref_loss, ref_grads = _loss_and_grads(one, cfg, corpus)
+    loss, grads = _loss_and_grads(mesh, cfg, corpus)
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, g in grads.items():
+        scale = np.abs(ref_grads[name]).max()
+        np.testing.assert_allclose(g, ref_grads[name], rtol=1e-5, atol=1e-6 * scale, err_msg=name)
+    if n > 1:
+        assert T.init_params(mesh, cfg)["embed/weights"].local.shape[0] in (257 // n, 257 // n + 1)
+    np.testing.assert_allclose(run(mesh, corpus, cfg, steps=4)[0], run(one, corpus, cfg, steps=4)[0], rtol=1e-5)
+
+
 def _shared_dir(tmp_path) -> str:
     path = MPI.COMM_WORLD.bcast(str(tmp_path / "ckpt"), root=0)  # one directory for every rank
     return path

@@ -160,7 +160,7 @@ class Collectives:
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""
         dims = self.ordered(mesh_dims)
-        if self.size(dims) == 1 or x.size == 0:
+        if self.size(dims) == 1:
             return x
         return self._allreduce(x, dims, op)
 

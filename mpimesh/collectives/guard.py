@@ -2,8 +2,10 @@
 
 `set_spmd_check(True)` (or `MPIMESH_SPMD_CHECK=1`): before each collective, every rank of the mesh
 confirms, in one small allreduce on a communicator of its own, that all ranks are at the same op
-(a per-mesh sequence number, kind, mesh dims, dtype, local shape; along an axis cut into unequal
-blocks the local shape shows the global length instead, see `uneven_shape`). If not, every rank raises
+(a per-mesh sequence number, kind, mesh dims and dtype on every rank; the local shape among the ranks
+of the collective's group, since uneven blocks of another split dim may differ between groups; along
+an axis cut into unequal blocks the local shape shows the global length instead, see `uneven_shape`).
+If not, every rank raises
 `DivergenceError` naming what each rank was doing and where in the user's code; no data moved,
 so the mesh stays usable. The check is not counted in the profile.
 
@@ -90,7 +92,7 @@ class Guard:
     def __init__(self, comm: MPI.Comm, mesh_shape, coords: dict):
         self.comm, self._shape, self._coords = comm, mesh_shape, coords
         self.seq = 0
-        self._pair = (np.empty(2, np.int64), np.empty(2, np.int64))  # the check's send and receive buffers
+        self._buffers: dict = {}  # the check's send and receive buffers, per number of groups
         self.broken: Optional[str] = None
         self._op: Optional[tuple] = None  # (seq, kind, dims, dtype, local shape, detail) of the current collective
 
@@ -124,14 +126,25 @@ class Guard:
 
     def _check(self) -> None:
         seq, kind, dims, dtype, shape, detail = self._op  # a compact key: str(dtype) alone costs 4 us
-        h = zlib.crc32(f"{seq}|{kind}|{dims}|{dtype.char}{dtype.itemsize}|{shape}|{detail}".encode())
-        mine, out = self._pair
+        h = zlib.crc32(f"{seq}|{kind}|{dims}|{dtype.char}{dtype.itemsize}|{detail}".encode())
+        # The local shape is compared within the collective's group only: uneven blocks of a dim split
+        # over another mesh dim make it differ between groups. Slot g holds group g's shape key.
+        groups, g = 1, 0
+        for d in self._shape:
+            if d.name not in dims:
+                groups, g = groups * d.size, g * d.size + self._coords[d.name]
+        if groups not in self._buffers:
+            self._buffers[groups] = (np.empty(2 + 2 * groups, np.int64), np.empty(2 + 2 * groups, np.int64))
+        mine, out = self._buffers[groups]
+        mine.fill(np.iinfo(np.int64).max)  # no key: ignored by MIN
         mine[0], mine[1] = h, -h
-        if _settings["timeout"] is None:  # the common case: one blocking allreduce of two ints
+        k = zlib.crc32(str(shape).encode())
+        mine[2 + 2 * g], mine[3 + 2 * g] = k, -k
+        if _settings["timeout"] is None:  # the common case: one blocking allreduce of a few ints
             self.comm.Allreduce(mine, out, op=MPI.MIN)
         else:
             self.wait_mpi(self.comm.Iallreduce(mine, out, op=MPI.MIN), "the SPMD check")
-        if out[0] == -out[1]:
+        if (out[0::2] == -out[1::2]).all():  # every rank had the same key: min == max
             return
         every = self._gather_states(f"{self._state} at {user_frame()}")
         lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(every))

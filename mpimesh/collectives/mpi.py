@@ -148,12 +148,13 @@ class MpiCollectives(Collectives):
         if guarded:
             self.guard.enter(kind, dims, send, detail, shape)
         counters.record(kind, dims, elements, nbytes)
-        if send.size == 0 and kw.get("counts") is None:  # unequal blocks: others may have data
-            return
         if guarded and Guard.timeout() is not None and not self.mesh.has_comm(dims):
             # making a sub-communicator is a blocking collective over the whole mesh: first make sure
             # that every rank is here, under the time-out
             self.guard.wait_mpi(self.guard.comm.Ibarrier(), f"making the communicator over {'+'.join(dims)}")
+        if send.size == 0 and kw.get("counts") is None:  # an empty block: the whole group has nothing to send
+            self.mesh.comm_for(dims)  # but a first use makes the communicator, over the whole mesh: join it
+            return
         req = self._post(kind, dims, send, recv, **kw)
         if guarded and Guard.timeout() is not None:
             try:

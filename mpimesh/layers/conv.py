@@ -1,9 +1,10 @@
 """2-D convolution layer: `mm.conv2d` plus a bias and an optional activation, no communication
 code of its own.
 
-The input's height and width dims may be split over mesh dims: the convolution gathers its halos
-from the neighbours (point-to-point permutes), the bias add and activation are local, and the
-output keeps the input's spatial dim names, so the rules in force lay it out like the input.
+The input's height and width dims may be split over mesh dims, in blocks of any size (sizes need
+not divide; see `mm.conv2d`): the convolution gathers its halos from the neighbours (point-to-point
+permutes), the bias add and activation are local, and the output keeps the input's spatial dim
+names, so the rules in force lay it out like the input.
 Parameter values depend only on the seed, never on the mesh or layout.
 
 >>> import mpimesh as mm

@@ -36,7 +36,9 @@ them and E unsplit; the experts run with E split over m and G unsplit (`layout_s
 from the rules in force). The switch is one `relayout` each way: one alltoall over m for the
 expert inputs and one for the expert outputs; the backward pass mirrors it (two more). Put the
 experts on that mesh dim in the rules (e.g. mesh layout "group:all;experts:all"), or pass
-`expert_mesh_dim` to `init_moe`, so the expert weights are stored split.
+`expert_mesh_dim` to `init_moe`, so the expert weights are stored split. G, E and the other dims
+need not divide their mesh dims (e.g. 5 experts over 3 ranks: blocks of 2, 2 and 1 experts; 3 over
+4: one rank holds none).
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", layout="group:all;experts:all", comm=mm.MPI.COMM_SELF)
@@ -51,7 +53,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import LayoutError, MpimeshError, ShapeError
+from ..errors import MpimeshError, ShapeError
 from ..layout import LayoutRules, check_rules, plan_layout
 from ..mesh import layout_scope
 from ..ops.einsum import einsum
@@ -201,19 +203,15 @@ def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacit
     rules_e = _phase_rules(base, {e.name: me, g.name: mg if mg != me else None})
     out_layout = mesh.plan(x.shape)
     ein_shape, hid_shape = Shape([e, g, c, m]), Shape([e, g, c, h])
-    try:
-        with layout_scope(mesh, rules_g):
-            dispatch, combine, aux = _gating(x, params["wg"], g, s, e, c, second_policy, second_threshold,
-                                             seed, loss_coef)
-            expert_in = einsum([dispatch, x], output_shape=ein_shape)
-        with layout_scope(mesh, rules_e):
-            expert_in = relayout(expert_in, mesh.plan(ein_shape))  # alltoall: groups -> experts
-            hidden = ACTIVATIONS[activation](einsum([expert_in, params["wi"]], output_shape=hid_shape))
-            expert_out = einsum([hidden, params["wo"]], output_shape=ein_shape)
-        with layout_scope(mesh, rules_g):
-            expert_out = relayout(expert_out, mesh.plan(ein_shape))  # alltoall: experts -> groups
-            y = einsum([combine, expert_out], output_shape=x.shape)
-    except LayoutError as err:
-        raise LayoutError(f"moe: {err} (groups on mesh dim {mg!r}, experts on {me!r}; {g.name} and "
-                          f"{e.name} must be divisible by it)") from None
+    with layout_scope(mesh, rules_g):
+        dispatch, combine, aux = _gating(x, params["wg"], g, s, e, c, second_policy, second_threshold,
+                                         seed, loss_coef)
+        expert_in = einsum([dispatch, x], output_shape=ein_shape)
+    with layout_scope(mesh, rules_e):
+        expert_in = relayout(expert_in, mesh.plan(ein_shape))  # alltoall: groups -> experts
+        hidden = ACTIVATIONS[activation](einsum([expert_in, params["wi"]], output_shape=hid_shape))
+        expert_out = einsum([hidden, params["wo"]], output_shape=ein_shape)
+    with layout_scope(mesh, rules_g):
+        expert_out = relayout(expert_out, mesh.plan(ein_shape))  # alltoall: experts -> groups
+        y = einsum([combine, expert_out], output_shape=x.shape)
     return relayout(y, out_layout), aux

@@ -1,16 +1,22 @@
 """conv1d and conv2d over named dims, with spatial dims that may be split over mesh dims.
 
-The output block of rank c along a split spatial dim (output size O, k ranks, ol = O/k) is
-`[c*ol, (c+1)*ol)`; it reads the input window starting at `c*ol*stride - pad_before` of length
-`(ol-1)*stride + (f-1)*dilation + 1`. Each rank gathers that window from its own block plus
+Along a split spatial dim (input size N, output size O, k ranks) both the input and the output
+are cut like `numpy.array_split`: rank c holds input block c and computes output block c,
+`[o_c, o_c + ol_c)`, which reads the input window starting at `o_c*stride - pad_before` of length
+`(ol_c-1)*stride + (f-1)*dilation + 1`. Each rank gathers that window from its own block plus
 halos from its neighbours (point-to-point permutes, `shift.gather_window`): along height first,
 then along width on the already widened slab, which brings the corners with it (split dims go
-before unsplit ones, whose zero padding is then never sent). When the window
-does not sit at the same place relative to every rank's block (VALID padding, or a stride not
-dividing the size), all ranks gather the union of the halos they need and each selects its own
-window (a k-way select on the coordinate). Zeros beyond the edges are the padding. The local
-kernel, with stride 1, works on blocks of output rows (cache-sized with numpy): the block's slab
-rows with the width taps unrolled side by side, times one `[fw*in, out]` matrix per height tap
+before unsplit ones, whose zero padding is then never sent). With equal blocks of input and
+output, when the window does not sit at the same place relative to every rank's block (VALID
+padding, or a stride not dividing the size), all ranks gather the union of the halos they need and
+each selects its own window (a k-way select on the coordinate: the same program on every rank).
+With unequal blocks (sizes that do not divide; with a stride the output blocks do not line up with
+the input blocks) each rank gathers exactly its own window, its pieces routed by coordinate (a
+piece may come from beyond the neighbours, past short or empty blocks; strips are zero-padded to
+the widest of their permute, see `shift`), and a rank whose output block is empty computes
+nothing. Zeros beyond the edges are the padding. The local kernel, with stride 1, works on blocks
+of output rows (cache-sized with numpy): the block's slab rows with the width taps unrolled side
+by side, times one `[fw*in, out]` matrix per height tap
 (the input and filter gradients are the same kernel on the padded output gradient, resp. with
 the output gradient as the matrix); with other strides it sums, over the filter taps, a
 tensordot of a strided slice of the slab with that tap's `[in, out]` filter matrix.
@@ -35,29 +41,54 @@ import numbers
 from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence, Union
 
-from ..errors import LayoutError, MpimeshError, ShapeError
+from ..errors import MpimeshError, ShapeError
+from ..layout import block_sizes, local_sizes, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
 from .relayout import to_layout
-from .shift import gather_window, scatter_window
+from .shift import blocks_of, coordinate, gather_window, scatter_window
 
 
 class _Axis(NamedTuple):
-    """One spatial dim of a convolution, as seen by one rank."""
+    """One spatial dim of a convolution: per coordinate c along its mesh dim, the input block, the
+    output block and the input window that block reads; `n`, `ol`, `win` are coordinate `c`'s."""
     mesh_dim: Optional[str]  # None when unsplit
     k: int                   # ranks along mesh_dim
-    n: int                   # local input size
-    ol: int                  # local output size
+    size: int                # input length
     f: int                   # filter taps
     s: int                   # stride
     d: int                   # dilation
-    win: int                 # input window length read by one rank
-    deltas: tuple            # per coordinate: window start relative to the rank's own block
+    ns: tuple                # per coordinate: input block length
+    ols: tuple               # per coordinate: output block length
+    windows: tuple           # per coordinate: (global start, length) of the input window read
+    c: Optional[int] = None  # the coordinate of n, ol, win (None: equal blocks, alike everywhere)
+
+    @property
+    def even(self) -> bool:
+        """Equal input blocks and equal output blocks: the same program on every rank."""
+        return len(set(self.ns)) == 1 and len(set(self.ols)) == 1
+
+    @property
+    def n(self) -> int:
+        return self.ns[self.c or 0]
+
+    @property
+    def ol(self) -> int:
+        return self.ols[self.c or 0]
+
+    @property
+    def win(self) -> int:
+        return self.windows[self.c or 0][1]
 
     @property
     def span(self) -> int:
         """Extent of one tap's strided read: (ol-1)*s + 1."""
         return (self.ol - 1) * self.s + 1
+
+    @property
+    def deltas(self) -> tuple:
+        """Equal blocks: per coordinate, the window's start relative to the rank's own block."""
+        return tuple(start - c * self.n for c, (start, _) in enumerate(self.windows))
 
 
 class _Plan(NamedTuple):
@@ -72,7 +103,6 @@ class _Plan(NamedTuple):
     cin_mesh: Optional[str]
     cout_mesh: Optional[str]
     pos_mesh: tuple      # mesh dims splitting the leading and spatial output dims
-    flops: int
 
 
 def _ints(value, nsp: int, what: str, name: str) -> tuple:
@@ -141,34 +171,35 @@ def conv_geometry(x_shape: Shape, f_shape: Shape, nsp: int, strides: tuple, padd
 
 @lru_cache(maxsize=1024)
 def conv_plan(x_shape: Shape, f_shape: Shape, x_layout: tuple, f_layout: tuple, out_shape: Shape,
-              out_layout: tuple, mesh_shape: Shape, geo: tuple, strides: tuple, dilation: tuple,
-              what: str) -> _Plan:
-    """Layouts of x and filters for the kernel, the halo geometry per spatial dim, and flops."""
+              out_layout: tuple, mesh_shape: Shape, geo: tuple, strides: tuple, dilation: tuple) -> _Plan:
+    """Layouts of x and filters for the kernel, and the halo geometry per spatial dim."""
     nsp = len(geo)
     lead = x_shape.rank - nsp - 1
 
     def eff(m):
-        return m if m and mesh_shape[m].size > 1 else None
+        return splitting(m, mesh_shape)
     used = {m for m in out_layout if m}
     cin_mesh = next((m for m in (x_layout[-1], f_layout[-2]) if eff(m) and m not in used), None)
     axes = []
     for i, (o, pb) in enumerate(geo):
-        dim, m = x_shape[lead + i], eff(out_layout[lead + i])
-        k = mesh_shape[m].size if m else 1
-        if dim.size % k:
-            raise LayoutError(f"{what}: input dim {dim.name!r} (size {dim.size}) is not divisible by mesh dim "
-                              f"{m!r} (size {k}), over which the output dim {dim.name}:{o} is split")
-        n, ol, s, d, f = dim.size // k, o // k, strides[i], dilation[i], f_shape[i].size
-        deltas = tuple(c * (ol * s - n) - pb for c in range(k))
-        axes.append(_Axis(m, k, n, ol, f, s, d, (ol - 1) * s + (f - 1) * d + 1, deltas))
+        m = eff(out_layout[lead + i])
+        k, size = mesh_shape[m].size if m else 1, x_shape[lead + i].size
+        s, d, f = strides[i], dilation[i], f_shape[i].size
+        outs = blocks_of(o, k)  # output block c reads the window from o0*s - pb, empty for an empty block
+        windows = tuple((o0 * s - pb, (o1 - o0 - 1) * s + (f - 1) * d + 1 if o1 > o0 else 0) for o0, o1 in outs)
+        axes.append(_Axis(m, k, size, f, s, d, block_sizes(size, k), tuple(o1 - o0 for o0, o1 in outs), windows))
     x_target = tuple(out_layout[:lead + nsp]) + (cin_mesh,)
     f_target = (None,) * nsp + (cin_mesh, out_layout[-1])
     pos_mesh = tuple(m for m in mesh_shape.names if m in {eff(x) for x in out_layout[:lead + nsp]})
-    out_local = math.prod(d.size // (mesh_shape[m].size if m else 1) for d, m in zip(out_shape, out_layout))
-    cin_local = x_shape[-1].size // (mesh_shape[cin_mesh].size if cin_mesh else 1)
-    flops = 2 * out_local * math.prod(a.f for a in axes) * cin_local
     return _Plan(x_shape, x_target, f_shape, f_target, out_shape, out_layout, lead, tuple(axes), cin_mesh,
-                 eff(out_layout[-1]), pos_mesh, flops)
+                 eff(out_layout[-1]), pos_mesh)
+
+
+def _flops(p: _Plan, mesh) -> int:
+    """This rank's multiply-adds, times 2: local outputs x taps x local in-channels."""
+    out_local = math.prod(local_sizes(p.out_shape, mesh.shape, p.out_layout, mesh.coords))
+    cin_local = local_sizes(p.x_shape, mesh.shape, p.x_layout, mesh.coords)[-1]
+    return 2 * out_local * math.prod(a.f for a in p.axes) * cin_local
 
 
 # ---- local kernels (only ctx.xp and ctx's collectives) ----
@@ -179,15 +210,30 @@ def _order(p: _Plan) -> tuple:
     return tuple(sorted(range(len(p.axes)), key=lambda i: p.axes[i].mesh_dim is None))
 
 
+def _local(ctx, p: _Plan) -> _Plan:
+    """`p` with each axis of unequal blocks fixed to this rank's coordinate."""
+    axes = tuple(ax if ax.even else ax._replace(c=coordinate(ctx, ax.mesh_dim, "conv")) for ax in p.axes)
+    return p._replace(axes=axes)
+
+
+def _union(ax: _Axis) -> tuple:
+    """Equal blocks: every coordinate's window widened to the union of the halos any rank needs."""
+    lo, hi = min(ax.deltas), max(ax.deltas)
+    return tuple((c * ax.n + lo, hi - lo + ax.win) for c in range(ax.k))
+
+
 def _gather(ctx, a, p: _Plan):
     """The input window of this rank: halos along each spatial dim in turn (split dims first, so
-    a split dim's halo strip is not widened by an unsplit dim's zero padding), then (for
-    non-uniform windows) this rank's own window out of the union."""
+    a split dim's halo strip is not widened by an unsplit dim's zero padding), then (equal blocks,
+    windows not alike) this rank's own window out of the union."""
     xp = ctx.xp
     for i in _order(p):
         ax, axis = p.axes[i], p.lead + i
+        if not ax.even:
+            a = gather_window(ctx, a, axis, ax.mesh_dim, ax.size, ax.windows)
+            continue
         lo, hi = min(ax.deltas), max(ax.deltas)
-        a = gather_window(ctx, a, axis, ax.mesh_dim, ax.k, lo, hi - lo + ax.win)
+        a = gather_window(ctx, a, axis, ax.mesh_dim, ax.size, _union(ax))
         if hi != lo:
             sel = None
             for c, dc in enumerate(ax.deltas):
@@ -202,6 +248,9 @@ def _scatter(ctx, g, p: _Plan):
     xp = ctx.xp
     for i in reversed(_order(p)):
         ax, axis = p.axes[i], p.lead + i
+        if not ax.even:
+            g = scatter_window(ctx, g, axis, ax.mesh_dim, ax.size, ax.windows)
+            continue
         lo, hi = min(ax.deltas), max(ax.deltas)
         if hi != lo:
             sel = None
@@ -211,7 +260,7 @@ def _scatter(ctx, g, p: _Plan):
                 part = xp.pad(g, widths)
                 sel = part if sel is None else xp.where(ctx.coord(ax.mesh_dim) == c, part, sel)
             g = sel
-        g = scatter_window(ctx, g, axis, ax.mesh_dim, ax.k, ax.n, lo)
+        g = scatter_window(ctx, g, axis, ax.mesh_dim, ax.size, _union(ax))
     return g
 
 
@@ -337,54 +386,78 @@ def _filter_grad_fast(xp, slab, g, p: _Plan):
     return dw.reshape(tuple(ax.f for ax in p.axes) + dw.shape[-2:])
 
 
+def _empty(xp, shape: tuple, *arrays):
+    """Zeros of `shape` when this rank's part is empty (an empty block of positions, channels or
+    output), else None."""
+    if 0 in shape or any(0 in a.shape for a in arrays):
+        return xp.zeros(shape, xp.result_type(*arrays))
+    return None
+
+
+def _forward_local(xp, slab, w, p: _Plan):
+    y = _empty(xp, slab.shape[:p.lead] + tuple(ax.ol for ax in p.axes) + (w.shape[-1],), slab, w)
+    if y is not None:
+        return y
+    if _fast(p):
+        return _forward_fast(xp, slab, w, p)
+    for t, idx in _taps(p):
+        patch = slab[idx]
+        term = xp.tensordot(patch, w[t], axes=([patch.ndim - 1], [0]))
+        y = term if y is None else y + term
+    return y
+
+
+def _input_grad_local(xp, g, w, p: _Plan):
+    """The gradient of this rank's input window."""
+    dslab = _empty(xp, g.shape[:p.lead] + tuple(ax.win for ax in p.axes) + (w.shape[-2],), g, w)
+    if dslab is not None:
+        return dslab
+    if _fast(p):
+        return _input_grad_fast(xp, g, w, p)
+    for t, _ in _taps(p):
+        term = xp.tensordot(g, w[t], axes=([g.ndim - 1], [1]))
+        widths = [(0, 0)] * term.ndim
+        for i, (ti, ax) in enumerate(zip(t, p.axes)):
+            term = _dilate(xp, term, p.lead + i, ax.s)
+            widths[p.lead + i] = (ti * ax.d, ax.win - ti * ax.d - ax.span)
+        term = xp.pad(term, widths)
+        dslab = term if dslab is None else dslab + term
+    return dslab
+
+
+def _filter_grad_local(xp, slab, g, p: _Plan):
+    taps = tuple(ax.f for ax in p.axes)
+    dw = _empty(xp, taps + (slab.shape[-1], g.shape[-1]), slab, g)
+    if dw is not None:
+        return dw
+    if _fast(p):
+        return _filter_grad_fast(xp, slab, g, p)
+    g2 = g.reshape(-1, g.shape[-1])  # positions x out-channels
+    terms = [slab[idx].reshape(-1, slab.shape[-1]).T @ g2 for _, idx in _taps(p)]
+    return xp.stack(terms).reshape(taps + terms[0].shape)
+
+
 def _forward_lower(p: _Plan):
     def lower(ctx, a, w):
-        xp = ctx.xp
-        slab = _gather(ctx, a, p)
-        if _fast(p):
-            y = _forward_fast(xp, slab, w, p)
-            return ctx.allreduce(y, (p.cin_mesh,)) if p.cin_mesh else y
-        y = None
-        for t, idx in _taps(p):
-            patch = slab[idx]
-            term = xp.tensordot(patch, w[t], axes=([patch.ndim - 1], [0]))
-            y = term if y is None else y + term
-        return ctx.allreduce(y, (p.cin_mesh,)) if p.cin_mesh else y
+        q = _local(ctx, p)
+        y = _forward_local(ctx.xp, _gather(ctx, a, q), w, q)
+        return ctx.allreduce(y, (q.cin_mesh,)) if q.cin_mesh else y
     return lower
 
 
 def _input_grad_lower(p: _Plan):
     def lower(ctx, g, w):
-        xp = ctx.xp
-        if _fast(p):
-            dx = _scatter(ctx, _input_grad_fast(xp, g, w, p), p)
-            return ctx.allreduce(dx, (p.cout_mesh,)) if p.cout_mesh else dx
-        dslab = None
-        for t, _ in _taps(p):
-            term = xp.tensordot(g, w[t], axes=([g.ndim - 1], [1]))
-            widths = [(0, 0)] * term.ndim
-            for i, (ti, ax) in enumerate(zip(t, p.axes)):
-                term = _dilate(xp, term, p.lead + i, ax.s)
-                widths[p.lead + i] = (ti * ax.d, ax.win - ti * ax.d - ax.span)
-            term = xp.pad(term, widths)
-            dslab = term if dslab is None else dslab + term
-        dx = _scatter(ctx, dslab, p)
-        return ctx.allreduce(dx, (p.cout_mesh,)) if p.cout_mesh else dx
+        q = _local(ctx, p)
+        dx = _scatter(ctx, _input_grad_local(ctx.xp, g, w, q), q)
+        return ctx.allreduce(dx, (q.cout_mesh,)) if q.cout_mesh else dx
     return lower
 
 
 def _filter_grad_lower(p: _Plan):
     def lower(ctx, a, g):
-        xp = ctx.xp
-        slab = _gather(ctx, a, p)
-        if _fast(p):
-            dw = _filter_grad_fast(xp, slab, g, p)
-            return ctx.allreduce(dw, p.pos_mesh) if p.pos_mesh else dw
-        g2 = g.reshape(-1, g.shape[-1])  # positions x out-channels
-        terms = [slab[idx].reshape(-1, slab.shape[-1]).T @ g2 for _, idx in _taps(p)]
-        taps = tuple(ax.f for ax in p.axes)
-        dw = xp.stack(terms).reshape(taps + terms[0].shape)
-        return ctx.allreduce(dw, p.pos_mesh) if p.pos_mesh else dw
+        q = _local(ctx, p)
+        dw = _filter_grad_local(ctx.xp, _gather(ctx, a, q), g, q)
+        return ctx.allreduce(dw, q.pos_mesh) if q.pos_mesh else dw
     return lower
 
 
@@ -393,21 +466,21 @@ def _filter_grad_lower(p: _Plan):
 def _forward(x, w, p: _Plan):
     x, w = to_layout(x, p.x_layout), to_layout(w, p.f_layout)
     (y,) = dispatch("conv", [x, w], [(p.out_shape, p.out_layout)], _forward_lower(p), {"plan": p},
-                    _forward_grad, p.flops)
+                    _forward_grad, _flops(p, x.mesh))
     return y
 
 
 def _input_grad(dy, w, p: _Plan):
     dy, w = to_layout(dy, p.out_layout), to_layout(w, p.f_layout)
     (dx,) = dispatch("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _input_grad_lower(p),
-                     {"plan": p}, _input_grad_grad, p.flops)
+                     {"plan": p}, _input_grad_grad, _flops(p, dy.mesh))
     return dx
 
 
 def _filter_grad(x, dy, p: _Plan):
     x, dy = to_layout(x, p.x_layout), to_layout(dy, p.out_layout)
     (dw,) = dispatch("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _filter_grad_lower(p),
-                     {"plan": p}, _filter_grad_grad, p.flops)
+                     {"plan": p}, _filter_grad_grad, _flops(p, x.mesh))
     return dw
 
 
@@ -435,7 +508,7 @@ def _conv(x, filters, nsp: int, strides, padding, dilation, what: str):
     out_shape, geo = conv_geometry(x.shape, filters.shape, nsp, strides, padding, dilation, what)
     out_layout = x.mesh.plan(out_shape)
     p = conv_plan(x.shape, filters.shape, x.tensor_layout, filters.tensor_layout, out_shape, out_layout,
-                  x.mesh.shape, geo, strides, dilation, what)
+                  x.mesh.shape, geo, strides, dilation)
     return _forward(x, filters, p)
 
 

@@ -42,7 +42,7 @@ def dropout(x, rate: float, seed: int):
 
     def lower(ctx, a):
         xp = ctx.xp
-        index = global_index(xp, shape, mesh_shape, layout, {m: ctx.coord(m) for m in split})
+        index = global_index(xp, shape, mesh_shape, layout, {m: ctx.coord(m) for m in split}, a.shape)
         keep = uniform01(xp, index, seed, _STREAM) >= rate
         return xp.where(keep, a * scale, xp.zeros((), dtype=a.dtype)).astype(a.dtype)
 

@@ -192,7 +192,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
                                             mesh.shape)
     xs = [to_layout(x, t) for x, t in zip(xs, targets)]
     subs = _subscripts(tuple(s.names for s in in_shapes), out.names)
-    expr, flops = _expression(subs, tuple(local_sizes(x.shape, mesh.shape, x.tensor_layout) for x in xs))
+    expr, flops = _expression(subs, tuple(local_sizes(x.shape, mesh.shape, x.tensor_layout, mesh.coords) for x in xs))
 
     pair = pair_plan(subs)
     bmm = None if pair is not None else batched_plan(subs, tuple(x.local.shape for x in xs))

@@ -272,7 +272,7 @@ def where(cond, x, y):
             slots.append(i)
     consts = (cond, x, y)
     od = out.names
-    sizes = local_sizes(out, mesh.shape, out_layout)
+    sizes = local_sizes(out, mesh.shape, out_layout, mesh.coords)
 
     def lower(ctx, *arrays):
         vals = list(consts)

@@ -17,6 +17,7 @@ the final winners locally: the full dim is never gathered.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Optional
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..backend import as_dtype
 from ..errors import MpimeshError, ShapeError
-from ..layout import TensorLayout, local_sizes
+from ..layout import TensorLayout, block, block_sizes, splitting
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
 from ..trace import dispatch
@@ -65,9 +66,21 @@ def _check_indices(indices, what: str) -> None:
                            f"got {indices.dtype}")
 
 
-def _split(mesh_shape: Shape, m: Optional[str]) -> Optional[str]:
-    """`m` if it really splits (size > 1), else None."""
-    return m if m and mesh_shape[m].size > 1 else None
+def _block(ctx, size: int, k: int, m: Optional[str]) -> tuple:
+    """(start, length) of this rank's block of a dim of `size` split over mesh dim `m` of size `k`
+    (`m` None: the whole dim). The length is a Python int even where the coordinate is traced
+    (a JAX replay of equal blocks).
+
+    >>> class Ctx:  # the rank at coordinate 2
+    ...     coord = staticmethod(lambda m: 2)
+    >>> _block(Ctx, 7, 3, "x"), _block(Ctx, 2, 4, "x"), _block(Ctx, 7, 1, None)
+    ((5, 2), (2, 0), (0, 7))
+    """
+    if not m:
+        return 0, size
+    c = ctx.coord(m)
+    sizes = block_sizes(size, k)
+    return block(size, k, c)[0], sizes[0] if len(set(sizes)) == 1 else sizes[c]
 
 
 # ------------------------------------------------------------------------------------- one_hot
@@ -92,14 +105,13 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     out = indices.shape + Shape([dim])
     out_layout = mesh.plan(out)
     indices = to_layout(indices, out_layout[:-1])
-    m = _split(mesh.shape, out_layout[-1])
-    n = dim.size // (mesh.shape[m].size if m else 1)
+    m = splitting(out_layout[-1], mesh.shape)
+    k = mesh.shape[m].size if m else 1
 
     def lower(ctx, a):
         xp = ctx.xp
-        pos = xp.arange(n)
-        if m:
-            pos = pos + ctx.coord(m) * n  # this rank's global index range
+        start, n = _block(ctx, dim.size, k, m)
+        pos = xp.arange(n) + start  # this rank's global index range
         return xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
     (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
                     {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
@@ -109,25 +121,19 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
 # -------------------------------------------------------------------------------------- gather
 
 @lru_cache(maxsize=1024)
-def _gather_plan(wshape: Shape, ishape: Shape, v: str, wl: TensorLayout, il: TensorLayout, out: Shape,
-                 mesh_shape: Shape) -> dict:
-    """Static index arithmetic of the local lookup: transposes and reshapes of both slices."""
-    others = [n for n in wshape.names if n != v]
-    shared = [n for n in ishape.names if n in others]  # batch dims of a batched lookup
-    iother = [n for n in ishape.names if n not in shared]
+def _gather_plan(wnames: tuple, inames: tuple, v: str, onames: tuple) -> dict:
+    """Static index arithmetic of the local lookup (names only: the local sizes, which may differ
+    between ranks, are read off the slices): transposes of both slices and of the result."""
+    others = [n for n in wnames if n != v]
+    shared = [n for n in inames if n in others]  # batch dims of a batched lookup
+    iother = [n for n in inames if n not in shared]
     oonly = [n for n in others if n not in shared]
-    lw = dict(zip(wshape.names, local_sizes(wshape, mesh_shape, wl)))
-    li = dict(zip(ishape.names, local_sizes(ishape, mesh_shape, il)))
-    sflat = int(np.prod([lw[n] for n in shared], dtype=np.int64))
     order = iother + shared + oonly
     return {
-        "mv": _split(mesh_shape, wl[wshape.index(v)]), "nv": lw[v], "sflat": sflat, "n_oonly": len(oonly),
-        "wperm": tuple(wshape.index(n) for n in [v] + shared + oonly),
-        "wshape": (lw[v], sflat) + tuple(lw[n] for n in oonly),
-        "iperm": tuple(ishape.index(n) for n in iother + shared),
-        "ishape": tuple(li[n] for n in iother) + (sflat,),
-        "gshape": tuple(li[n] for n in iother) + tuple(lw[n] for n in shared) + tuple(lw[n] for n in oonly),
-        "operm": tuple(order.index(n) for n in out.names),
+        "n_shared": len(shared), "n_iother": len(iother), "n_oonly": len(oonly),
+        "wperm": tuple(wnames.index(n) for n in [v] + shared + oonly),
+        "iperm": tuple(inames.index(n) for n in iother + shared),
+        "operm": tuple(order.index(n) for n in onames),
     }
 
 
@@ -162,20 +168,27 @@ def gather(weights, indices, dim):
                                              (weights.tensor_layout, indices.tensor_layout),
                                              out, out_layout, mesh.shape)
     weights, indices = to_layout(weights, wl), to_layout(indices, il)
-    p = _gather_plan(weights.shape, indices.shape, vdim.name, wl, il, out, mesh.shape)
-    mv, nv = p["mv"], p["nv"]
-    pad = (1,) * p["n_oonly"]
+    p = _gather_plan(weights.shape.names, indices.shape.names, vdim.name, out.names)
+    mv = splitting(wl[weights.shape.index(vdim.name)], mesh.shape)
+    kv = mesh.shape[mv].size if mv else 1
+    ns, no = p["n_shared"], p["n_oonly"]
 
     def lower(ctx, w, i):
         xp = ctx.xp
-        w = xp.transpose(w, p["wperm"]).reshape(p["wshape"])
-        i = xp.transpose(i, p["iperm"]).reshape(p["ishape"])
-        if mv:
-            i = i - ctx.coord(mv) * nv  # position inside this rank's range
-        valid = (i >= 0) & (i < nv)
-        g = w[xp.where(valid, i, 0), xp.arange(p["sflat"])]
-        g = xp.where(valid.reshape(valid.shape + pad), g, 0)
-        g = xp.transpose(g.reshape(p["gshape"]), p["operm"])
+        w, i = xp.transpose(w, p["wperm"]), xp.transpose(i, p["iperm"])
+        gshape = i.shape + w.shape[1 + ns:]  # iother, shared, oonly: local sizes
+        sflat = math.prod(w.shape[1:1 + ns])
+        w = w.reshape(w.shape[:1] + (sflat,) + w.shape[1 + ns:])
+        i = i.reshape(i.shape[:p["n_iother"]] + (sflat,))
+        nv = w.shape[0]
+        if nv:
+            i = i - _block(ctx, vdim.size, kv, mv)[0]  # position inside this rank's block
+            valid = (i >= 0) & (i < nv)
+            g = w[xp.where(valid, i, 0), xp.arange(sflat)]
+            g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
+        else:  # an empty block of the looked-up dim: nothing to look up here
+            g = xp.zeros(i.shape + w.shape[2:], w.dtype)
+        g = xp.transpose(g.reshape(gshape), p["operm"])
         return ctx.allreduce(g, reduce_mesh) if reduce_mesh else g
     grad = _gather_grad if np.issubdtype(weights.dtype, np.floating) else None
     (y,) = dispatch("gather", [weights, indices], [(out, out_layout)], lower,
@@ -210,11 +223,22 @@ def _gather_grad(op, dy):
 def _candidate_layout(x, axis: int, others: TensorLayout) -> tuple:
     """x's layout for a search along `axis`: the other dims as `others` say; the searched dim
     keeps its split if its mesh dim is free. Returns (layout, mesh dim of the searched dim)."""
-    mesh_shape = x.mesh.shape
-    m = _split(mesh_shape, x.tensor_layout[axis])
+    m = splitting(x.tensor_layout[axis], x.mesh.shape)
     if m in others:
         m = None
     return others[:axis] + (m,) + others[axis:], m
+
+
+def _exchange(ctx, vals, idx, size: int, k: int, m: str, kr: int, a: int) -> tuple:
+    """Every rank's candidates along axis `a` (values, and local positions that become global)
+    gathered over mesh dim `m` (of size `kr`), which splits a dim of `size`: min(k, block length)
+    from each rank (none from an empty block). Those counts are `numpy.array_split`'s of their
+    total (the block lengths are, and min with k keeps that), the `size` the allgathers are told.
+    Candidates arrive in coordinate order, so among equal values a lower global position comes
+    first."""
+    idx = (idx + _block(ctx, size, kr, m)[0]).astype(np.int32)
+    total = sum(min(k, n) for n in block_sizes(size, kr))
+    return ctx.allgather(vals, m, a, size=total), ctx.allgather(idx, m, a, size=total)
 
 
 def _take(a, axis: int, k: int):
@@ -272,24 +296,20 @@ def top_k(x, reduced_dim, k_dim):
     out_layout = mesh.plan(out)
     target, mr = _candidate_layout(x, a, out_layout[:a] + out_layout[a + 1:])
     x = to_layout(x, target)
-    mk = _split(mesh.shape, out_layout[a])
+    mk = splitting(out_layout[a], mesh.shape)
     k = kd.size
-    n = r.size // (mesh.shape[mr].size if mr else 1)
-    k1 = min(k, n)
 
     def lower(ctx, xa):
         xp = ctx.xp
-        if mr and k1 == n:  # every local element is a candidate: no local sort needed
+        n = xa.shape[a]  # this rank's block: possibly shorter than k, or empty
+        if mr and k >= n:  # every local element is a candidate: no local sort needed
             vals = xa
             idx = xp.broadcast_to(xp.arange(n, dtype=np.int32).reshape((n,) + (1,) * (xa.ndim - a - 1)), xa.shape)
         else:
-            vals, idx = _top(xp, xa, a, k1)
+            vals, idx = _top(xp, xa, a, k)
             idx = idx.astype(np.int32)
         if mr:
-            idx = (idx + ctx.coord(mr) * n).astype(np.int32)  # global positions
-            # Candidates arrive in coordinate order, so among equal values a lower global position
-            # comes first, and the stable sort keeps it first.
-            vals, idx = ctx.allgather(vals, mr, a), ctx.allgather(idx, mr, a)
+            vals, idx = _exchange(ctx, vals, idx, r.size, k, mr, mesh.shape[mr].size, a)
             vals, pos = _top(xp, vals, a, k)
             idx = xp.take_along_axis(idx, pos, axis=a)
         if mk:
@@ -320,23 +340,25 @@ def argmax(x, reduced_dim):
     [1, 0]
     """
     r = _find_dim(x.shape, reduced_dim, "argmax")
+    if r.size == 0:
+        raise ShapeError(f"argmax: reduced dim {r.name}:0 of shape {x.shape} is empty: it has no maximum")
     mesh = x.mesh
     a = x.shape.index(r.name)
     out = x.shape.without([r.name])
     out_layout = mesh.plan(out)
     target, mr = _candidate_layout(x, a, out_layout)
     x = to_layout(x, target)
-    n = r.size // (mesh.shape[mr].size if mr else 1)
 
     def lower(ctx, xa):
         xp = ctx.xp
-        li = xp.argmax(xa, axis=a)  # the first maximum: the lowest position on ties
         if not mr:
-            return li.astype(np.int32)
-        li = xp.expand_dims(li, a)
-        vals = xp.take_along_axis(xa, li, axis=a)
-        idx = (li + ctx.coord(mr) * n).astype(np.int32)
-        vals, idx = ctx.allgather(vals, mr, a), ctx.allgather(idx, mr, a)
+            return xp.argmax(xa, axis=a).astype(np.int32)  # the first maximum: the lowest position on ties
+        if xa.shape[a]:
+            li = xp.expand_dims(xp.argmax(xa, axis=a), a)
+        else:  # an empty block: no candidate
+            li = xp.zeros(xa.shape, dtype=np.int32)
+        vals, idx = _exchange(ctx, xp.take_along_axis(xa, li, axis=a), li, r.size, 1, mr,
+                              mesh.shape[mr].size, a)
         j = xp.expand_dims(xp.argmax(vals, axis=a), a)  # first max: lowest coordinate
         return xp.squeeze(xp.take_along_axis(idx, j, axis=a), axis=a)
     (y,) = dispatch("argmax", [x], [(out, out_layout)], lower, {"reduced_dim": r, "mesh_dim": mr})

@@ -16,7 +16,10 @@ softmax: y * (dy - sum(dy * y)); log_softmax: dy - exp(y) * sum(dy). Entries of 
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import ShapeError
+from ..layout import splitting
 from ..shape import dim_names
 from ..trace import dispatch
 from .relayout import to_layout
@@ -30,6 +33,28 @@ def _reduced_names(x, reduced_dim, what: str) -> tuple:
         if n not in x.shape:
             raise ShapeError(f"{what}: reduced dim {n!r} is not in shape {x.shape}")
     return names
+
+
+def local_extreme(xp, a, axes: tuple, op: str = "max", keepdims: bool = False):
+    """The max (or min) of `a` over `axes`. Where those axes are empty (this rank's empty block of
+    a split dim) it is the identity of the allreduce that follows: the lowest (highest) value of
+    a's dtype, -inf (inf) for floats.
+
+    >>> local_extreme(np, np.zeros((2, 0)), (1,)).tolist(), local_extreme(np, np.eye(2), (1,), "min", True).tolist()
+    ([-inf, -inf], [[0.0], [0.0]])
+    """
+    if all(a.shape[i] for i in axes):
+        return (xp.max if op == "max" else xp.min)(a, axis=axes, keepdims=keepdims)
+    dt = np.dtype(a.dtype)
+    if dt.kind == "b":
+        fill = op == "min"
+    elif dt.kind in "iu":
+        fill = np.iinfo(dt).min if op == "max" else np.iinfo(dt).max
+    else:
+        fill = -np.inf if op == "max" else np.inf
+    shape = [1 if i in axes else n for i, n in enumerate(a.shape)]
+    return xp.full(tuple(shape) if keepdims else tuple(n for i, n in enumerate(shape) if i not in axes),
+                   fill, dtype=a.dtype)
 
 
 def _softmax_grad(op, dy):
@@ -52,12 +77,12 @@ def _normalize(name: str, log: bool, grad, doc: str):
         layout = mesh.plan(x.shape)
         x = to_layout(x, layout)
         axes = tuple(x.shape.index(n) for n in names)
-        split = {layout[i] for i in axes if layout[i] and mesh.shape[layout[i]].size > 1}
+        split = {splitting(layout[i], mesh.shape) for i in axes} - {None}
         mdims = tuple(m for m in mesh.shape.names if m in split)
 
         def lower(ctx, a):
             xp = ctx.xp
-            m = xp.max(a, axis=axes, keepdims=True)
+            m = local_extreme(xp, a, axes, keepdims=True)
             if mdims:
                 m = ctx.allreduce(m, mdims, "max")
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows of -inf: no inf - inf

@@ -42,10 +42,14 @@ def _key(seed: int, stream: int) -> np.uint64:
     return _mix(z)[0]
 
 
-def global_index(xp, shape: Shape, mesh_shape: Shape, layout, coords) -> "np.ndarray":
-    """The row-major global flat index of every element of this rank's slice (uint64)."""
+def global_index(xp, shape: Shape, mesh_shape: Shape, layout, coords, sizes: tuple) -> "np.ndarray":
+    """The row-major global flat index of every element of the slice at `coords` (uint64), whose
+    sizes are `sizes` (Python ints, also where a JAX replay traces the coordinates).
+
+    >>> global_index(np, Shape("a:2;b:5"), Shape("x:3"), (None, "x"), {"x": 2}, (2, 1)).tolist()
+    [[4], [9]]
+    """
     bounds = slice_bounds(shape, mesh_shape, layout, coords)
-    sizes = local_sizes(shape, mesh_shape, layout)
     idx = xp.zeros((1,) * shape.rank, dtype=np.uint64)
     stride = 1
     for axis in reversed(range(shape.rank)):
@@ -87,7 +91,7 @@ def _real(value, what: str) -> float:
 def _random(mesh, shape: ShapeLike, layout, fill):
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
-    idx = global_index(mesh.xp, shape, mesh.shape, tl, mesh.coords)
+    idx = global_index(mesh.xp, shape, mesh.shape, tl, mesh.coords, local_sizes(shape, mesh.shape, tl, mesh.coords))
     return DistTensor(mesh, shape, tl, fill(mesh.xp, idx))
 
 

@@ -18,6 +18,7 @@ from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..trace import dispatch
 from .einsum import contraction_plan, einsum
+from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
 from .relayout import to_layout
 
 
@@ -76,16 +77,16 @@ def _local_reduce(name: str, kernel, grad):
 
 
 def _max(ctx, a, axes, mesh_dims):
-    return ctx.allreduce(ctx.xp.max(a, axis=axes), mesh_dims, "max")
+    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "max"), mesh_dims, "max")
 
 
 def _min(ctx, a, axes, mesh_dims):
-    return ctx.allreduce(ctx.xp.min(a, axis=axes), mesh_dims, "min")
+    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "min"), mesh_dims, "min")
 
 
 def _logsumexp(ctx, a, axes, mesh_dims):
     xp = ctx.xp
-    m = ctx.allreduce(xp.max(a, axis=axes, keepdims=True), mesh_dims, "max")
+    m = ctx.allreduce(local_extreme(xp, a, axes, "max", keepdims=True), mesh_dims, "max")
     m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # all -inf: keep -inf, not nan
     s = ctx.allreduce(xp.sum(xp.exp(a - m), axis=axes), mesh_dims, "sum")
     with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for an all -inf row

@@ -56,15 +56,16 @@ def relayout_plan(shape: Shape, mesh_shape: Shape, src: TensorLayout, dst: Tenso
     return tuple(steps)
 
 
-def _run_steps(steps):
+def _run_steps(steps, shape: Shape):
+    """The lowering of `steps` for a tensor of global `shape` (whose sizes fix the uneven blocks)."""
     def lower(ctx, x):
         for step in steps:
             if step[0] == "slice":
                 x = ctx.block(x, step[1], step[2])
             elif step[0] == "allgather":
-                x = ctx.allgather(x, step[1], step[2])
+                x = ctx.allgather(x, step[1], step[2], shape[step[2]].size)
             else:
-                x = ctx.alltoall(x, step[1], step[2], step[3])
+                x = ctx.alltoall(x, step[1], step[2], step[3], shape[step[3]].size)
         return x
     return lower
 
@@ -78,7 +79,7 @@ def to_layout(x, tensor_layout: TensorLayout):
     if x.tensor_layout == tensor_layout:
         return x
     steps = relayout_plan(x.shape, x.mesh.shape, x.tensor_layout, tensor_layout)
-    (y,) = dispatch("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps),
+    (y,) = dispatch("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps, x.shape),
                     {"layout": tensor_layout, "steps": steps}, _relayout_grad)
     return y
 

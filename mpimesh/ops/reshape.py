@@ -1,8 +1,9 @@
 """Reshape, rename, transpose and broadcast.
 
 A reshape that merges or splits dims moves no data when every split dim leads its group of
-merged/split dims and keeps its mesh dim (its blocks stay contiguous); otherwise only the
-offending groups are gathered, reshaped and sliced again.
+merged/split dims and keeps its mesh dim, and its blocks hold the same elements before and after
+(always when the mesh dim divides both sizes; `numpy.array_split` blocks of other sizes often do
+not); otherwise only the offending groups are gathered, reshaped and sliced again.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -14,10 +15,11 @@ offending groups are gathered, reshaped and sliced again.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 from ..errors import ShapeError
-from ..layout import TensorLayout, local_sizes, splitting
+from ..layout import TensorLayout, block, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike, union_shape
 from ..trace import dispatch
 from .elementwise import align, contiguous, sum_to
@@ -55,7 +57,17 @@ def reshape_groups(old: tuple, new: tuple) -> tuple:
 
 @lru_cache(maxsize=4096)
 def reshape_plan(old: Shape, new: Shape, mesh_shape: Shape, src: TensorLayout, dst: TensorLayout) -> tuple:
-    """`(mid, post)`: x is brought to layout `mid`, reshaped locally, giving layout `post`."""
+    """`(mid, post)`: x is brought to layout `mid`, reshaped locally, giving layout `post`.
+
+    A group keeps the mesh dim m of its leading new dim only if the blocks of its leading old dim
+    over m hold exactly the elements of the new dim's blocks (always when m divides both sizes).
+
+    >>> mesh = Shape("x:3")
+    >>> reshape_plan(Shape("a:6;b:2"), Shape("ab:12"), mesh, ("x", None), ("x",))
+    (('x', None), ('x',))
+    >>> reshape_plan(Shape("a:5;b:2"), Shape("ab:10"), mesh, ("x", None), ("x",))  # blocks 2,2,1 vs 4,3,3
+    ((None, None), (None,))
+    """
     def eff(m):
         return splitting(m, mesh_shape)
     mid, post = [None] * old.rank, [None] * new.rank
@@ -63,9 +75,16 @@ def reshape_plan(old: Shape, new: Shape, mesh_shape: Shape, src: TensorLayout, d
         new_split = [(p, eff(dst[p])) for p in gj if eff(dst[p])]
         if len(new_split) == 1 and new_split[0][0] == gj[0] and gi:
             m = new_split[0][1]
-            if old.sizes[gi[0]] % mesh_shape[m].size == 0:
+            if _aligned(old.sizes[gi[0]], math.prod(old.sizes[i] for i in gi[1:]), new.sizes[gj[0]],
+                        math.prod(new.sizes[j] for j in gj[1:]), mesh_shape[m].size):
                 mid[gi[0]], post[gj[0]] = m, m
     return tuple(mid), tuple(post)
+
+
+def _aligned(n: int, rest: int, n2: int, rest2: int, k: int) -> bool:
+    """Whether the k blocks of n rows of `rest` elements cover the same flat ranges as the k
+    blocks of n2 rows of `rest2` (n * rest == n2 * rest2)."""
+    return all(block(n, k, c)[0] * rest == block(n2, k, c)[0] * rest2 for c in range(1, k))
 
 
 def _reshape_grad(op, dy):
@@ -83,7 +102,7 @@ def reshape(x, new_shape: ShapeLike):
     dst = mesh.plan(new)
     mid, post = reshape_plan(x.shape, new, mesh.shape, x.tensor_layout, dst)
     x = to_layout(x, mid)
-    sizes = local_sizes(new, mesh.shape, post)
+    sizes = local_sizes(new, mesh.shape, post, mesh.coords)
     (y,) = dispatch("reshape", [x], [(new, post)], lambda ctx, a: a.reshape(sizes), {"shape": new},
                     _reshape_grad)
     return to_layout(y, dst)
@@ -119,7 +138,7 @@ def broadcast(x, new_shape: ShapeLike):
         raise ShapeError(f"broadcast: dims {missing} of {x.shape} are not in the target shape {new}")
     dst = x.mesh.plan(new)
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
-    sizes = local_sizes(new, x.mesh.shape, dst)
+    sizes = local_sizes(new, x.mesh.shape, dst, x.mesh.coords)
     xd, nd = x.shape.names, new.names
 
     def lower(ctx, a):

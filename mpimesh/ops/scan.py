@@ -4,7 +4,9 @@ Each rank takes the cumulative sum of its own block, then adds the sum of the bl
 `ctx.exscan` of its block totals (one element per position of the other dims) along the mesh dim
 that splits the dim. `reverse=True` (the gradient) sums from the end instead: the block totals are
 allgathered along that mesh dim (k values per position, not the data) and each rank adds those of
-the coordinates after its own (exact, unlike total-minus-prefix).
+the coordinates after its own (exact, unlike total-minus-prefix). Blocks may be unequal or empty
+(`numpy.array_split`): every rank still passes one total per position (zero for an empty block),
+so both collectives move equal blocks.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -55,7 +57,7 @@ def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool
         total = xp.sum(a, axis=axis, keepdims=True, dtype=c.dtype)
         if not reverse:
             return c + ctx.exscan(total, m)
-        totals = ctx.allgather(total, m, axis)  # k totals along `axis`, in coordinate order
+        totals = ctx.allgather(total, m, axis)  # k totals along `axis` (one per rank), in coordinate order
         after = (xp.arange(k) > ctx.coord(m)).reshape((1,) * axis + (k,) + (1,) * (a.ndim - axis - 1))
         later = xp.where(after, totals, xp.zeros((), dtype=c.dtype))
         return c + xp.sum(later, axis=axis, keepdims=True, dtype=c.dtype)

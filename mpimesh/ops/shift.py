@@ -1,12 +1,19 @@
 """Shift and halo exchange along a dim that may be split over a mesh dim.
 
-Both are built on one primitive, a *window*: the rank at coordinate c (holding the block
-`[c*n, (c+1)*n)` of a dim split over k ranks) gathers the global range
-`[c*n + start, c*n + start + length)`. The range is cut into pieces by the rank that owns them;
-the own piece is a local slice, every other piece is one point-to-point permute of a boundary
-strip (a piece more than one block away is a permute by several coordinates), and indices
-outside the dim are zeros (or wrap around). Its transpose sends each piece back to its owner,
-which adds it in: that is the gradient of every windowed op (shift, halo exchange, convolution).
+Both are built on one primitive, a *window*: the rank at coordinate c gathers a range of global
+indices of the dim, `windows[c] = (start, length)` (its own block, moved or widened). The dim is cut
+into k blocks like `numpy.array_split` (`layout.block`; unequal, possibly empty). Each window is cut
+into pieces by the blocks that own them; the own piece is a local slice, every other piece one
+point-to-point permute of a boundary strip (a piece several blocks away, e.g. a halo wider than
+the short or empty blocks next to it, a permute by several coordinates), and indices outside the
+dim are zeros (or wrap around). Its transpose sends each piece back to its owner, which adds it
+in: that is the gradient of every windowed op (shift, halo exchange, convolution).
+
+A permute moves the same shape on every rank, so a strip shorter than the widest one at its
+offset travels zero-padded to that width. With equal blocks and windows alike relative to each
+block, every strip at an offset has the same width (no padding) and the route needs no coordinate
+(so a JAX replay can trace it); with unequal blocks strips differ by a few elements at most, e.g.
+blocks (3, 2, 2) shifted by 4 pad one strip by one element per row.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -17,40 +24,85 @@ which adds it in: that is the gradient of every windowed op (shift, halo exchang
 [1.0, 2.0, 3.0, 4.0, 0.0]
 >>> mm.halo_exchange(x, "a", 1).to_numpy().tolist()
 [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0]
->>> window_pieces(4, 2, -1, 6, False)
-((-1, 3, 4, 0), (0, 0, 4, 1), (1, 0, 1, 5))
+>>> # a halo of 1 over blocks (3, 2, 2) of 7: who sends what to whom
+>>> for r in window_routes(7, 3, ((-1, 5), (2, 4), (4, 4)), False):
+...     print(r.p, r.width, r.recv)
+-1 1 (None, (2, 3, 0), (1, 2, 0))
+0 3 ((0, 3, 1), (0, 2, 1), (0, 2, 1))
+1 1 ((0, 1, 4), (0, 1, 3), None)
 """
 from __future__ import annotations
 
+import numbers
 from functools import lru_cache
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from ..errors import MpimeshError, ShapeError
+from ..layout import block, block_sizes, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
 from .relayout import to_layout
 
 
+class Route(NamedTuple):
+    """The pieces that come from `p` coordinates away (coordinate c's from c+p)."""
+    p: int
+    width: int    # the widest piece: the permute's length along the axis on every rank
+    recv: tuple   # per coordinate c: (lo, hi, pos) = block c+p's local range [lo, hi), at pos in c's window; or None
+    send: tuple   # per coordinate s: (lo, hi) of its block that coordinate s-p needs; or None
+
+
+def uniform(size: int, k: int, windows: tuple) -> bool:
+    """True when the blocks are equal and every window sits alike relative to its block: every
+    rank then moves the same pieces, and no route needs the coordinate."""
+    sizes = block_sizes(size, k)
+    return (len(set(sizes)) == 1
+            and all(w == (windows[0][0] + c * sizes[0], windows[0][1]) for c, w in enumerate(windows)))
+
+
 @lru_cache(maxsize=4096)
-def window_pieces(n: int, k: int, start: int, length: int, wrap: bool) -> tuple:
-    """The pieces of the window `[c*n + start, c*n + start + length)` of a dim split into k
-    blocks of n: `(p, lo, hi, pos)` = local range `[lo, hi)` of coordinate c+p's block, placed at
-    `pos` in the window. Pieces with no source (beyond the edges without `wrap`) are left out."""
-    if n == 0 or length <= 0:
-        return ()
-    pieces = []
-    first, last = start // n, -(-(start + length) // n)
-    if not wrap:  # only the k blocks exist: a huge window must not cost a loop over the void
-        first, last = max(first, -(k - 1)), min(last, k)
-    for p in range(first, last):
-        lo, hi = max(start - p * n, 0), min(start + length - p * n, n)
-        if hi > lo and (wrap or abs(p) < k):
-            pieces.append((p, lo, hi, p * n + lo - start))
-    return tuple(pieces)
+def window_routes(size: int, k: int, windows: tuple, wrap: bool) -> tuple:
+    """The `Route`s, by increasing p, that bring coordinate c the global range `windows[c]` of a
+    dim of `size` cut into k blocks. Pieces beyond the dim's ends (without `wrap`) have no route."""
+    bounds = [block(size, k, j) for j in range(k)]
+    by_p: dict = {}
+    for c, (start, length) in enumerate(windows):
+        if size == 0 or length <= 0:
+            continue
+        periods = range(start // size, (start + length - 1) // size + 1) if wrap else (0,)
+        for q in periods:
+            for j, (b0, b1) in enumerate(bounds):
+                lo, hi = max(start, q * size + b0), min(start + length, q * size + b1)
+                if hi > lo:
+                    by_p.setdefault(q * k + j - c, {})[c] = (lo - q * size - b0, hi - q * size - b0, lo - start)
+    routes = []
+    for p in sorted(by_p):
+        recv = by_p[p]
+        send = {(c + p) % k: (lo, hi) for c, (lo, hi, _) in recv.items()}
+        routes.append(Route(p, max(hi - lo for lo, hi, _ in recv.values()),
+                            tuple(recv.get(c) for c in range(k)), tuple(send.get(s) for s in range(k))))
+    return tuple(routes)
 
 
-def _cut(a, axis: int, lo: int, hi: int, step: int = 1):
-    return a[(slice(None),) * axis + (slice(lo, hi, step),)]
+def coordinate(ctx, mesh_dim: Optional[str], what: str) -> int:
+    """This rank's coordinate along `mesh_dim` as an int (0 when unsplit), for routes that
+    differ by rank; a traced coordinate (a JAX replay of unequal blocks) raises MpimeshError."""
+    c = ctx.coord(mesh_dim) if mesh_dim is not None else 0
+    if not isinstance(c, numbers.Integral):
+        raise MpimeshError(f"{what}: blocks of unequal length along mesh dim {mesh_dim!r} need this rank's "
+                           f"coordinate as a number; a traced replay supports equal blocks only")
+    return int(c)
+
+
+def _mine(entries: tuple, c: Optional[int]):
+    """Coordinate c's entry; with c None (uniform routes), the entry every coordinate that has one shares."""
+    if c is not None:
+        return entries[c]
+    return next(e for e in entries if e is not None)
+
+
+def _cut(a, axis: int, lo: int, hi: int):
+    return a[(slice(None),) * axis + (slice(lo, hi),)]
 
 
 def _zeros(xp, like, axis: int, size: int):
@@ -58,38 +110,68 @@ def _zeros(xp, like, axis: int, size: int):
     return xp.zeros(shape, dtype=like.dtype)
 
 
-def gather_window(ctx, a, axis: int, mesh_dim: Optional[str], k: int, start: int, length: int,
-                  wrap: bool = False):
-    """The window `[c*n + start, c*n + start + length)` along `axis` of the dim whose local
-    block is `a`, split over `mesh_dim` (None: unsplit, k=1), by permutes of boundary strips."""
-    xp, n = ctx.xp, a.shape[axis]
+def _strip(xp, a, axis: int, piece, width: int):
+    """`a[lo:hi]` along `axis` (nothing when `piece` is None), zero-padded to `width`."""
+    seg = _zeros(xp, a, axis, 0) if piece is None else _cut(a, axis, piece[0], piece[1])
+    short = width - seg.shape[axis]
+    return xp.concatenate([seg, _zeros(xp, a, axis, short)], axis) if short else seg
+
+
+def _local(route: Route, k: int, mesh_dim: Optional[str], wrap: bool) -> bool:
+    """True when the route's pieces come from this rank itself."""
+    return mesh_dim is None or route.p == 0 or (wrap and route.p % k == 0)
+
+
+def gather_window(ctx, a, axis: int, mesh_dim: Optional[str], size: int, windows: tuple, wrap: bool = False):
+    """The window `windows[c]` (global `(start, length)`) along `axis` of the dim of `size` whose
+    local block is `a`, split over `mesh_dim` into `len(windows)` blocks (None: unsplit), by
+    permutes of boundary strips."""
+    xp, k = ctx.xp, len(windows)
+    c = None if uniform(size, k, windows) else coordinate(ctx, mesh_dim, "window")
+    length = _mine(windows, c)[1]
     parts, filled = [], 0
-    for p, lo, hi, pos in window_pieces(n, k, start, length, wrap):
+    for r in window_routes(size, k, windows, wrap):
+        piece = _mine(r.recv, c)
+        if _local(r, k, mesh_dim, wrap):
+            if piece is None:
+                continue
+            seg = _cut(a, axis, piece[0], piece[1])
+        else:
+            seg = ctx.permute(_strip(xp, a, axis, _mine(r.send, c), r.width), mesh_dim, -r.p, wrap)
+            if piece is None:
+                continue
+            seg = _cut(seg, axis, 0, piece[1] - piece[0])
+        lo, hi, pos = piece
         if pos > filled:
             parts.append(_zeros(xp, a, axis, pos - filled))
-        seg = _cut(a, axis, lo, hi)
-        if p != 0 and mesh_dim is not None:
-            seg = ctx.permute(seg, mesh_dim, -p, wrap)  # coordinate c+p sends to c
         parts.append(seg)
         filled = pos + hi - lo
-    if filled < length:
+    if filled < length or not parts:
         parts.append(_zeros(xp, a, axis, length - filled))
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
 
 
-def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], k: int, n: int, start: int,
-                   wrap: bool = False):
+def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], size: int, windows: tuple, wrap: bool = False):
     """Transpose of `gather_window`: each piece of the window `g` goes back to its owner, which
-    adds it to its local block of size `n`. The block is assembled interval by interval between
-    the pieces' edges (each interval the sum of the pieces covering it), so a halo strip costs
-    work proportional to its own size, not the block's."""
-    xp = ctx.xp
+    adds it to its local block. The block is assembled interval by interval between the pieces'
+    edges (each interval the sum of the pieces covering it), so a halo strip costs work
+    proportional to its own size, not the block's."""
+    xp, k = ctx.xp, len(windows)
+    c = None if uniform(size, k, windows) else coordinate(ctx, mesh_dim, "window")
+    b0, b1 = block(size, k, 0 if c is None else c)
+    n = b1 - b0
     pieces = []  # (lo, hi, values) in the local block
-    for p, lo, hi, pos in window_pieces(n, k, start, g.shape[axis], wrap):
-        seg = _cut(g, axis, pos, pos + hi - lo)
-        if p != 0 and mesh_dim is not None:
-            seg = ctx.permute(seg, mesh_dim, p, wrap)  # back from c to c+p
-        pieces.append((lo, hi, seg))
+    for r in window_routes(size, k, windows, wrap):
+        piece = _mine(r.recv, c)
+        if _local(r, k, mesh_dim, wrap):
+            if piece is not None:
+                pieces.append((piece[0], piece[1], _cut(g, axis, piece[2], piece[2] + piece[1] - piece[0])))
+            continue
+        back = None if piece is None else (piece[2], piece[2] + piece[1] - piece[0])
+        seg = ctx.permute(_strip(xp, g, axis, back, r.width), mesh_dim, r.p, wrap)  # back from c to c+p
+        mine = _mine(r.send, c)
+        if mine is not None:
+            pieces.append((mine[0], mine[1], _cut(seg, axis, 0, mine[1] - mine[0])))
     if n == 0:
         return _zeros(xp, g, axis, 0)
     edges = sorted({0, n}.union(*[(lo, hi) for lo, hi, _ in pieces]))
@@ -104,6 +186,11 @@ def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], k: int, n: int, s
     return out[0] if len(out) == 1 else xp.concatenate(out, axis)
 
 
+def blocks_of(size: int, k: int) -> tuple:
+    """The k blocks `(start, stop)` of a dim of `size`."""
+    return tuple(block(size, k, c) for c in range(k))
+
+
 def _dim_axis(x, dim: Union[str, Dimension], what: str) -> int:
     if isinstance(dim, Dimension) or (isinstance(dim, tuple) and len(dim) == 2):
         dim = Dimension(*dim)
@@ -115,9 +202,8 @@ def _dim_axis(x, dim: Union[str, Dimension], what: str) -> int:
 
 def _split(mesh, layout: tuple, axis: int) -> tuple[Optional[str], int]:
     """(mesh dim, k) of a tensor axis; (None, 1) when unsplit or on a mesh dim of size 1."""
-    m = layout[axis]
-    k = mesh.shape[m].size if m else 1
-    return (m if k > 1 else None), k
+    m = splitting(layout[axis], mesh.shape)
+    return m, (mesh.shape[m].size if m else 1)
 
 
 def _check_int(value, what: str, name: str, minimum: Optional[int] = None) -> int:
@@ -133,9 +219,10 @@ def shift(x, offset: int, dim: Union[str, Dimension], wrap: bool):
     """x shifted by `offset` along `dim`: `out[i] = x[i - offset]`; with `wrap` the shift is a
     roll, otherwise vacated positions are zeros.
 
-    When `dim` is split, each rank sends at most two boundary strips (its whole block, in at most
-    two pieces) to the ranks `offset // n` and `offset // n + 1` coordinates away. The gradient is
-    the shift by `-offset`.
+    When `dim` is split, each rank's window is its own block moved by `-offset`: with equal
+    blocks of n it sends its block in at most two pieces, to the ranks `offset // n` and
+    `offset // n + 1` coordinates away; with unequal blocks a window may span a few more (short or
+    empty) blocks. The gradient is the shift by `-offset`.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -150,10 +237,10 @@ def shift(x, offset: int, dim: Union[str, Dimension], wrap: bool):
         offset %= size
     x = to_layout(x, x.mesh.plan(x.shape))
     m, k = _split(x.mesh, x.tensor_layout, axis)
-    n = size // k
+    windows = tuple((b0 - offset, b1 - b0) for b0, b1 in blocks_of(size, k))
 
     def lower(ctx, a):
-        return gather_window(ctx, a, axis, m, k, -offset, n, wrap)
+        return gather_window(ctx, a, axis, m, size, windows, wrap)
     (y,) = dispatch("shift", [x], [(x.shape, x.tensor_layout)], lower,
                     {"offset": offset, "dim": name, "wrap": wrap}, _shift_grad)
     return y
@@ -168,13 +255,14 @@ def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
     """Each slice of x along `dim` widened by `halo` elements from its neighbours on both sides.
 
     Per-slice semantics (Mesh-TensorFlow's halo exchange): when `dim` (size N) is split over a
-    mesh dim of size k into blocks of n = N/k, the output has a dim of the same name and size
-    N + 2*halo*k, split over the same mesh dim, whose block c is
-    `[left halo] + x's block c + [right halo]`, where the left halo is the `halo` elements just
-    before block c (the left neighbour's last ones) and the right halo the `halo` just after it.
-    A halo wider than a block is gathered from several neighbours. Beyond the ends of `dim`
-    the halo is zeros: padding, not data (with `wrap=True` it wraps around instead). When `dim`
-    is unsplit (k = 1) this is plain zero padding by `halo` on both sides.
+    mesh dim of size k (blocks of `numpy.array_split`, the first N % k one longer), the output has
+    a dim of the same name and size N + 2*halo*k, split over the same mesh dim, whose block c
+    (2*halo longer than x's) is `[left halo] + x's block c + [right halo]`, where the left halo
+    is the `halo` elements just before block c (the left neighbour's last ones) and the right
+    halo the `halo` just after it.
+    A halo wider than a block is gathered from several neighbours (past empty blocks too).
+    Beyond the ends of `dim` the halo is zeros: padding, not data (with `wrap=True` it wraps
+    around instead). When `dim` is unsplit (k = 1) this is plain zero padding by `halo` on both sides.
 
     The gradient sends each halo back to its owner, which adds it in.
 
@@ -191,22 +279,22 @@ def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
     mesh = x.mesh
     in_layout = mesh.plan(x.shape)
     m, k = _split(mesh, in_layout, axis)
-    n = size // k
+    windows = tuple((b0 - halo, b1 - b0 + 2 * halo) for b0, b1 in blocks_of(size, k))
     out_shape = Shape(tuple(Dimension(name, size + 2 * halo * k) if i == axis else d
                             for i, d in enumerate(x.shape)))
     out_layout = mesh.plan(out_shape)
-    params = {"dim": name, "halo": halo, "wrap": wrap, "axis": axis, "mesh_dim": m, "k": k, "n": n,
-              "in_shape": x.shape, "in_layout": in_layout, "out_shape": out_shape, "out_layout": out_layout}
+    params = {"dim": name, "halo": halo, "wrap": wrap, "axis": axis, "mesh_dim": m, "size": size,
+              "windows": windows, "in_shape": x.shape, "in_layout": in_layout, "out_shape": out_shape,
+              "out_layout": out_layout}
     return _halo_apply(x, params)
 
 
 def _halo_apply(x, p: dict):
     """halo_exchange with a fixed plan `p` (also the gradient of its transpose)."""
-    axis, m, k, n, halo, wrap = p["axis"], p["mesh_dim"], p["k"], p["n"], p["halo"], p["wrap"]
     x = to_layout(x, p["in_layout"])
 
     def lower(ctx, a):
-        return gather_window(ctx, a, axis, m, k, -halo, n + 2 * halo, wrap)
+        return gather_window(ctx, a, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
     (y,) = dispatch("halo_exchange", [x], [(p["out_shape"], p["out_layout"])], lower, p,
                     lambda op, dy: [_halo_transpose(dy, op.params)])
     return y
@@ -214,11 +302,10 @@ def _halo_apply(x, p: dict):
 
 def _halo_transpose(dy, p: dict):
     """The transpose of halo_exchange: halos sent back to their owners and added in."""
-    axis, m, k, n, halo, wrap = p["axis"], p["mesh_dim"], p["k"], p["n"], p["halo"], p["wrap"]
     dy = to_layout(dy, p["out_layout"])
 
     def lower(ctx, g):
-        return scatter_window(ctx, g, axis, m, k, n, -halo, wrap)
+        return scatter_window(ctx, g, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
     (dx,) = dispatch("halo_exchange_transpose", [dy], [(p["in_shape"], p["in_layout"])], lower, p,
                      lambda op, g: [_halo_apply(g, op.params)])
     return dx

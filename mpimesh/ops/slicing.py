@@ -4,14 +4,15 @@ All four are *windows*: output element g of the dim is input element g + shift w
 [0, n), else zero (slice: shift = begin; pad: shift = -before; split and concat: one window per
 piece). The output keeps the dim's name with its new size and is laid out by the rules in force.
 
-Communication, when the dim is split over mesh dim m (k ranks) in the input and in the output:
-output block j (size c = s/k) needs the few input blocks (size b = n/k) that overlap it. For each
-block offset o that occurs, every coordinate i sends one fixed-width window (min(b, c) elements
-along the dim) of its block to coordinate i - o: one `permute` along m per offset, and the
-receiver picks its elements by index arithmetic. Nothing else moves, and no rank ever holds the
-whole dim. Only when that would send more than an allgather, or the input dim is split over
-another mesh dim (or the output dim is not split), the dim is allgathered along its own mesh dim
-only, cut locally, and the output blocks are taken locally (free).
+Communication, when the dim is split over mesh dim m (k ranks) in the input and in the output
+(blocks cut like `numpy.array_split`, so possibly unequal or empty): output block j needs the few
+input blocks that overlap it. For each block offset o that occurs, every coordinate i sends one
+fixed-width window (as wide as the smaller of the largest input and the largest output block) of
+its block, zero-padded to the largest block, to coordinate i - o: one `permute` along m per offset,
+and the receiver picks its elements by index arithmetic. Nothing else moves, and no rank ever holds
+the whole dim. Only when that would send more than an allgather brings the rank with the largest
+block, or the input dim is split over another mesh dim (or the output dim is not split), the dim is
+allgathered along its own mesh dim only, cut locally, and the output blocks are taken locally (free).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -24,15 +25,18 @@ only, cut locally, and the output blocks are taken locally (free).
 Shape('[i:12]')
 >>> window_offsets(16, 8, 3, 4)  # slice(begin=3, size=8) of a dim of 16 split 4 ways
 (-1, 0, 1)
+>>> window_offsets(7, 5, 1, 3)  # slice(1, 5) of 7 over 3: blocks [0,3) [3,5) [5,7) -> [1,3) [3,5) [5,6)
+(0,)
 """
 from __future__ import annotations
 
 import builtins
+import numbers
 from functools import lru_cache
 from typing import Optional, Sequence, Union
 
 from ..errors import MeshError, ShapeError
-from ..layout import TensorLayout, splitting
+from ..layout import TensorLayout, block, block_sizes, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
 from .relayout import to_layout
@@ -71,12 +75,12 @@ def _int(v, what: str) -> int:
 @lru_cache(maxsize=4096)
 def window_offsets(n: int, s: int, shift: int, k: int) -> tuple:
     """Block offsets q - j such that output block j of a window needs input block q (k blocks)."""
-    b, c = n // k, s // k
+    ins = [block(n, k, q) for q in range(k)]
     offs: set[int] = set()
     for j in range(k):
-        lo, hi = max(0, j * c + shift), min(n, (j + 1) * c + shift)
-        if lo < hi:
-            offs.update(q - j for q in range(lo // b, (hi - 1) // b + 1))
+        start, stop = block(s, k, j)
+        lo, hi = max(0, start + shift), min(n, stop + shift)
+        offs.update(q - j for q, (b0, b1) in enumerate(ins) if max(lo, b0) < min(hi, b1))
     return tuple(sorted(offs))
 
 
@@ -92,11 +96,25 @@ def window_plan(shape: Shape, axis: int, src: TensorLayout, out_layout: TensorLa
     if md is not None and eff(src[axis]) == md:
         k, n = mesh_shape[md].size, shape.sizes[axis]
         offsets = [window_offsets(n, s, shift, k) for _, s, shift in pieces]
-        sent = sum(sum(1 for o in offs if o) * min(n // k, s // k) for offs, (_, s, _) in zip(offsets, pieces))
-        if sent <= (k - 1) * (n // k):  # no more than an allgather would bring, and never the whole dim
+        sent = sum(sum(1 for o in offs if o) * _width(n, s, k) for offs, (_, s, _) in zip(offsets, pieces))
+        if sent <= n - max(block_sizes(n, k)):  # no more than an allgather brings, never the whole dim
             return out_layout, tuple(offsets)
     in_layout = tuple(None if i == axis else m for i, m in enumerate(out_layout))
     return in_layout, (None,) * len(pieces)
+
+
+def _width(n: int, s: int, k: int) -> int:
+    """The width of every window sent: enough for any output block's part of any input block."""
+    return min(max(block_sizes(n, k)), max(block_sizes(s, k)))
+
+
+def _starts(size: int, k: int) -> tuple:
+    """The k + 1 block boundaries of `size` elements: block q is [starts[q], starts[q + 1]).
+
+    >>> _starts(7, 3), _starts(2, 4)
+    ((0, 3, 5, 7), (0, 1, 2, 2, 2))
+    """
+    return tuple(block(size, k, q)[0] for q in range(k)) + (size,)
 
 
 def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets: Optional[tuple]):
@@ -115,15 +133,28 @@ def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets:
             if before or after:
                 part = xp.pad(part, [(0, 0)] * axis + [(before, after)] + [(0, 0)] * len(tail))
         return ctx.block(part, md, axis) if md else part
-    b, c = n // k, s // k
-    width = min(b, c)
-    bshape = (1,) * axis + (c,) + (1,) * len(tail)
     j = ctx.coord(md)
-    g = j * c + xp.arange(c) + shift  # the global input index of each output element here
-    valid = (g >= 0) & (g < n)
+    outs, b, width = block_sizes(s, k), max(block_sizes(n, k)), _width(n, s, k)
+    ins, starts = _starts(n, k), _starts(s, k)
+    if isinstance(j, numbers.Integral):  # MPI: this rank's block, arithmetic on host ints
+        c = outs[j]
+
+        def clip(v, lo, hi):
+            return min(max(v, lo), hi)
+    else:  # the JAX twin (a traced j): every block padded to the largest
+        c, ins, starts, clip = max(outs), xp.asarray(ins), xp.asarray(starts), xp.clip
+
+    def at(bounds, i):  # bounds[i]; an out-of-range coordinate sends or receives nothing
+        return bounds[clip(i, 0, k)]
+    bshape = (1,) * axis + (c,) + (1,) * len(tail)
+    e = xp.arange(c)
+    g = at(starts, j) + e + shift  # the global input index of each output element here
+    valid = (g >= 0) & (g < n) & (e < at(starts, j + 1) - at(starts, j))
     g = xp.clip(g, 0, max(n - 1, 0))
-    q = g // max(b, 1)
-    r = g - q * b  # its index inside input block q
+    q = xp.searchsorted(xp.asarray(ins[1:]), g, side="right")  # the input block holding it
+    r = g - xp.asarray(ins)[q]  # its index inside that block
+    if a.shape[axis] < b:  # a short block: padded, so that every rank sends the same width
+        a = xp.pad(a, [(0, 0)] * axis + [(0, b - a.shape[axis])] + [(0, 0)] * len(tail))
     out = xp.zeros(a.shape[:axis] + (c,) + a.shape[axis + 1:], dtype=a.dtype)
     for o in offsets:
         if o == 0:
@@ -131,9 +162,9 @@ def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets:
         else:
             # Coordinate j sends to j - o the window of its block that output block j - o needs.
             send = a if width == b else xp.take(
-                a, xp.clip((j - o) * c + shift - j * b, 0, b - width) + xp.arange(width), axis=axis)
+                a, clip(at(starts, j - o) + shift - at(ins, j), 0, b - width) + xp.arange(width), axis=axis)
             recv = ctx.permute(send, md, -o, wrap=False)
-            start = xp.clip(j * c + shift - (j + o) * b, 0, b - width)  # where the window from j + o began
+            start = clip(at(starts, j) + shift - at(ins, j + o), 0, b - width)  # where j + o's window began
             vals = xp.take(recv, xp.clip(r - start, 0, width - 1), axis=axis)
         out = xp.where((valid & (q == j + o)).reshape(bshape), vals, out)
     return out
@@ -144,7 +175,7 @@ def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list,
     """Dispatch windows: one input and one output per piece (`combine=False`), or one input per
     piece summed into a single output (`combine=True`)."""
     mesh = xs[0].mesh
-    out_layouts = [mesh.plan(s) for s in out_shapes]  # a non-divisible new size: LayoutError here
+    out_layouts = [mesh.plan(s) for s in out_shapes]
     md = out_layouts[0][axis]
     k = mesh.shape[md].size if md else 1
     ins, route_list = [], []

@@ -16,8 +16,8 @@ only the transfers differ. The axis names are the mesh dims.
 Unequal blocks (`numpy.array_split` of a length over k devices, see `collectives.base`): every
 device's array needs the same static shape, so a device holds its block padded with zeros to the
 largest block. The block lengths are static (the lengths and k are Python ints; only the coordinate
-is traced), so each collective pads every block to the largest with a static gather (`_spread`),
-runs the equal-block collective, and keeps the real rows with another (`_keep`): allgather's
+is traced), so each collective pads every block to the largest with a static gather (`pad_blocks`),
+runs the equal-block collective, and keeps the real rows with another (`unpad_blocks`): allgather's
 result and alltoall's `concat_axis` hold no padding; alltoall's `split_axis`, reduce_scatter's
 `axis` and `block` are zero-padded blocks. E.g. 5 rows over 2 devices: device 1 holds rows 3, 4 and
 a row of zeros.
@@ -71,8 +71,15 @@ class JaxCollectives(Collectives):
         sizes = block_sizes(x.shape[axis], self._sizes[mesh_dim])
         if len(set(sizes)) == 1:
             return super().block(x, mesh_dim, axis)
-        return self.xp.take(_spread(self.xp, x, axis, sizes), self.coord(mesh_dim) * max(sizes)
+        return self.xp.take(pad_blocks(self.xp, x, axis, sizes), self.coord(mesh_dim) * max(sizes)
                             + self.xp.arange(max(sizes)), axis=axis)
+
+    def fill_padding(self, x, axis: int, mesh_dim: str, sizes: tuple, fill):
+        """`x` (this device's block along `axis`, padded to the largest of `sizes`) with `fill` in
+        the padding (a select: nan or inf there never spreads)."""
+        n = self.xp.asarray(sizes)[self.coord(mesh_dim)]
+        valid = (self.xp.arange(x.shape[axis]) < n).reshape((-1,) + (1,) * (x.ndim - axis - 1))
+        return self.xp.where(valid, x, self.xp.asarray(fill, x.dtype))
 
     def _check_padded(self, x, axis: int, sizes: tuple, what: str):
         """MpimeshError (at trace time) unless `axis` has the largest block's length."""
@@ -91,23 +98,23 @@ class JaxCollectives(Collectives):
         elif x.shape[axis] == 0:  # every block empty (XLA refuses to gather along an empty axis)
             return x
         y = self._lax.all_gather(x, mesh_dim, axis=axis, tiled=True)
-        return y if sizes is None else _keep(self.xp, y, axis, sizes)
+        return y if sizes is None else unpad_blocks(self.xp, y, axis, sizes)
 
     def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes):
         if sizes is None:
             return self._lax.all_to_all(x, mesh_dim, split_axis, concat_axis, tiled=True)
         splits, concats = sizes
         self._check_padded(x, concat_axis, concats, "alltoall")
-        y = _spread(self.xp, x, split_axis, splits)
+        y = pad_blocks(self.xp, x, split_axis, splits)
         y = self._lax.all_to_all(y, mesh_dim, split_axis, concat_axis, tiled=True)
-        return _keep(self.xp, y, concat_axis, concats)
+        return unpad_blocks(self.xp, y, concat_axis, concats)
 
     def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes):
         if op != "sum":
             return self.block(self.allreduce(x, (mesh_dim,), op), mesh_dim, axis)
         if sizes is None and x.shape[axis] == 0:  # every block empty (XLA refuses to scatter along it)
             return x
-        x = x if sizes is None else _spread(self.xp, x, axis, sizes)
+        x = x if sizes is None else pad_blocks(self.xp, x, axis, sizes)
         return self._lax.psum_scatter(x, mesh_dim, scatter_dimension=axis, tiled=True)
 
     def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
@@ -144,12 +151,12 @@ class JaxCollectives(Collectives):
         return bool(flag)
 
 
-def _spread(xp, x, axis: int, sizes: tuple):
+def pad_blocks(xp, x, axis: int, sizes: tuple):
     """`x` with each block along `axis` (lengths `sizes`) zero-padded to the largest (a static gather;
     `x` itself where the blocks are equal).
 
     >>> import jax.numpy as jnp
-    >>> _spread(jnp, jnp.arange(1, 6), 0, (3, 2)).tolist()
+    >>> pad_blocks(jnp, jnp.arange(1, 6), 0, (3, 2)).tolist()
     [1, 2, 3, 4, 5, 0]
     """
     if len(set(sizes)) == 1:
@@ -161,12 +168,12 @@ def _spread(xp, x, axis: int, sizes: tuple):
     return xp.take(xp.concatenate([x, zero], axis), index, axis=axis)
 
 
-def _keep(xp, y, axis: int, sizes: tuple):
+def unpad_blocks(xp, y, axis: int, sizes: tuple):
     """The real rows of `y`, whose blocks along `axis` are padded to the largest of `sizes` (a static
     gather; `y` itself where the blocks are equal).
 
     >>> import jax.numpy as jnp
-    >>> _keep(jnp, jnp.array([1, 2, 3, 4, 5, 0]), 0, (3, 2)).tolist()
+    >>> unpad_blocks(jnp, jnp.array([1, 2, 3, 4, 5, 0]), 0, (3, 2)).tolist()
     [1, 2, 3, 4, 5]
     """
     if len(set(sizes)) == 1:

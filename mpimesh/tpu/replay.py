@@ -18,8 +18,19 @@ Two modes:
 A trace recorded on a one-processor mesh (`mm.Mesh("all:1", comm=MPI.COMM_SELF)`) is the global
 program: every collective is a no-op and every coordinate 0. `replay(..., devices=jax_mesh,
 layout=rules)` runs it on a `jax.sharding.Mesh` of any shape, with each input and output sharded
-as `rules` lay it out on that mesh (replicated where a size does not divide), and lets XLA's SPMD
-partitioner place the collectives: one process drives many devices.
+as `rules` lay it out on that mesh, and lets XLA's SPMD partitioner place the collectives: one
+process drives many devices.
+
+Uneven blocks (a dim of size n split over k devices, cut like `numpy.array_split`): every device
+holds its block padded with zeros to the largest, ceil(n/k) (the JAX collectives move such blocks,
+see `tpu/collectives.py`); its coordinate fixes how much is real. The padding is zeroed after every
+op, and ops that must not see zeros there see their identity instead (-inf for a max or a softmax,
++inf for a min). Ops whose kernels cannot run on padded blocks (those that index by global position,
+e.g. gather, one_hot, top_k, conv, shift) raise ReplayError when they meet uneven blocks.
+The kernels keep the recording rank's block sizes, so a replay of uneven blocks is built on rank 0
+(which holds the largest). A jit's arguments and results can only be sharded along dims their mesh
+dim divides: the others are replicated there (`in_shardings`, `out_shardings`) and padded and cut
+inside.
 
 All take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
 Only the ops the outputs depend on are replayed. A tensor the trace reads that is neither
@@ -37,9 +48,9 @@ import numpy as np
 from ..backend import to_host
 from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
 from ..extras import require
-from ..layout import LayoutRules, local_sizes, plan_layout
+from ..layout import LayoutRules, block_sizes, local_sizes, plan_layout, splitting
 from ..shape import Shape
-from .collectives import JaxCollectives
+from .collectives import JaxCollectives, pad_blocks, unpad_blocks
 
 MODES = ("shard_map", "gspmd")
 
@@ -52,6 +63,42 @@ class ReplayError(MpimeshError):
 
 def _describe(t) -> str:
     return f"tensor {t.shape} ({t.dtype}, layout {t.layout or '{}'})"
+
+
+# Ops whose kernels give the right values on padded blocks: elementwise ops (their module), and
+# these, whose padding is zero or, for those with a fill, the fill while they run.
+_FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
+          "softmax": "lowest", "log_softmax": "lowest"}
+_PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat", "split",
+              *_FILLS}
+
+
+def _runs_padded(rec) -> bool:
+    return rec.name in _PADDED_OK or getattr(rec.lower, "__module__", None) == "mpimesh.ops.elementwise"
+
+
+def _uneven_axes(shape: Shape, layout: tuple, mesh_shape: Shape) -> tuple:
+    """`(axis, mesh_dim, block sizes)` of each dim split into blocks of unequal length.
+
+    >>> _uneven_axes(Shape("a:7;b:8"), ("x", "y"), Shape("x:4;y:2"))
+    ((0, 'x', (2, 2, 2, 1)),)
+    """
+    out = []
+    for axis, (d, m) in enumerate(zip(shape, layout)):
+        sizes = block_sizes(d.size, mesh_shape[m].size) if splitting(m, mesh_shape) else ()
+        if len(set(sizes)) > 1:
+            out.append((axis, m, sizes))
+    return tuple(out)
+
+
+def _fill(dtype, which: str):
+    """The lowest or highest value of `dtype` (-inf/inf for floats; False/True for bool)."""
+    if np.dtype(dtype) == bool:
+        return which == "highest"
+    if np.issubdtype(dtype, np.floating):
+        return np.inf if which == "highest" else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if which == "highest" else info.min
 
 
 def _whole_here(t) -> bool:
@@ -111,9 +158,44 @@ class _Plan:
             self.constants[i] = np.array(to_host(t.local), copy=True)
         self.inputs, self.outputs = inputs, outputs
         self.input_ids = [id(t) for t in inputs]
+        self._padding()
+
+    def _padding(self) -> None:
+        """Each tensor's uneven axes (`uneven`) and padded local shape (`local_shapes`: coordinate
+        0's block, the largest); ReplayError for an op that cannot run on padded blocks."""
         ms = self.mesh.shape
-        self.local_shapes = {id(t): local_sizes(t.shape, ms, t.tensor_layout)
-                             for rec in self.ops for t in rec.outputs}
+        tensors = {id(t): t for t in self.inputs + self.outputs}
+        for rec in self.ops:
+            tensors.update((id(t), t) for t in rec.inputs + rec.outputs)
+        self.uneven = {i: _uneven_axes(t.shape, t.tensor_layout, ms) for i, t in tensors.items()}
+        self.local_shapes = {i: local_sizes(t.shape, ms, t.tensor_layout, dict.fromkeys(ms.names, 0))
+                             for i, t in tensors.items()}
+        for rec in self.ops:
+            t = next((t for t in rec.inputs + rec.outputs if self.uneven[id(t)]), None)
+            if t is not None and not _runs_padded(rec):
+                raise ReplayError(f"op {rec!r} has a {_describe(t)} with {_blocks(t, self.uneven[id(t)][0])}; the "
+                                  f"JAX replay holds such blocks padded to the largest, and this op cannot run on "
+                                  f"padded blocks yet: lay that dim out evenly (or not at all) in the trace")
+        for i, t in tensors.items():
+            if self.uneven[i] and tuple(t.local.shape) != self.local_shapes[i]:
+                raise ReplayError(f"this rank holds a {_describe(t)} block of shape {tuple(t.local.shape)}, not "
+                                  f"the largest, {self.local_shapes[i]}: the trace's kernels keep the recording "
+                                  f"rank's block sizes, so build a replay of uneven blocks on rank 0")
+        self.fills = {id(rec): _FILLS[rec.name] for rec in self.ops
+                      if rec.name in _FILLS and any(self.uneven[id(t)] for t in rec.inputs)}
+
+
+def _blocks(t, uneven: tuple) -> str:
+    axis, m, sizes = uneven
+    return (f"dim {t.shape[axis].name}:{t.shape[axis].size} split over mesh dim {m!r} of size {len(sizes)} "
+            f"into blocks {sizes}")
+
+
+def _padded(ctx: JaxCollectives, a, uneven: tuple, fill):
+    """`a` with `fill` in the padding of each uneven axis."""
+    for axis, m, sizes in uneven:
+        a = ctx.fill_padding(a, axis, m, sizes, fill)
+    return a
 
 
 def _body(plan: _Plan, ctx: JaxCollectives):
@@ -123,8 +205,12 @@ def _body(plan: _Plan, ctx: JaxCollectives):
         env: dict[int, Any] = {i: xp.asarray(c) for i, c in plan.constants.items()}
         env.update(zip(plan.input_ids, arrays))
         for rec in plan.ops:
+            args = [env[id(t)] for t in rec.inputs]
+            if id(rec) in plan.fills:  # e.g. -inf where a max or softmax would see zeros
+                args = [_padded(ctx, a, plan.uneven[id(t)], _fill(a.dtype, plan.fills[id(rec)]))
+                        for a, t in zip(args, rec.inputs)]
             try:
-                result = rec.lower(ctx, *[env[id(t)] for t in rec.inputs])
+                result = rec.lower(ctx, *args)
             except MpimeshError:
                 raise
             except Exception as e:
@@ -137,14 +223,29 @@ def _body(plan: _Plan, ctx: JaxCollectives):
                 if tuple(r.shape) != want:
                     raise ReplayError(f"op {rec!r}: its kernel gave a local array of shape {tuple(r.shape)} "
                                       f"under JAX, expected {want}")
-                env[id(t)] = r if r.dtype == t.dtype else r.astype(t.dtype)
+                r = r if r.dtype == t.dtype else r.astype(t.dtype)
+                env[id(t)] = _padded(ctx, r, plan.uneven[id(t)], 0)  # padding is zero between ops
         return tuple(env[id(t)] for t in plan.outputs)
     return body
 
 
-def _to_blocks(xp, g, layout: tuple, mesh_shape):
+def _pad(xp, g, uneven: tuple):
+    """Global array -> each uneven axis cut into its blocks, each padded to the largest."""
+    for axis, _, sizes in uneven:
+        g = pad_blocks(xp, g, axis, sizes)
+    return g
+
+
+def _unpad(xp, g, uneven: tuple):
+    """Inverse of `_pad`."""
+    for axis, _, sizes in uneven:
+        g = unpad_blocks(xp, g, axis, sizes)
+    return g
+
+
+def _to_blocks(xp, g, layout: tuple, mesh_shape, uneven: tuple = ()):
     """Global array -> per-device blocks: axes (mesh dims..., local dims...); replicated along
-    the mesh dims that split none of its dims."""
+    the mesh dims that split none of its dims; uneven blocks padded to the largest."""
     shape, mesh_axis = [], {}
     for size, m in zip(g.shape, layout):
         if m is None:
@@ -152,7 +253,8 @@ def _to_blocks(xp, g, layout: tuple, mesh_shape):
         else:
             k = mesh_shape[m].size
             mesh_axis[m] = len(shape)
-            shape += [k, size // k]
+            shape += [k, max(block_sizes(size, k))]
+    g = _pad(xp, g, uneven)
     missing = [m for m in mesh_shape.names if m not in mesh_axis]
     for j, m in enumerate(missing):
         mesh_axis[m] = len(shape) + j
@@ -162,7 +264,7 @@ def _to_blocks(xp, g, layout: tuple, mesh_shape):
     return xp.broadcast_to(b, mesh_shape.sizes + b.shape[mesh_shape.rank:])
 
 
-def _from_blocks(xp, b, layout: tuple, mesh_shape, global_shape: tuple):
+def _from_blocks(xp, b, layout: tuple, mesh_shape, global_shape: tuple, uneven: tuple = ()):
     """Inverse of `_to_blocks` (replicated copies: the first device's)."""
     used = [m for m in mesh_shape.names if m in layout]
     b = b[tuple(slice(None) if m in layout else 0 for m in mesh_shape.names)]
@@ -171,7 +273,10 @@ def _from_blocks(xp, b, layout: tuple, mesh_shape, global_shape: tuple):
         if m is not None:
             perm.append(used.index(m))
         perm.append(len(used) + d)
-    return xp.transpose(b, perm).reshape(global_shape)
+    b = xp.transpose(b, perm)  # (k, padded block) pairs for the split dims: merged
+    padded = tuple(n if m is None else mesh_shape[m].size * max(block_sizes(n, mesh_shape[m].size))
+                   for n, m in zip(global_shape, layout))
+    return _unpad(xp, b.reshape(padded), uneven)
 
 
 def _jax_mesh(mesh_shape, devices):
@@ -225,18 +330,31 @@ class Replay:
         self._shapes = [(t.shape.sizes, t.dtype) for t in plan.inputs]
         jax_shape = Shape([(n, int(k)) for n, k in mesh.shape.items()])
 
-        def spec(t) -> PartitionSpec:  # the trace's own layout, or the rules' on the jax mesh
-            return PartitionSpec(*(t.tensor_layout if layout is None else _spec(t.shape, jax_shape, layout)))
-        in_specs = tuple(spec(t) for t in plan.inputs)
-        out_specs = tuple(spec(t) for t in plan.outputs)
-        self.in_shardings = tuple(NamedSharding(mesh, s) for s in in_specs)
-        self.out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
-        self._compiled = None
         ms = plan.mesh.shape
+
+        def spec(t) -> tuple:  # the trace's own layout, or the rules' on the jax mesh
+            return t.tensor_layout if layout is None else _spec(t.shape, jax_shape, layout)
+        in_specs = tuple(PartitionSpec(*spec(t)) for t in plan.inputs)
+        out_specs = tuple(PartitionSpec(*spec(t)) for t in plan.outputs)
+        # A jit's arguments and results are sharded only along dims their mesh dim divides.
+        bound = jax_shape if layout is not None else ms
+        self.in_shardings = tuple(NamedSharding(mesh, PartitionSpec(*_even(t.shape, s, bound)))
+                                  for t, s in zip(plan.inputs, in_specs))
+        self.out_shardings = tuple(NamedSharding(mesh, PartitionSpec(*_even(t.shape, s, bound)))
+                                   for t, s in zip(plan.outputs, out_specs))
+        self._compiled = None
+        pads = [plan.uneven[id(t)] for t in plan.inputs], [plan.uneven[id(t)] for t in plan.outputs]
         if layout is not None:  # the global program; XLA partitions it by the shardings
             fn = _body(plan, JaxCollectives(ms))
+            if [s.spec for s in self.in_shardings + self.out_shardings] != list(in_specs + out_specs):
+                fn = _constrained(fn, mesh, in_specs, out_specs)  # XLA pads the dims that do not divide
         elif mode == "shard_map":
-            fn = _shard_map(_body(plan, JaxCollectives(ms)), mesh, in_specs, out_specs)
+            per_device = _shard_map(_body(plan, JaxCollectives(ms)), mesh, in_specs, out_specs)
+
+            def fn(*arrays):  # each uneven dim padded to k equal blocks around the per-device program
+                xp = jax.numpy
+                outs = per_device(*[_pad(xp, a, u) for a, u in zip(arrays, pads[0])])
+                return tuple(_unpad(xp, b, u) for b, u in zip(outs, pads[1]))
         else:
             per_device = _body(plan, JaxCollectives(ms, vmapped=True))
             for name in reversed(ms.names):
@@ -246,8 +364,10 @@ class Replay:
 
             def fn(*arrays):
                 xp = jax.numpy
-                blocks = per_device(*[_to_blocks(xp, a, lay, ms) for a, lay in zip(arrays, in_layouts)])
-                return tuple(_from_blocks(xp, b, lay, ms, shape) for b, (lay, shape) in zip(blocks, outs))
+                blocks = per_device(*[_to_blocks(xp, a, lay, ms, u)
+                                      for a, lay, u in zip(arrays, in_layouts, pads[0])])
+                return tuple(_from_blocks(xp, b, lay, ms, shape, u)
+                             for b, (lay, shape), u in zip(blocks, outs, pads[1]))
         self.jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
                               donate_argnums=tuple(donate))
 
@@ -294,6 +414,29 @@ class Replay:
         args = self._args(arrays)
         with _x64():
             return self.jitted.lower(*args)
+
+
+def _even(shape: Shape, spec, mesh_shape: Shape) -> tuple:
+    """`spec` without the mesh dims that do not divide their dim's size (replicated there).
+
+    >>> _even(Shape("a:7;b:8"), ("x", "y"), Shape("x:4;y:2"))
+    (None, 'y')
+    """
+    return tuple(m if m is None or d.size % mesh_shape[m].size == 0 else None for d, m in zip(shape, spec))
+
+
+def _constrained(fn, mesh, in_specs, out_specs):
+    """`fn` whose arguments and results are constrained to `in_specs`/`out_specs` inside the jit
+    (where a dim need not divide: XLA pads it)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    def put(arrays, specs):
+        return [jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs)]
+
+    def constrained(*arrays):
+        return tuple(put(fn(*put(arrays, in_specs)), out_specs))
+    return constrained
 
 
 def _spec(shape: Shape, jax_shape: Shape, rules) -> tuple:
