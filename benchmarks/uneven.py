@@ -35,8 +35,9 @@ def loss_and_grads(mesh: mm.Mesh, cfg: "app.Config", data: np.ndarray) -> tuple:
     params = app.init_params(mesh, cfg)
     batch = app.make_batch(mesh, data, cfg, app.train_offsets(data, cfg, 0, 0))
     names = sorted(params)
-    loss = app.loss_fn(params, batch, cfg)
-    grads = mm.gradients([loss], [params[n] for n in names])
+    with mm.trace():
+        loss = app.loss_fn(params, batch, cfg)
+        grads = mm.gradients([loss], [params[n] for n in names])
     return float(loss), {n: g.to_numpy().astype(np.float64) for n, g in zip(names, grads)}
 
 
