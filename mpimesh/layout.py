@@ -147,6 +147,18 @@ def block(size: int, k: int, c):
     return start, start + q + (1 if c < r else 0)
 
 
+def block_span(size: int, k: int, c) -> tuple:
+    """`(start, length)` of block `c` (`block`'s). The length is a Python int even where `c` is a
+    traced value, as long as the blocks are equal.
+
+    >>> block_span(7, 3, 2), block_span(8, 4, 1)
+    ((5, 2), (2, 2))
+    """
+    start, stop = block(size, k, c)
+    q, r = divmod(size, k)
+    return start, q if r == 0 else stop - start
+
+
 def block_sizes(size: int, k: int) -> tuple[int, ...]:
     """The sizes of the `k` blocks of `size` elements (`block`'s, in coordinate order).
 

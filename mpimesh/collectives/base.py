@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional, Protocol, Sequence
 
 from ..errors import MpimeshError
-from ..layout import block, block_sizes
+from ..layout import block_sizes, block_span
 from ..shape import Shape
 
 
@@ -152,10 +152,8 @@ class Collectives:
         k = self._sizes[mesh_dim]
         if k == 1:
             return x
-        c = self.coord(mesh_dim)
-        lengths = block_sizes(x.shape[axis], k)
-        n = lengths[0] if len(set(lengths)) == 1 else lengths[c]  # static even where `c` is traced
-        return self._slice(x, axis, block(x.shape[axis], k, c)[0], n)
+        start, n = block_span(x.shape[axis], k, self.coord(mesh_dim))
+        return self._slice(x, axis, start, n)
 
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..backend import as_dtype
 from ..errors import MpimeshError, ShapeError
-from ..layout import TensorLayout, block, block_sizes, splitting
+from ..layout import TensorLayout, block_sizes, block_span, splitting
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
 from ..trace import dispatch
@@ -78,9 +78,7 @@ def _block(ctx, size: int, k: int, m: Optional[str]) -> tuple:
     """
     if not m:
         return 0, size
-    c = ctx.coord(m)
-    sizes = block_sizes(size, k)
-    return block(size, k, c)[0], sizes[0] if len(set(sizes)) == 1 else sizes[c]
+    return block_span(size, k, ctx.coord(m))
 
 
 # ------------------------------------------------------------------------------------- one_hot
