@@ -110,6 +110,7 @@ class Config:
     warmup: int = 20
     moe_every: int = 0  # K > 0: layers i with (i + 1) % K == 0 get a GShard MoE instead of the FFN
     experts: int = 0
+    dtype: str = "float32"  # the activations' dtype ("bfloat16", "float16"); parameters stay float32
 
     def dim(self, name: str) -> mm.Dimension:
         sizes = {"batch": self.batch, "length": self.length, "memory_length": self.length,
@@ -160,7 +161,7 @@ def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: 
     blocks); aux is the sum of the MoE layers' load-balancing losses (None without MoE). An MoE
     layer takes each sequence as a group of `length` tokens (group dim = batch)."""
     p = layers.unflatten(params)
-    x = layers.embedding(p["embed"], inputs) + p["pos"]["weights"]
+    x = layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
     aux = None
     for i in range(cfg.layers):
         b = p[f"layer{i}"]
@@ -204,13 +205,21 @@ def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
     `seed` draws the MoE layers' random second-expert choices. `release`: autodiff gives each
-    activation back as soon as the backward pass is done with it (a lower peak)."""
+    activation back as soon as the backward pass is done with it (a lower peak). With float16
+    activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`): a step whose
+    gradients overflow is skipped on every rank."""
+    scaler = mm.optim.DynamicLossScale() if cfg.dtype == "float16" else None
+
     def train_step(params: Params, opt_state: dict, batch: dict, seed: int = 0):
         names = list(params)
         with mm.trace():
             loss = loss_fn(params, batch, cfg, True, seed)
-            grads = mm.gradients([loss], [params[n] for n in names], release=release)
-            params, opt_state = optimizer.update(params, dict(zip(names, grads)), opt_state)
+            target = loss if scaler is None else scaler.scaled(loss)
+            grads = dict(zip(names, mm.gradients([target], [params[n] for n in names], release=release)))
+            if scaler is None:
+                params, opt_state = optimizer.update(params, grads, opt_state)
+            else:
+                params, opt_state, _ = scaler.step(optimizer, params, grads, opt_state)
         return params, opt_state, loss
     return train_step
 
@@ -418,6 +427,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.add_argument(*flags, dest=name, type=int, default=getattr(c, name), help=what)
     ap.add_argument("--seq", dest="length", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--activation", default=c.activation, choices=["relu", "gelu"])
+    ap.add_argument("--dtype", default=c.dtype, choices=["float32", "bfloat16", "float16"],
+                    help="the activations' dtype (parameters and optimizer state stay float32; float16 scales the "
+                         "loss dynamically)")
     ap.add_argument("--optimizer", default=c.optimizer, choices=["adafactor", "adam"])
     ap.add_argument("--lr", type=float, default=None, help="adafactor: relative step (default min(0.01, 1/sqrt(t))); adam: 3e-3")
     ap.add_argument("--warmup", type=int, default=c.warmup, help="adam's linear warmup steps")
@@ -488,13 +500,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = Config(**{k: getattr(args, k) for k in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length",
                                                   "batch", "activation", "optimizer", "lr", "warmup",
-                                                  "moe_every", "experts")})
+                                                  "moe_every", "experts", "dtype")})
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
     check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
     args.layout = moe_layout(args.layout, cfg.moe_every)
     if args.backend == "jax":  # one process: record on 1 rank, replay on the jax mesh (transformer_jax.py)
+        if cfg.dtype == "float16":
+            raise UsageError("--dtype float16 needs --backend mpi: its loss scaling decides on the host whether "
+                             "to skip each step, which a replay cannot; use --dtype bfloat16")
         if world != 1:
             raise mm.MeshError(f"--backend jax runs as one process (no mpiexec); got {world} ranks")
         jax_devices = _jax_helper().jax_devices
@@ -526,7 +541,8 @@ def main(argv=None) -> None:
     else:
         say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; {mm.threads.describe()}")
     say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads}x{cfg.d_kv}, d_ff {cfg.d_ff}, "
-        f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}")
+        f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}; "
+        f"{cfg.dtype} activations")
     if cfg.moe_every:
         say(f"MoE: layers {[i for i in range(cfg.layers) if cfg.is_moe(i)]} have {cfg.experts} experts "
             f"(top-2 gating, groups = sequences)")

@@ -35,6 +35,13 @@ Mesh (`--mesh`): "auto" (default) is all:{n} for a 1-D layout and apps/two_layer
 rows x cols (x planes) for one naming rows/cols/planes; in a template, {n} is the rank count
 ("rows:2;cols:{n}"); names alone ("rows;cols") get the balanced factorisation of n.
 
+Gradient buckets (`--buckets on|off|both`, default on): `mm.gradients` sums data-parallel
+gradients in 25 MiB buckets, overlapped with the backward pass (on), or each on the spot, blocking
+(off: layout NAME-nobuckets); both runs every case both ways, e.g. data-parallel strong scaling with
+and without buckets side by side. Each row also gives the profiled step's allreduce calls and its
+exposed communication (ms in blocking collectives plus ms blocked waiting for non-blocking ones)
+beside the ms that the buckets' allreduces ran hidden behind the backward pass.
+
 Communication: the bytes each rank feeds to collectives in one step, from mm.profile()'s counters
 (the maximum over ranks), beside a Table 1-style formula. Convention (the counters'): a collective
 counts this rank's input buffer once, so an allreduce counts its payload (the local array
@@ -81,7 +88,8 @@ BYTES_PER_ELEMENT = 4  # every workload is float32
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CSV_FIELDS = ["workload", "mode", "layout", "rules", "mesh", "ranks", "sizes", "step_ms_median", "step_ms_min",
               "speedup", "efficiency", "comm_bytes_measured", "comm_bytes_formula", "comm_match", "comm_calls",
-              "formula", "gflop_per_rank", "loadavg", "blas_kernel"]
+              "formula", "gflop_per_rank", "loadavg", "blas_kernel", "bucket_bytes", "allreduce_calls",
+              "exposed_comm_ms", "hidden_comm_ms"]
 
 
 class UsageError(ValueError):
@@ -123,6 +131,7 @@ class Case(NamedTuple):
     mesh: str
     ranks: int
     sizes: Dict[str, int]
+    bucket_bytes: Optional[int] = None  # mm.gradients' bucket size (None: the default, 25 MiB; 0: no buckets)
 
 
 # ------------------------------------------------------------------------------- formula helpers
@@ -476,7 +485,10 @@ def plan_cases(args: argparse.Namespace, n: int, skipped: Optional[List[str]] = 
                     if skipped is not None:
                         skipped.append(str(e))
                     continue
-                cases.append(case)
+                if args.buckets in ("on", "both"):
+                    cases.append(case)
+                if args.buckets in ("off", "both"):
+                    cases.append(case._replace(layout=f"{name}-nobuckets", bucket_bytes=0))
     return cases
 
 
@@ -500,11 +512,19 @@ def run_case(case: Case, mesh: mm.Mesh, repeat: int, warmup: int) -> dict:
         # {'workload': 'einsum', ..., 'step_ms_median': 0.02, 'comm_bytes_measured': 0, 'comm_bytes_formula': 0, ...}
     """
     wl = WORKLOADS[case.workload]
-    with mm.layout_scope(mesh, case.rules):
-        step = wl.build(mesh, case.sizes)
-        with mm.profile() as prof:
-            step()
-        t_min, t_med = timeit(step, repeat=repeat, warmup=warmup, comm=mesh.comm_for(mesh.shape.names))
+    timer = _TIMERS.setdefault(id(mesh), app.CommTimer(mesh))
+    saved = mm.buckets.bucket_bytes()
+    mm.set_bucket_bytes(saved if case.bucket_bytes is None else case.bucket_bytes)
+    try:
+        with mm.layout_scope(mesh, case.rules):
+            step = wl.build(mesh, case.sizes)
+            c0 = timer.seconds
+            with mm.profile() as prof:
+                step()
+            blocked = timer.seconds - c0
+            t_min, t_med = timeit(step, repeat=repeat, warmup=warmup, comm=mesh.comm_for(mesh.shape.names))
+    finally:
+        mm.set_bucket_bytes(saved)
     comm = {k: v for k, v in prof.counters.items() if k != "flops"}
     measured = mesh.comm_for(mesh.shape.names).allreduce(sum(v["bytes"] for v in comm.values()), op=mm.MPI.MAX)
     formula = wl.formula(mesh, case.rules, case.sizes)
@@ -514,7 +534,14 @@ def run_case(case: Case, mesh: mm.Mesh, repeat: int, warmup: int) -> dict:
             "comm_bytes_formula": formula.bytes(), "comm_match": formula.bytes() == measured,
             "comm_calls": sum(v["calls"] for v in comm.values()), "comm_keys": sorted(comm),
             "formula": formula.text, "gflop_per_rank": prof.counters.get("flops", {}).get("flops", 0) / 1e9,
-            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()), "blas_kernel": blas_kernel()}
+            "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()), "blas_kernel": blas_kernel(),
+            "bucket_bytes": mm.buckets.bucket_bytes() if case.bucket_bytes is None else case.bucket_bytes,
+            "allreduce_calls": sum(v["calls"] for k, v in comm.items() if k.startswith("allreduce/")),
+            "exposed_comm_ms": 1e3 * (blocked + prof.overlap["exposed"]),
+            "hidden_comm_ms": 1e3 * prof.overlap["hidden"]}
+
+
+_TIMERS: Dict[int, "app.CommTimer"] = {}  # one per mesh: it wraps the mesh's collectives once
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -531,7 +558,8 @@ def worker(args: argparse.Namespace) -> None:
         results.append(r)
         rank0_print(f"{case.workload:>11} {case.mode:>6} {case.layout:>6} {n:>3} ranks: {r['step_ms_median']:9.2f} ms "
                     f"(min {r['step_ms_min']:.2f}), comm {fmt_bytes(r['comm_bytes_measured'])}/rank "
-                    f"(formula {_fmt_formula(r['comm_bytes_formula'])}), load {r['loadavg']}")
+                    f"(formula {_fmt_formula(r['comm_bytes_formula'])}), {r['allreduce_calls']} allreduces, exposed "
+                    f"comm {r['exposed_comm_ms']:.1f} ms, load {r['loadavg']}")
     if WORLD.Get_rank() == 0:
         with open(args.worker, "w") as f:
             json.dump({"ranks": n, "results": results}, f)
@@ -658,9 +686,10 @@ def report(rows: List[dict]) -> str:
     body = [(r["workload"], r["mode"], r["layout"], r["ranks"], f"{r['step_ms_median']:.2f}", f"{r['step_ms_min']:.2f}",
              f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}", r["comm_bytes_measured"],
              "n/a" if r["comm_bytes_formula"] is None else r["comm_bytes_formula"],
-             "yes" if r["comm_match"] else "NO", r["loadavg"].split()[0]) for r in rows]
+             "yes" if r["comm_match"] else "NO", r["allreduce_calls"], f"{r['exposed_comm_ms']:.1f}",
+             f"{r['hidden_comm_ms']:.1f}", r["loadavg"].split()[0]) for r in rows]
     out = table(("workload", "mode", "layout", "ranks", "median ms", "min ms", "speedup", "eff",
-                 "comm B/rank", "formula B", "match", "load"), body)
+                 "comm B/rank", "formula B", "match", "allreduces", "exposed ms", "hidden ms", "load"), body)
     lines = [f"  {r['workload']} {r['mode']} {r['layout']} ({r['rules']}), {r['ranks']} ranks: {r['formula']} "
              f"-> {_fmt_formula(r['comm_bytes_formula'])}" for r in rows if r["ranks"] > 1]
     return out + "\n\ncommunication formulas (elements per rank per step; 4 bytes each):\n" + "\n".join(lines)
@@ -698,6 +727,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--size", default="small", choices=["tiny", "small", "paper"], help="problem sizes (default small)")
     ap.add_argument("--set", nargs="+", default=[], metavar="WORKLOAD.SIZE=INT",
                     help="override sizes, e.g. mlp.hidden=1024")
+    ap.add_argument("--buckets", default="on", choices=["on", "off", "both"],
+                    help="gradient buckets: on (25 MiB, default), off (layout NAME-nobuckets) or both")
     ap.add_argument("--mesh", default="auto", help="mesh template: auto, 'all:{n}', 'rows:2;cols:{n}' or 'rows;cols'")
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per case (median and min kept)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps after the profiled one")

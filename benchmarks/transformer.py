@@ -10,6 +10,12 @@ step time / peak, where peak is the float32 matmul rate this run measures on the
 2048^3 matmul per rank, one BLAS thread each, all ranks at once). Prints the profile of one step
 (collectives and flops per rank), the share of the step spent in collectives, and the step's peak
 resident memory with activations kept until the step ends against released during the backward pass.
+
+Gradient buckets (data-parallel): the same step with `mm.gradients`' buckets (25 MiB, the default)
+and without (`mm.set_bucket_bytes(0)`: every gradient allreduced on the spot, blocking). Prints per
+step the allreduce calls and the exposed communication seconds: time in blocking collectives plus
+time blocked waiting for non-blocking ones (`mm.profile().overlap["exposed"]`), beside the seconds
+the buckets' allreduces ran hidden behind the backward pass (medians over `--steps`).
 """
 from __future__ import annotations
 
@@ -46,13 +52,54 @@ def peak_flops(n: int = 2048) -> float:
     return 2 * n ** 3 / t * WORLD.Get_size()
 
 
+def bucket_comparison(cfg: "app.Config", data: np.ndarray, steps: int) -> None:
+    """Data-parallel steps with and without gradient buckets: allreduce calls, exposed and hidden
+    communication seconds per step (rank 0's, medians), and the verdicts of issue 15."""
+    n = WORLD.Get_size()
+    rows, got = [], {}
+    for label, size in (("unbucketed", 0), ("buckets 25 MiB", mm.buckets.DEFAULT_BUCKET_BYTES)):
+        mm.set_bucket_bytes(size)
+        mesh = mm.Mesh(f"all:{n}", layout=LAYOUTS["data-parallel"])
+        opt = app.make_optimizer(cfg)
+        params = app.init_params(mesh, cfg)
+        state = opt.init(params)
+        step = app.make_train_step(cfg, opt)
+        batch = app.make_batch(mesh, data, cfg, app.train_offsets(data, cfg, 0, 0))
+        timer = app.CommTimer(mesh)
+        params, state, _ = step(params, state, batch)  # warm-up
+        per = []
+        for _ in range(steps):
+            mesh.barrier()
+            c0, t0 = timer.seconds, time.perf_counter()
+            with mm.profile() as prof:
+                params, state, _ = step(params, state, batch)
+            t = time.perf_counter() - t0
+            calls = sum(v["calls"] for k, v in prof.counters.items() if k.startswith("allreduce/"))
+            per.append((t, calls, timer.seconds - c0 + prof.overlap["exposed"], prof.overlap["hidden"]))
+        t, calls, exposed, hidden = (float(np.median([p[i] for p in per])) for i in range(4))
+        got[size] = (calls, exposed)
+        rows.append((label, f"{t * 1e3:.0f}", f"{calls:.0f}", f"{exposed * 1e3:.1f}", f"{hidden * 1e3:.1f}"))
+    mm.set_bucket_bytes(mm.buckets.DEFAULT_BUCKET_BYTES)
+    rank0_print(f"\ngradient buckets, data-parallel on {n} rank(s), per step (rank 0, median of {steps}):")
+    rank0_print(table(("gradients", "step ms", "allreduce calls", "exposed comm ms", "hidden comm ms"), rows))
+    if n > 1:
+        (c0, e0), (c1, e1) = got[0], got[mm.buckets.DEFAULT_BUCKET_BYTES]
+        rank0_print(verdict("allreduce calls per step <= 5", c1 <= 5, f"{c1:.0f} (unbucketed {c0:.0f})"))
+        rank0_print(verdict("exposed communication <= half of unbucketed", e1 <= 0.5 * e0,
+                            f"{e1 * 1e3:.1f} ms vs {e0 * 1e3:.1f} ms"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--buckets-only", action="store_true", help="only the comparison with and without gradient buckets")
     args = ap.parse_args()
     rank0_print(kernel_report())
     cfg = app.Config(d_model=1024, heads=16, d_kv=64, d_ff=4096, layers=2, length=128, batch=args.batch)
+    if args.buckets_only:
+        bucket_comparison(cfg, np.random.default_rng(1).integers(0, 256, size=1 << 16).astype(np.uint8), args.steps)
+        return
     peak = peak_flops()
     flops = model_flops(cfg)
     data = np.random.default_rng(1).integers(0, 256, size=1 << 16).astype(np.uint8)
@@ -97,6 +144,7 @@ def main() -> None:
                       [(name, f"{a / 2**20:.0f}", f"{b / 2**20:.0f}", f"{b / a:.2f}") for name, a, b in memory]))
     best = max(float(r[4].rstrip("%")) for r in rows)
     rank0_print(verdict("transformer MFU >= 50%", best >= 50.0, f"best {best:.1f}%"))
+    bucket_comparison(cfg, data, args.steps)
 
 
 if __name__ == "__main__":

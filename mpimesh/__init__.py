@@ -14,6 +14,7 @@ abort.install()  # from here on, an uncaught exception on one rank ends the whol
 threads.configure_at_import()  # before numpy loads BLAS: cores // ranks on this node
 
 from .autodiff import gradients
+from .buckets import set_bucket_bytes
 from .checkpoint import load, save
 from .collectives.guard import set_collective_timeout, set_spmd_check
 from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, DTypeError, LayoutError, MeshError,
@@ -65,7 +66,7 @@ __all__ = [
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
-    "trace", "gradients", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    "trace", "gradients", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
     # subpackages
     "layers", "optim", "tpu", "threads",
 ]

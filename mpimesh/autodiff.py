@@ -22,6 +22,7 @@ import sys
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
+from .buckets import Bucketer
 from .errors import MpimeshError
 from .trace import Trace, current_trace
 
@@ -45,7 +46,8 @@ def _rules_of(op):
     return layout_scope(mesh, op.rules)
 
 
-def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release: bool = False) -> list:
+def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release: bool = False,
+              bucket_bytes: Optional[int] = None) -> list:
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
@@ -56,6 +58,12 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
     keeps only its shape and layout (`trace.Released`), which is all a replay needs. Differentiating
     the same ops again (second-order gradients) then fails with a clear error, as in PyTorch
     without `retain_graph`; the default keeps every value until the trace is dropped.
+
+    Data-parallel sums of gradients go in buckets (`mpimesh.buckets`): the gradient of an x that
+    the trace did not produce (a parameter), where it still awaits a sum over mesh dims, waits in a
+    bucket of `bucket_bytes` (None: `mm.set_bucket_bytes`'s, 25 MiB unless set; 0: no buckets, each
+    summed on the spot), and a full bucket is summed by one non-blocking allreduce while the
+    backward pass goes on. The values are the same as without buckets.
     """
     from .ops.elementwise import add
     from .ops.relayout import to_layout
@@ -71,26 +79,75 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
             reach.update(id(t) for t in op.outputs)
     grads: dict[int, object] = {}
     memory = _Release(tr, ops, reach, ys, xs) if release else None
+    limit = _bucket_limit(bucket_bytes)
+    leaves, through = _bucket_leaves(ops, xs) if limit else (set(), {})
+    terms: dict[int, list] = {}  # a leaf's gradient terms in arrival order, summed once all buckets are in
 
     def accumulate(t, g):
         if g is None or id(t) not in reach:
             return
+        if id(t) in leaves:
+            terms.setdefault(id(t), []).append(g)
+            return
         old = grads.get(id(t))
         grads[id(t)] = g if old is None else add(old, g)
 
-    for y in ys:
-        accumulate(y, _ones_like(y))
-    for i in reversed(range(len(ops))):
-        op = ops[i]
-        if op.grad is not None and any(id(o) in grads for o in op.outputs):
-            _apply(op, grads, reach, accumulate)
-        if memory is not None:
-            memory.after(i, grads)
+    def total(t_id):  # added in the order, and by the op, of the unbucketed walk
+        gs = [_through_grad(g, total) if isinstance(g, tuple) else g for g in terms[t_id]]
+        g = gs[0]
+        for h in gs[1:]:
+            g = add(g, h)
+        return g
+
+    with Bucketer(leaves, limit) as buckets:
+        for y in ys:
+            accumulate(y, _ones_like(y))
+        for i in reversed(range(len(ops))):
+            op = ops[i]
+            if i in through:  # its rule runs once its output's gradient is summed: keep its place
+                if through[i][0] in terms:
+                    terms.setdefault(through[i][1], []).append((op, through[i][0]))
+            elif op.grad is not None and any(id(o) in grads for o in op.outputs):
+                _apply(op, grads, reach, accumulate)
+                buckets.poll()
+            if memory is not None:
+                memory.after(i, grads)
+        buckets.finish()
+    for x in xs:
+        if id(x) in terms:
+            grads[id(x)] = total(id(x))
     out = []
     for x in xs:
         g = grads.get(id(x))
         out.append(_zeros_like(x) if g is None else to_layout(g, x.tensor_layout))
     return out
+
+
+def _bucket_leaves(ops: list, xs: list) -> tuple:
+    """`(leaves, through)`: ids of the tensors whose gradients may wait in buckets, those of `xs` that
+    no op of the walk produced and the outputs of relayouts of those (a parameter relayouted
+    before its einsum); `through` maps each such relayout's index to (output id, input id)."""
+    produced = {id(o) for op in ops for o in op.outputs}
+    leaves = {id(x) for x in xs if id(x) not in produced}
+    through = {}
+    for i, op in enumerate(ops):
+        if op.name == "relayout" and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves:
+            through[i] = (id(op.outputs[0]), id(op.inputs[0]))
+            leaves.add(id(op.outputs[0]))
+    return leaves, through
+
+
+def _through_grad(placed: tuple, total):
+    """The gradient a relayout of `_bucket_leaves` passes its input, from its output's summed one."""
+    op, out_id = placed
+    with _rules_of(op):
+        (g,) = op.grad(op, total(out_id))
+    return g
+
+
+def _bucket_limit(n: Optional[int]) -> int:
+    from .buckets import _checked, bucket_bytes
+    return bucket_bytes() if n is None else _checked(n)
 
 
 def _apply(op, grads: dict, reach: set, accumulate) -> None:

@@ -5,8 +5,13 @@ module an op's kernel runs on (also "jax" under a replay), `to_host`/`to_device`
 between host and GPU and count each copy in the profile (`"d2h"`, `"h2d"`), so a test can
 assert that an op makes none.
 
+The dtype policy lives here too: `is_float` (bfloat16 included, which numpy calls kind 'V'),
+`accumulation_dtype` (float32 for the 16-bit floats) and `wire_dtype` (what MPI moves).
+
 >>> array_module("numpy").__name__, name(np), resolve_backend("numpy")
 ('numpy', 'numpy', 'numpy')
+>>> is_float("bfloat16"), accumulation_dtype("bfloat16"), wire_dtype("bfloat16"), is_low_precision("float32")
+(True, dtype('float32'), dtype('uint16'), False)
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import os
 from types import ModuleType
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 
 from .collectives import counters
@@ -96,33 +102,83 @@ def to_device(xp, array):
 
 
 _KINDS = "biufc"  # bool, signed and unsigned integers, floats, complex: what the collectives can move
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's name for it once ml_dtypes is imported: "bfloat16"
+_LOW = (np.dtype(np.float16), BFLOAT16)  # the 16-bit floats: computed and summed in float32
+_FLOAT32 = np.dtype(np.float32)
+
+
+def is_float(dtype) -> bool:
+    """Whether `dtype` is a real floating-point dtype: numpy's floats and bfloat16 (kind 'V', not
+    `np.floating`); what decides whether an op's output is differentiable.
+
+    >>> is_float("float16"), is_float(np.int32), is_float("complex64")
+    (True, False, False)
+    """
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt == BFLOAT16
+
+
+def is_low_precision(dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (float16, bfloat16)."""
+    return np.dtype(dtype) in _LOW
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """The dtype sums and contractions of `dtype` are computed in: float32 for the 16-bit floats,
+    `dtype` itself otherwise."""
+    dt = np.dtype(dtype)
+    return _FLOAT32 if dt in _LOW else dt
+
+
+def wire_dtype(dtype) -> np.dtype:
+    """The dtype MPI moves `dtype`'s words as: uint16 for bfloat16 (mpi4py cannot export it; a
+    transfer that only moves data is exact on the raw words), `dtype` itself otherwise."""
+    dt = np.dtype(dtype)
+    return np.dtype(np.uint16) if dt == BFLOAT16 else dt
+
+
+def result_type(*dtypes) -> np.dtype:
+    """numpy's promotion of `dtypes`, extended to bfloat16, which numpy cannot promote with float16
+    (float32) nor with integers (bfloat16, as JAX and PyTorch do).
+
+    >>> result_type("bfloat16", "float16"), result_type("bfloat16", "int32"), result_type("bfloat16", "float32")
+    (dtype('float32'), dtype(bfloat16), dtype('float32'))
+    """
+    try:
+        return np.result_type(*dtypes)
+    except TypeError:  # numpy's DTypePromotionError
+        others = [np.dtype(d) for d in dtypes if np.dtype(d) != BFLOAT16]
+        if any(d.kind in "fc" for d in others):
+            return np.result_type(_FLOAT32, *others)
+        return BFLOAT16
+
+
+def finfo(dtype):
+    """`numpy.finfo` of a float dtype, bfloat16 included."""
+    return ml_dtypes.finfo(dtype) if np.dtype(dtype) == BFLOAT16 else np.finfo(dtype)
 
 
 def check_dtype(dt: np.dtype, what: str = "dtype") -> np.dtype:
-    """`dt` if tensors may have it (bool, integer, float or complex), else a `DTypeError` naming
-    `what` and the dtype."""
-    if dt.name == "bfloat16":
-        raise DTypeError(f"{what} is bfloat16, which is not supported yet: the collectives cannot move it "
-                         f"(low precision is still to come); use 'float16' or 'float32'")
+    """`dt` if tensors may have it (bool, integer, float, bfloat16 or complex), else a `DTypeError`
+    naming `what` and the dtype."""
+    if dt == BFLOAT16:
+        return dt
     if dt.kind not in _KINDS or dt.fields is not None or dt.subdtype is not None:
-        raise DTypeError(f"{what} is {dt!s}, which tensors cannot hold: they hold bool, integer, float or "
-                         f"complex values (e.g. 'float32', 'int32', 'bool')")
+        raise DTypeError(f"{what} is {dt!s}, which tensors cannot hold: they hold bool, integer, float "
+                         f"(bfloat16 included) or complex values (e.g. 'float32', 'bfloat16', 'int32', 'bool')")
     return dt
 
 
 def as_dtype(dtype) -> np.dtype:
-    """Normalise a dtype spec (`"float32"`, `np.float32`, ...) to a numpy dtype in native byte
-    order; a `DTypeError` (an MpimeshError) for anything else, None included, or a dtype tensors
+    """Normalise a dtype spec (`"float32"`, `np.float32`, `"bfloat16"`, ...) to a numpy dtype in native
+    byte order; a `DTypeError` (an MpimeshError) for anything else, None included, or a dtype tensors
     cannot hold.
 
-    >>> as_dtype("float32"), as_dtype(np.int64), as_dtype(">i2")
-    (dtype('float32'), dtype('int64'), dtype('int16'))
+    >>> as_dtype("float32"), as_dtype(np.int64), as_dtype(">i2"), as_dtype("bfloat16")
+    (dtype('float32'), dtype('int64'), dtype('int16'), dtype(bfloat16))
     """
     if dtype is None:
         raise DTypeError("dtype None: give a dtype such as 'float32'")
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        raise DTypeError("dtype 'bfloat16' is not supported yet: the collectives cannot move it (low precision "
-                         "is still to come); use 'float16' or 'float32'")
     try:
         dt = np.dtype(dtype)
     except (TypeError, ValueError, SyntaxError) as e:  # SyntaxError: numpy's parser of comma strings

@@ -56,7 +56,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from .backend import to_host
+from .backend import BFLOAT16, to_host
 from .errors import CheckpointError
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
 from .shape import Shape, ShapeLike
@@ -131,7 +131,7 @@ def _plan(items, mesh_shape: Shape, chunk_bytes: int) -> dict:
                            "shape": [b.stop - b.start for b in bounds],
                            "byte_offset": cursor.get(pos, 0), "nbytes": nbytes, "_pos": pos})
             cursor[pos] = cursor.get(pos, 0) + nbytes
-        tensors.append({"name": name, "shape": [[d.name, d.size] for d in t.shape], "dtype": dtype.str,
+        tensors.append({"name": name, "shape": [[d.name, d.size] for d in t.shape], "dtype": _dtype_name(dtype),
                         "layout": t.layout, "chunk_elements": ce, "slices": slices})
     files = {f"part-{p:05d}.bin": n for p, n in sorted(cursor.items())}
     return {"format": FORMAT, "version": VERSION, "mesh": [[d.name, d.size] for d in mesh_shape],
@@ -139,11 +139,24 @@ def _plan(items, mesh_shape: Shape, chunk_bytes: int) -> dict:
 
 
 def _le(dtype) -> np.dtype:
-    """The little-endian spelling of a numeric dtype."""
+    """The little-endian spelling of a numeric dtype (bfloat16: its 16-bit words as numpy holds them)."""
     dtype = np.dtype(dtype)
+    if dtype == BFLOAT16:
+        return dtype
     if dtype.kind not in "biufc":
-        raise CheckpointError(f"cannot checkpoint dtype {dtype}: only bool, integer, float and complex")
+        raise CheckpointError(f"cannot checkpoint dtype {dtype}: only bool, integer, float (bfloat16 included) "
+                              f"and complex")
     return dtype.newbyteorder("<")
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    """How the index spells `dtype`: numpy's `str` ('<f4'), or "bfloat16", which `np.dtype` reads back
+    once ml_dtypes is imported (its `str`, '<V2', would read back as raw bytes).
+
+    >>> _dtype_name(np.dtype("<f4")), _dtype_name(BFLOAT16)
+    ('<f4', 'bfloat16')
+    """
+    return "bfloat16" if dtype == BFLOAT16 else dtype.str
 
 
 def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:

@@ -134,8 +134,8 @@ def layout_from_spec(shape: Shape, mesh_shape: Shape, spec) -> TensorLayout:
 
 def block(size: int, k: int, c):
     """`(start, stop)` of block `c` when `size` elements are cut into `k` blocks like
-    `numpy.array_split` (the first `size % k` blocks one longer; blocks may be empty). When k
-    divides size, `c` may be a traced value (a JAX replay's axis index).
+    `numpy.array_split` (the first `size % k` blocks one longer; blocks may be empty). `c` may be
+    a traced value (a JAX replay's axis index): the arithmetic has no branch on it.
 
     >>> [block(7, 3, c) for c in range(3)], block(2, 4, 3), block(8, 4, 1)
     ([(0, 3), (3, 5), (5, 7)], (2, 2), (2, 4))
@@ -143,8 +143,10 @@ def block(size: int, k: int, c):
     q, r = divmod(size, k)
     if r == 0:
         return c * q, c * q + q
-    start = c * q + min(c, r)
-    return start, start + q + (1 if c < r else 0)
+
+    def first(j):  # j * q + min(j, r)
+        return j * q + (j + r - abs(j - r)) // 2
+    return first(c), first(c + 1)
 
 
 def block_span(size: int, k: int, c) -> tuple:

@@ -1,4 +1,4 @@
-"""Functional optimizers: SGD (momentum), Adam(W) and Adafactor.
+"""Functional optimizers: SGD (momentum), Adam(W) and Adafactor; float16's dynamic loss scaling.
 
 `opt.init(params)` makes the state; `opt.update(params, grads, state)` returns
 `(new_params, new_state)` and mutates nothing. `params` and `grads` are dicts of DistTensors with
@@ -15,6 +15,12 @@ Learning rates (and Adafactor's decay rate) are floats or callables `f(t)` of th
 (a 0-d float DistTensor), e.g. `lambda t: 1e-3 * mm.minimum(t / 100.0, 1.0)`. A gradient that is
 None leaves its parameter and state unchanged.
 
+Low precision: the update of a 16-bit float parameter runs in float32 (its state is float32) and
+the new value is rounded once; the usual set-up keeps float32 master parameters, which the layers
+cast to the activations' dtype, so their gradients are float32 already. `DynamicLossScale` scales
+a float16 loss so that small gradients do not flush to zero, and skips the steps whose gradients
+overflowed.
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
@@ -27,10 +33,15 @@ None leaves its parameter and state unchanged.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping, Optional, Union
 
+import numpy as np
+
+from .backend import accumulation_dtype
 from .errors import MpimeshError, ShapeError
 from .mesh import layout_scope
+from .ops.einsum import einsum
 from .ops.elementwise import cast, maximum, minimum, rsqrt, sqrt, square
 from .ops.reduce import reduce_mean
 from .ops.relayout import to_layout
@@ -38,12 +49,18 @@ from .shape import Dimension, Shape
 from .tensor import DistTensor, full
 
 Schedule = Union[float, Callable]
-__all__ = ["Optimizer", "SGD", "Adam", "Adafactor"]
+__all__ = ["Optimizer", "SGD", "Adam", "Adafactor", "DynamicLossScale"]
+
+
+def _mean_square(x, keep: Shape = Shape(())):
+    """mean(x**2) over x's dims but those of `keep` (default all: a 0-d tensor), as an einsum of x
+    with itself: one read of x and no x**2 array (a dot product for the whole of x)."""
+    return einsum([x, x], output_shape=keep) * (1.0 / math.prod(d.size for d in x.shape if d.name not in keep))
 
 
 def _rms(x):
     """sqrt(mean(x**2)) over all of x: a 0-d tensor."""
-    return sqrt(reduce_mean(square(x)))
+    return sqrt(_mean_square(x))
 
 
 def _value(v: Schedule, t):
@@ -91,7 +108,7 @@ class Optimizer:
             state[s] = {}
         for name, p in params.items():
             for s, shape in self._slot_shapes(p).items():
-                state[s][name] = full(mesh, shape, 0, p.dtype, _sub_layout(p, shape))
+                state[s][name] = full(mesh, shape, 0, accumulation_dtype(p.dtype), _sub_layout(p, shape))
         return state
 
     def update(self, params: Mapping[str, DistTensor], grads: Mapping[str, Optional[DistTensor]],
@@ -109,12 +126,14 @@ class Optimizer:
             if g is None:
                 new_params[name] = p
                 continue
-            t = times.get(p.dtype)
+            work = accumulation_dtype(p.dtype)  # float32 for a 16-bit float parameter
+            t = times.get(work)
             if t is None:
-                t = times[p.dtype] = cast(step, p.dtype)
+                t = times[work] = cast(step, work)
             with layout_scope(mesh, p.layout):
                 slots = {s: state[s][name] for s in self._slot_shapes(p)}
-                new_p, new_slots = self._apply(p, cast(g, p.dtype), slots, t)
+                new_p, new_slots = self._apply(cast(p, work), cast(g, work), slots, t)
+                new_p = cast(new_p, p.dtype)
             new_params[name] = to_layout(new_p, p.tensor_layout)
             for s, v in new_slots.items():
                 new_state[s][name] = to_layout(v, _sub_layout(p, v.shape))
@@ -294,25 +313,93 @@ class Adafactor(Optimizer):
         return lr, decay
 
     def _apply(self, p, g, slots, t):
+        # Passes over p-sized arrays are what this costs: RMS values and row/column means of g**2
+        # are einsums of a tensor with itself (no squared copy), and the scalars (learning rate,
+        # parameter scale, clipping) are combined before they meet u.
         lr, decay = self._rates(t)
         scale = lr * maximum(_rms(p), self.epsilon2) if self.multiply_by_parameter_scale else lr
-        g2 = square(g) + self.epsilon1
         dims = self.factored_dims(p.shape)
         new: dict = {}
-        if dims:
+        if dims:  # mean over d of g**2 + epsilon1 is mean over d of g**2, plus epsilon1
             d0, d1 = dims
-            vr = decay * slots["vr"] + (1.0 - decay) * reduce_mean(g2, reduced_dim=d0.name)
-            vc = decay * slots["vc"] + (1.0 - decay) * reduce_mean(g2, reduced_dim=d1.name)
+            vr = slots["vr"]
+            vr = decay * vr + (1.0 - decay) * (_mean_square(g, vr.shape) + self.epsilon1)
+            vc = slots["vc"]
+            vc = decay * vc + (1.0 - decay) * (_mean_square(g, vc.shape) + self.epsilon1)
             u = g * rsqrt(vr / reduce_mean(vr, reduced_dim=d1.name)) * rsqrt(vc)
             new.update(vr=vr, vc=vc)
         else:
-            v = decay * slots["v"] + (1.0 - decay) * g2
-            u = g * rsqrt(v)
+            v = decay * slots["v"] + (1.0 - decay) * (square(g) + self.epsilon1)
+            u = g / sqrt(v)
             new["v"] = v
         if self.clipping_threshold is not None:
-            u = u / maximum(_rms(u) * (1.0 / self.clipping_threshold), 1.0)
-        d = scale * u
+            scale = scale / maximum(_rms(u) * (1.0 / self.clipping_threshold), 1.0)
+        d = u * scale
         if self.beta1:
             d = self.beta1 * slots["m"] + (1.0 - self.beta1) * d
             new["m"] = d
         return p - d, new
+
+
+class DynamicLossScale:
+    """Dynamic loss scaling for float16 training (as in PyTorch's `GradScaler`).
+
+    Multiply the loss by `scale` before `mm.gradients` (`scaled(loss)`), then `step(...)`: when
+    every gradient is finite on every rank (agreed by one allreduce), the gradients are unscaled
+    and the optimizer applied; otherwise the step is skipped and the scale multiplied by
+    `backoff`. After `interval` applied steps in a row the scale is multiplied by `growth`. The
+    scale is a Python float, the same on every rank.
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
+    >>> ls, opt = DynamicLossScale(scale=4.0, interval=1), SGD(0.5)
+    >>> state = opt.init(params)
+    >>> bad = {"w": mesh.from_numpy(np.array([np.inf, 0.0]), "a:2")}
+    >>> _, _, applied = ls.step(opt, params, bad, state); applied, ls.scale
+    (False, 2.0)
+    >>> good = {"w": mesh.from_numpy(np.array([2.0, 4.0]), "a:2")}  # 2x the true gradient [1, 2]
+    >>> new, _, applied = ls.step(opt, params, good, state); applied, ls.scale, new["w"].to_numpy().tolist()
+    (True, 4.0, [0.5, 1.0])
+    """
+
+    def __init__(self, scale: float = 2.0 ** 15, growth: float = 2.0, backoff: float = 0.5, interval: int = 200):
+        if not scale > 0 or not growth >= 1 or not 0 < backoff < 1 or interval < 1:
+            raise MpimeshError(f"DynamicLossScale: need scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1; "
+                               f"got {scale}, {growth}, {backoff}, {interval}")
+        self.scale, self.growth, self.backoff, self.interval = float(scale), growth, backoff, interval
+        self.good_steps = 0
+
+    def scaled(self, loss):
+        """`loss * scale`, the value to differentiate."""
+        return loss * self.scale
+
+    def finite(self, grads: Mapping) -> bool:
+        """Whether every gradient is finite, agreed across all ranks of the mesh."""
+        from .ops.reduce import reduce_sum
+        mesh, bad = None, False
+        for g in grads.values():
+            if g is None:
+                continue
+            mesh = g.mesh
+            with np.errstate(invalid="ignore"):  # inf * 0: nan where g holds inf or nan
+                probe = reduce_sum(cast(g, accumulation_dtype(g.dtype)) * 0.0)
+            bad = bad or not bool(np.isfinite(probe.to_numpy()))
+        return mesh is None or not mesh.collectives.any_rank(bad)
+
+    def step(self, optimizer: Optimizer, params: Mapping, grads: Mapping, state: Mapping) -> tuple:
+        """`(params, state, applied)`: the optimizer's step on the unscaled gradients, or the inputs
+        unchanged (`applied` False) when a gradient overflowed; the scale adapts either way."""
+        if not self.finite(grads):
+            self.scale *= self.backoff
+            self.good_steps = 0
+            return dict(params), dict(state), False
+        inv = 1.0 / self.scale
+        new_params, new_state = optimizer.update(
+            params, {k: None if g is None else cast(g, accumulation_dtype(g.dtype)) * inv for k, g in grads.items()},
+            state)
+        self.good_steps += 1
+        if self.good_steps >= self.interval:
+            self.scale *= self.growth
+            self.good_steps = 0
+        return new_params, new_state, True

@@ -26,10 +26,18 @@ class Profile:
     peak memory during the block, once it has ended: `{"host": ...}` (resident set), `"arrays"`
     (live allocations, numpy's included; with `profile(memory=True)`), and `"gpu"` (CuPy's memory
     pool) where CuPy is in use.
+
+    `overlap` sums the non-blocking collectives that completed in the block (the buckets of
+    `mm.gradients`): `{"requests", "seconds", "exposed", "hidden"}`, where seconds is the time from
+    each one's start to its completion, exposed the part this rank spent blocked waiting for it,
+    and hidden the rest, spent on other work (the backward pass) while it ran. A completion is
+    seen when a request is polled (autodiff polls after each gradient rule), so hidden time is
+    counted to the nearest op.
     """
 
     def __init__(self, data: dict):
         self.counters = data
+        self.overlap: dict = getattr(data, "overlap", {"requests": 0, "seconds": 0.0, "exposed": 0.0, "hidden": 0.0})
         self.peak_bytes: dict = {}
 
     def elements(self, kind: str = "allreduce") -> int:
@@ -45,6 +53,10 @@ class Profile:
         if "flops" in self.counters:
             f = self.counters["flops"]
             rows.append(("flops", str(f["calls"]), f"{f['flops']:.3e}", ""))
+        if self.overlap["requests"]:
+            o = self.overlap
+            rows.append(("overlap (non-blocking)", str(o["requests"]), "",
+                         f"{o['exposed']:.4f} s exposed, {o['hidden']:.4f} s hidden"))
         for where, n in self.peak_bytes.items():
             rows.append((f"peak memory ({where})", "", "", _human(n)))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]

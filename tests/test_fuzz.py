@@ -31,6 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -528,13 +529,11 @@ def _ref_dtype(spec) -> Optional[np.dtype]:
     """The dtype a tensor gets for `spec`, or None if it must be refused."""
     if spec is None:
         return None
-    if isinstance(spec, str) and spec == "bfloat16":
-        return None  # not yet: the collectives cannot move it (a clear DTypeError says so)
     try:
         dt = np.dtype(spec)
     except Exception:  # noqa: BLE001 - whatever numpy refuses
         return None
-    ok = dt.kind in "biufc" and dt.fields is None and dt.subdtype is None
+    ok = (dt.kind in "biufc" or dt == np.dtype(ml_dtypes.bfloat16)) and dt.fields is None and dt.subdtype is None
     return dt.newbyteorder("=") if ok else None  # tensors hold native byte order ('>i2' is int16)
 
 
@@ -543,8 +542,8 @@ def _ref_dtype(spec) -> Optional[np.dtype]:
 @given(mesh_shape=MESH_SHAPE, spec=DTYPE_SPECS,
        which=st.sampled_from(["zeros", "ones", "cast", "random_normal", "random_uniform", "range", "one_hot"]))
 def test_fuzz_dtype(mesh_shape, spec, which) -> None:
-    """Every `dtype=` argument: accepted exactly when numpy reads it as a bool, integer, float or
-    complex dtype (bfloat16 not yet); the tensor then has that dtype and the right values."""
+    """Every `dtype=` argument: accepted exactly when numpy reads it as a bool, integer, float
+    (bfloat16 included) or complex dtype; the tensor then has that dtype and the right values."""
     mesh = get_mesh(mesh_shape)
     want = _ref_dtype(spec)
 

@@ -30,10 +30,6 @@ N, RANK = WORLD.Get_size(), WORLD.Get_rank()
 if len(jax.devices()) < N:
     pytest.skip(f"JAX has {len(jax.devices())} devices, fewer than the {N} ranks", allow_module_level=True)
 DEVICES = jax.devices()[:N]
-if N not in (1, 2, 4, 8):  # uneven replay runs on 2, 4 and 8 ranks (b:7, v:257, ...): see the note of issue 14
-    pytest.skip(f"the replay tests are not yet green on {N} ranks, where even the equal-size families are "
-                f"uneven (shift, conv, gather refuse padded blocks; a replay of uneven blocks is built on rank 0 only)",
-                allow_module_level=True)
 
 
 def _wait_all() -> None:
@@ -136,7 +132,8 @@ def _dense(mesh, grads: bool = True):
 
 def _windows(mesh, grads: bool = True):
     """slice, pad, concat, split, shift, halo exchange and cumsum along a split dim; gradients. The
-    sizes divide every mesh dim of 1-8 ranks: shift and halos do not replay on padded blocks yet."""
+    sizes divide every mesh dim of 1-8 ranks (equal blocks; test_uneven_windows_replay_matches_mpi
+    replays these ops on uneven and empty blocks)."""
     x = mesh.from_numpy(global_array("b:12;s:24", 4), "b:12;s:24")
     x2 = mesh.from_numpy(global_array("b:12;s:24", 5), "b:12;s:24")
     ints = mesh.from_numpy(np.arange(288, dtype=np.int32).reshape(12, 24) % 7, "b:12;s:24")
@@ -159,10 +156,11 @@ def _windows(mesh, grads: bool = True):
 
 
 def _conv(mesh, grads: bool = True):
-    """conv2d with both spatial dims split (SAME, stride 2, dilation, explicit padding), conv1d; gradients."""
-    x = mesh.from_numpy(global_array("b:2;h:16;w:16;ci:3", 6), "b:2;h:16;w:16;ci:3")
+    """conv2d with both spatial dims split (SAME, stride 2, dilation, explicit padding), conv1d; gradients.
+    The spatial sizes divide every mesh dim of 1-8 ranks."""
+    x = mesh.from_numpy(global_array("b:2;h:24;w:24;ci:3", 6), "b:2;h:24;w:24;ci:3")
     f = mesh.from_numpy(global_array("fh:3;fw:3;ci:3;co:4", 7), "fh:3;fw:3;ci:3;co:4")
-    x1 = mesh.from_numpy(global_array("b:2;h:16;ci:3", 8), "b:2;h:16;ci:3")
+    x1 = mesh.from_numpy(global_array("b:2;h:24;ci:3", 8), "b:2;h:24;ci:3")
     f1 = mesh.from_numpy(global_array("tap:3;ci:3;co:4", 9), "tap:3;ci:3;co:4")
     out = {}
     with mm.trace() as tr:
@@ -196,7 +194,7 @@ def _nn(mesh, grads: bool = True):
     return tr, [logits, emb, ids], out
 
 
-B, S, V, D, C, K = 8, 8, 16, 8, 8, 8
+B, S, V, D, C, K = 24, 8, 16, 8, 8, 8  # the batch (next to conv1d) divides every mesh dim of 1-8 ranks
 SHAPES = {"emb": f"vocab:{V};d:{D}", "filt": f"tap:3;d:{D};c:{C}", "wq": f"c:{C};k:{K}",
           "wk": f"c:{C};k:{K}", "wv": f"c:{C};k:{K}", "wout": f"k:{K};vocab:{V}"}
 
@@ -259,7 +257,7 @@ needs_ranks_uneven = pytest.mark.skipif(N == 1 or 7 % N == 0, reason="7 rows div
 
 
 # ------------------------------------------------------------------------------- uneven blocks
-# Sizes that no mesh dim of 2, 3, 4 or 8 divides (b:7 over 8 and e:2 over 4 leave empty blocks):
+# Sizes that no mesh dim of 2, 3, 4, 6 or 8 divides (b:7 over 8 and e:2 over 3 leave empty blocks):
 # every device holds its block padded to the largest, and the padding must never show.
 
 def _full(x, dim: str) -> bool:
@@ -347,9 +345,52 @@ def _vocab_uneven(mesh, grads: bool = True):
     return tr, [h, emb, gold], out
 
 
+def _nn_uneven(mesh, grads: bool = True):
+    """one_hot, gather, top_k, argmax and dropout with a vocabulary of 7 and a batch of 5 split
+    unevenly (and top_k's k); integer top_k/argmax with ties; a random input; gradients."""
+    logits = mesh.from_numpy(global_array("b:5;v:7", 32) - 3.0, "b:5;v:7")  # mostly negative: zeros would win
+    emb = mesh.from_numpy(global_array("v:7;d:5", 33), "v:7;d:5")
+    ids = np.random.default_rng(34).integers(-1, 9, (5, 4)).astype(np.int32)  # -1, 7 and 8 pick nothing
+    ids = mesh.from_numpy(ids, "b:5;s:4")
+    ints = mesh.from_numpy(-1 - np.arange(35, dtype=np.int32).reshape(5, 7) % 3, "b:5;v:7")  # ties, all < 0
+    noise = mesh.random_normal("b:5;v:7", seed=35)  # random tensors are made eagerly: a replay input
+    out = {}
+    with mm.trace() as tr:
+        out["one_hot"] = mm.one_hot(ids, mm.Dimension("v", 7))
+        out["gather"] = mm.gather(emb, ids, "v")
+        out["top_k"], out["top_k_indices"] = mm.top_k(logits, "v", "k:3")
+        out["top_k_two"], out["top_k_two_indices"] = mm.top_k(logits, "v", "two:2")  # fewer than a block holds
+        out["top_k_all"], out["top_k_all_indices"] = mm.top_k(logits * noise, "v", "k:7")
+        out["argmax"] = mm.argmax(logits, "v")
+        out["top_k_int"], out["top_k_int_indices"] = mm.top_k(ints, "v", "two:2")
+        out["argmax_int"] = mm.argmax(ints, "v")
+        out["dropout"] = mm.dropout(logits, 0.4, seed=5)
+        if grads:
+            _add_gradients(out, {"logits": logits, "emb": emb, "noise": noise})
+    return tr, [logits, emb, ids, ints, noise], out
+
+
+def _nn_tiny(mesh, grads: bool = True):
+    """The same ops along a dim of 2, which mesh dims of 3 and more cut into empty blocks."""
+    x = mesh.from_numpy(global_array("b:3;e:2", 36) - 3.0, "b:3;e:2")
+    table = mesh.from_numpy(global_array("e:2;d:3", 37), "e:2;d:3")
+    ids = mesh.from_numpy(np.array([[1, 0], [2, 1], [0, -1]], np.int32), "b:3;t:2")
+    out = {}
+    with mm.trace() as tr:
+        out["one_hot"] = mm.one_hot(ids, mm.Dimension("e", 2))
+        out["gather"] = mm.gather(table, ids, "e")
+        out["top_k"], out["top_k_indices"] = mm.top_k(x, "e", "j:2")
+        out["argmax"] = mm.argmax(x, "e")
+        out["dropout"] = mm.dropout(x, 0.5, seed=6)
+        if grads:
+            _add_gradients(out, {"x": x, "table": table})
+    return tr, [x, table, ids], out
+
+
 MODES_UNEVEN = {0: ("shard_map", "gspmd"), 1: ("shard_map",), 2: ("shard_map", "gspmd")}
 UNEVEN = {"dense": (_dense_uneven, "b:M0;i:M1;h:M2"), "tiny": (_tiny_uneven, "e:M0;one:M1;none:M2"),
-          "vocab": (_vocab_uneven, "v:M0;b:M1")}
+          "vocab": (_vocab_uneven, "v:M0;b:M1"), "nn": (_nn_uneven, "v:M0;k:M0;b:M1"),
+          "nn_tiny": (_nn_tiny, "e:M0;j:M0;b:M1")}
 
 
 @pytest.mark.parametrize("mesh_index", [0, 1, 2])
@@ -381,24 +422,23 @@ def test_uneven_matches_numpy():
 
 
 def test_uneven_unsupported_op_is_refused():
-    """An op that indexes by global position (here one_hot, shift, top_k) refuses uneven blocks
-    with a ReplayError naming the dim and blocks; it replays with even blocks."""
-    mesh = _mesh(0, "v:M0;s:M0")
+    """An op whose kernel is not known to run on padded blocks (here one made up for the test)
+    refuses uneven blocks with a ReplayError naming the dim and blocks; it replays with even blocks."""
+    from mpimesh.trace import OpRecord, Trace
+    mesh = _mesh(0, "s:M0")
     k = mesh.shape[mesh.shape.names[0]].size
-    ids = mesh.from_numpy(np.arange(6, dtype=np.int32).reshape(2, 3) % 5, "b:2;t:3")
-    x = mesh.from_numpy(global_array("b:2;s:7", 30), "b:2;s:7")
-    with mm.trace() as tr:
-        hot = mm.one_hot(ids, mm.Dimension("v", 5))
-        shifted = mm.shift(x, 1, "s", wrap=False)
-        (vals, _) = mm.top_k(mm.rename_dimension(x, "s", "v"), "v", "k:2")
-    cases = [("one_hot", [ids], hot, 5), ("shift", [x], shifted, 7), ("top_k", [x], vals, 7)]
-    for name, ins, y, size in cases:  # no compile: every rank checks
-        if size % k:
-            with pytest.raises(mm.tpu.ReplayError, match=rf"op {name}\(.*dim \w+:{size} split over mesh dim "
+    for size in (7, 24):  # uneven on 2-8 ranks but 7; even on all
+        x = mesh.from_numpy(global_array(f"b:2;s:{size}", 30), f"b:2;s:{size}")
+        with mm.trace() as tr:
+            y = mm.exp(x)
+        made_up = Trace()
+        made_up._append(OpRecord("made_up", tr.ops[0].inputs, tr.ops[0].outputs, {}, lambda ctx, a: a + 1, None))
+        if size % k:  # no compile: every rank checks
+            with pytest.raises(mm.tpu.ReplayError, match=rf"op made_up\(.*dim s:{size} split over mesh dim "
                                                           rf".* into blocks \(.*cannot run on padded blocks"):
-                mm.tpu.replay(tr, ins, [y], devices=DEVICES)
+                mm.tpu.replay(made_up, [x], [y], devices=DEVICES)
         else:
-            mm.tpu.replay(tr, ins, [y], devices=DEVICES)
+            mm.tpu.replay(made_up, [x], [y], devices=DEVICES)
 
 
 @needs_ranks_uneven
@@ -503,19 +543,19 @@ def test_collectives_match_mpi(mesh_index):
     from mpimesh.tpu.replay import _jax_mesh, _shard_map, _x64
     mesh = _mesh(mesh_index)
     names = mesh.shape.names
-    local = (np.arange(32, dtype=np.float32).reshape(4, 8) * 0.5 + 100 * mesh.rank) % 37
+    local = (np.arange(96, dtype=np.float32).reshape(4, 24) * 0.5 + 100 * mesh.rank) % 37  # 24: equal blocks
     mine = _every_collective(mesh.collectives, local, names)
     every = np.empty((N,) + mine.shape, mine.dtype)
     WORLD.Allgather(np.ascontiguousarray(mine), every)  # world rank = mesh rank (no reordering)
     try:
         if RANK == 0:
-            data = np.stack([(np.arange(32, dtype=np.float32).reshape(4, 8) * 0.5 + 100 * r) % 37
-                             for r in range(N)])  # [device, 4, 8], devices row-major over the mesh
+            data = np.stack([(np.arange(96, dtype=np.float32).reshape(4, 24) * 0.5 + 100 * r) % 37
+                             for r in range(N)])  # [device, 4, 24], devices row-major over the mesh
             jmesh = _jax_mesh(mesh.shape, DEVICES)
             spec = P(names, None)
             fn = _shard_map(lambda a: _every_collective(JaxCollectives(mesh.shape), a, names), jmesh, spec, P(names))
             with _x64():
-                got = np.asarray(jax.jit(fn)(data.reshape(N * 4, 8))).reshape(every.shape)
+                got = np.asarray(jax.jit(fn)(data.reshape(N * 4, 24))).reshape(every.shape)
             np.testing.assert_array_equal(got, every, err_msg="shard_map")
 
             def per_device(a):
@@ -523,7 +563,7 @@ def test_collectives_match_mpi(mesh_index):
             for m in reversed(names):
                 per_device = jax.vmap(per_device, axis_name=m)
             with _x64():
-                got = np.asarray(jax.jit(per_device)(data.reshape(mesh.shape.sizes + (4, 8))))
+                got = np.asarray(jax.jit(per_device)(data.reshape(mesh.shape.sizes + (4, 24))))
             np.testing.assert_array_equal(got.reshape(every.shape), every, err_msg="vmap")
     finally:
         _wait_all()
@@ -567,14 +607,14 @@ def _groups_over(mesh: mm.Mesh, mesh_dim: str) -> set:
 def test_hlo_split_contraction_has_allreduce(mesh_index):
     mesh = mm.Mesh(mesh_shapes()[mesh_index])
     m = mesh.shape.names[-1]  # the contracted dim's mesh dim (of size > 1 on these meshes)
-    x = mesh.from_numpy(global_array("b:4;i:16", 1), "b:4;i:16", layout={"i": m})
-    w = mesh.from_numpy(global_array("i:16;h:8", 2), "i:16;h:8", layout={"i": m})
+    x = mesh.from_numpy(global_array("b:4;i:24", 1), "b:4;i:24", layout={"i": m})
+    w = mesh.from_numpy(global_array("i:24;h:8", 2), "i:24;h:8", layout={"i": m})
     with mm.trace() as tr:
         y = mm.einsum([x, w], "b:4;h:8")
     try:
         if RANK == 0:
             fn = mm.tpu.replay(tr, [x, w], [y], devices=DEVICES)
-            text = fn.lower(global_array("b:4;i:16", 1), global_array("i:16;h:8", 2)).compile().as_text()
+            text = fn.lower(global_array("b:4;i:24", 1), global_array("i:24;h:8", 2)).compile().as_text()
             groups = _replica_groups(text, "all-reduce")
             assert groups, "no all-reduce in the compiled HLO"
             assert _groups_over(mesh, m) in groups, f"no all-reduce over {m}: {groups}"
@@ -587,8 +627,8 @@ def test_hlo_split_contraction_has_allreduce(mesh_index):
 def test_hlo_relayout_across_dims_has_all_to_all():
     mesh = mm.Mesh(mesh_shapes()[0])
     m = mesh.shape.names[0]
-    a = global_array("a:16;b:16", 3)
-    x = mesh.from_numpy(a, "a:16;b:16", layout={"a": m})
+    a = global_array("a:24;b:24", 3)
+    x = mesh.from_numpy(a, "a:24;b:24", layout={"a": m})
     with mm.trace() as tr:
         y = mm.relayout(x, {"b": m})
     try:
@@ -647,3 +687,78 @@ def test_import_does_not_load_jax():
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI", "HYDRA", "PMIX"))}
         subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     _wait_all()
+
+
+# ------------------------------------------------- windows over uneven blocks (shift, halo, conv)
+# s:7, h:7, w:5 split over 2, 3 or 4 devices, e:2 over 3 or 4 (empty blocks): the replay allgathers
+# the dim and takes each device's window (see mm.ops.shift), and must give MPI's values.
+
+def _split_big(i: int, first: str, second: str = "") -> mm.Mesh:
+    """The i-th mesh of this session with the dims of `first` (';'-separated names) on its largest
+    mesh dim and those of `second` on the next largest."""
+    shape = mm.Shape(mesh_shapes()[i])
+    big = sorted(shape.names, key=lambda m: -shape[m].size)
+    rules = [f"{d}:{big[0]}" for d in first.split(";")]
+    if second and len(big) > 1:
+        rules += [f"{d}:{big[1]}" for d in second.split(";")]
+    return mm.Mesh(mesh_shapes()[i], layout=";".join(rules))
+
+
+def _shift_uneven(mesh_index: int, grads: bool = True):
+    """shift (wrap or not, farther than a block), halo exchange (wider than the short and empty
+    blocks, wrapped) along uneven dims; gradients (the opposite shift, the halo transpose)."""
+    mesh = _split_big(mesh_index, "s;e")
+    x = mesh.from_numpy(global_array("b:2;s:7", 40), "b:2;s:7")
+    e = mesh.from_numpy(global_array("e:2;c:3", 41), "e:2;c:3")
+    out = {}
+    with mm.trace() as tr:
+        out["shift"] = mm.shift(x, 2, "s", wrap=False)
+        out["shift_far"] = mm.shift(x, -5, "s", wrap=False)
+        out["roll"] = mm.shift(x, 4, "s", wrap=True)
+        out["roll_back"] = mm.shift(x, -1, "s", wrap=True)
+        out["shift_empty"] = mm.shift(e, 1, "e", wrap=False)
+        out["roll_empty"] = mm.shift(e, -1, "e", wrap=True)
+        out["halo"] = mm.halo_exchange(x, "s", 1)
+        out["halo_wide"] = mm.halo_exchange(x, "s", 3)
+        out["halo_wrap"] = mm.halo_exchange(x, "s", 2, wrap=True)
+        out["halo_empty"] = mm.halo_exchange(e, "e", 1, wrap=True)
+        if grads:
+            _add_gradients(out, {"x": x, "e": e})
+    return tr, [x, e], out
+
+
+def _conv_uneven(mesh_index: int, grads: bool = True):
+    """conv1d and conv2d along uneven dims (SAME, VALID, stride 2 whose output blocks do not line
+    up with the input's, dilation, explicit padding; an input of 2 over more devices); gradients."""
+    mesh = _split_big(mesh_index, "s;h;e", "w")
+    x1 = mesh.from_numpy(global_array("b:2;s:7;ci:2", 42), "b:2;s:7;ci:2")
+    f1 = mesh.from_numpy(global_array("tap:3;ci:2;co:3", 43), "tap:3;ci:2;co:3")
+    x2 = mesh.from_numpy(global_array("b:1;h:7;w:5;ci:2", 44), "b:1;h:7;w:5;ci:2")
+    f2 = mesh.from_numpy(global_array("fh:3;fw:2;ci:2;co:3", 45), "fh:3;fw:2;ci:2;co:3")
+    xe = mesh.from_numpy(global_array("b:1;e:2;ci:2", 46), "b:1;e:2;ci:2")
+    out = {}
+    with mm.trace() as tr:
+        out["conv1d"] = mm.conv1d(x1, f1)
+        out["conv1d_stride2"] = mm.conv1d(x1, f1, stride=2)
+        out["conv1d_valid_stride2"] = mm.conv1d(x1, f1, stride=2, padding="VALID")
+        out["conv1d_dilated"] = mm.conv1d(x1, f1, padding="VALID", dilation=2)
+        out["conv2d"] = mm.conv2d(x2, f2)
+        out["conv2d_stride2"] = mm.conv2d(x2, f2, strides=2)
+        out["conv2d_valid"] = mm.conv2d(x2, f2, strides=(2, 1), padding="VALID")
+        out["conv2d_explicit"] = mm.conv2d(x2, f2, padding=((0, 2), (1, 0)))
+        out["conv_empty"] = mm.conv1d(xe, f1)
+        out["conv_empty_stride2"] = mm.conv1d(xe, f1, stride=2)
+        if grads:
+            _add_gradients(out, {"x1": x1, "f1": f1, "x2": x2, "f2": f2, "xe": xe})
+    return tr, [x1, f1, x2, f2, xe], out
+
+
+@needs_ranks
+@pytest.mark.parametrize("mesh_index", [0, 1, 2])
+@pytest.mark.parametrize("family", ["shift", "conv"])
+def test_uneven_windows_replay_matches_mpi(family, mesh_index):
+    """shift, halo exchange, conv1d and conv2d on uneven and empty blocks: both modes, gradients
+    included, equal MPI's values (which tests/test_shift.py and tests/test_conv.py check against numpy)."""
+    make = {"shift": _shift_uneven, "conv": _conv_uneven}[family]
+    tr, inputs, outputs = make(mesh_index)
+    check_replay(tr, inputs, outputs, modes=MODES_UNEVEN[mesh_index])

@@ -22,11 +22,13 @@ block for `allgather`, its whole input for `alltoall` and `reduce_scatter`.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional, Protocol, Sequence
 
 from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
 from ..shape import Shape
+from . import counters
 
 
 class CollectivesLike(Protocol):
@@ -36,6 +38,7 @@ class CollectivesLike(Protocol):
     transport: str
 
     def coord(self, mesh_dim: str): ...
+    def span(self, size: int, mesh_dim: Optional[str]) -> tuple: ...
     def block(self, x, mesh_dim: str, axis: int): ...
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"): ...
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None): ...
@@ -84,6 +87,44 @@ class Request:
 
 
 DONE = Request(lambda: True, lambda: None)  # a transfer that completed when it was started
+
+
+class Overlapped(Request):
+    """A non-blocking collective's request that, when it completes, adds to the profile's
+    `"overlap"`: its lifetime (start to the first `test()` or `wait()` that saw it done), the part
+    spent blocked in `wait()` (exposed) and the rest (hidden behind the caller's other work).
+
+    >>> from mpimesh.collectives import counters
+    >>> with counters.counting() as c:
+    ...     r = Overlapped(lambda: True, lambda: None, then=lambda: 7)
+    ...     r.wait(), c.overlap["requests"], c.overlap["exposed"]
+    (7, 1, 0.0)
+    """
+
+    __slots__ = ("_t0",)
+
+    def __init__(self, test, wait, then=None):
+        super().__init__(test, wait, then)
+        self._t0 = time.perf_counter()
+
+    def _finished(self, exposed: float):
+        counters.record_overlap(time.perf_counter() - self._t0, exposed)
+        return self._complete()
+
+    def test(self) -> bool:
+        if not self._done and self._test():
+            self._finished(0.0)
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            if self._test():
+                self._finished(0.0)
+            else:
+                t = time.perf_counter()
+                self._wait()
+                self._finished(time.perf_counter() - t)
+        return self.result
 
 
 class Collectives:
@@ -155,12 +196,41 @@ class Collectives:
         start, n = block_span(x.shape[axis], k, self.coord(mesh_dim))
         return self._slice(x, axis, start, n)
 
+    def span(self, size: int, mesh_dim: Optional[str]) -> tuple:
+        """`(start, length)` of this rank's block of a dim of `size` split over `mesh_dim` (None:
+        the whole dim): where it starts in the dim, and the length of the array axis that holds it
+        (a Python int; the block's own here, the largest block's in a JAX replay, which holds
+        blocks padded).
+
+        >>> import numpy as np
+        >>> Collectives(Shape("x:1"), np).span(7, "x"), Collectives(Shape("x:1"), np).span(7, None)
+        ((0, 7), (0, 7))
+        """
+        if not mesh_dim or self._sizes[mesh_dim] == 1:
+            return 0, size
+        return block_span(size, self._sizes[mesh_dim], self.coord(mesh_dim))
+
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""
         dims = self.ordered(mesh_dims)
         if self.size(dims) == 1:
             return x
         return self._allreduce(x, dims, op)
+
+    def iallreduce(self, x, mesh_dims: Sequence[str], op: str = "sum") -> Request:
+        """Start `allreduce(x, mesh_dims, op)` without waiting: a `Request` that owns `x` and the
+        result buffer, whose `wait()` gives the result (`test()` polls). Counted in the profile as
+        the allreduce it is, and, once complete, in its `overlap` (see `Overlapped`). Every rank of
+        the group starts its requests in the same order; `x` must not change until completion."""
+        dims = self.ordered(mesh_dims)
+        if self.size(dims) == 1:
+            return Request(lambda: True, lambda: None, then=lambda: x)
+        return self._iallreduce(x, dims, op)
+
+    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+        """A transport without a non-blocking path: the blocking allreduce, complete when started."""
+        out = self._allreduce(x, dims, op)
+        return Request(lambda: True, lambda: None, then=lambda: out)
 
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None):
         """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`.

@@ -2,8 +2,9 @@
 
 >>> with counting() as c:
 ...     record("allreduce", ("rows",), 10, 40)
->>> c["allreduce/rows"]
-{'calls': 1, 'elements': 10, 'bytes': 40}
+...     record_overlap(0.5, 0.125)
+>>> c["allreduce/rows"], c.overlap["hidden"]
+({'calls': 1, 'elements': 10, 'bytes': 40}, 0.375)
 """
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 _open: list[dict] = []
+
+
+class Counters(dict):
+    """`{"<kind>/<mesh dims>": {"calls", "elements", "bytes"}, "flops": {...}}`, and in `overlap` the
+    non-blocking collectives completed: `{"requests", "seconds", "exposed", "hidden"}` (kept apart
+    from the dict's items, which are all counts of calls)."""
+
+    __slots__ = ("overlap",)
+
+    def __init__(self):
+        super().__init__()
+        self.overlap = {"requests": 0, "seconds": 0.0, "exposed": 0.0, "hidden": 0.0}
 
 
 def active() -> bool:
@@ -43,10 +56,21 @@ def record_flops(flops: int) -> None:
         c["flops"] += int(flops)
 
 
+def record_overlap(seconds: float, exposed: float) -> None:
+    """Count one completed non-blocking collective: `seconds` from its start to its completion, of
+    which the caller spent `exposed` blocked waiting for it (the rest was hidden behind other work)."""
+    for counters in _open:
+        c = counters.overlap
+        c["requests"] += 1
+        c["seconds"] += seconds
+        c["exposed"] += exposed
+        c["hidden"] += max(0.0, seconds - exposed)
+
+
 @contextmanager
 def counting() -> Iterator[dict]:
     """Open a counter dict that every collective and kernel in the block adds to."""
-    counters: dict = {}
+    counters = Counters()
     _open.append(counters)
     try:
         yield counters

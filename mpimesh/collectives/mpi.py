@@ -8,6 +8,13 @@ NCCL transports replace. Unequal blocks (see `base`) take the v-variants (`Allga
 `Reduce_scatter` and their non-blocking forms, which the time-out polls as any other): blocks
 are packed one after another and exactly the real elements move.
 
+16-bit floats (float16, bfloat16) are summed in float32 and rounded once, while only their 16-bit
+words move: an allreduce is an alltoall of the raw words (rank j gets block j of every rank's
+array), a float32 reduction of those blocks in rank order, and an allgather of the rounded blocks;
+a reduce-scatter stops after the reduction. That is half the bytes of a float32 allreduce, and it
+is counted as the one allreduce (reduce-scatter) it is, at the dtype's width. bfloat16, which
+mpi4py cannot export, travels as uint16 views (`backend.wire_dtype`).
+
 >>> from mpimesh import Mesh
 >>> import numpy as np
 >>> coll = Mesh("all:1", comm=MPI.COMM_SELF).collectives
@@ -21,9 +28,12 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import accumulation_dtype, is_low_precision, wire_dtype
 from ..errors import CollectiveTimeoutError
+from ..layout import block_sizes
 from . import counters
-from .base import DONE, Collectives, Request, block_counts, contiguous, merge_front, pack, split_front, unpack
+from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, merge_front, pack, split_front,
+                   unpack)
 from .guard import Guard, uneven_shape
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -92,6 +102,7 @@ class MpiCollectives(Collectives):
     """The collectives of one mesh, over MPI sub-communicators per set of mesh dims."""
 
     transport = "mpi"
+    _nonblocking = False  # True while `_iallreduce` posts: `_post` starts the transfer and returns
 
     def __init__(self, mesh):
         super().__init__(mesh.shape, mesh.xp)
@@ -119,7 +130,9 @@ class MpiCollectives(Collectives):
         comm = self.mesh.comm_for(dims)
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
-        nonblocking = Guard.timeout() is not None
+        if wire_dtype(send.dtype) != send.dtype:  # bfloat16: move the raw words (never reduced: see `_reduce16`)
+            send, recv = send.view(wire_dtype(send.dtype)), recv.view(wire_dtype(recv.dtype))
+        nonblocking = self._nonblocking or Guard.timeout() is not None
         if kind == "permute":
             if not nonblocking:
                 comm.Sendrecv(send, dest, 0, recv, src, 0)
@@ -144,6 +157,11 @@ class MpiCollectives(Collectives):
              shape=None, **kw) -> None:
         """Check, count, post and complete one transfer (`detail`: the call's parameters, and `shape`
         the local shape where it is not send's, for the check)."""
+        self._complete(self._start(kind, dims, send, recv, elements, nbytes, detail, shape, **kw), dims)
+
+    def _start(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
+               shape=None, **kw) -> Request:
+        """Check, count and post one transfer: its request (`DONE` where nothing moves)."""
         guarded = self.guard.active()
         if guarded:
             self.guard.enter(kind, dims, send, detail, shape)
@@ -154,9 +172,12 @@ class MpiCollectives(Collectives):
             self.guard.wait_mpi(self.guard.comm.Ibarrier(), f"making the communicator over {'+'.join(dims)}")
         if send.size == 0 and kw.get("counts") is None:  # an empty block: the whole group has nothing to send
             self.mesh.comm_for(dims)  # but a first use makes the communicator, over the whole mesh: join it
-            return
-        req = self._post(kind, dims, send, recv, **kw)
-        if guarded and Guard.timeout() is not None:
+            return DONE
+        return self._post(kind, dims, send, recv, **kw)
+
+    def _complete(self, req: Request, dims: tuple) -> None:
+        """Wait for `req`, polled under the time-out if one is set."""
+        if Guard.timeout() is not None:
             try:
                 self.guard.wait(req, dims)
             except CollectiveTimeoutError:
@@ -165,12 +186,58 @@ class MpiCollectives(Collectives):
         req.wait()
 
     # The collectives ------------------------------------------------------------------------
+    def _group_rank(self, dims: tuple) -> int:
+        """This rank's rank in the group over `dims` (row-major over their coordinates, as `comm_for`)."""
+        j = 0
+        for m in dims:
+            j = j * self._sizes[m] + self.mesh.coords[m]
+        return j
+
+    def _reduce16(self, kind: str, dims: tuple, send, sizes: tuple, op: str, shape):
+        """This rank's block j (of `sizes`) of the reduction over `dims` of the 16-bit floats in flat
+        `send`: an alltoall of the raw words, then a float32 reduction in rank order, rounded once.
+        Counted as one `kind` of `send` (`shape`: the local shape the SPMD check compares)."""
+        xp, pool = self._on(send)
+        k, j = len(sizes), self._group_rank(dims)
+        recv = pool.empty((k * sizes[j],), send.dtype)
+        counters.record(kind, dims, send.size, send.nbytes)
+        with counters.paused():
+            self._run("alltoall", dims, send, recv, send.size, send.nbytes, f" {op} ({kind} of 16-bit floats)",
+                      shape, counts=(tuple(sizes), (sizes[j],) * k))
+        rows = recv.reshape(k, sizes[j]).astype(accumulation_dtype(send.dtype))
+        return getattr(xp, {"sum": "sum", "max": "max", "min": "min"}[op])(rows, axis=0).astype(send.dtype)
+
     def _allreduce(self, x, dims: tuple, op: str):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
+        if is_low_precision(x.dtype) and x.size:
+            sizes = block_sizes(x.size, self.size(dims))
+            mine = self._reduce16("allreduce", dims, x.reshape(-1), sizes, op, x.shape)
+            out = pool.empty((x.size,), x.dtype)
+            with counters.paused():
+                self._run("allgather", dims, mine, out, mine.size, mine.nbytes, f" {op} (allreduce of 16-bit floats)",
+                          x.shape, counts=((mine.size,) * len(sizes), sizes))
+            return out.reshape(x.shape)
         out = pool.empty(x.shape, x.dtype)
         self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
+
+    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+        xp, pool = self._on(x)
+        x = contiguous(xp, x)
+        if is_low_precision(x.dtype):  # summed in float32 by blocking steps (`_allreduce`)
+            return super()._iallreduce(x, dims, op)
+        out = pool.empty(x.shape, x.dtype)
+        self._nonblocking = True
+        try:
+            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
+        finally:
+            self._nonblocking = False
+
+        def then(send=x):  # the request owns `send` and `out` until it completes
+            req.wait()
+            return out
+        return Overlapped(req.test, lambda: self._complete(req, dims), then)
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
@@ -205,6 +272,12 @@ class MpiCollectives(Collectives):
 
     def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        if is_low_precision(x.dtype):
+            sizes = sizes or block_sizes(x.shape[axis], k)
+            c = self.coord(mesh_dim)
+            mine = self._reduce16("reduce_scatter", (mesh_dim,), pack(xp, x, axis, sizes),
+                                  block_counts(x.shape, axis, sizes), op, x.shape)
+            return mine.reshape(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:])
         if sizes is not None:
             send, counts = pack(xp, x, axis, sizes), block_counts(x.shape, axis, sizes)
             c = self.coord(mesh_dim)
@@ -239,6 +312,8 @@ class MpiCollectives(Collectives):
         return out
 
     def _exscan(self, x, mesh_dim: str, op: str):
+        if is_low_precision(x.dtype):  # in float32, rounded once
+            return self._exscan(x.astype(accumulation_dtype(x.dtype)), mesh_dim, op).astype(x.dtype)
         xp = self._on(x)[0]
         x = contiguous(xp, x)
         out = xp.zeros_like(x)

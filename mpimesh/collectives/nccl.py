@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import counters
-from .base import DONE, Request, contiguous
+from .base import DONE, Overlapped, Request, contiguous
 from .guard import Guard
 from .mpi import MpiCollectives
 
@@ -50,6 +50,7 @@ class NcclCollectives(MpiCollectives):
         super().__init__(mesh)
         self._nccl = nccl_module()
         self._comms: dict[tuple, object] = {}
+        self._side = None  # the stream of non-blocking allreduces, made on first use
 
     def _comm(self, dims: tuple):
         """The NCCL communicator of this rank's group over `dims`; its rank order is the MPI group's."""
@@ -118,6 +119,34 @@ class NcclCollectives(MpiCollectives):
         done = self.xp.cuda.Event(disable_timing=True)
         done.record(stream)
         return _Aborting(done, comm)
+
+    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+        """The allreduce on a side stream that first waits for the current stream's work so far: the
+        kernels enqueued after it overlap the transfer; `wait()` makes the current stream wait for it
+        (the host does not block, unless a time-out is set: then it polls)."""
+        if isinstance(x, np.ndarray):
+            return super()._iallreduce(x, dims, op)
+        cuda = self.xp.cuda
+        x = contiguous(self.xp, x)
+        out = self.pool.empty(x.shape, x.dtype)
+        main = cuda.get_current_stream()
+        if self._side is None:
+            self._side = cuda.Stream(non_blocking=True)
+        ready = cuda.Event(disable_timing=True)
+        ready.record(main)
+        self._side.wait_event(ready)
+        with self._side:  # `_post` enqueues on the current stream: the side one
+            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
+        done = cuda.Event(disable_timing=True)
+        done.record(self._side)
+
+        def wait():
+            self._complete(req, dims)  # polls under a time-out, else returns at once
+            main.wait_event(done)
+
+        def then(send=x):  # the request owns `send` and `out` until it completes
+            return out
+        return Overlapped(lambda: done.done, wait, then)
 
     def _exscan(self, x, mesh_dim: str, op: str):
         if isinstance(x, np.ndarray):

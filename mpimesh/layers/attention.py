@@ -16,6 +16,7 @@ Shape('[batch:2, length:5, d_model:8]')
 """
 from __future__ import annotations
 
+from ..backend import as_dtype, finfo, is_float
 from ..errors import ShapeError
 from ..ops.einsum import einsum
 from ..ops.elementwise import cast, greater
@@ -43,7 +44,8 @@ def init_attention(mesh, seed: int, model_dim: DimLike, heads_dim: DimLike, kv_d
 
 def causal_bias(mesh, length: Dimension, memory_length: Dimension, dtype="float32"):
     """`[memory_length, length]`: MASK_VALUE where the memory position is after the query
-    position, else 0 (from two `mm.range`s; no communication).
+    position, else 0 (from two `mm.range`s; no communication). A dtype that cannot hold
+    MASK_VALUE (float16) gets its lowest finite value instead.
 
     >>> import mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -52,7 +54,8 @@ def causal_bias(mesh, length: Dimension, memory_length: Dimension, dtype="float3
     [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
     """
     future = greater(arange(mesh, memory_length), arange(mesh, length))
-    return cast(future, dtype) * MASK_VALUE
+    dt = as_dtype(dtype)
+    return cast(future, dt) * (max(MASK_VALUE, float(finfo(dt).min)) if is_float(dt) else MASK_VALUE)
 
 
 def multihead_attention(params: Params, x, length_dim: str = "length", memory=None,

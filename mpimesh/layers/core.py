@@ -7,6 +7,11 @@ DistTensors, laid out by the mesh's rules in force) from an integer seed with
 takes `(params, x, ...)`. Parameter dicts nest; `flatten`/`unflatten` turn a tree of them into
 the flat `{"a/b/c": tensor}` dict that optimizers and checkpoints take.
 
+Mixed precision: parameters stay float32 (the masters the optimizer updates) while activations
+may be bfloat16 or float16. A layer computes in its input's dtype, casting each parameter to it
+(`like`), so the parameters' gradients, through the cast, are float32; `embedding` takes the
+activation `dtype`, and layer norm's statistics are float32 whatever the input.
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> p = mm.layers.init_dense(mesh, 0, "io:4", "hidden:8")
@@ -19,9 +24,10 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Mapping, Optional, Union
 
+from ..backend import accumulation_dtype, is_float
 from ..errors import ShapeError
 from ..ops.einsum import einsum
-from ..ops.elementwise import gelu, relu, rsqrt, square, tanh
+from ..ops.elementwise import cast, gelu, relu, rsqrt, square, tanh
 from ..ops.indexing import gather
 from ..ops.reduce import reduce_mean
 from ..shape import Dimension, Shape, ShapeLike, dim_names, union_shape
@@ -39,6 +45,20 @@ def subseed(seed: int, name: str) -> int:
     True
     """
     return zlib.crc32(f"{int(seed)}/{name}".encode()) & 0x7FFFFFFF
+
+
+def like(w, x):
+    """Parameter `w` cast to the dtype of activation `x` where both are floats of different dtypes
+    (a float32 master used in bfloat16 compute); `w` itself otherwise.
+
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> like(mesh.ones("a:2"), mesh.ones("b:2", "bfloat16")).dtype
+    dtype(bfloat16)
+    """
+    if w.dtype != x.dtype and is_float(w.dtype) and is_float(x.dtype):
+        return cast(w, x.dtype)
+    return w
 
 
 def as_dim(d: DimLike) -> Dimension:
@@ -98,7 +118,8 @@ def init_dense(mesh, seed: int, input_dims: ShapeLike, output_dims: ShapeLike, u
 
 
 def dense(params: Params, x, reduced_dims=None):
-    """`x · kernel (+ bias)`, contracting `reduced_dims` (default: the kernel's dims that x has).
+    """`x · kernel (+ bias)`, contracting `reduced_dims` (default: the kernel's dims that x has),
+    in x's dtype (the parameters cast to it, see `like`).
 
     The output has x's other dims, then the kernel's dims that are not reduced and not in x.
 
@@ -119,9 +140,9 @@ def dense(params: Params, x, reduced_dims=None):
         if n not in x.shape or n not in w.shape:
             raise ShapeError(f"dense: reduced dim {n!r} must be in both the input {x.shape} and the kernel {w.shape}")
     out = union_shape([x.shape.without(reduced), w.shape.without(reduced)], "dense")
-    y = einsum([x, w], output_shape=out)
+    y = einsum([x, like(w, x)], output_shape=out)
     if "bias" in params:
-        y = y + params["bias"]
+        y = y + like(params["bias"], y)
     return y
 
 
@@ -135,7 +156,8 @@ def init_layer_norm(mesh, dim: DimLike, dtype="float32") -> Params:
 
 def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     """`(x - mean) / sqrt(var + epsilon) * scale + bias`, statistics over `dim` (a name or
-    Dimension, or several); when `dim` is split, the means are one allreduce each.
+    Dimension, or several); when `dim` is split, the means are one allreduce each. A 16-bit
+    float x is normalised in float32 and the result rounded to x's dtype.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -145,15 +167,18 @@ def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     [[-1.0, 1.0], [0.0, 0.0]]
     """
     names = dim_names(dim)
+    dt = x.dtype
+    if accumulation_dtype(dt) != dt:
+        x = cast(x, accumulation_dtype(dt))
     mean = reduce_mean(x, reduced_dim=names)
     centred = x - mean
     var = reduce_mean(square(centred), reduced_dim=names)
     y = centred * rsqrt(var + epsilon)
     if "scale" in params:
-        y = y * params["scale"]
+        y = y * like(params["scale"], y)
     if "bias" in params:
-        y = y + params["bias"]
-    return y
+        y = y + like(params["bias"], y)
+    return y if y.dtype == dt else cast(y, dt)
 
 
 # --------------------------------------------------------------------------------- embedding
@@ -165,9 +190,11 @@ def init_embedding(mesh, seed: int, vocab_dim: DimLike, model_dim: DimLike, stdd
     return {"weights": mesh.random_normal(shape, subseed(seed, "weights"), stddev=stddev, dtype=dtype)}
 
 
-def embedding(params: Params, ids):
+def embedding(params: Params, ids, dtype=None):
     """Rows of `params["weights"]` (dims `[vocab, model]`) for integer `ids`: the output has
     ids' dims then the model dim. The vocab dim may be split (one allreduce of the output).
+    `dtype`: the activations' dtype (e.g. "bfloat16"; default the weights'), to which the rows
+    are cast once gathered.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -176,7 +203,8 @@ def embedding(params: Params, ids):
     [[4.0, 5.0], [0.0, 1.0]]
     """
     w = params["weights"]
-    return gather(w, ids, w.shape[0].name)
+    rows = gather(w, ids, w.shape[0].name)
+    return rows if dtype is None else cast(rows, dtype)
 
 
 # ------------------------------------------------------------------------------ feed-forward

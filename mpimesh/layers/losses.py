@@ -3,7 +3,8 @@
 The log-partition is `mm.reduce_logsumexp` (a local max and sum, then an allreduce max and an
 allreduce sum over the vocab's mesh dim) and the target logit is picked by a one-hot product
 summed over vocab (one more allreduce of the output size); the vocab-sized logits are never
-gathered.
+gathered. Logits of a 16-bit float are cast to float32 first: the loss is float32 (and the
+gradient of the logits, through the cast, has their dtype).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import accumulation_dtype
 from ..errors import ShapeError
-from ..ops.elementwise import square
+from ..ops.elementwise import cast, square
 from ..ops.indexing import one_hot
 from ..ops.nn import log_softmax
 from ..ops.reduce import reduce_logsumexp, reduce_sum
@@ -40,6 +42,8 @@ def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float 
     if v not in logits.shape:
         raise ShapeError(f"softmax_cross_entropy_with_logits: vocab dim {v!r} is not in logits {logits.shape}")
     vocab = logits.shape[v]
+    if accumulation_dtype(logits.dtype) != logits.dtype:
+        logits = cast(logits, accumulation_dtype(logits.dtype))
     if v in targets.shape:  # soft targets
         if targets.shape[v] != vocab:
             raise ShapeError(f"softmax_cross_entropy_with_logits: targets {targets.shape} and logits "

@@ -64,7 +64,7 @@ from ..ops.reduce import reduce_mean, reduce_sum
 from ..ops.relayout import relayout
 from ..ops.scan import cumsum
 from ..shape import Dimension, Shape
-from .core import ACTIVATIONS, DimLike, Params, as_dim, subseed
+from .core import ACTIVATIONS, DimLike, Params, as_dim, like, subseed
 
 CAPACITY_DIM = "expert_capacity"
 POLICIES = ("random", "all", "none", "threshold")
@@ -203,14 +203,15 @@ def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacit
     rules_e = _phase_rules(base, {e.name: me, g.name: mg if mg != me else None})
     out_layout = mesh.plan(x.shape)
     ein_shape, hid_shape = Shape([e, g, c, m]), Shape([e, g, c, h])
+    wg, wi, wo = (like(params[n], x) for n in ("wg", "wi", "wo"))  # x's dtype: float32 masters cast
     with layout_scope(mesh, rules_g):
-        dispatch, combine, aux = _gating(x, params["wg"], g, s, e, c, second_policy, second_threshold,
+        dispatch, combine, aux = _gating(x, wg, g, s, e, c, second_policy, second_threshold,
                                          seed, loss_coef)
         expert_in = einsum([dispatch, x], output_shape=ein_shape)
     with layout_scope(mesh, rules_e):
         expert_in = relayout(expert_in, mesh.plan(ein_shape))  # alltoall: groups -> experts
-        hidden = ACTIVATIONS[activation](einsum([expert_in, params["wi"]], output_shape=hid_shape))
-        expert_out = einsum([hidden, params["wo"]], output_shape=ein_shape)
+        hidden = ACTIVATIONS[activation](einsum([expert_in, wi], output_shape=hid_shape))
+        expert_out = einsum([hidden, wo], output_shape=ein_shape)
     with layout_scope(mesh, rules_g):
         expert_out = relayout(expert_out, mesh.plan(ein_shape))  # alltoall: experts -> groups
         y = einsum([combine, expert_out], output_shape=x.shape)

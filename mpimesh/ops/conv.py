@@ -14,11 +14,14 @@ With unequal blocks (sizes that do not divide; with a stride the output blocks d
 the input blocks) each rank gathers exactly its own window, its pieces routed by coordinate (a
 piece may come from beyond the neighbours, past short or empty blocks; strips are zero-padded to
 the widest of their permute, see `shift`), and a rank whose output block is empty computes
-nothing. Zeros beyond the edges are the padding. The local kernel, with stride 1, works on blocks
-of output rows (cache-sized with numpy): the block's slab rows with the width taps unrolled side
-by side, times one `[fw*in, out]` matrix per height tap
-(the input and filter gradients are the same kernel on the padded output gradient, resp. with
-the output gradient as the matrix); with other strides it sums, over the filter taps, a
+nothing. A JAX replay of unequal blocks, whose coordinate is traced and whose devices hold blocks
+zero-padded to the largest, allgathers the dim and takes each device's window from it (see
+`shift`); every device computes the first rank's number of outputs, the extra ones being padding
+(the replay zeroes it). Zeros beyond the edges are the padding. The local kernel, with stride 1,
+works on blocks of output rows (cache-sized with numpy): the block's slab rows with the width taps
+unrolled side by side, times one `[fw*in, out]` matrix per height tap (the input and filter
+gradients are the same kernel on the padded output gradient, resp. with the output gradient as the
+matrix); with other strides it sums, over the filter taps, a
 tensordot of a strided slice of the slab with that tap's `[in, out]` filter matrix.
 
 A split input-channels dim is contracted locally and allreduced (like einsum); batch and
@@ -46,7 +49,7 @@ from ..layout import block_sizes, local_sizes, splitting
 from ..shape import Dimension, Shape
 from ..trace import dispatch
 from .relayout import to_layout
-from .shift import blocks_of, coordinate, gather_window, scatter_window
+from .shift import blocks_of, coordinate, gather_window, scatter_window, traced
 
 
 class _Axis(NamedTuple):
@@ -211,8 +214,12 @@ def _order(p: _Plan) -> tuple:
 
 
 def _local(ctx, p: _Plan) -> _Plan:
-    """`p` with each axis of unequal blocks fixed to this rank's coordinate."""
-    axes = tuple(ax if ax.even else ax._replace(c=coordinate(ctx, ax.mesh_dim, "conv")) for ax in p.axes)
+    """`p` with each axis of unequal blocks fixed to this rank's coordinate; a traced one (a JAX
+    replay) to coordinate 0, whose output block and window are the longest: every device then
+    computes as many outputs as the first, from its window zero-padded to that length, and the
+    outputs past its own block are padding."""
+    axes = tuple(ax if ax.even else ax._replace(c=0 if traced(ctx, ax.mesh_dim) else
+                                                coordinate(ctx, ax.mesh_dim, "conv")) for ax in p.axes)
     return p._replace(axes=axes)
 
 

@@ -1,6 +1,10 @@
 """Einsum by dim names: a local contraction on each rank's slices, then one allreduce over the
 mesh dims of the reduced dims that are split.
 
+Inputs of 16-bit floats (float16, bfloat16) are contracted in float32: each rank upcasts its own
+blocks, contracts, sums the float32 partial results across ranks, and rounds once to the inputs'
+dtype (numpy's promotion of the input dtypes: bfloat16 with float32 gives float32).
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.ones((2, 3)), "b:2;i:3")
@@ -19,6 +23,8 @@ from typing import Optional, Sequence
 
 import opt_einsum
 
+from ..backend import accumulation_dtype, is_low_precision, name, result_type
+from ..buckets import claim, partial_for
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Shape, ShapeLike, dim_names, union_shape
@@ -115,14 +121,17 @@ def pair_plan(subscripts: str) -> Optional[tuple]:
 
 @lru_cache(maxsize=4096)
 def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
-    """`(swap, perm_a, shape_a, perm_b, shape_b, shape_c, perm_c)`: a two-input contraction with
-    batch dims (or an output order tensordot cannot give) as one `matmul` of the inputs transposed
-    (None: no transpose) and reshaped to [batch, free, contracted] @ [batch, contracted, free],
-    reshaped and transposed to the output order. None when that does not apply (a dim repeated or
-    summed within one input, nothing contracted, or a matrix-vector product at most).
+    """`(swap, perm_a, shape_a, perm_b, shape_b, shape_c, perm_c, into)`: a two-input contraction
+    with batch dims (or an output order tensordot cannot give) as one `matmul` of the inputs
+    transposed (None: no transpose) and reshaped to [batch, free, contracted] @ [batch, contracted,
+    free], reshaped and transposed to the output order. `into` (when perm_c is not None): the
+    permutation that views the output as the matmul's result, if that view needs no copy (each
+    input's free dims adjacent and in order in the output), so the matmul writes the output in
+    place; else None. None when the plan does not apply (a dim repeated or summed within one
+    input, nothing contracted, or a matrix-vector product at most).
 
     >>> batched_plan("gsm,gse->egm", ((2, 3, 4), (2, 3, 5)))
-    (True, (0, 2, 1), (2, 5, 3), None, (2, 3, 4), (2, 5, 4), (1, 0, 2))
+    (True, (0, 2, 1), (2, 5, 3), None, (2, 3, 4), (2, 5, 4), (1, 0, 2), (1, 0, 2))
     """
     ins, out = subscripts.split("->")
     parts = ins.split(",")
@@ -147,8 +156,18 @@ def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
     def perm(sub, cs):
         p = tuple(sub.index(c) for c in cs)
         return None if p == tuple(range(len(p))) else p
+    pc = perm("".join(order), list(out))
+    into = None
+    if pc is not None and all(_adjacent(out, cs) for cs in (free_a, free_b)):
+        into = tuple(out.index(c) for c in order)
     return (swap, perm(a, batch + free_a + con), lead + (n_a, k), perm(b, batch + con + free_b), lead + (k, n_b),
-            tuple(size[c] for c in order), perm("".join(order), list(out)))
+            tuple(size[c] for c in order), pc, into)
+
+
+def _adjacent(out: str, dims: list) -> bool:
+    """Whether `dims` appear in `out` side by side and in this order (so they merge into one axis)."""
+    at = [out.index(c) for c in dims]
+    return all(j == i + 1 for i, j in zip(at, at[1:]))
 
 
 @lru_cache(maxsize=4096)
@@ -196,25 +215,40 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
 
     pair = pair_plan(subs)
     bmm = None if pair is not None else batched_plan(subs, tuple(x.local.shape for x in xs))
+    low = any(is_low_precision(x.dtype) for x in xs)
+    out_dtype = result_type(*[x.dtype for x in xs]) if low else None
+    bucket = claim()  # a gradient's sum over mesh dims that may wait in a bucket (`mpimesh.buckets`)
+    bucket = bucket if reduce_mesh and not low else None
+    summed = () if bucket else reduce_mesh
 
     def lower(ctx, *arrays):
         xp = ctx.xp
+        if low:  # upcast this rank's blocks; the allreduce below sums float32 partials
+            arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
             y = xp.tensordot(a, b, axes=(pair[1], pair[2]))
         elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
-            swap, pa, sa, pb, sb, sc, pc = bmm
+            swap, pa, sa, pb, sb, sc, pc, into = bmm
             a, b = arrays[::-1] if swap else arrays
             a = (a if pa is None else xp.transpose(a, pa)).reshape(sa)
             b = (b if pb is None else xp.transpose(b, pb)).reshape(sb)
-            y = xp.matmul(a, b).reshape(sc)
-            y = y if pc is None else contiguous(xp, xp.transpose(y, pc))
+            if pc is None:
+                y = xp.matmul(a, b).reshape(sc)
+            elif into is not None and name(xp) == "numpy":  # the matmul writes the output: no transposed copy
+                y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b))
+                view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
+                assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
+                xp.matmul(a, b, out=view)
+            else:
+                y = contiguous(xp, xp.transpose(xp.matmul(a, b).reshape(sc), pc))
         else:
             y = expr(*arrays, backend=xp.__name__.split(".")[0])
-        return ctx.allreduce(y, reduce_mesh) if reduce_mesh else y
+        y = ctx.allreduce(y, summed) if summed else y
+        return y.astype(out_dtype) if low else y
     (y,) = dispatch("einsum", xs, [(out, out_layout)], lower,
-                    {"subscripts": subs, "reduce_mesh_dims": reduce_mesh}, _einsum_grad, flops)
-    return y
+                    {"subscripts": subs, "reduce_mesh_dims": summed}, _einsum_grad, flops)
+    return bucket.partial(y, reduce_mesh) if bucket else y
 
 
 def _einsum_grad(op, dy):
@@ -228,6 +262,7 @@ def _einsum_grad(op, dy):
         others = [t for j, t in enumerate(op.inputs) if j != i]
         avail = {n for t in [dy] + others for n in t.shape.names}
         keep = Shape(tuple(d for d in x.shape if d.name in avail))
-        g = einsum([dy] + others, output_shape=keep)
+        with partial_for(x if keep == x.shape else None):
+            g = einsum([dy] + others, output_shape=keep)
         grads.append(g if keep == x.shape else broadcast(g, x.shape))
     return grads

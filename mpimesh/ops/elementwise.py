@@ -19,7 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import as_dtype
+from ..backend import as_dtype, is_float, is_low_precision
+from ..buckets import partial_for
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes
 from ..shape import Shape, union_shape
@@ -46,12 +47,12 @@ def _scalar(v, what: str, dtype=None):
             if not info.min <= v <= info.max:
                 raise DTypeError(f"{what}: the integer {v} is outside the range [{info.min}, {info.max}] of the "
                                  f"tensor's dtype {np.dtype(dtype) if kind != 'b' else 'int64 (bool promoted)'}")
-        elif kind in "fc" and not -(2 ** 1023) <= v <= 2 ** 1023:  # (this module shadows abs)
+        elif (kind in "fc" or is_float(dtype)) and not -(2 ** 1023) <= v <= 2 ** 1023:  # (this module shadows abs)
             raise DTypeError(f"{what}: the integer {v} is too large for a float")
     if isinstance(v, (bool, int, float, complex)):
         return v
     dtype, ndim = getattr(v, "dtype", None), getattr(v, "ndim", None)  # numpy's scalars and arrays, cupy's
-    if isinstance(dtype, np.dtype) and isinstance(ndim, int) and dtype.kind in "biufc":
+    if isinstance(dtype, np.dtype) and isinstance(ndim, int) and (dtype.kind in "biufc" or is_float(dtype)):
         if ndim == 0:
             return v
         raise ShapeError(f"{what}: a non-tensor operand must be one number, got an array of shape {v.shape}: "
@@ -108,12 +109,25 @@ def sum_to(g, shape: Shape):
     return reduce_sum(g, output_shape=shape)
 
 
+def _keeping(kernel: Callable, dtype) -> Callable:
+    """`kernel`, its result rounded to `dtype` when that is a 16-bit float: numpy computes
+    bfloat16 with a Python float (0.5 * x) in float32, where the contract keeps the tensor's dtype."""
+    if not is_low_precision(dtype):
+        return kernel
+    return lambda xp, *args: _round_to(kernel(xp, *args), dtype)
+
+
+def _round_to(y, dtype):
+    return y.astype(dtype) if is_float(y.dtype) and y.dtype != dtype else y
+
+
 def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None):
     rule = None if grad is None else (lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)])
 
     def op(x):
         x = to_layout(x, x.mesh.plan(x.shape))
-        (y,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: kernel(ctx.xp, a), None, rule)
+        k = _keeping(kernel, x.dtype)
+        (y,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a), None, rule)
         return y
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
@@ -126,7 +140,11 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
             x, y = op.inputs
             gx, gy = grad(x, y, op.outputs[0], dz)
             need = op.needs or (True, True)  # an unneeded broadcast gradient is not summed back
-            return [sum_to(gx, x.shape) if need[0] else None, sum_to(gy, y.shape) if need[1] else None]
+            with partial_for(x):  # a parameter's gradient summed over the batch may wait in a bucket
+                gx = sum_to(gx, x.shape) if need[0] else None
+            with partial_for(y):
+                gy = sum_to(gy, y.shape) if need[1] else None
+            return [gx, gy]
         if op.params["side"] == "right":
             return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]]
         return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]]
@@ -138,13 +156,15 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
         if not _is_tensor(y):
             y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
             x = to_layout(x, x.mesh.plan(x.shape))
-            (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: kernel(ctx.xp, a, y),
+            k = _keeping(kernel, x.dtype) if _weak(y) else kernel
+            (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a, y),
                             {"scalar": y, "side": "right"}, rule)
             return z
         if not _is_tensor(x):
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
             y = to_layout(y, y.mesh.plan(y.shape))
-            (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: kernel(ctx.xp, x, b),
+            k = _keeping(kernel, y.dtype) if _weak(x) else kernel
+            (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
                             {"scalar": x, "side": "left"}, rule)
             return z
         if x.mesh is not y.mesh:
@@ -162,6 +182,11 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
     return op
+
+
+def _weak(v) -> bool:
+    """Whether a scalar operand takes the tensor's dtype (a Python number), as in numpy's NEP 50."""
+    return isinstance(v, (bool, int, float))
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -232,7 +257,8 @@ not_equal = _binary("not_equal", lambda xp, a, b: a != b, "x != y (no gradient).
 
 
 def cast(x, dtype):
-    """x converted to `dtype`; the gradient is cast back (none for non-float targets).
+    """x converted to `dtype`; the gradient is cast back (none for non-float targets), so the
+    gradient of a float32 tensor cast to bfloat16 is float32.
 
     >>> import mpimesh as mm
     >>> cast(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2"), "int32").dtype
@@ -242,7 +268,7 @@ def cast(x, dtype):
     x = to_layout(x, x.mesh.plan(x.shape))
     if x.dtype == dt:
         return x
-    differentiable = np.issubdtype(dt, np.floating) and np.issubdtype(x.dtype, np.floating)
+    differentiable = is_float(dt) and is_float(x.dtype)
     (y,) = dispatch("cast", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: a.astype(dt), {"dtype": dt},
                     (lambda op, dy: [cast(dy, op.inputs[0].dtype)]) if differentiable else None)
     return y
@@ -272,13 +298,17 @@ def where(cond, x, y):
             slots.append(i)
     consts = (cond, x, y)
     od = out.names
+    low = other if other is not None and is_low_precision(other) and all(
+        _is_tensor(t) and t.dtype == other or _weak(t) for t in (x, y)) else None  # a Python scalar keeps it
     sizes = local_sizes(out, mesh.shape, out_layout, mesh.coords)
 
     def lower(ctx, *arrays):
         vals = list(consts)
         for i, a, n in zip(slots, arrays, names):
             vals[i] = align(ctx.xp, a, n, od)
-        return contiguous(ctx.xp, ctx.xp.broadcast_to(ctx.xp.where(*vals), sizes))
+        z = ctx.xp.where(*vals)
+        z = _round_to(z, low) if low is not None else z
+        return contiguous(ctx.xp, ctx.xp.broadcast_to(z, sizes))
 
     def rule(op, dz):
         c = op.inputs[0]

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional
 
 import numpy as np
 
-from ..backend import as_dtype
+from ..backend import as_dtype, is_float
+from ..buckets import partial_for
 from ..errors import MpimeshError, ShapeError
-from ..layout import TensorLayout, block_sizes, block_span, splitting
+from ..layout import TensorLayout, block_sizes, splitting
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
 from ..trace import dispatch
@@ -66,21 +66,6 @@ def _check_indices(indices, what: str) -> None:
                            f"got {indices.dtype}")
 
 
-def _block(ctx, size: int, k: int, m: Optional[str]) -> tuple:
-    """(start, length) of this rank's block of a dim of `size` split over mesh dim `m` of size `k`
-    (`m` None: the whole dim). The length is a Python int even where the coordinate is traced
-    (a JAX replay of equal blocks).
-
-    >>> class Ctx:  # the rank at coordinate 2
-    ...     coord = staticmethod(lambda m: 2)
-    >>> _block(Ctx, 7, 3, "x"), _block(Ctx, 2, 4, "x"), _block(Ctx, 7, 1, None)
-    ((5, 2), (2, 0), (0, 7))
-    """
-    if not m:
-        return 0, size
-    return block_span(size, k, ctx.coord(m))
-
-
 # ------------------------------------------------------------------------------------- one_hot
 
 def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
@@ -104,12 +89,11 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     out_layout = mesh.plan(out)
     indices = to_layout(indices, out_layout[:-1])
     m = splitting(out_layout[-1], mesh.shape)
-    k = mesh.shape[m].size if m else 1
 
     def lower(ctx, a):
         xp = ctx.xp
-        start, n = _block(ctx, dim.size, k, m)
-        pos = xp.arange(n) + start  # this rank's global index range
+        start, n = ctx.span(dim.size, m)
+        pos = xp.arange(n) + start  # this rank's global index range (in a JAX replay, run on into the padding)
         return xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
     (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
                     {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
@@ -168,7 +152,6 @@ def gather(weights, indices, dim):
     weights, indices = to_layout(weights, wl), to_layout(indices, il)
     p = _gather_plan(weights.shape.names, indices.shape.names, vdim.name, out.names)
     mv = splitting(wl[weights.shape.index(vdim.name)], mesh.shape)
-    kv = mesh.shape[mv].size if mv else 1
     ns, no = p["n_shared"], p["n_oonly"]
 
     def lower(ctx, w, i):
@@ -179,8 +162,8 @@ def gather(weights, indices, dim):
         w = w.reshape(w.shape[:1] + (sflat,) + w.shape[1 + ns:])
         i = i.reshape(i.shape[:p["n_iother"]] + (sflat,))
         nv = w.shape[0]
-        if nv:
-            i = i - _block(ctx, vdim.size, kv, mv)[0]  # position inside this rank's block
+        if nv:  # a padded block (JAX replay) looks up zeros past its end: the next block's rows are the next's
+            i = i - ctx.span(vdim.size, mv)[0]  # position inside this rank's block
             valid = (i >= 0) & (i < nv)
             g = w[xp.where(valid, i, 0), xp.arange(sflat)]
             g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
@@ -188,7 +171,7 @@ def gather(weights, indices, dim):
             g = xp.zeros(i.shape + w.shape[2:], w.dtype)
         g = xp.transpose(g.reshape(gshape), p["operm"])
         return ctx.allreduce(g, reduce_mesh) if reduce_mesh else g
-    grad = _gather_grad if np.issubdtype(weights.dtype, np.floating) else None
+    grad = _gather_grad if is_float(weights.dtype) else None
     (y,) = dispatch("gather", [weights, indices], [(out, out_layout)], lower,
                     {"dim": vdim, "reduce_mesh_dims": reduce_mesh}, grad)
     return y
@@ -213,7 +196,8 @@ def _gather_grad(op, dy):
     """Scatter-add of dy into the looked-up rows (out-of-range indices add nothing)."""
     weights, indices = op.inputs
     hot = _scatter_hot(indices, op.params["dim"], dy.dtype)
-    return [einsum([hot, dy], output_shape=weights.shape), None]
+    with partial_for(weights):  # an embedding's gradient summed over the batch may wait in a bucket
+        return [einsum([hot, dy], output_shape=weights.shape), None]
 
 
 # -------------------------------------------------------------------------------- top_k, argmax
@@ -234,7 +218,7 @@ def _exchange(ctx, vals, idx, size: int, k: int, m: str, kr: int, a: int) -> tup
     total (the block lengths are, and min with k keeps that), the `size` the allgathers are told.
     Candidates arrive in coordinate order, so among equal values a lower global position comes
     first."""
-    idx = (idx + _block(ctx, size, kr, m)[0]).astype(np.int32)
+    idx = (idx + ctx.span(size, m)[0]).astype(np.int32)
     total = sum(min(k, n) for n in block_sizes(size, kr))
     return ctx.allgather(vals, m, a, size=total), ctx.allgather(idx, m, a, size=total)
 
@@ -252,7 +236,7 @@ def _top(xp, a, axis: int, k: int):
     key = a.astype(np.int64) if a.dtype.kind in "biu" else a
     n = a.shape[axis]
     eager = getattr(xp, "__name__", "") in ("numpy", "cupy")  # not jax: a traced shape must not vary
-    if not eager or 4 * k > n or (key.dtype.kind in "fc" and bool(xp.isnan(key).any())):
+    if not eager or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
         order = _take(xp.argsort(-key, axis=axis, stable=True), axis, k)
         return xp.take_along_axis(a, order, axis=axis), order
     key = xp.moveaxis(key, axis, -1)
@@ -313,7 +297,7 @@ def top_k(x, reduced_dim, k_dim):
         if mk:
             vals, idx = ctx.block(vals, mk, a), ctx.block(idx, mk, a)
         return vals, idx
-    grad = _top_k_grad if np.issubdtype(x.dtype, np.floating) else None
+    grad = _top_k_grad if is_float(x.dtype) else None
     values, indices = dispatch("top_k", [x], [(out, out_layout), (out, out_layout)], lower,
                                {"reduced_dim": r, "k_dim": kd, "mesh_dim": mr}, grad)
     return values, indices

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import accumulation_dtype, is_float
 from ..errors import ShapeError
 from ..layout import splitting
 from ..shape import dim_names
@@ -82,6 +83,7 @@ def _normalize(name: str, log: bool, grad, doc: str):
 
         def lower(ctx, a):
             xp = ctx.xp
+            a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
             m = local_extreme(xp, a, axes, keepdims=True)
             if mdims:
                 m = ctx.allreduce(m, mdims, "max")
@@ -91,9 +93,12 @@ def _normalize(name: str, log: bool, grad, doc: str):
             s = xp.sum(e, axis=axes, keepdims=True)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
-            return z - xp.log(s) if log else e / s
+            y = z - xp.log(s) if log else e / s
+            return y.astype(dt) if low else y
+        dt, acc = x.dtype, accumulation_dtype(x.dtype)
+        low = acc != dt
         (y,) = dispatch(name, [x], [(x.shape, layout)], lower, {"reduced_dims": names, "mesh_dims": mdims},
-                        grad if x.dtype.kind == "f" else None)
+                        grad if is_float(x.dtype) else None)
         return y
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc

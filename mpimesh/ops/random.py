@@ -18,7 +18,7 @@ import operator
 
 import numpy as np
 
-from ..backend import as_dtype
+from ..backend import as_dtype, is_float
 from ..errors import DTypeError, MpimeshError
 from ..layout import local_sizes, slice_bounds
 from ..shape import Shape, ShapeLike
@@ -103,7 +103,7 @@ def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dt
 
     def fill(xp, i):
         y = (minval + (maxval - minval) * uniform01(xp, i, seed)).astype(dt)
-        if dt.kind == "f" and maxval > minval:  # rounding to dt may reach maxval: clamp below it
+        if is_float(dt) and maxval > minval:  # rounding to dt may reach maxval: clamp below it
             top = dt.type(maxval)
             top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
             y = xp.minimum(y, top)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..backend import accumulation_dtype
 from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..trace import dispatch
@@ -47,9 +48,12 @@ def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
 
 
 def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
-    """Mean over the reduced dims."""
+    """Mean over the reduced dims (of 16-bit floats: summed and scaled in float32, rounded once)."""
     out = output_shape_of(x, output_shape, reduced_dim)
     count = math.prod(d.size for d in x.shape if d.name not in out)
+    if accumulation_dtype(x.dtype) != x.dtype:
+        from .elementwise import cast
+        return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * (1.0 / count), x.dtype)
     return einsum([x], out) * (1.0 / count)
 
 
@@ -85,7 +89,9 @@ def _min(ctx, a, axes, mesh_dims):
 
 
 def _logsumexp(ctx, a, axes, mesh_dims):
-    xp = ctx.xp
+    xp, dt = ctx.xp, a.dtype
+    if accumulation_dtype(dt) != dt:  # 16-bit floats: in float32 (across ranks too), rounded once
+        return _logsumexp(ctx, a.astype(accumulation_dtype(dt)), axes, mesh_dims).astype(dt)
     m = ctx.allreduce(local_extreme(xp, a, axes, "max", keepdims=True), mesh_dims, "max")
     m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # all -inf: keep -inf, not nan
     s = ctx.allreduce(xp.sum(xp.exp(a - m), axis=axes), mesh_dims, "sum")

@@ -15,6 +15,14 @@ block, every strip at an offset has the same width (no padding) and the route ne
 (so a JAX replay can trace it); with unequal blocks strips differ by a few elements at most, e.g.
 blocks (3, 2, 2) shifted by 4 pad one strip by one element per row.
 
+A JAX replay of unequal blocks (`mm.tpu.replay`) cannot route by coordinate: the coordinate is
+traced and every device's array has one static shape, its block zero-padded to the largest. There
+each device allgathers the dim whole and takes its window with a gather indexed by its coordinate
+(a table of every coordinate's window, padded to the longest); the transpose scatters the window
+into the whole dim and reduce-scatters it, each device keeping its padded block. That moves the
+whole dim where MPI moves boundary strips, but gives MPI's values; MPI and equal blocks keep the
+minimal exchange.
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.arange(5.0), "a:5")
@@ -36,6 +44,8 @@ from __future__ import annotations
 import numbers
 from functools import lru_cache
 from typing import NamedTuple, Optional, Union
+
+import numpy as np
 
 from ..errors import MpimeshError, ShapeError
 from ..layout import block, block_sizes, splitting
@@ -84,6 +94,11 @@ def window_routes(size: int, k: int, windows: tuple, wrap: bool) -> tuple:
     return tuple(routes)
 
 
+def traced(ctx, mesh_dim: Optional[str]) -> bool:
+    """True when this rank's coordinate along `mesh_dim` is a traced value (a JAX replay), not a number."""
+    return mesh_dim is not None and not isinstance(ctx.coord(mesh_dim), numbers.Integral)
+
+
 def coordinate(ctx, mesh_dim: Optional[str], what: str) -> int:
     """This rank's coordinate along `mesh_dim` as an int (0 when unsplit), for routes that
     differ by rank; a traced coordinate (a JAX replay of unequal blocks) raises MpimeshError."""
@@ -122,11 +137,75 @@ def _local(route: Route, k: int, mesh_dim: Optional[str], wrap: bool) -> bool:
     return mesh_dim is None or route.p == 0 or (wrap and route.p % k == 0)
 
 
+@lru_cache(maxsize=1024)
+def window_index(size: int, windows: tuple, wrap: bool) -> np.ndarray:
+    """`[k, longest window]`: the global index of each coordinate's window position; `size` (a zero
+    appended to the dim) beyond the dim's ends (without `wrap`) and past the window's own length.
+
+    >>> window_index(3, ((-1, 3), (1, 2)), False).tolist()
+    [[3, 0, 1], [1, 2, 3]]
+    """
+    idx = np.full((len(windows), max(n for _, n in windows)), size, np.int64)
+    for c, (start, n) in enumerate(windows):
+        pos = start + np.arange(n)
+        pos = pos % size if wrap and size else pos
+        idx[c, :n] = np.where((pos >= 0) & (pos < size), pos, size)
+    idx.setflags(write=False)
+    return idx
+
+
+@lru_cache(maxsize=1024)
+def window_sources(size: int, windows: tuple, wrap: bool) -> np.ndarray:
+    """`[k, size, m]`, the transpose of `window_index`: for coordinate c and global index i, the
+    positions of c's window holding i (a window longer than a wrapped dim holds i several times),
+    padded with the longest window's length (a zero appended to the window).
+
+    >>> window_sources(3, ((-1, 3), (1, 2)), False)[:, :, 0].tolist()
+    [[1, 2, 3], [3, 0, 1]]
+    """
+    idx = window_index(size, windows, wrap)
+    k, width = idx.shape
+    hits = [[np.flatnonzero(idx[c] == i) for i in range(size)] for c in range(k)]
+    m = max([1] + [len(h) for row in hits for h in row])
+    src = np.full((k, size, m), width, np.int64)
+    for c, row in enumerate(hits):
+        for i, h in enumerate(row):
+            src[c, i, :len(h)] = h
+    src.setflags(write=False)
+    return src
+
+
+def _gather_whole(ctx, a, axis: int, mesh_dim: str, size: int, windows: tuple, wrap: bool):
+    """`gather_window` with a traced coordinate (a JAX replay of unequal blocks; `a` is the block
+    padded to the largest): the whole dim allgathered, then this coordinate's window of
+    `window_index`, zero-padded to the longest window."""
+    xp = ctx.xp
+    whole = ctx.allgather(a, mesh_dim, axis, size)
+    whole = xp.concatenate([whole, _zeros(xp, whole, axis, 1)], axis)
+    return xp.take(whole, xp.asarray(window_index(size, windows, wrap))[ctx.coord(mesh_dim)], axis=axis)
+
+
+def _scatter_whole(ctx, g, axis: int, mesh_dim: str, size: int, windows: tuple, wrap: bool):
+    """Transpose of `_gather_whole`: this coordinate's window `g` (zero-padded to the longest)
+    added into the whole dim, reduce-scattered: each device gets its block padded to the largest."""
+    xp, src = ctx.xp, window_sources(size, windows, wrap)
+    g = xp.concatenate([g, _zeros(xp, g, axis, 1)], axis)
+    mine = xp.asarray(src)[ctx.coord(mesh_dim)]
+    whole = None
+    for j in range(src.shape[2]):
+        part = xp.take(g, mine[:, j], axis=axis)
+        whole = part if whole is None else whole + part
+    return ctx.reduce_scatter(whole, mesh_dim, axis)
+
+
 def gather_window(ctx, a, axis: int, mesh_dim: Optional[str], size: int, windows: tuple, wrap: bool = False):
     """The window `windows[c]` (global `(start, length)`) along `axis` of the dim of `size` whose
     local block is `a`, split over `mesh_dim` into `len(windows)` blocks (None: unsplit), by
-    permutes of boundary strips."""
+    permutes of boundary strips (with a traced coordinate and windows unlike, from the allgathered
+    dim: see the module docs)."""
     xp, k = ctx.xp, len(windows)
+    if not uniform(size, k, windows) and traced(ctx, mesh_dim):
+        return _gather_whole(ctx, a, axis, mesh_dim, size, windows, wrap)
     c = None if uniform(size, k, windows) else coordinate(ctx, mesh_dim, "window")
     length = _mine(windows, c)[1]
     parts, filled = [], 0
@@ -157,6 +236,8 @@ def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], size: int, window
     edges (each interval the sum of the pieces covering it), so a halo strip costs work
     proportional to its own size, not the block's."""
     xp, k = ctx.xp, len(windows)
+    if not uniform(size, k, windows) and traced(ctx, mesh_dim):
+        return _scatter_whole(ctx, g, axis, mesh_dim, size, windows, wrap)
     c = None if uniform(size, k, windows) else coordinate(ctx, mesh_dim, "window")
     b0, b1 = block(size, k, 0 if c is None else c)
     n = b1 - b0

@@ -12,6 +12,7 @@ only the transfers differ. The axis names are the mesh dims.
                     so ranks with no source get zeros, as with MPI.PROC_NULL
     exscan          lax.all_gather of the k values, then a masked reduction of those before us
     block, coord    lax.dynamic_slice_in_dim at lax.axis_index, lax.axis_index
+    span            the block's traced start, and the largest block's length
 
 Unequal blocks (`numpy.array_split` of a length over k devices, see `collectives.base`): every
 device's array needs the same static shape, so a device holds its block padded with zeros to the
@@ -36,7 +37,7 @@ import numpy as np
 
 from ..collectives.base import Collectives
 from ..errors import MpimeshError
-from ..layout import block_sizes
+from ..layout import block, block_sizes
 from ..shape import Shape
 
 
@@ -65,6 +66,22 @@ class JaxCollectives(Collectives):
 
     def _slice(self, x, axis: int, start, n: int):
         return self._lax.dynamic_slice_in_dim(x, start, n, axis)
+
+    def span(self, size: int, mesh_dim):
+        """`(start, length)` of this device's block of a dim of `size` split over `mesh_dim`: the
+        start traced, the length the largest block's (every block is held padded to it). Past the
+        block's end the positions run on into the next block (or past `size`): a kernel computes
+        there what the padding then drops.
+
+        >>> import jax, jax.numpy as jnp
+        >>> ctx = JaxCollectives(Shape("x:3"), vmapped=True)
+        >>> jax.vmap(lambda _: jnp.array(ctx.span(7, "x")), axis_name="x")(jnp.zeros(3)).tolist()
+        [[0, 3], [3, 3], [5, 3]]
+        """
+        if not mesh_dim or self._sizes[mesh_dim] == 1:
+            return 0, size
+        k = self._sizes[mesh_dim]
+        return block(size, k, self.coord(mesh_dim))[0], -(-size // k)
 
     def block(self, x, mesh_dim: str, axis: int):
         """This device's block of `x` along `axis`; an unequal one zero-padded to the largest."""

@@ -24,13 +24,15 @@ process drives many devices.
 Uneven blocks (a dim of size n split over k devices, cut like `numpy.array_split`): every device
 holds its block padded with zeros to the largest, ceil(n/k) (the JAX collectives move such blocks,
 see `tpu/collectives.py`); its coordinate fixes how much is real. The padding is zeroed after every
-op, and ops that must not see zeros there see their identity instead (-inf for a max or a softmax,
-+inf for a min). Ops whose kernels cannot run on padded blocks (those that index by global position,
-e.g. gather, one_hot, top_k, conv, shift) raise ReplayError when they meet uneven blocks.
-The kernels keep the recording rank's block sizes, so a replay of uneven blocks is built on rank 0
-(which holds the largest). A jit's arguments and results can only be sharded along dims their mesh
-dim divides: the others are replicated there (`in_shardings`, `out_shardings`) and padded and cut
-inside.
+op, and ops that must not see zeros there see their identity instead (-inf for a max, a softmax, a
+top_k or an argmax, +inf for a min). Kernels that index by global position (one_hot, gather,
+dropout, top_k's and argmax's candidates) take this device's block start, traced, and the padded
+length (`JaxCollectives.span`). Ops whose kernels cannot run on padded blocks raise ReplayError
+when they meet uneven blocks. Many kernels keep the recording rank's local sizes (a reshape's or
+a broadcast's target sizes, an einsum's contraction path), so a replay of uneven blocks is built
+on rank 0 (which holds the largest) and is refused on a rank that holds a smaller block. A jit's
+arguments and results can only be sharded along dims their mesh dim divides: the others are
+replicated there (`in_shardings`, `out_shardings`) and padded and cut inside.
 
 All take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
 Only the ops the outputs depend on are replayed. A tensor the trace reads that is neither
@@ -45,7 +47,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..backend import to_host
+from ..backend import is_float, to_host
 from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
 from ..extras import require
 from ..layout import LayoutRules, block_sizes, local_sizes, plan_layout, splitting
@@ -66,11 +68,15 @@ def _describe(t) -> str:
 
 
 # Ops whose kernels give the right values on padded blocks: elementwise ops (their module), and
-# these, whose padding is zero or, for those with a fill, the fill while they run.
+# these, whose padding is zero or, for those with a fill, the fill while they run (top_k and argmax
+# see the lowest value there, so never pick a padded slot over a real one). one_hot, gather and
+# dropout index by global position: a padded block's positions run on into the next block's, and
+# what they give there is dropped with the padding (gather's table has zero rows there).
 _FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
-          "softmax": "lowest", "log_softmax": "lowest"}
+          "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest"}
 _PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat", "split",
-              *_FILLS}
+              "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
+              "conv_input_grad", "conv_filter_grad", "psum", *_FILLS}
 
 
 def _runs_padded(rec) -> bool:
@@ -95,7 +101,7 @@ def _fill(dtype, which: str):
     """The lowest or highest value of `dtype` (-inf/inf for floats; False/True for bool)."""
     if np.dtype(dtype) == bool:
         return which == "highest"
-    if np.issubdtype(dtype, np.floating):
+    if is_float(dtype):  # bfloat16 too, whose numpy kind is 'V'
         return np.inf if which == "highest" else -np.inf
     info = np.iinfo(dtype)
     return info.max if which == "highest" else info.min

@@ -1,0 +1,210 @@
+"""Bucketed, overlapped gradient sums: the "partial" state of a gradient.
+
+In a data-parallel step each rank's gradient of a parameter is a partial sum: it still awaits a sum
+over the mesh dims the batch is split over (Mesh-TensorFlow's `LazyAllreduceSum`, DTensor's
+`Partial()`). Inside `mm.gradients`, the gradient rule that makes a leaf's gradient (a tensor the
+trace did not produce, e.g. a parameter) marks its einsum with `partial_for(leaf)`: the einsum then
+skips its allreduce, and the gradient joins the bucket of gradients that need the same allreduce
+(mesh dims, dtype). A bucket that reaches the bucket size starts one non-blocking allreduce of its
+flattened concatenation (`Collectives.iallreduce`) while the backward pass goes on; `mm.gradients`
+starts the rest, waits for every bucket and unpacks. An elementwise sum of a concatenation is the
+per-tensor sums, so the values are those of unbucketed reduction (bitwise, where the transport sums
+each element in an order that does not depend on the message length, as MPICH's algorithms do).
+
+Bucket size, in bytes of local gradient blocks: `mm.gradients(..., bucket_bytes=N)`, else
+`set_bucket_bytes(N)` or `MPIMESH_BUCKET_BYTES=N`; the default is 25 MiB, PyTorch DDP's
+`bucket_cap_mb=25`. 0 turns bucketing off: each gradient is summed on the spot, as before. A bucket's
+fill counts each gradient as its global bytes over the ranks that split it, the same on every rank,
+so that every rank cuts the same buckets even where uneven blocks differ in length.
+
+In the trace, the einsum is recorded without its allreduce and followed by a `"psum"` op whose
+kernel is `ctx.allreduce(a, mesh_dims)`: a JAX replay runs it as `psum`.
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> w = mesh.from_numpy(np.array([1.0, 2.0]), "h:2")
+>>> x = mesh.ones("b:3;h:2")
+>>> with mm.trace():
+...     (g,) = mm.gradients([mm.reduce_sum(x * w)], [w], bucket_bytes=1 << 20)
+>>> g.to_numpy().tolist(), bucket_bytes()
+([3.0, 3.0], 26214400)
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+from .errors import MpimeshError
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+def _checked(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise MpimeshError(f"bucket size must be a whole number of bytes >= 0 (0: no buckets), got {n!r}")
+    return n
+
+
+def _env_bytes() -> int:
+    raw = os.environ.get("MPIMESH_BUCKET_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_BUCKET_BYTES
+    try:
+        return _checked(int(raw))
+    except ValueError:
+        raise MpimeshError(f"MPIMESH_BUCKET_BYTES={raw!r} is not a whole number of bytes") from None
+
+
+_settings = {"bytes": _env_bytes()}
+
+
+def set_bucket_bytes(n: int) -> None:
+    """Gradient bucket size in bytes for `mm.gradients` (default 25 MiB; 0: each gradient summed on
+    the spot, no buckets). Call it on every rank alike."""
+    _settings["bytes"] = _checked(n)
+
+
+def bucket_bytes() -> int:
+    """The gradient bucket size in force, bytes."""
+    return _settings["bytes"]
+
+
+_active: list = []  # the Bucketer of each `mm.gradients` walk in progress, innermost last
+_claims: list = []  # per `partial_for` block: the Bucketer its einsum may defer to, or None
+
+
+@contextmanager
+def partial_for(x) -> Iterator[None]:
+    """Around a gradient rule's one einsum whose result is `x`'s gradient itself: where `x` is a leaf
+    of a bucketed `mm.gradients` walk, that einsum's sum over mesh dims is left to a bucket."""
+    b = _active[-1] if _active else None
+    _claims.append(b if b is not None and x is not None and id(x) in b.leaves else None)
+    try:
+        yield
+    finally:
+        _claims.pop()
+
+
+def claim() -> Optional["Bucketer"]:
+    """For an einsum: the Bucketer its allreduce may be left to (once per `partial_for` block), or None."""
+    if not _claims or _claims[-1] is None:
+        return None
+    b, _claims[-1] = _claims[-1], None
+    return b
+
+
+class Unreduced:
+    """The local array of a gradient whose sum is still in flight: reading it is an error."""
+
+    __slots__ = ("shape", "dtype", "dims")
+
+    def __init__(self, like, dims: tuple):
+        self.shape, self.dtype, self.dims = like.shape, like.dtype, dims
+
+    def __getattr__(self, name):
+        raise MpimeshError(f"a [{self.shape}] {self.dtype} gradient still awaits its sum over mesh dims "
+                           f"{'+'.join(self.dims)}: it is only usable once `mm.gradients` returns")
+
+
+class Bucketer:
+    """The buckets of one `mm.gradients` walk.
+
+    Args:
+      leaves: ids of the tensors whose gradients may wait in a bucket.
+      limit: bucket size in bytes (> 0).
+    """
+
+    def __init__(self, leaves: set, limit: int):
+        self.leaves, self.limit = leaves, limit
+        self.open: dict = {}  # (mesh id, mesh dims, dtype) -> _Bucket still filling
+        self.started: list = []  # buckets in flight, in start order
+
+    def __enter__(self) -> "Bucketer":
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.remove(self)
+
+    def partial(self, y, dims: tuple):
+        """`y` (an einsum's local sums, replicated over `dims` in its layout but not yet summed there)
+        as a gradient awaiting that sum: recorded as a `"psum"` op, its values arriving at `finish`."""
+        from .tensor import DistTensor
+        from .trace import OpRecord, _open_traces
+        out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims))
+        if _open_traces:
+            rec = OpRecord("psum", (y,), (out,), {"mesh_dims": dims}, _psum_kernel(dims), _psum_grad, y.mesh.layout)
+            for tr in _open_traces:
+                tr._append(rec)
+        key = (id(y.mesh), dims, str(y.dtype))
+        bucket = self.open.get(key)
+        if bucket is None:
+            bucket = self.open[key] = _Bucket(y.mesh, dims)
+        bucket.add(out, y.local, _nominal_bytes(y))
+        if bucket.bytes >= self.limit:
+            self._start(key)
+        return out
+
+    def _start(self, key) -> None:
+        bucket = self.open.pop(key)
+        bucket.start()
+        self.started.append(bucket)
+
+    def poll(self) -> None:
+        """Let the transfers in flight progress (MPI moves data only inside its calls)."""
+        for bucket in self.started:
+            bucket.request.test()
+
+    def finish(self) -> None:
+        """Start the buckets still filling, wait for every one, and hand each gradient its values."""
+        for key in list(self.open):
+            self._start(key)
+        for bucket in self.started:
+            bucket.finish()
+        self.started = []
+
+
+class _Bucket:
+    __slots__ = ("mesh", "dims", "tensors", "arrays", "bytes", "request")
+
+    def __init__(self, mesh, dims: tuple):
+        self.mesh, self.dims = mesh, dims
+        self.tensors, self.arrays, self.bytes, self.request = [], [], 0, None
+
+    def add(self, t, local, nbytes: int) -> None:
+        self.tensors.append(t)
+        self.arrays.append(local)
+        self.bytes += nbytes
+
+    def start(self) -> None:
+        xp = self.mesh.xp
+        flat = [a.reshape(-1) for a in self.arrays]
+        send = flat[0] if len(flat) == 1 else xp.concatenate(flat)
+        self.arrays = []  # the request owns `send` now: the partial sums can go
+        self.request = self.mesh.collectives.iallreduce(send, self.dims)
+
+    def finish(self) -> None:
+        total, at = self.request.wait(), 0
+        for t in self.tensors:
+            n = math.prod(t.local.shape)
+            t.local = total[at:at + n].reshape(t.local.shape)
+            at += n
+        self.tensors = []
+
+
+def _nominal_bytes(t) -> int:
+    """`t`'s bytes over the ranks that split it, rounded up: the same on every rank."""
+    split = math.prod(t.mesh.shape[m].size for m in t.tensor_layout if m)
+    return -(-math.prod(t.shape.sizes) // split) * t.local.dtype.itemsize
+
+
+def _psum_kernel(dims: tuple):
+    def lower(ctx, a):
+        return ctx.allreduce(a, dims)
+    return lower
+
+
+def _psum_grad(op, dy):
+    return [dy]

@@ -1,0 +1,217 @@
+"""Bucketed, overlapped gradient sums (`mpimesh.buckets`) and the non-blocking `iallreduce`.
+
+Gradients with buckets must equal those without, bitwise in float64, and both must match numpy's
+float64 gradients of the same model on the global arrays; the profile must show fewer allreduce
+calls and the non-blocking ones in its `overlap`. `iallreduce` is checked against numpy sums of
+every rank's array, the SPMD check and the time-out against a pending request.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpimesh as mm
+from mpimesh.launch import find_mpiexec, job_env
+from meshes import mesh_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+N = MPI.COMM_WORLD.Get_size()
+B, I, H, O = 7, 5, 6, 3  # batch 7: uneven blocks on 2, 3 and 4 ranks
+
+
+def _layout(shape: str) -> str:
+    """Data-parallel over every mesh dim but the second of a 2-D or 3-D mesh, model-parallel there."""
+    names = [d.split(":")[0] for d in shape.split(";")]
+    if len(names) == 1:
+        return f"batch:{names[0]}"
+    if len(names) == 2:
+        return f"batch:{names[0]};h:{names[1]}"
+    return f"batch:{names[0]};seq:{names[2]};h:{names[1]}"
+
+
+def _globals():
+    rng = np.random.default_rng(7)
+    return {"x": rng.standard_normal((B, 2, I)), "w1": rng.standard_normal((I, H)), "b1": rng.standard_normal(H),
+            "w2": rng.standard_normal((H, O))}
+
+
+def _numpy_grads(g):
+    """float64 gradients of `loss` below, by hand on the global arrays."""
+    x, w1, b1, w2 = g["x"], g["w1"], g["b1"], g["w2"]
+    a = np.tanh(x @ w1 + b1)
+    y = a @ w2
+    dy = 2 * y
+    dh = (dy @ w2.T) * (1 - a * a)
+    return {"w1": np.einsum("bsi,bsh->ih", x, dh + 1), "b1": dh.sum((0, 1)), "w2": np.einsum("bsh,bso->ho", a, dy)}
+
+
+def _step(mesh, g, bucket_bytes):
+    x = mesh.from_numpy(g["x"], f"batch:{B};seq:2;i:{I}")
+    params = {"w1": mesh.from_numpy(g["w1"], f"i:{I};h:{H}"), "b1": mesh.from_numpy(g["b1"], f"h:{H}"),
+              "w2": mesh.from_numpy(g["w2"], f"h:{H};o:{O}")}
+    with mm.profile() as prof, mm.trace():
+        a = mm.tanh(mm.einsum([x, params["w1"]]) + params["b1"])
+        y = mm.einsum([a, params["w2"]])
+        loss = mm.reduce_sum(y * y) + mm.reduce_sum(mm.einsum([x, params["w1"]]))  # w1 used twice: two terms
+        grads = mm.gradients([loss], list(params.values()), bucket_bytes=bucket_bytes)
+    return {k: t.to_numpy() for k, t in zip(params, grads)}, prof
+
+
+def _calls(prof) -> int:
+    return sum(v["calls"] for k, v in prof.counters.items() if k.startswith("allreduce/"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_bucketed_gradients_equal_unbucketed_bitwise(shape):
+    mesh = mm.Mesh(shape, layout=_layout(shape))
+    g = _globals()
+    want = _numpy_grads(g)
+    plain, p0 = _step(mesh, g, 0)
+    one, p1 = _step(mesh, g, 1)  # every gradient a bucket of its own
+    few, p2 = _step(mesh, g, 200)  # several buckets of a few gradients
+    big, p3 = _step(mesh, g, None)  # the default, 25 MiB: one bucket per (mesh dims, dtype)
+    for k in want:
+        np.testing.assert_allclose(plain[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+        for got in (one, few, big):
+            np.testing.assert_array_equal(got[k], plain[k], err_msg=f"{k} on {shape}")
+    assert p0.overlap["requests"] == 0
+    model_dim = mesh.shape.names[1] if mesh.shape.rank > 1 else None  # h's: the rest hold the batch
+    if any(d.size > 1 for d in mesh.shape if d.name != model_dim):  # data-parallel: gradients await sums
+        deferred = p1.overlap["requests"]
+        assert deferred == 4  # w2, b1, and w1's two terms, each in a bucket of its own
+        assert _calls(p1) == _calls(p0)
+        assert 1 < p2.overlap["requests"] < deferred
+        assert _calls(p3) < _calls(p2) < _calls(p0)
+        assert p3.overlap["requests"] == 1  # every gradient awaits the same sum: one bucket
+        assert _calls(p3) == _calls(p0) - deferred + 1
+        o = p3.overlap
+        assert o["seconds"] >= o["exposed"] >= 0 and abs(o["hidden"] - (o["seconds"] - o["exposed"])) < 1e-9
+    else:
+        assert p3.overlap["requests"] == 0 and _calls(p3) == _calls(p0)
+
+
+@pytest.mark.mpi
+def test_bucketed_training_step_is_deterministic_float32():
+    """A transformer-like step through layers and the optimizer: same parameters either way (float32)."""
+    mesh = mm.Mesh(f"all:{N}", layout="batch:all")
+    x = mesh.random_normal(f"batch:{2 * N + 1};d:8", seed=1)
+    results = []
+    for bucket_bytes in (0, 64, None):
+        params = {"w": mesh.random_normal("d:8;e:8", seed=2), "v": mesh.random_normal("e:8;d:8", seed=3),
+                  "s": mesh.ones("d:8")}
+        opt = mm.optim.Adam(1e-2)
+        state = opt.init(params)
+        for _ in range(2):
+            with mm.trace():
+                h = mm.relu(mm.einsum([x * params["s"], params["w"]]))
+                loss = mm.reduce_mean(mm.square(mm.einsum([h, params["v"]], output_shape=f"batch:{2 * N + 1};d:8") - x))
+                grads = mm.gradients([loss], list(params.values()), bucket_bytes=bucket_bytes)
+                params, state = opt.update(params, dict(zip(params, grads)), state)
+        results.append({k: t.to_numpy() for k, t in params.items()})
+    for r in results[1:]:
+        for k in r:
+            np.testing.assert_array_equal(r[k], results[0][k], err_msg=k)
+
+
+def _rank_array(r: int, shape, dtype=np.float64):
+    return np.random.default_rng(100 + r).standard_normal(shape).astype(dtype)
+
+
+def _group(mesh, dims) -> list:
+    """World ranks of this rank's group over `dims` (mesh rank r = world rank r, row-major coordinates)."""
+    sizes, names = mesh.shape.sizes, mesh.shape.names
+    me = mesh.coords
+    out = []
+    for r in range(mesh.size):
+        c = dict(zip(names, np.unravel_index(r, sizes)))
+        if all(c[n] == me[n] for n in names if n not in dims):
+            out.append(r)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("transport", ["mpi", "staged"])
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_iallreduce_matches_numpy_sums(shape, transport):
+    mesh = mm.Mesh(shape, transport=transport)
+    coll = mesh.collectives
+    names = mesh.shape.names
+    dim_sets = [names[:1], names[1:], names]
+    with mm.profile() as prof:
+        xs = [_rank_array(mesh.rank + 10 * i, (3, 4)) for i in range(len(dim_sets))]
+        reqs = [coll.iallreduce(x, dims) for x, dims in zip(xs, dim_sets)]  # all in flight at once
+        while not reqs[0].test():
+            pass
+        got = [r.wait() for r in reversed(reqs)][::-1]  # completed in another order than started
+        ints = coll.iallreduce(np.full(5, mesh.rank + 1, np.int64), names, "max").wait()
+    for i, (dims, g) in enumerate(zip(dim_sets, got)):
+        want = sum(_rank_array(r + 10 * i, (3, 4)) for r in _group(mesh, dims))
+        np.testing.assert_allclose(g, want, rtol=1e-13, err_msg=f"over {dims}")
+        assert reqs[i].wait() is g  # the same result again
+    np.testing.assert_array_equal(ints, np.full(5, N))
+    moving = [dims for dims in dim_sets if coll.size(dims) > 1]
+    counted = sum(v["calls"] for k, v in prof.counters.items() if k.startswith("allreduce/"))
+    assert counted == len(moving) + (N > 1)
+    assert prof.overlap["requests"] == counted
+
+
+@pytest.mark.mpi(min_size=2)
+def test_divergent_iallreduce_is_caught_at_its_start(checked):
+    mesh = mm.Mesh(f"all:{N}")
+    coll = mesh.collectives
+    dtype = np.float32 if mesh.rank == 0 else np.float64
+    with pytest.raises(mm.DivergenceError) as info:
+        coll.iallreduce(np.ones(3, dtype), ["all"])
+    assert "float32" in str(info.value) and "float64" in str(info.value) and "non-blocking" in str(info.value)
+    req = coll.iallreduce(np.ones(3), ["all"])  # no data moved: the mesh is still usable
+    np.testing.assert_array_equal(req.wait(), np.full(3, float(N)))
+
+
+@pytest.mark.skipif(N != 1, reason="spawns its own 2-rank job; runs in the 1-rank session")
+def test_pending_request_times_out(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import time
+        import numpy as np
+        import mpimesh as mm
+        mesh = mm.Mesh("all:2")
+        coll = mesh.collectives
+        print("warm", coll.iallreduce(np.ones(2), ["all"]).wait()[0], flush=True)
+        if mesh.rank == 1:
+            time.sleep(100)   # never starts the next one
+        req = coll.iallreduce(np.ones(2), ["all"])
+        req.wait()
+    """))
+    start = time.monotonic()
+    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(script)],
+                          env=job_env(PYTHONPATH=str(ROOT), MPIMESH_COLLECTIVE_TIMEOUT="3"),
+                          capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0 and seconds < 3 + 10 + 5
+    assert "CollectiveTimeoutError" in proc.stderr and "ranks [1] never arrived" in proc.stderr
+    assert "allreduce over all" in proc.stderr and "(non-blocking)" in proc.stderr and "job.py:" in proc.stderr
+    assert proc.stdout.count("warm 2.0") == 2
+
+
+def test_bucket_size_setting():
+    assert mm.buckets.bucket_bytes() == 25 << 20  # PyTorch DDP's default
+    mm.set_bucket_bytes(1024)
+    try:
+        assert mm.buckets.bucket_bytes() == 1024
+    finally:
+        mm.set_bucket_bytes(25 << 20)
+    for bad in (-1, 1.5, "25MB", True):
+        with pytest.raises(mm.MpimeshError, match="bucket size"):
+            mm.set_bucket_bytes(bad)
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    w = mesh.ones("a:2")
+    with mm.trace(), pytest.raises(mm.MpimeshError, match="bucket size"):
+        mm.gradients([mm.reduce_sum(w)], [w], bucket_bytes=-5)
