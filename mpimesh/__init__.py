@@ -21,6 +21,7 @@ from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, D
                      MissingDependencyError, MpimeshError, ShapeError)
 from .layout import LayoutRules
 from .mesh import Mesh, layout_scope
+from . import creation  # noqa: F401  (binds mesh.zeros, mesh.random_normal, ...: see creation.py)
 from .ops.einsum import einsum
 from .ops.elementwise import (abs, add, cast, cos, divide, equal, exp, gelu, greater, greater_equal, less,
                               less_equal, log, maximum, minimum, multiply, negative, not_equal, power,

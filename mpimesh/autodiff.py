@@ -60,7 +60,8 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
     without `retain_graph`; the default keeps every value until the trace is dropped.
 
     Data-parallel sums of gradients go in buckets (`mpimesh.buckets`): the gradient of an x that
-    the trace did not produce (a parameter), where it still awaits a sum over mesh dims, waits in a
+    the trace did not produce (a parameter, also through a relayout or a cast, as a float32 master
+    cast to bfloat16 in a layer), where it still awaits a sum over mesh dims, waits in a
     bucket of `bucket_bytes` (None: `mm.set_bucket_bytes`'s, 25 MiB unless set; 0: no buckets, each
     summed on the spot), and a full bucket is summed by one non-blocking allreduce while the
     backward pass goes on. The values are the same as without buckets.
@@ -123,15 +124,23 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
     return out
 
 
+# Ops of one input whose gradient rule needs nothing but their output's gradient and the input's
+# dtype and layout: a leaf's gradient may wait in a bucket through them.
+_THROUGH = ("relayout", "cast")
+
+
 def _bucket_leaves(ops: list, xs: list) -> tuple:
     """`(leaves, through)`: ids of the tensors whose gradients may wait in buckets, those of `xs` that
-    no op of the walk produced and the outputs of relayouts of those (a parameter relayouted
-    before its einsum); `through` maps each such relayout's index to (output id, input id)."""
+    no op of the walk produced and, transitively, the outputs of `_THROUGH` ops of those (a
+    parameter relayouted before its einsum, or a float32 master cast to bfloat16 in a layer);
+    `through` maps each such op's index to (output id, input id). Its rule then runs once on its
+    output's summed gradient, as in the unbucketed walk, so the values do not change."""
     produced = {id(o) for op in ops for o in op.outputs}
     leaves = {id(x) for x in xs if id(x) not in produced}
     through = {}
     for i, op in enumerate(ops):
-        if op.name == "relayout" and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves:
+        if (op.name in _THROUGH and op.grad is not None and len(op.inputs) == 1
+                and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves):
             through[i] = (id(op.outputs[0]), id(op.inputs[0]))
             leaves.add(id(op.outputs[0]))
     return leaves, through

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from functools import lru_cache
 from types import ModuleType
 from typing import Optional
 
@@ -245,3 +246,32 @@ def _host_peak(reset: bool) -> int:
     except (OSError, StopIteration, ValueError):
         import resource
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def contiguous(xp, a):
+    """`a` C-contiguous where the array module has strides (numpy, cupy); as is otherwise (JAX)."""
+    f = getattr(xp, "ascontiguousarray", None)
+    return a if f is None else f(a)
+
+
+@lru_cache(maxsize=4096)
+def _alignment(dims: tuple, out_dims: tuple) -> tuple:
+    """Axis permutation of an input with `dims`, and which output axes it has."""
+    perm = tuple(dims.index(n) for n in out_dims if n in dims)
+    return (None if perm == tuple(range(len(perm))) else perm), tuple(n in dims for n in out_dims)
+
+
+def align(xp, a, dims: tuple, out_dims: tuple):
+    """View local array `a` (axes named `dims`) so that it broadcasts against axes `out_dims`
+    (a kernel helper: `dims` is a subset of `out_dims`, in any order).
+
+    >>> align(np, np.zeros((2, 3)), ("b", "a"), ("a", "c", "b")).shape
+    (3, 1, 2)
+    """
+    perm, present = _alignment(dims, out_dims)
+    if perm is not None:
+        a = xp.transpose(a, perm)
+    if all(present):
+        return a
+    it = iter(a.shape)
+    return a.reshape(tuple(next(it) if p else 1 for p in present))

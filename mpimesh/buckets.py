@@ -17,8 +17,17 @@ Bucket size, in bytes of local gradient blocks: `mm.gradients(..., bucket_bytes=
 fill counts each gradient as its global bytes over the ranks that split it, the same on every rank,
 so that every rank cuts the same buckets even where uneven blocks differ in length.
 
+Through a cast: a layer casts its float32 master parameter to the bfloat16 or float16 activation
+dtype, so the einsum gives the cast's output's gradient, not the leaf's. `mm.gradients` treats the
+outputs of casts and relayouts of a leaf as leaves too, and runs their gradient rules once their
+(summed) gradients are in, where the unbucketed walk would have. An einsum of 16-bit inputs adds
+float32 partial sums to a float32 bucket (so never a blocking 16-bit allreduce), and its gradient
+is rounded to the 16-bit dtype once, at unpacking: float32 local sums, float32 sum over ranks, one
+rounding, then the cast's rule back to float32, the unbucketed path step for step.
+
 In the trace, the einsum is recorded without its allreduce and followed by a `"psum"` op whose
-kernel is `ctx.allreduce(a, mesh_dims)`: a JAX replay runs it as `psum`.
+kernel is `ctx.allreduce(a, mesh_dims)` (then the rounding to `dtype`, where it has one): a JAX
+replay runs it as `psum`.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -100,8 +109,9 @@ class Unreduced:
 
     __slots__ = ("shape", "dtype", "dims")
 
-    def __init__(self, like, dims: tuple):
-        self.shape, self.dtype, self.dims = like.shape, like.dtype, dims
+    def __init__(self, like, dims: tuple, dtype=None):
+        self.shape, self.dims = like.shape, dims
+        self.dtype = like.dtype if dtype is None else dtype
 
     def __getattr__(self, name):
         raise MpimeshError(f"a [{self.shape}] {self.dtype} gradient still awaits its sum over mesh dims "
@@ -128,14 +138,18 @@ class Bucketer:
     def __exit__(self, *exc) -> None:
         _active.remove(self)
 
-    def partial(self, y, dims: tuple):
+    def partial(self, y, dims: tuple, dtype=None):
         """`y` (an einsum's local sums, replicated over `dims` in its layout but not yet summed there)
-        as a gradient awaiting that sum: recorded as a `"psum"` op, its values arriving at `finish`."""
+        as a gradient awaiting that sum: recorded as a `"psum"` op, its values arriving at `finish`.
+        `dtype` (a 16-bit float, where `y` holds float32 partials of 16-bit inputs): the sum is
+        rounded to it once, as an unbucketed einsum rounds its float32 allreduce."""
         from .tensor import DistTensor
         from .trace import OpRecord, _open_traces
-        out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims))
+        dtype = None if dtype is None or dtype == y.dtype else dtype
+        out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
         if _open_traces:
-            rec = OpRecord("psum", (y,), (out,), {"mesh_dims": dims}, _psum_kernel(dims), _psum_grad, y.mesh.layout)
+            params = {"mesh_dims": dims} if dtype is None else {"mesh_dims": dims, "dtype": dtype}
+            rec = OpRecord("psum", (y,), (out,), params, _psum_kernel(dims, dtype), _psum_grad, y.mesh.layout)
             for tr in _open_traces:
                 tr._append(rec)
         key = (id(y.mesh), dims, str(y.dtype))
@@ -188,8 +202,9 @@ class _Bucket:
     def finish(self) -> None:
         total, at = self.request.wait(), 0
         for t in self.tensors:
-            n = math.prod(t.local.shape)
-            t.local = total[at:at + n].reshape(t.local.shape)
+            n, dtype = math.prod(t.local.shape), t.local.dtype
+            block = total[at:at + n].reshape(t.local.shape)
+            t.local = block if block.dtype == dtype else block.astype(dtype)
             at += n
         self.tensors = []
 
@@ -200,11 +215,15 @@ def _nominal_bytes(t) -> int:
     return -(-math.prod(t.shape.sizes) // split) * t.local.dtype.itemsize
 
 
-def _psum_kernel(dims: tuple):
+def _psum_kernel(dims: tuple, dtype=None):
     def lower(ctx, a):
-        return ctx.allreduce(a, dims)
+        total = ctx.allreduce(a, dims)
+        return total if dtype is None else total.astype(dtype)
     return lower
 
 
 def _psum_grad(op, dy):
-    return [dy]
+    if dy.dtype == op.inputs[0].dtype:
+        return [dy]
+    from .ops.elementwise import cast
+    return [cast(dy, op.inputs[0].dtype)]

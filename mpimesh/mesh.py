@@ -1,5 +1,10 @@
 """The processor mesh: a Cartesian MPI communicator with named dims.
 
+`AbstractMesh` is the mesh without processors: its shape and layout rules, all that planning a
+layout needs (which tensor dim goes on which mesh dim, and the block each rank would hold). `Mesh`
+is an `AbstractMesh` over an MPI communicator. This module sits below the op layer: the creation
+methods (`mesh.zeros`, `mesh.random_normal`, ...) are attached by `mpimesh.creation`.
+
 >>> mesh = Mesh("all:1", layout="batch:all", comm=MPI.COMM_SELF)
 >>> mesh.coords, mesh.tensor_layout(Shape("batch:4;io:2"))
 ({'all': 0}, {'batch': 'all'})
@@ -7,19 +12,117 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 from mpi4py import MPI
 
 from . import abort, threads
 from .backend import array_module, resolve_backend
 from .errors import MeshError, ShapeError
-from .layout import LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, plan_layout
+from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
+                     plan_layout)
 from .shape import Shape, ShapeLike
 
 
-class Mesh:
-    """An n-D mesh of processors over `comm` (default `MPI.COMM_WORLD`).
+def _mesh_shape(shape: ShapeLike) -> Shape:
+    """`shape` as a mesh shape: a MeshError for a bad string or a dim of size 0."""
+    try:
+        shape = Shape(shape)
+    except ShapeError as e:
+        raise MeshError(f"bad mesh shape {shape!r}: {e}") from None
+    small = [repr(d.name) for d in shape if d.size < 1]
+    if small:
+        raise MeshError(f"mesh {shape}: every mesh dim needs size >= 1, but {', '.join(small)} "
+                        f"{'has' if len(small) == 1 else 'have'} size 0")
+    return shape
+
+
+class AbstractMesh:
+    """A mesh shape and its layout rules, without processors or a communicator: enough to plan,
+    price and check layouts anywhere (a cost model, a planner on one process). `layout_scope`
+    works on it as on a `Mesh`.
+
+    Args:
+      shape: mesh dims, e.g. `"rows:2;cols:3"`.
+      layout: the global layout rules, e.g. `"batch:rows;hidden:cols"`.
+
+    >>> m = AbstractMesh("rows:2;cols:3", layout="batch:rows;hidden:cols")
+    >>> m.size, m.tensor_layout("batch:8;io:4;hidden:7"), m.block_shape("batch:8;io:4;hidden:7")
+    (6, {'batch': 'rows', 'hidden': 'cols'}, (4, 4, 3))
+    """
+
+    def __init__(self, shape: ShapeLike, layout: RulesLike = ""):
+        self._shape = _mesh_shape(shape)
+        self.rules = LayoutRules(layout)
+        check_rules(self.rules, self._shape)
+        self._scopes: list[LayoutRules] = []
+
+    @property
+    def shape(self) -> Shape:
+        """The mesh dims, as a `Shape`."""
+        return self._shape
+
+    @property
+    def size(self) -> int:
+        """The number of processors (ranks)."""
+        return self._shape.size
+
+    @property
+    def layout(self) -> LayoutRules:
+        """The layout rules in force: the innermost `layout_scope`, else the mesh's own."""
+        return self._scopes[-1] if self._scopes else self.rules
+
+    def plan(self, shape: Shape) -> TensorLayout:
+        """The tensor layout (one mesh dim or None per tensor dim) the rules in force give `shape`."""
+        return plan_layout(shape, self.shape, self.layout)
+
+    def tensor_layout(self, shape: ShapeLike) -> dict[str, str]:
+        """`{tensor_dim: mesh_dim}` for the split dims of a tensor of `shape`."""
+        shape = Shape(shape)
+        return layout_dict(shape, self.plan(shape))
+
+    def layout_of(self, shape: ShapeLike, layout=None) -> TensorLayout:
+        """The tensor layout of `shape` under `layout` (a rules string, list or dict, whose unnamed
+        dims are replicated, or a tuple of one mesh dim or None per dim), or under the rules in
+        force when `layout` is None.
+
+        >>> m = AbstractMesh("x:2", layout="a:x")
+        >>> m.layout_of("a:4;b:6"), m.layout_of("a:4;b:6", "b:x")
+        (('x', None), (None, 'x'))
+        """
+        shape = Shape(shape)
+        return self.plan(shape) if layout is None else layout_from_spec(shape, self.shape, layout)
+
+    def block_shape(self, shape: ShapeLike, layout=None, coords: Optional[Mapping[str, int]] = None) -> tuple:
+        """The local sizes of a tensor of `shape` laid out by `layout` (see `layout_of`) on the
+        processor at `coords`; default coordinate 0 on every mesh dim, whose blocks are the largest
+        (`numpy.array_split` puts the longer blocks first), so the same answer on every rank.
+
+        >>> m = AbstractMesh("x:3")
+        >>> m.block_shape("a:7", "a:x"), m.block_shape("a:7", "a:x", {"x": 2})
+        ((3,), (2,))
+        """
+        shape = Shape(shape)
+        where = dict.fromkeys(self.shape.names, 0) if coords is None else coords
+        return local_sizes(shape, self.shape, self.layout_of(shape, layout), where)
+
+    def group_size(self, mesh_dims: Iterable[str]) -> int:
+        """Number of processors over `mesh_dims`."""
+        n = 1
+        for m in mesh_dims:
+            n *= self.shape[m].size
+        return n
+
+    def abstract(self) -> "AbstractMesh":
+        """This mesh's shape and the rules in force, without processors."""
+        return AbstractMesh(self.shape, self.layout)
+
+    def __repr__(self) -> str:
+        return f"AbstractMesh({str(self.shape)!r}, layout={str(self.rules)!r})"
+
+
+class Mesh(AbstractMesh):
+    """An n-D mesh of processors over `comm` (default `MPI.COMM_WORLD`): an `AbstractMesh` with ranks.
 
     Args:
       shape: mesh dims, e.g. `"rows:2;cols:2"`; their product must equal the number of ranks.
@@ -35,27 +138,18 @@ class Mesh:
 
     def __init__(self, shape: ShapeLike, layout: RulesLike = "", comm: Optional[MPI.Comm] = None,
                  backend: Optional[str] = None, device: Optional[int] = None, transport: Optional[str] = None):
-        try:
-            self._shape = Shape(shape)
-        except ShapeError as e:
-            raise MeshError(f"bad mesh shape {shape!r}: {e}") from None
+        shape = _mesh_shape(shape)
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise MeshError(f"a mesh is built over an MPI intra-communicator (e.g. MPI.COMM_WORLD), got {comm!r}")
-        small = [repr(d.name) for d in self.shape if d.size < 1]
-        if small:
-            raise MeshError(f"mesh {self.shape}: every mesh dim needs size >= 1, but {', '.join(small)} "
-                            f"{'has' if len(small) == 1 else 'have'} size 0")
-        if self.shape.size != comm.Get_size():
-            raise MeshError(f"mesh {self.shape} has {self.shape.size} processors, but the communicator "
+        if shape.size != comm.Get_size():
+            raise MeshError(f"mesh {shape} has {shape.size} processors, but the communicator "
                             f"has {comm.Get_size()} ranks")
-        self.rules = LayoutRules(layout)
-        check_rules(self.rules, self.shape)
+        super().__init__(shape, layout)
         self._backend = resolve_backend(backend)
         self.xp = array_module(self._backend)
         from .collectives.placement import choose
         self._device, self._transport = choose(comm, self._backend, device, transport)
-        self._size = self.shape.size
         if self.shape.rank:
             self._cart = comm.Create_cart(list(self.shape.sizes), [True] * self.shape.rank, reorder=False)
             self._coords = dict(zip(self.shape.names, self._cart.Get_coords(self._cart.Get_rank())))
@@ -63,9 +157,8 @@ class Mesh:
             self._cart = comm.Dup()
             self._coords = {}
         self._rank = self._cart.Get_rank()
-        self._guard_comm = self._cart.Dup() if self._size > 1 else self._cart  # the SPMD check's own
+        self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
         self._subcomms: dict[tuple, MPI.Comm] = {}
-        self._scopes: list[LayoutRules] = []
         self._collectives = None
         abort.install()
         threads.configure_for(comm)
@@ -94,16 +187,6 @@ class Mesh:
         return self._transport
 
     @property
-    def shape(self) -> Shape:
-        """The mesh dims, as a `Shape`."""
-        return self._shape
-
-    @property
-    def size(self) -> int:
-        """The number of ranks."""
-        return self._size
-
-    @property
     def rank(self) -> int:
         """This rank (row-major in mesh coordinates)."""
         return self._rank
@@ -112,20 +195,6 @@ class Mesh:
     def coords(self) -> dict[str, int]:
         """`{mesh_dim: coordinate}` of this rank."""
         return self._coords
-
-    @property
-    def layout(self) -> LayoutRules:
-        """The layout rules in force: the innermost `layout_scope`, else the mesh's own."""
-        return self._scopes[-1] if self._scopes else self.rules
-
-    def plan(self, shape: Shape) -> TensorLayout:
-        """The tensor layout (one mesh dim or None per tensor dim) the rules in force give `shape`."""
-        return plan_layout(shape, self.shape, self.layout)
-
-    def tensor_layout(self, shape: ShapeLike) -> dict[str, str]:
-        """`{tensor_dim: mesh_dim}` for the split dims of a tensor of `shape`."""
-        shape = Shape(shape)
-        return layout_dict(shape, self.plan(shape))
 
     def comm_for(self, mesh_dims: Iterable[str]) -> MPI.Comm:
         """The sub-communicator over `mesh_dims`: ranks whose coordinates differ only there (cached).
@@ -155,13 +224,6 @@ class Mesh:
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
-    def group_size(self, mesh_dims: Iterable[str]) -> int:
-        """Number of ranks over `mesh_dims`."""
-        n = 1
-        for m in mesh_dims:
-            n *= self.shape[m].size
-        return n
-
     def barrier(self) -> None:
         """Wait for every rank of the mesh."""
         self._cart.Barrier()
@@ -169,35 +231,11 @@ class Mesh:
     def __repr__(self) -> str:
         return f"Mesh({str(self.shape)!r}, layout={str(self.rules)!r}, rank={self.rank})"
 
-    # Tensor creation lives in tensor.py; these methods are the API's spelling of it.
-    def from_numpy(self, array, shape, layout=None):
-        from .tensor import from_numpy
-        return from_numpy(self, array, shape, layout)
-
-    def zeros(self, shape, dtype="float32", layout=None):
-        from .tensor import full
-        return full(self, shape, 0, dtype, layout)
-
-    def ones(self, shape, dtype="float32", layout=None):
-        from .tensor import full
-        return full(self, shape, 1, dtype, layout)
-
-    def full(self, shape, value, dtype="float32", layout=None):
-        from .tensor import full
-        return full(self, shape, value, dtype, layout)
-
-    def random_normal(self, shape, seed, mean=0.0, stddev=1.0, dtype="float32", layout=None):
-        from .ops.random import random_normal
-        return random_normal(self, shape, seed, mean, stddev, dtype, layout)
-
-    def random_uniform(self, shape, seed, minval=0.0, maxval=1.0, dtype="float32", layout=None):
-        from .ops.random import random_uniform
-        return random_uniform(self, shape, seed, minval, maxval, dtype, layout)
-
 
 @contextmanager
-def layout_scope(mesh: Mesh, rules: RulesLike) -> Iterator[LayoutRules]:
-    """Inside the block, ops on `mesh` lay out their outputs by `rules` instead of the mesh's.
+def layout_scope(mesh: AbstractMesh, rules: RulesLike) -> Iterator[LayoutRules]:
+    """Inside the block, ops on `mesh` lay out their outputs by `rules` instead of the mesh's
+    (on an `AbstractMesh` too: its `plan` and `tensor_layout` follow them).
 
     >>> mesh = Mesh("all:1", layout="batch:all", comm=MPI.COMM_SELF)
     >>> with layout_scope(mesh, "hidden:all"):

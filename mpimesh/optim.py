@@ -326,7 +326,10 @@ class Adafactor(Optimizer):
             vr = decay * vr + (1.0 - decay) * (_mean_square(g, vr.shape) + self.epsilon1)
             vc = slots["vc"]
             vc = decay * vc + (1.0 - decay) * (_mean_square(g, vc.shape) + self.epsilon1)
-            u = g * rsqrt(vr / reduce_mean(vr, reduced_dim=d1.name)) * rsqrt(vc)
+            # g times the outer product of the two small factors: a p-sized product written once by
+            # einsum, then one multiply of two p-sized arrays (broadcasting a row vector over a large
+            # array is the slowest case of a numpy multiply)
+            u = g * einsum([rsqrt(vr / reduce_mean(vr, reduced_dim=d1.name)), rsqrt(vc)], output_shape=p.shape)
             new.update(vr=vr, vc=vc)
         else:
             v = decay * slots["v"] + (1.0 - decay) * (square(g) + self.epsilon1)

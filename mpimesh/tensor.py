@@ -13,9 +13,10 @@ import math
 import numpy as np
 
 from .backend import as_dtype, check_dtype, to_host
-from .errors import DTypeError, ShapeError
-from .layout import TensorLayout, layout_dict, layout_from_spec, local_sizes, slice_bounds
+from .errors import DTypeError, MpimeshError, ShapeError
+from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
+from .trace import dispatch
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
@@ -47,6 +48,9 @@ class DistTensor:
 
     def to_numpy(self) -> np.ndarray:
         """The global array, on every rank (a collective over the split mesh dims)."""
+        if getattr(self.mesh, "dry", False):
+            raise MpimeshError(f"this [{self.shape}] {self.dtype} tensor is on {self.mesh!r}: a dry run's "
+                               f"tensors have shapes and layouts, no values")
         x = self.local
         coll = self.mesh.collectives
         for axis, m in enumerate(self.tensor_layout):
@@ -68,6 +72,8 @@ class DistTensor:
         from .collectives.counters import paused
         layout = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
         head = f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, mesh {self.mesh.shape}"
+        if getattr(self.mesh, "dry", False):
+            return f"{head}\n(a dry run: no values)"
         if not self.layout:  # every rank holds every value: numpy's own summary, no communication
             return f"{head}\n{np.array2string(to_host(self.local), threshold=PREVIEW_MAX)}"
         if self.shape.size > PREVIEW_MAX:
@@ -117,7 +123,14 @@ DistTensor.__hash__ = object.__hash__  # type: ignore[assignment]
 
 
 def _layout(mesh, shape: Shape, layout) -> TensorLayout:
-    return mesh.plan(shape) if layout is None else layout_from_spec(shape, mesh.shape, layout)
+    return mesh.layout_of(shape, layout)
+
+
+def block_sizes(ctx, shape: Shape, layout: TensorLayout) -> tuple:
+    """The local sizes of `ctx`'s block of a tensor of `shape` laid out by `layout`, for a kernel
+    that makes a tensor (`full`, the random ops): this rank's block on MPI, the largest block (the
+    padded length) in a JAX replay; always Python ints."""
+    return tuple(ctx.span(d.size, m)[1] for d, m in zip(shape, layout))
 
 
 def from_numpy(mesh, array, shape: ShapeLike, layout=None) -> DistTensor:
@@ -162,12 +175,25 @@ def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
 
 
 def full(mesh, shape: ShapeLike, value, dtype="float32", layout=None) -> DistTensor:
-    """A tensor filled with `value`."""
+    """A tensor filled with `value`: the op "full" (recorded in a trace, params shape, dtype and
+    value), whose kernel makes each rank's block with no communication.
+
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> with mm.trace() as tr:
+    ...     t = full(mesh, "a:2;b:3", 7, "int32")
+    >>> tr.ops[0].name, tr.ops[0].params["value"], int(t.to_numpy().sum())
+    ('full', 7, 42)
+    """
     shape = Shape(shape)
     dt = as_dtype(dtype)
     fill = fill_value(value, dt, f"full({shape})")
     tl = _layout(mesh, shape, layout)
-    return DistTensor(mesh, shape, tl, mesh.xp.full(local_sizes(shape, mesh.shape, tl, mesh.coords), fill, dt))
+
+    def lower(ctx):
+        return ctx.xp.full(block_sizes(ctx, shape, tl), fill, dt)
+    (t,) = dispatch("full", [], [(shape, tl)], lower, {"shape": shape, "dtype": dt, "value": fill.item()}, mesh=mesh)
+    return t
 
 
 def fill_value(value, dt: np.dtype, what: str):

@@ -3,7 +3,9 @@
 An op hands `dispatch` its inputs (already in the layouts its kernel needs), the shapes and
 layouts of its outputs, and a `lower(ctx, *local_arrays)` function: the local kernel plus the
 collectives its layout needs, written against `ctx.xp` and `ctx`'s collectives over mesh dims,
-so the same function runs on MPI ranks and under a JAX replay.
+so the same function runs on MPI ranks, under a JAX replay, and dry (`mpimesh.dryrun`: shapes and
+counted collectives on a mesh without processors). Ops that make tensors (`full`, the random
+ops) have no inputs and name their mesh.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -143,34 +145,44 @@ def current_trace() -> Optional[Trace]:
 
 
 def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
-             params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0) -> list:
+             params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
+             mesh=None) -> list:
     """Run one op on this rank and record it.
 
     Args:
       name: the op kind, e.g. "einsum".
-      inputs: DistTensors already laid out as `lower` expects.
+      inputs: DistTensors already laid out as `lower` expects; none for an op that creates
+        tensors (`lower(ctx)` then makes this rank's blocks, e.g. `mesh.zeros`).
       out_specs: one `(shape, layout)` per output.
       lower: `lower(ctx, *local_arrays)` -> local array, or tuple of them for several outputs.
       params: static parameters, for the record.
       grad: the gradient rule, for autodiff.
       flops: local floating-point operations, for the profile.
+      mesh: the mesh the outputs live on; needed only when there are no inputs (else theirs).
     Returns:
       The output DistTensors.
     """
     from .tensor import DistTensor
 
-    mesh = inputs[0].mesh
+    if inputs:
+        mesh = inputs[0].mesh
+    elif mesh is None:
+        raise MpimeshError(f"op {name!r} has no inputs: dispatch needs its mesh (mesh=...)")
     for shape, layout in out_specs:
         _check_spec(name, shape, layout, mesh)
-    result = lower(mesh.collectives, *[t.local for t in inputs])
-    if len(out_specs) == 1:
-        result = (result,)
-    elif not isinstance(result, tuple) or len(result) != len(out_specs):
+    if getattr(mesh, "dry", False):  # a `dryrun.DryMesh`: shapes, dtypes and counted collectives only
+        from .dryrun import evaluate
+        result = evaluate(mesh, name, lower, [t.local for t in inputs])
+    else:
+        result = lower(mesh.collectives, *[t.local for t in inputs])
+        if len(out_specs) == 1:
+            result = (result,)
+        # asarray: a kernel reducing to a scalar may return a numpy scalar; `local` is always an array
+        result = tuple(mesh.xp.asarray(r) for r in result) if isinstance(result, tuple) else result
+    if not isinstance(result, tuple) or len(result) != len(out_specs):
         raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned "
                            f"{len(result) if isinstance(result, tuple) else 1}")
-    # asarray: a kernel reducing to a scalar may return a numpy scalar; `local` is always an array
-    outputs = [DistTensor(mesh, shape, layout, mesh.xp.asarray(local))
-               for (shape, layout), local in zip(out_specs, result)]
+    outputs = [DistTensor(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]
     if _debug["on"]:
         for i, t in enumerate(outputs):
             _check_local(name, i, t)

@@ -215,3 +215,108 @@ def test_bucket_size_setting():
     w = mesh.ones("a:2")
     with mm.trace(), pytest.raises(mm.MpimeshError, match="bucket size"):
         mm.gradients([mm.reduce_sum(w)], [w], bucket_bytes=-5)
+
+
+def _lowp_params(mesh, g):
+    """float32 masters of a two-layer `mm.layers` model (laid out by the mesh's rules)."""
+    return {"d1": {"kernel": mesh.from_numpy(g["w1"].astype(np.float32), f"i:{I};h:{H}"),
+                   "bias": mesh.from_numpy(g["b1"].astype(np.float32), f"h:{H}")},
+            "d2": {"kernel": mesh.from_numpy(g["w2"].astype(np.float32), f"h:{H};o:{O}")}}
+
+
+def _lowp_loss(params, x):
+    """`mm.layers.dense` in x's dtype (each float32 master cast to it), the loss in float32."""
+    h = mm.relu(mm.layers.dense(params["d1"], x))
+    return mm.reduce_sum(mm.square(mm.cast(mm.layers.dense(params["d2"], h), "float32")))
+
+
+def _lowp_step(mesh, g, dtype, bucket_bytes, release=False):
+    params = mm.layers.flatten(_lowp_params(mesh, g))
+    x = mm.cast(mesh.from_numpy(g["x"].astype(np.float32), f"batch:{B};seq:2;i:{I}"), dtype)
+    with mm.profile() as prof, mm.trace() as tr:
+        loss = _lowp_loss(mm.layers.unflatten(params), x)
+        grads = mm.gradients([loss], list(params.values()), bucket_bytes=bucket_bytes, release=release)
+    assert all(t.dtype == np.float32 for t in grads)  # the masters' gradients, through the casts
+    return {k: t.to_numpy() for k, t in zip(params, grads)}, prof, tr
+
+
+def _lowp_numpy_grads(g, dtype):
+    """float64 gradients of `_lowp_loss` on the inputs and parameters rounded to `dtype`."""
+    r = {k: np.asarray(v, np.float32).astype(dtype).astype(np.float64) for k, v in g.items()}
+    pre = r["x"] @ r["w1"] + r["b1"]
+    h = np.maximum(pre, 0)
+    dy = 2 * (h @ r["w2"])
+    dh = (dy @ r["w2"].T) * (pre > 0)
+    return {"d1/kernel": np.einsum("bsi,bsh->ih", r["x"], dh), "d1/bias": dh.sum((0, 1)),
+            "d2/kernel": np.einsum("bsh,bso->ho", h, dy)}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_low_precision_gradients_through_casts_are_bucketed_bitwise(shape, dtype):
+    """bfloat16/float16 layers on float32 masters: the einsum gives the cast's output's gradient;
+    bucketed, it must equal the unbucketed walk bitwise (float32 sums over ranks, rounded once to
+    the 16-bit dtype, cast back), with fewer allreduce calls and no blocking 16-bit allreduce."""
+    mesh = mm.Mesh(shape, layout=_layout(shape))
+    g = _globals()
+    np_dtype = mm.backend.as_dtype(dtype)
+    want = _lowp_numpy_grads(g, np_dtype)
+    plain, p0, _ = _lowp_step(mesh, g, dtype, 0)
+    one, p1, _ = _lowp_step(mesh, g, dtype, 1)  # every gradient a bucket of its own
+    big, p3, _ = _lowp_step(mesh, g, dtype, None)  # the default: one bucket
+    freed, _, _ = _lowp_step(mesh, g, dtype, None, release=True)  # the cast rules run after the walk
+    tol = 3e-2 if dtype == "bfloat16" else 4e-3
+    for k in want:
+        scale = np.abs(want[k]).max()
+        np.testing.assert_allclose(plain[k], want[k], rtol=0, atol=tol * scale, err_msg=k)
+        for got in (one, big, freed):
+            np.testing.assert_array_equal(got[k], plain[k], err_msg=f"{k} on {shape}, {dtype}")
+    assert p0.overlap["requests"] == 0
+    model_dim = mesh.shape.names[1] if mesh.shape.rank > 1 else None
+    if any(d.size > 1 for d in mesh.shape if d.name != model_dim):  # data-parallel: gradients await sums
+        assert p1.overlap["requests"] == 3  # both kernels and the bias, through their casts
+        assert _calls(p1) == _calls(p0)
+        assert p3.overlap["requests"] == 1 and _calls(p3) == _calls(p0) - 3 + 1
+        for p in (p1, p3):  # float32 partials: no 16-bit allreduce left blocking in the buckets
+            assert not any(k.startswith("alltoall/") for k in p.counters if k not in p0.counters)
+    else:
+        assert p3.overlap["requests"] == 0 and _calls(p3) == _calls(p0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bucketed_gradient_trace_replays_in_jax(dtype):
+    """A bucketed gradient's `"psum"` (and its rounding to bfloat16) replayed through JAX on as
+    many host devices as ranks, the batch in uneven blocks on 2-4 ranks: the MPI values."""
+    import jaxenv  # noqa: F401  (before jax: host devices)
+    jax = pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
+    if len(jax.devices()) < N:
+        pytest.skip(f"JAX has {len(jax.devices())} devices, fewer than the {N} ranks")
+    mesh = mm.Mesh(f"all:{N}", layout="batch:all")
+    g = _globals()
+    params = mm.layers.flatten(_lowp_params(mesh, g))
+    x = mesh.from_numpy(g["x"].astype(np.float32), f"batch:{B};seq:2;i:{I}")
+    with mm.trace() as tr:
+        loss = _lowp_loss(mm.layers.unflatten(params), mm.cast(x, dtype))
+        grads = mm.gradients([loss], list(params.values()), bucket_bytes=1)
+    psums = [op for op in tr.ops if op.name == "psum"]
+    assert len(psums) == (3 if N > 1 else 0)
+    assert all(op.params.get("dtype") == (None if dtype == "float32" else mm.backend.as_dtype(dtype)) for op in psums)
+    inputs = [x, *params.values()]
+    ins = [t.to_numpy() for t in inputs]
+    want = [t.to_numpy() for t in [loss, *grads]]
+    failed = None
+    if mesh.rank == 0:  # no collectives in here
+        try:
+            got = mm.tpu.replay(tr, inputs, [loss, *grads], devices=jax.devices()[:N])(*ins)
+            tol = 2e-5 if dtype == "float32" else 2e-2
+            for i, (a, w) in enumerate(zip(got, want)):
+                a = np.asarray(a)
+                assert a.dtype == w.dtype
+                np.testing.assert_allclose(a, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())),
+                                           err_msg=["loss", *params][i])
+        except AssertionError as e:
+            failed = str(e)
+    failed = MPI.COMM_WORLD.bcast(failed, root=0)  # every rank fails alike
+    assert failed is None, failed

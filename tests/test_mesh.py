@@ -1,6 +1,7 @@
 """The processor mesh: shape, coordinates, sub-communicators, layout rules and layout scopes."""
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.mesh import AbstractMesh  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 
@@ -197,3 +199,123 @@ def test_mesh_over_comm_self() -> None:
     mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
     assert mesh.size == 1 and mesh.rank == 0 and mesh.coords == {"all": 0}
     assert mesh.comm_for(["all"]).Get_size() == 1
+
+
+# --------------------------------------------------------------------------- the abstract mesh
+
+@pytest.mark.mpi
+def test_abstract_mesh_plans_like_the_mesh(mesh_spec: str) -> None:
+    """An AbstractMesh of the same shape and rules plans every layout as the Mesh does, and its
+    block shapes are the blocks the ranks really hold (numpy.array_split of each split dim)."""
+    rules = _rules_for(mm.Shape(mesh_spec))
+    mesh = get_mesh(mesh_spec, rules)
+    am = AbstractMesh(mesh_spec, rules)
+    assert isinstance(mesh, AbstractMesh) and am.shape == mesh.shape and am.size == mesh.size == WORLD.Get_size()
+    assert mesh.abstract().shape == mesh.shape and mesh.abstract().layout == mesh.layout == am.layout
+    names = mesh.shape.names
+    for sizes in [(7, 5, 3), (8, 4, 2), (1, 2, 9)]:
+        t = mm.Shape([(f"t{i}", s) for i, s in enumerate(sizes[:len(names)])] + [("free", 3)])
+        assert am.plan(t) == mesh.plan(t) == tuple(names) + (None,)
+        assert am.tensor_layout(t) == mesh.tensor_layout(t) == {f"t{i}": m for i, m in enumerate(names)}
+        x = mesh.zeros(t)
+        assert am.block_shape(t, coords=mesh.coords) == x.local.shape  # this rank's own block
+        want = tuple(len(np.array_split(np.arange(d.size), mesh.shape[m].size)[mesh.coords[m]]) if m else d.size
+                     for d, m in zip(t, mesh.plan(t)))
+        assert x.local.shape == want
+        first = tuple(len(np.array_split(np.arange(d.size), mesh.shape[m].size)[0]) if m else d.size
+                      for d, m in zip(t, mesh.plan(t)))
+        assert am.block_shape(t) == mesh.block_shape(t) == first  # coordinate 0: the largest block
+        assert max(WORLD.allgather(x.local.shape)) <= first
+        # an explicit layout: only the last dim split, over the first mesh dim
+        assert am.layout_of(t, f"free:{names[0]}") == (None,) * len(names) + (names[0],)
+        assert am.block_shape(t, f"free:{names[0]}") == tuple(sizes[:len(names)]) + (-(-3 // mesh.shape[0].size),)
+    assert am.group_size(names) == mesh.group_size(names) == mesh.size
+
+
+def test_abstract_mesh_needs_no_processors() -> None:
+    """Any mesh shape, whatever the number of ranks; rules and scopes checked as on a Mesh."""
+    am = AbstractMesh("rows:16;cols:32", layout="batch:rows;heads:cols;d_ff:cols")
+    t = mm.Shape("batch:256;length:256;heads:256;d_k:256")
+    assert am.size == 512 and am.tensor_layout(t) == {"batch": "rows", "heads": "cols"}
+    assert am.block_shape(t) == (16, 256, 8, 256)
+    assert am.block_shape("d_ff:100", coords={"rows": 0, "cols": 31}) == (3,)  # 100 = 4*4 + 28*3
+    with mm.layout_scope(am, "batch:cols"):
+        assert am.tensor_layout(t) == {"batch": "cols"} and am.block_shape(t) == (8, 256, 256, 256)
+    assert am.tensor_layout(t) == {"batch": "rows", "heads": "cols"}
+    assert repr(am) == "AbstractMesh('[rows:16, cols:32]', layout='batch:rows;heads:cols;d_ff:cols')"
+    with pytest.raises(mm.MeshError, match="size 0"):
+        AbstractMesh("rows:0")
+    with pytest.raises(mm.MeshError, match="bad mesh shape"):
+        AbstractMesh("rows")
+    with pytest.raises(mm.LayoutError, match="'nope'"):
+        AbstractMesh("rows:2", layout="batch:nope")
+    with pytest.raises(mm.LayoutError, match="both"):
+        am.layout_of(t, "batch:rows;heads:rows")
+
+
+# --------------------------------------------------------------------------- the module graph
+
+PACKAGE = Path(mm.__file__).resolve().parent
+
+
+def _module_imports(name: str) -> set[str]:
+    """The mpimesh modules that module `name` imports, at the top or inside functions (lazily)."""
+    path = PACKAGE.joinpath(*name.split(".")[1:])
+    is_pkg = path.is_dir()
+    path = path / "__init__.py" if is_pkg else path.with_suffix(".py")
+    package = name if is_pkg else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)  # `from . import creation`
+    return {m for m in out if m == "mpimesh" or m.startswith("mpimesh.")}
+
+
+def _all_modules() -> set[str]:
+    mods = {"mpimesh"}
+    for p in PACKAGE.rglob("*.py"):
+        rel = p.relative_to(PACKAGE).with_suffix("").parts
+        mods.add(".".join(("mpimesh",) + (rel[:-1] if rel[-1] == "__init__" else rel)))
+    return mods
+
+
+def module_closure(name: str) -> set[str]:
+    """Every mpimesh module that importing `name` can load, lazy imports included, except the
+    package's own `__init__` (which loads the whole public API for `import mpimesh`)."""
+    known = _all_modules()
+    seen, todo = set(), [name]
+    while todo:
+        m = todo.pop()
+        if m in seen or m == "mpimesh" or m not in known:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(2, len(parts))]  # its parent packages
+        todo += _module_imports(m)
+    return seen
+
+
+def test_module_closure_sees_lazy_imports() -> None:
+    """The scan is not vacuous: it finds tensor.py's lazy import of the elementwise ops, and the
+    creation module's of the random ops."""
+    assert "mpimesh.ops.elementwise" in module_closure("mpimesh.tensor")
+    assert {"mpimesh.mesh", "mpimesh.ops.random", "mpimesh.tensor"} <= module_closure("mpimesh.creation")
+
+
+def test_mesh_module_sits_below_the_op_layer() -> None:
+    """mesh.py loads no op, tensor, trace or autodiff module (the creation methods are attached by
+    mpimesh.creation), so planning code can use a mesh without the op layer."""
+    closure = module_closure("mpimesh.mesh")
+    above = sorted(m for m in closure if m.startswith("mpimesh.ops") or m in {
+        "mpimesh.tensor", "mpimesh.trace", "mpimesh.autodiff", "mpimesh.creation", "mpimesh.buckets"})
+    assert not above, f"mpimesh.mesh imports the op layer: {above}"
+    assert {"mpimesh.layout", "mpimesh.shape", "mpimesh.collectives"} <= closure
+    for method in ("from_numpy", "zeros", "ones", "full", "random_normal", "random_uniform"):
+        assert callable(getattr(mm.Mesh, method)) and getattr(mm.Mesh, method).__qualname__ == f"Mesh.{method}"

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import sys
 
+import time
+
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(__file__))
+import jaxenv  # noqa: E402,F401  (XLA flags for 8 host devices, before jax is imported)
 from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
@@ -252,3 +256,148 @@ def test_dispatch_checks_specs_even_without_debug(shape):
         _op(x, (m, m), lambda a: a)
     with pytest.raises(mm.MpimeshError, match="declares 2 outputs, but its kernel returned 1"):
         _op(x, (None, None), lambda a: a, n_out=2)
+
+
+# --------------------------------------------------------------------------- creation ops
+
+def _created(mesh):
+    """Tensors made by each creation op inside a trace, on uneven blocks where the mesh allows
+    (7 and 5 over 2 or 3 ranks), and an op on them."""
+    m0, m1 = mesh.shape.names[0], mesh.shape.names[-1]
+    both = f"a:{m0};b:{m1}" if m1 != m0 else f"a:{m0}"
+    with mm.trace() as tr:
+        out = {"zeros": mesh.zeros("a:7;b:5", layout=f"a:{m0}"),
+               "ones": mesh.ones("a:7;b:5", "int32", layout=f"b:{m1}"),
+               "full": mesh.full("a:7;b:5", 2.5, "float64", layout=both),
+               "normal": mesh.random_normal("a:7;b:5", seed=5, mean=1.0, stddev=2.0, layout=both),
+               "uniform": mesh.random_uniform("a:7;b:5", seed=6, minval=-1.0, maxval=2.0, layout=f"b:{m0}")}
+        out["combined"] = out["normal"] * out["uniform"] + out["full"] - out["zeros"]
+    return tr, out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_creation_ops_are_recorded(shape):
+    mesh = get_mesh(shape)
+    tr, out = _created(mesh)
+    created = tr.ops[:5]
+    assert [op.name for op in created] == ["full", "full", "full", "random_normal", "random_uniform"]
+    assert all(op.inputs == () and len(op.outputs) == 1 for op in created)
+    assert all(op.outputs[0] is out[k] for op, k in zip(created, ("zeros", "ones", "full", "normal", "uniform")))
+    assert all(op.params["shape"] == mm.Shape("a:7;b:5") for op in created)
+    assert [(op.params["value"], str(op.params["dtype"])) for op in created[:3]] == \
+        [(0.0, "float32"), (1, "int32"), (2.5, "float64")]
+    assert {k: created[3].params[k] for k in ("seed", "mean", "stddev")} == {"seed": 5, "mean": 1.0, "stddev": 2.0}
+    assert {k: created[4].params[k] for k in ("seed", "minval", "maxval")} == {"seed": 6, "minval": -1.0, "maxval": 2.0}
+    assert tr.inputs == []  # made inside the trace: produced, not read
+    # values: numpy's, and for the random ops a one-process mesh's (layout-independent values)
+    solo = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    np.testing.assert_array_equal(out["zeros"].to_numpy(), np.zeros((7, 5), np.float32))
+    np.testing.assert_array_equal(out["ones"].to_numpy(), np.ones((7, 5), np.int32))
+    np.testing.assert_array_equal(out["full"].to_numpy(), np.full((7, 5), 2.5))
+    normal = solo.random_normal("a:7;b:5", seed=5, mean=1.0, stddev=2.0).to_numpy()
+    uniform = solo.random_uniform("a:7;b:5", seed=6, minval=-1.0, maxval=2.0).to_numpy()
+    np.testing.assert_array_equal(out["normal"].to_numpy(), normal)
+    np.testing.assert_array_equal(out["uniform"].to_numpy(), uniform)
+    assert out["ones"].dtype == np.int32 and out["combined"].dtype == np.float64
+    np.testing.assert_allclose(out["combined"].to_numpy(), normal.astype(np.float64) * uniform + 2.5, rtol=1e-6)
+
+
+def test_dispatch_without_inputs_needs_a_mesh():
+    from mpimesh.trace import dispatch
+    with pytest.raises(mm.MpimeshError, match="'made' has no inputs: dispatch needs its mesh"):
+        dispatch("made", [], [(mm.Shape("a:2"), (None,))], lambda ctx: ctx.xp.zeros(2))
+
+
+def _sleeping_barrier() -> None:
+    req = MPI.COMM_WORLD.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_replay_of_created_tensors_matches_mpi(shape):
+    """A trace that makes its tensors (no inputs at all) replays through JAX to the MPI values:
+    rank 0 replays (shard_map and gspmd) while the others wait; every rank sees the verdict."""
+    jax = pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
+    world = MPI.COMM_WORLD
+    if len(jax.devices()) < world.Get_size():
+        pytest.skip(f"JAX has {len(jax.devices())} devices, fewer than the {world.Get_size()} ranks")
+    mesh = get_mesh(shape)
+    tr, out = _created(mesh)
+    want = {k: t.to_numpy() for k, t in out.items()}
+    error = None
+    if world.Get_rank() == 0:  # no collectives in here
+        try:
+            for mode in ("shard_map", "gspmd"):
+                fn = mm.tpu.replay(tr, [], list(out.values()), mode=mode, devices=jax.devices()[:world.Get_size()])
+                for (k, w), g in zip(want.items(), fn()):
+                    g = np.asarray(g)
+                    assert g.dtype == w.dtype and g.shape == w.shape, f"{k} [{mode}]: {g.dtype}{g.shape}"
+                    np.testing.assert_allclose(g, w, rtol=2e-6, atol=2e-6, err_msg=f"{k} [{mode}]")
+        except Exception as e:  # noqa: BLE001 (reported on every rank below)
+            error = f"{type(e).__name__}: {e}"
+    _sleeping_barrier()
+    error = world.bcast(error, root=0)
+    assert error is None, error
+
+
+# --------------------------------------------------------------------------- dry runs
+
+def _program(x, w, v):
+    """A forward and backward pass whose layouts need allreduces, an alltoall and allgathers."""
+    h = mm.tanh(mm.einsum([x, w]))  # k split when its rule says so: an allreduce
+    m0 = x.mesh.shape.names[0]
+    hs = mm.relayout(h, {"b": m0})  # a mesh dim moving between tensor dims: an alltoall
+    p = mm.softmax(hs * v, "b")
+    loss = mm.reduce_sum(mm.square(p))
+    return [h, hs, p, loss], mm.gradients([loss], [w, v], bucket_bytes=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_dry_run_counts_what_mpi_counts(shape):
+    """The same program on a real mesh (rank 0, coordinate 0 everywhere) and dry on a DryMesh of
+    that shape and rules: the same ops, local shapes, dtypes, and counted collectives (kind, mesh
+    dims, calls, elements, bytes) and flops; uneven blocks (7, 5 over 2 or 3) included."""
+    pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
+    from mpimesh.collectives import counters
+    from mpimesh.dryrun import DryMesh, placeholder
+    probe = get_mesh(shape)
+    m0, m1 = probe.shape.names[0], probe.shape.names[-1]
+    rules = f"a:{m0};k:{m1}" if m1 != m0 else f"a:{m0}"
+    mesh, dry = get_mesh(shape, rules), DryMesh(shape, rules)
+    specs = [("a:7;k:5", 1), ("k:5;b:6", 2), ("b:6", 3)]
+    real = [mesh.from_numpy(global_array(s, seed), s) for s, seed in specs]
+    ghosts = [placeholder(dry, s) for s, _ in specs]
+    with counters.counting() as want, mm.trace() as tr_real:
+        outs_real, grads_real = _program(*real)
+    with counters.counting() as got, mm.trace() as tr_dry:
+        outs_dry, grads_dry = _program(*ghosts)
+    assert [op.name for op in tr_dry.ops] == [op.name for op in tr_real.ops]
+    assert [op.params.keys() for op in tr_dry.ops] == [op.params.keys() for op in tr_real.ops]
+    if mesh.size > 1:  # not vacuous: the layouts imply collectives
+        assert any(k.startswith("allreduce") for k in got) and (mesh.shape[m0].size == 1 or "alltoall/" + m0 in got)
+    verdict = None
+    if mesh.rank == 0:  # coordinate 0 on every mesh dim: the dry run's processor
+        pairs = [(a, b) for ra, rb in zip(tr_real.ops, tr_dry.ops) for a, b in zip(ra.outputs, rb.outputs)]
+        bad = [f"{a.shape}: {tuple(a.local.shape)} {a.dtype} vs {tuple(b.local.shape)} {b.dtype}" for a, b in pairs
+               if tuple(a.local.shape) != tuple(b.local.shape) or a.dtype != b.dtype or a.layout != b.layout]
+        if bad or got != want:
+            verdict = f"local shapes {bad}; counters dry {got} vs MPI {want}"
+    verdict = MPI.COMM_WORLD.bcast(verdict, root=0)
+    assert verdict is None, verdict
+    with pytest.raises(mm.MpimeshError, match="dry run's tensors have shapes and layouts, no values"):
+        outs_dry[-1].to_numpy()
+    assert repr(outs_dry[-1]).endswith("(a dry run: no values)")
+
+
+def test_dry_run_needs_a_dry_mesh_and_jax_traceable_kernels():
+    pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
+    from mpimesh.dryrun import DryMesh, placeholder
+    from mpimesh.trace import dispatch
+    dry = DryMesh("x:4", "a:x")
+    assert placeholder(dry, "a:10;b:3").local.shape == (3, 3)  # coordinate 0's block, the largest
+    with pytest.raises(mm.MpimeshError, match="not a DryMesh"):
+        placeholder(mm.Mesh("all:1", comm=MPI.COMM_SELF), "a:2")
+    x = placeholder(dry, "a:8")
+    with pytest.raises(mm.MpimeshError, match="dry run of op 'eager'.*cannot be traced by JAX"):
+        dispatch("eager", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: np.asarray(a) + 1)

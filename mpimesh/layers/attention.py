@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..backend import as_dtype, finfo, is_float
 from ..errors import ShapeError
 from ..ops.einsum import einsum
-from ..ops.elementwise import cast, greater
+from ..ops.elementwise import cast, less
 from ..ops.nn import softmax
 from ..ops.reshape import rename_dimension
 from ..shape import Dimension, Shape
@@ -43,17 +43,18 @@ def init_attention(mesh, seed: int, model_dim: DimLike, heads_dim: DimLike, kv_d
 
 
 def causal_bias(mesh, length: Dimension, memory_length: Dimension, dtype="float32"):
-    """`[memory_length, length]`: MASK_VALUE where the memory position is after the query
+    """`[length, memory_length]`: MASK_VALUE where the memory position is after the query
     position, else 0 (from two `mm.range`s; no communication). A dtype that cannot hold
-    MASK_VALUE (float16) gets its lowest finite value instead.
+    MASK_VALUE (float16) gets its lowest finite value instead. (The dims in the logits' order:
+    adding it broadcasts along contiguous rows.)
 
     >>> import mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
     >>> b = causal_bias(mesh, mm.Dimension("length", 3), mm.Dimension("memory_length", 3))
     >>> (b.to_numpy() < 0).astype(int).tolist()
-    [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
+    [[0, 1, 1], [0, 0, 1], [0, 0, 0]]
     """
-    future = greater(arange(mesh, memory_length), arange(mesh, length))
+    future = less(arange(mesh, length), arange(mesh, memory_length))
     dt = as_dtype(dtype)
     return cast(future, dt) * (max(MASK_VALUE, float(finfo(dt).min)) if is_float(dt) else MASK_VALUE)
 

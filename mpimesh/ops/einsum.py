@@ -218,8 +218,9 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     low = any(is_low_precision(x.dtype) for x in xs)
     out_dtype = result_type(*[x.dtype for x in xs]) if low else None
     bucket = claim()  # a gradient's sum over mesh dims that may wait in a bucket (`mpimesh.buckets`)
-    bucket = bucket if reduce_mesh and not low else None
+    bucket = bucket if reduce_mesh else None
     summed = () if bucket else reduce_mesh
+    rounded = low and not bucket  # a bucket sums the float32 partials, then rounds to out_dtype
 
     def lower(ctx, *arrays):
         xp = ctx.xp
@@ -227,7 +228,10 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
             arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
-            y = xp.tensordot(a, b, axes=(pair[1], pair[2]))
+            if pair[1]:
+                y = xp.tensordot(a, b, axes=(pair[1], pair[2]))
+            else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
+                y = a.reshape(a.shape + (1,) * b.ndim) * b
         elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
             swap, pa, sa, pb, sb, sc, pc, into = bmm
             a, b = arrays[::-1] if swap else arrays
@@ -245,10 +249,10 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         else:
             y = expr(*arrays, backend=xp.__name__.split(".")[0])
         y = ctx.allreduce(y, summed) if summed else y
-        return y.astype(out_dtype) if low else y
+        return y.astype(out_dtype) if rounded else y
     (y,) = dispatch("einsum", xs, [(out, out_layout)], lower,
                     {"subscripts": subs, "reduce_mesh_dims": summed}, _einsum_grad, flops)
-    return bucket.partial(y, reduce_mesh) if bucket else y
+    return bucket.partial(y, reduce_mesh, out_dtype) if bucket else y
 
 
 def _einsum_grad(op, dy):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import as_dtype, is_float, is_low_precision
+from ..backend import align, as_dtype, contiguous, is_float, is_low_precision  # noqa: F401 (einsum imports contiguous from here)
 from ..buckets import partial_for
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes
@@ -62,30 +62,6 @@ def _scalar(v, what: str, dtype=None):
                          f"make it a DistTensor (mesh.from_numpy) to combine it by dim names")
     raise DTypeError(f"{what}: the other operand must be a DistTensor or a number, got {v!r} "
                      f"({type(v).__name__})")
-
-
-@lru_cache(maxsize=4096)
-def _alignment(dims: tuple, out_dims: tuple) -> tuple:
-    """Axis permutation of an input with `dims`, and which output axes it has."""
-    perm = tuple(dims.index(n) for n in out_dims if n in dims)
-    return (None if perm == tuple(range(len(perm))) else perm), tuple(n in dims for n in out_dims)
-
-
-def contiguous(xp, a):
-    """`a` C-contiguous where the array module has strides (numpy, cupy); as is otherwise (JAX)."""
-    f = getattr(xp, "ascontiguousarray", None)
-    return a if f is None else f(a)
-
-
-def align(xp, a, dims: tuple, out_dims: tuple):
-    """View local array `a` (axes named `dims`) so that it broadcasts against axes `out_dims`."""
-    perm, present = _alignment(dims, out_dims)
-    if perm is not None:
-        a = xp.transpose(a, perm)
-    if all(present):
-        return a
-    it = iter(a.shape)
-    return a.reshape(tuple(next(it) if p else 1 for p in present))
 
 
 @lru_cache(maxsize=4096)
@@ -206,7 +182,7 @@ def _sign(x):
     return cast(greater(x, 0), x.dtype) - cast(less(x, 0), x.dtype)
 
 
-relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * cast(greater(x, 0), dy.dtype))
+relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * greater(x, 0))
 gelu = _unary("gelu", _gelu, "GELU, tanh approximation (as Mesh-TensorFlow and jax.nn.gelu).", _gelu_grad)
 exp = _unary("exp", lambda xp, a: xp.exp(a), "e**x.", lambda x, y, dy: dy * y)
 log = _unary("log", lambda xp, a: xp.log(a), "Natural logarithm.", lambda x, y, dy: dy / x)

@@ -1,7 +1,9 @@
 """Layout-independent random tensors: element i of the global array is a hash of (seed, i).
 
 Each rank hashes only the global indices of its own slice (a SplitMix64-style finaliser over a
-counter), so the values are the same on 1 rank and on 8, whatever the layout.
+counter), so the values are the same on 1 rank and on 8, whatever the layout. Both are ops with no
+inputs ("random_uniform", "random_normal"): a trace records them with their seed, and a JAX replay
+runs the same kernel.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -20,9 +22,10 @@ import numpy as np
 
 from ..backend import as_dtype, is_float
 from ..errors import DTypeError, MpimeshError
-from ..layout import local_sizes, slice_bounds
+from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
-from ..tensor import DistTensor, _layout
+from ..tensor import _layout, block_sizes
+from ..trace import dispatch
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -88,11 +91,17 @@ def _real(value, what: str) -> float:
     return f
 
 
-def _random(mesh, shape: ShapeLike, layout, fill):
+def _random(name: str, mesh, shape: ShapeLike, layout, params: dict, fill):
+    """The op `name` (no inputs): each rank fills its block from the global indices it holds."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
-    idx = global_index(mesh.xp, shape, mesh.shape, tl, mesh.coords, local_sizes(shape, mesh.shape, tl, mesh.coords))
-    return DistTensor(mesh, shape, tl, fill(mesh.xp, idx))
+    mesh_shape, split = mesh.shape, tuple(m for m in tl if m)
+
+    def lower(ctx):
+        coords = {m: ctx.coord(m) for m in split}
+        return fill(ctx.xp, global_index(ctx.xp, shape, mesh_shape, tl, coords, block_sizes(ctx, shape, tl)))
+    (t,) = dispatch(name, [], [(shape, tl)], lower, {"shape": shape, **params}, mesh=mesh)
+    return t
 
 
 def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dtype="float32", layout=None):
@@ -108,7 +117,8 @@ def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dt
             top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
             y = xp.minimum(y, top)
         return y
-    return _random(mesh, shape, layout, fill)
+    return _random("random_uniform", mesh, shape, layout,
+                   {"seed": seed, "minval": minval, "maxval": maxval, "dtype": dt}, fill)
 
 
 def random_normal(mesh, shape: ShapeLike, seed: int, mean=0.0, stddev=1.0, dtype="float32", layout=None):
@@ -122,4 +132,5 @@ def random_normal(mesh, shape: ShapeLike, seed: int, mean=0.0, stddev=1.0, dtype
         u2 = uniform01(xp, i, seed, 1)
         z = xp.sqrt(-2.0 * xp.log(u1)) * xp.cos(2.0 * math.pi * u2)
         return (mean + stddev * z).astype(dt)
-    return _random(mesh, shape, layout, fill)
+    return _random("random_normal", mesh, shape, layout,
+                   {"seed": seed, "mean": mean, "stddev": stddev, "dtype": dt}, fill)

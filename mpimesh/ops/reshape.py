@@ -18,11 +18,12 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from ..backend import align, contiguous
 from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike, union_shape
 from ..trace import dispatch
-from .elementwise import align, contiguous, sum_to
+from .elementwise import sum_to
 from .relayout import to_layout
 
 

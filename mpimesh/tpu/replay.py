@@ -37,7 +37,7 @@ replicated there (`in_shardings`, `out_shardings`) and padded and cut inside.
 All take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
 Only the ops the outputs depend on are replayed. A tensor the trace reads that is neither
 produced inside it nor listed in `inputs` is baked in as a constant when this rank's slice is
-the whole tensor (replicated, e.g. the seed `mm.gradients` makes for a scalar loss); otherwise
+the whole tensor (replicated, e.g. one made before the trace opened); otherwise
 it must be listed. 64-bit types are enabled while tracing and calling (as in numpy, which the
 kernels were written for; the random hashes need uint64).
 """
@@ -71,12 +71,13 @@ def _describe(t) -> str:
 # these, whose padding is zero or, for those with a fill, the fill while they run (top_k and argmax
 # see the lowest value there, so never pick a padded slot over a real one). one_hot, gather and
 # dropout index by global position: a padded block's positions run on into the next block's, and
-# what they give there is dropped with the padding (gather's table has zero rows there).
+# what they give there is dropped with the padding (gather's table has zero rows there); so do the
+# creation ops (full, random_uniform, random_normal), which make the padded length.
 _FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
           "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest"}
 _PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat", "split",
               "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
-              "conv_input_grad", "conv_filter_grad", "psum", *_FILLS}
+              "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal", *_FILLS}
 
 
 def _runs_padded(rec) -> bool:
@@ -119,7 +120,7 @@ class _Plan:
         inputs, outputs = list(inputs), list(outputs)
         if not outputs:
             raise ReplayError("replay needs at least one output tensor")
-        ref = trace.ops[0].inputs[0] if trace.ops else (inputs or outputs)[0]
+        ref = trace.ops[0].outputs[0] if trace.ops else (inputs or outputs)[0]  # an op may have no inputs
         self.mesh = ref.mesh
         trace_inputs = {id(t) for t in trace.inputs}
         given: dict[int, int] = {}
@@ -363,8 +364,8 @@ class Replay:
                 return tuple(_unpad(xp, b, u) for b, u in zip(outs, pads[1]))
         else:
             per_device = _body(plan, JaxCollectives(ms, vmapped=True))
-            for name in reversed(ms.names):
-                per_device = jax.vmap(per_device, axis_name=name)
+            for name in reversed(ms.names):  # axis_size: a trace that makes its tensors has no inputs
+                per_device = jax.vmap(per_device, axis_name=name, axis_size=ms[name].size)
             in_layouts = [t.tensor_layout for t in plan.inputs]
             outs = [(t.tensor_layout, t.shape.sizes) for t in plan.outputs]
 
