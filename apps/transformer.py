@@ -52,6 +52,13 @@ load-balancing loss joins the training loss. Unless `--layout` places `experts`,
 
     mpiexec -n 4 python apps/transformer.py --moe-every 2 --experts 4
 
+`--layout auto`: `mm.auto_layout` calibrates the machine on the mesh (a few seconds), records the
+training step dry (shapes only) and prices layout rules with the cost model (`mpimesh.cost`); rank
+0 prints the chosen rules and the top 5 alternatives with their predicted step times, then trains
+with the chosen rules:
+
+    mpiexec -n 4 python apps/transformer.py --layout auto
+
 `--backend jax` runs as ONE process (no mpiexec): the step is recorded once with mpimesh on a
 1-rank mesh with --mesh's dim names, each of size 1 (an MPI mesh of the `--mesh` shape would need that many ranks); the recorded global
 program, each op's own kernel under `jax.numpy`, is jitted with the `--layout` rules as shardings
@@ -156,10 +163,12 @@ def init_params(mesh: mm.Mesh, cfg: Config, seed: int = 0) -> Params:
     return layers.flatten(tree)
 
 
-def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: int = 0):
+def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: int = 0, moe_capacity=None):
     """`(logits [batch, length, vocab], aux)` for byte ids `[batch, length]` (pre-norm residual
     blocks); aux is the sum of the MoE layers' load-balancing losses (None without MoE). An MoE
-    layer takes each sequence as a group of `length` tokens (group dim = batch)."""
+    layer takes each sequence as a group of `length` tokens (group dim = batch); `moe_capacity`,
+    `(capacity_factor, min_capacity)`, overrides the layer's defaults."""
+    capacity = {} if moe_capacity is None else dict(zip(("capacity_factor", "min_capacity"), moe_capacity))
     p = layers.unflatten(params)
     x = layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
     aux = None
@@ -169,7 +178,7 @@ def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: 
         h = layers.layer_norm(b["ln2"], x, "d_model")
         if cfg.is_moe(i):
             y, a = layers.moe(b["moe"], h, group_dim="batch", train=train, seed=layers.subseed(seed, f"moe{i}"),
-                              activation=cfg.activation)
+                              activation=cfg.activation, **capacity)
             aux = a if aux is None else aux + a
         else:
             y = layers.feed_forward(b["ffn"], h, cfg.activation)
@@ -182,10 +191,10 @@ def forward(params: Params, inputs, cfg: Config):
     return forward_aux(params, inputs, cfg)[0]
 
 
-def loss_fn(params: Params, batch: dict, cfg: Config, train: bool = True, seed: int = 0):
+def loss_fn(params: Params, batch: dict, cfg: Config, train: bool = True, seed: int = 0, moe_capacity=None):
     """Mean next-byte cross-entropy in nats (a 0-d tensor), plus the MoE auxiliary loss when
     `train` (`train=False`: the MoE layers' eval capacity and no aux loss)."""
-    logits, aux = forward_aux(params, batch["inputs"], cfg, train, seed)
+    logits, aux = forward_aux(params, batch["inputs"], cfg, train, seed, moe_capacity)
     loss = mm.reduce_mean(layers.softmax_cross_entropy_with_logits(logits, batch["targets"], "vocab"))
     return loss + aux if train and aux is not None else loss
 
@@ -404,6 +413,26 @@ def start_step(args: argparse.Namespace, mesh: mm.Mesh) -> int:
     return 0
 
 
+def auto_layout(mesh_shape: str, cfg: Config, seed: int, top: int = 5) -> str:
+    """`--layout auto`: the rules `mm.auto_layout` chooses for the training step on a mesh of
+    `mesh_shape`, after calibrating the machine on it; rank 0 prints them and the next `top`
+    alternatives with their predicted step times. The step is recorded dry: the parameters and
+    optimizer state are placeholders on a `DryMesh` (shapes and dtypes, no values)."""
+    from mpimesh.dryrun import DryMesh
+    mesh = mm.Mesh(mesh_shape)
+    optimizer = make_optimizer(cfg)
+    params = init_params(DryMesh(mesh_shape), cfg, seed)
+    tokens = mm.cost.ArgSpec([cfg.dim("batch"), cfg.dim("length")], "int32")
+    t0 = time.perf_counter()
+    plan = mm.auto_layout(make_train_step(cfg, optimizer), (params, optimizer.init(params),
+                                                             {"inputs": tokens, "targets": tokens}), mesh)
+    if mesh.rank == 0:
+        print(f"--layout auto on mesh {mesh.shape}: {plan.rules or '(replicated)'!s}, predicted "
+              f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t0:.1f} s to calibrate and search)")
+        print(plan.report(top), flush=True)
+    return plan.rules
+
+
 def default_mesh(n: int) -> str:
     """`rows:r;cols:c` with r*c == n, r <= c, as square as possible (a prime n: `rows:1;cols:n`,
     in effect 1-D; sizes that the mesh dims do not divide are cut unevenly).
@@ -446,7 +475,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="jax: ONE process (no mpiexec); the train step is recorded once with mpimesh on 1 rank "
                          "and replayed by JAX for the loop on a jax mesh named and sized like --mesh (host "
                          "devices on CPU), sharded by --layout; see apps/transformer_jax.py")
-    ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below)")
+    ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below), or "
+                    "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh)")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="corpus bytes read at most")
     ap.add_argument("--heldout", type=float, default=0.1, help="held-out fraction")
@@ -504,8 +534,15 @@ def main(argv=None) -> None:
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
-    check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
-    args.layout = moe_layout(args.layout, cfg.moe_every)
+    auto = args.layout == "auto"
+    if auto and args.backend == "jax":
+        raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
+    if auto and cfg.dtype == "float16":
+        raise UsageError("--layout auto cannot record a float16 step: its loss scaling reads values on the host "
+                         "(a dry run has none); use --dtype bfloat16")
+    if not auto:
+        check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
+        args.layout = moe_layout(args.layout, cfg.moe_every)
     if args.backend == "jax":  # one process: record on 1 rank, replay on the jax mesh (transformer_jax.py)
         if cfg.dtype == "float16":
             raise UsageError("--dtype float16 needs --backend mpi: its loss scaling decides on the host whether "
@@ -518,6 +555,8 @@ def main(argv=None) -> None:
         ones = ";".join(f"{n}:1" for n in mm.Shape(jax_mesh).names)  # --mesh's dim names, each of size 1
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
+        if auto:
+            args.layout = moe_layout(auto_layout(args.mesh or default_mesh(world), cfg, args.seed), cfg.moe_every)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout)
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
     start = start_step(args, mesh)

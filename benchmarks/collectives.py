@@ -6,9 +6,10 @@ Run (common.py fixes the BLAS environment by itself):
 
 On a mesh "all:2", each of allreduce, allgather (axis 0), alltoall, reduce_scatter and permute
 (offset 1, wrapping) from `mesh.collectives` runs against the mpi4py buffer call a careful user
-would write (`comm.Allreduce(x, out)` etc. with a preallocated output) on the same input buffer.
-Runs are interleaved and the minimum of N is kept; GB/s is this rank's input bytes per second.
-Target: mpimesh/raw >= 0.95 from 1 MiB up.
+would write (`comm.Allreduce(x, out)` etc. with a preallocated output) on the same input buffer,
+and the same mpimesh call given that preallocated output (`out=`). Runs are interleaved and the
+minimum of N is kept; GB/s is this rank's input bytes per second.
+Target: mpimesh/raw >= 0.95 from 1 MiB up, with and without `out=`.
 """
 import common  # noqa: F401  (first: clean BLAS environment, may re-exec)
 
@@ -24,8 +25,9 @@ from common import WORLD, compare, fmt_bytes, kernel_report, rank0_print, table,
 TARGET, TARGET_FROM = 0.95, 1 << 20
 
 
-def cases(mesh: mm.Mesh, comm: MPI.Comm, nbytes: int) -> Dict[str, Tuple[Callable, Callable]]:
-    """For each collective: (raw mpi4py call, mpimesh call) on the same float32 input."""
+def cases(mesh: mm.Mesh, comm: MPI.Comm, nbytes: int) -> Dict[str, Tuple[Callable, Callable, Callable]]:
+    """For each collective: (raw mpi4py call, mpimesh call, mpimesh call into the raw call's output)
+    on the same float32 input."""
     n, k = nbytes // 4, comm.Get_size()
     rank = comm.Get_rank()
     x = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
@@ -36,15 +38,20 @@ def cases(mesh: mm.Mesh, comm: MPI.Comm, nbytes: int) -> Dict[str, Tuple[Callabl
     dest, src = (rank + 1) % k, (rank - 1) % k
     return {
         "allreduce": (lambda: comm.Allreduce(x, same, op=MPI.SUM),
-                      lambda: coll.allreduce(x, ("all",))),
+                      lambda: coll.allreduce(x, ("all",)),
+                      lambda: coll.allreduce(x, ("all",), out=same)),
         "allgather": (lambda: comm.Allgather(x, gathered),
-                      lambda: coll.allgather(x, "all", 0)),
+                      lambda: coll.allgather(x, "all", 0),
+                      lambda: coll.allgather(x, "all", 0, out=gathered)),
         "alltoall": (lambda: comm.Alltoall(x, same),
-                     lambda: coll.alltoall(x, "all", 0, 0)),
+                     lambda: coll.alltoall(x, "all", 0, 0),
+                     lambda: coll.alltoall(x, "all", 0, 0, out=same)),
         "reduce_scatter": (lambda: comm.Reduce_scatter_block(x, scattered, op=MPI.SUM),
-                           lambda: coll.reduce_scatter(x, "all", 0)),
+                           lambda: coll.reduce_scatter(x, "all", 0),
+                           lambda: coll.reduce_scatter(x, "all", 0, out=scattered)),
         "permute": (lambda: comm.Sendrecv(x, dest, 0, same, src, 0),
-                    lambda: coll.permute(x, "all", 1)),
+                    lambda: coll.permute(x, "all", 1),
+                    lambda: coll.permute(x, "all", 1, out=same)),
     }
 
 
@@ -68,6 +75,13 @@ def check(mesh: mm.Mesh, comm: MPI.Comm) -> None:
     ref = np.empty_like(x)
     comm.Sendrecv(x, (rank + 1) % k, 0, ref, (rank - 1) % k, 0)
     assert np.array_equal(coll.permute(x, "all", 1), ref)
+    assert np.array_equal(coll.permute(x, "all", 1, out=np.empty_like(x)), ref)
+    out = np.empty(k * n, np.float32)
+    comm.Allgather(x, ref := np.empty(k * n, np.float32))
+    assert coll.allgather(x, "all", 0, out=out) is out and np.array_equal(out, ref)
+    y = x.copy()
+    comm.Allreduce(x, ref := np.empty_like(x))
+    assert coll.allreduce(y, ("all",), out=y) is y and np.array_equal(y, ref)  # in place
 
 
 def main() -> None:
@@ -88,7 +102,7 @@ def main() -> None:
     rows, worst = [], {}
     for name in args.only or ("allreduce", "allgather", "alltoall", "reduce_scatter", "permute"):
         for nbytes in sizes:
-            raw, ours = cases(mesh, comm, nbytes)[name]
+            raw, ours, into = cases(mesh, comm, nbytes)[name]
             inner = max(1, (1 << 22) // nbytes)  # >= ~4 MiB moved per timed run
 
             def loop(f, m=inner):
@@ -97,15 +111,18 @@ def main() -> None:
                         f()  # each result dropped at once, as in a real loop
                 return run
 
-            res = compare({"raw": loop(raw), "mpimesh": loop(ours)}, args.repeat, warmup=2, comm=comm)
+            res = compare({"raw": loop(raw), "mpimesh": loop(ours), "out=": loop(into)}, args.repeat, warmup=2,
+                          comm=comm)
             gbs = {k: nbytes * inner / v[0] / 1e9 for k, v in res.items()}
-            ratio = gbs["mpimesh"] / gbs["raw"]
-            rows.append((name, fmt_bytes(nbytes), f"{gbs['raw']:.2f}", f"{gbs['mpimesh']:.2f}", f"{ratio:.3f}"))
-            if nbytes >= TARGET_FROM and ratio < worst.get(name, (np.inf, ""))[0]:
-                worst[name] = (ratio, fmt_bytes(nbytes))
+            ratio, ratio_out = gbs["mpimesh"] / gbs["raw"], gbs["out="] / gbs["raw"]
+            rows.append((name, fmt_bytes(nbytes), f"{gbs['raw']:.2f}", f"{gbs['mpimesh']:.2f}", f"{ratio:.3f}",
+                         f"{gbs['out=']:.2f}", f"{ratio_out:.3f}"))
+            for key, r in ((name, ratio), (f"{name} out=", ratio_out)):
+                if nbytes >= TARGET_FROM and r < worst.get(key, (np.inf, ""))[0]:
+                    worst[key] = (r, fmt_bytes(nbytes))
     rank0_print(f"\nfloat32 buffers, {WORLD.Get_size()} ranks, min of {args.repeat} interleaved runs; "
                 "GB/s = this rank's input bytes / time")
-    rank0_print(table(("collective", "size", "raw GB/s", "mpimesh GB/s", "ratio"), rows))
+    rank0_print(table(("collective", "size", "raw GB/s", "mpimesh GB/s", "ratio", "out= GB/s", "out= ratio"), rows))
     rank0_print()
     for name, (ratio, at) in worst.items():
         rank0_print(verdict(f"{name} mpimesh/raw >= {TARGET} from 1 MiB", ratio >= TARGET,

@@ -44,6 +44,8 @@ from .trace import trace
 from . import tpu
 from . import optim
 from . import layers
+from . import cost
+from .cost import LayoutPlan, auto_layout
 
 __version__ = "0.1.0"
 
@@ -68,6 +70,8 @@ __all__ = [
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
     "trace", "gradients", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    # automatic layouts
+    "auto_layout", "LayoutPlan",
     # subpackages
-    "layers", "optim", "tpu", "threads",
+    "layers", "optim", "tpu", "threads", "cost",
 ]

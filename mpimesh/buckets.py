@@ -193,16 +193,26 @@ class _Bucket:
         self.bytes += nbytes
 
     def start(self) -> None:
+        if getattr(self.mesh, "dry", False):  # a dry run: count the one allreduce, values never come
+            from .dryrun import count_bucket
+            self.request = count_bucket(self.mesh, self.arrays, self.dims)
+            self.arrays = []
+            return
         xp = self.mesh.xp
         flat = [a.reshape(-1) for a in self.arrays]
         send = flat[0] if len(flat) == 1 else xp.concatenate(flat)
         self.arrays = []  # the request owns `send` now: the partial sums can go
-        self.request = self.mesh.collectives.iallreduce(send, self.dims)
+        # a concatenation is the bucket's own buffer: reduce it in place
+        self.request = self.mesh.collectives.iallreduce(send, self.dims, out=send if len(flat) > 1 else None)
 
     def finish(self) -> None:
         total, at = self.request.wait(), 0
         for t in self.tensors:
             n, dtype = math.prod(t.local.shape), t.local.dtype
+            if total is None:  # a dry run's bucket: shapes and dtypes only
+                from .dryrun import shaped
+                t.local = shaped(t.local.shape, dtype)
+                continue
             block = total[at:at + n].reshape(t.local.shape)
             t.local = block if block.dtype == dtype else block.astype(dtype)
             at += n

@@ -23,6 +23,7 @@ mesh dim, and an uneven block is held padded to the largest, coordinate 0's. Nee
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 
@@ -41,9 +42,14 @@ def _counting_collectives(mesh_shape: Shape):
     class CountingCollectives(JaxCollectives):
         """The JAX collectives of a dry run: each transfer counted with this processor's input."""
 
+        log = None  # while `evaluate` traces a kernel: the counts it makes, to replay on a cache hit
+
         def _count(self, kind: str, dims, x) -> None:
-            counters.record(kind, (dims,) if isinstance(dims, str) else tuple(dims), math.prod(x.shape),
-                            math.prod(x.shape) * np.dtype(x.dtype).itemsize)
+            entry = (kind, (dims,) if isinstance(dims, str) else tuple(dims), math.prod(x.shape),
+                     math.prod(x.shape) * np.dtype(x.dtype).itemsize)
+            if self.log is not None:
+                self.log.append(entry)
+            counters.record(*entry)
 
         def _allreduce(self, x, mesh_dims, op):
             self._count("allreduce", mesh_dims, x)
@@ -76,9 +82,10 @@ def _counting_collectives(mesh_shape: Shape):
 
 
 class DryMesh(AbstractMesh):
-    """An `AbstractMesh` that ops run on dry: tensors on it (see `placeholder`) have shapes,
-    layouts and dtypes but no values, and every op on them is traced, counted and recorded, never
-    computed. Its one processor is coordinate 0 of every mesh dim.
+    """An `AbstractMesh` that ops run on dry: tensors on it (see `placeholder`, and the creation
+    methods `zeros`, `random_normal`, ... as on a `Mesh`) have shapes, layouts and dtypes but no
+    values, and every op on them is traced, counted and recorded, never computed. Its one
+    processor is coordinate 0 of every mesh dim.
 
     >>> DryMesh("x:8").coords, DryMesh("x:8").block_shape("a:20", "a:x")
     ({'x': 0}, (3,))
@@ -126,9 +133,100 @@ def placeholder(mesh: DryMesh, shape: ShapeLike, dtype="float32", layout=None):
     return DistTensor(mesh, shape, tl, jax.ShapeDtypeStruct(mesh.block_shape(shape, tl), as_dtype(dtype)))
 
 
+def shaped(shape, dtype):
+    """A dry run's stand-in for an array: its shape and dtype (a `jax.ShapeDtypeStruct`)."""
+    import jax
+    return jax.ShapeDtypeStruct(tuple(shape), as_dtype(dtype))
+
+
+def count_bucket(mesh: DryMesh, arrays: list, mesh_dims) -> "Request":
+    """A gradient bucket's allreduce on `mesh` (`mpimesh.buckets`): counted as the MPI transport
+    counts it, one allreduce of the concatenated blocks (nothing over a group of 1); the request's
+    result is None (the bucket then gives each gradient its shape and dtype only)."""
+    from .collectives.base import Request
+    dims = tuple(n for n in mesh.shape.names if n in set(mesh_dims))
+    if mesh.group_size(dims) > 1:
+        n = sum(math.prod(a.shape) for a in arrays)
+        counters.record("allreduce", dims, n, n * np.dtype(arrays[0].dtype).itemsize)
+    return Request(lambda: True, lambda: None)
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _key(v, depth: int = 0):
+    """A hashable stand-in for a kernel's closure value (`_Uncacheable` where there is none that
+    is safe: an object known only by its address, a large array, a deep nest)."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, np.dtype, type)):
+        return v
+    if depth > 6:
+        raise _Uncacheable
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = sorted(map(repr, v)) if isinstance(v, (set, frozenset)) else [_key(x, depth + 1) for x in v]
+        return type(v).__name__, tuple(items)
+    if isinstance(v, dict):
+        return "dict", tuple((_key(k, depth + 1), _key(x, depth + 1)) for k, x in v.items())
+    if isinstance(v, slice):
+        return "slice", v.start, v.stop, v.step
+    if isinstance(v, np.ndarray):
+        if v.size > 64:
+            raise _Uncacheable
+        return "array", v.dtype.str, v.shape, v.tobytes()
+    if hasattr(v, "tensor_layout") and hasattr(v, "local"):  # a DistTensor: never its repr (a gather)
+        if not getattr(v.mesh, "dry", False):
+            raise _Uncacheable
+        return "tensor", str(v.shape), v.tensor_layout, str(v.dtype)
+    if isinstance(v, types.FunctionType):
+        cells = []
+        for c in v.__closure__ or ():
+            try:
+                cells.append(_key(c.cell_contents, depth + 1))
+            except ValueError:  # an empty cell
+                cells.append("<empty>")
+        return v.__code__, tuple(cells), _key(v.__defaults__, depth + 1)
+    r = repr(v)
+    if " at 0x" in r or "..." in r:
+        raise _Uncacheable
+    return type(v).__qualname__, r
+
+
+_cache: dict = {}  # (mesh shape, kernel key, input shapes and dtypes) -> (outputs, counts)
+_CACHE_SIZE = 50_000
+
+
 def evaluate(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
     """The kernel `lower`'s outputs on `mesh`'s processor as `jax.ShapeDtypeStruct`s (its
-    collectives counted); an MpimeshError naming the op if the kernel cannot be traced by JAX."""
+    collectives counted); an MpimeshError naming the op if the kernel cannot be traced by JAX.
+
+    A kernel is a function of its code, its closure's values and its inputs' shapes and dtypes:
+    one seen before (on a mesh of this shape) is not traced again, its outputs and counts are
+    replayed (a program re-run dry under many layouts repeats most of its kernels)."""
+    try:
+        key = (str(mesh.shape), name, _key(lower), tuple((tuple(a.shape), str(a.dtype)) for a in locals_))
+        hit = _cache.get(key)
+    except (_Uncacheable, TypeError):
+        key, hit = None, None
+    if hit is not None:
+        outs, log = hit
+        for entry in log:
+            counters.record(*entry)
+        return outs
+    ctx = mesh.collectives
+    ctx.log = []
+    try:
+        outs = _trace(mesh, name, lower, locals_)
+        log = ctx.log
+    finally:
+        ctx.log = None
+    if key is not None:
+        if len(_cache) >= _CACHE_SIZE:
+            _cache.clear()
+        _cache[key] = (outs, tuple(log))
+    return outs
+
+
+def _trace(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
     import jax
     from .tpu.replay import _x64
     ctx, ms = mesh.collectives, mesh.shape
@@ -148,3 +246,18 @@ def evaluate(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
         raise MpimeshError(f"dry run of op {name!r}: its kernel cannot be traced by JAX "
                            f"({type(e).__name__}: {e})") from e
     return tuple(jax.ShapeDtypeStruct(o.shape[ms.rank:], o.dtype) for o in outs)
+
+
+def _bind_creation() -> None:
+    """Give `DryMesh` the creation methods of `Mesh` (`mpimesh.creation`: `zeros`, `ones`, `full`,
+    `random_normal`, ...), so code that initializes a model on a mesh makes placeholders on a dry one.
+
+    >>> DryMesh("x:2", layout="a:x").random_normal("a:5;b:3", seed=0).local.shape
+    (3, 3)
+    """
+    from .creation import METHODS
+    for name, fn in METHODS.items():
+        setattr(DryMesh, name, fn)
+
+
+_bind_creation()

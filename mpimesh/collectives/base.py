@@ -19,6 +19,16 @@ block for `allgather`, its whole input for `alltoall` and `reduce_scatter`.
 >>> c = Collectives(Shape("rows:1;cols:1"), np)
 >>> c.allreduce(np.ones(2), ("rows", "cols")), c.block(np.arange(4), "rows", 0)
 (array([1., 1.]), array([0, 1, 2, 3]))
+
+Output buffers: every collective takes `out=`, an array of the result's shape and dtype that the
+result is written into and that is returned (a mismatch is an `MpimeshError`, raised before anything
+moves, so on every rank where all pass the same shapes). A transport with `fills_out` receives
+straight into `out` where it can (`out` C-contiguous and apart from `x`; `out is x` for an in-place
+allreduce); otherwise, and over a group of one, the result is copied into `out`.
+
+>>> y = np.zeros(2)
+>>> c.allreduce(np.ones(2), ("rows",), out=y) is y, y
+(True, array([1., 1.]))
 """
 from __future__ import annotations
 
@@ -40,11 +50,12 @@ class CollectivesLike(Protocol):
     def coord(self, mesh_dim: str): ...
     def span(self, size: int, mesh_dim: Optional[str]) -> tuple: ...
     def block(self, x, mesh_dim: str, axis: int): ...
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"): ...
-    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None): ...
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None): ...
-    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"): ...
-    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True): ...
+    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None): ...
+    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None): ...
+    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None,
+                 out=None): ...
+    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum", out=None): ...
+    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True, out=None): ...
     def exscan(self, x, mesh_dim: str, op: str = "sum"): ...
     def any_rank(self, flag: bool) -> bool: ...
 
@@ -135,6 +146,7 @@ class Collectives:
     """
 
     transport = "none"
+    fills_out = False  # whether the underscored methods take `out=` (a buffer to receive into, or None)
 
     def __init__(self, mesh_shape: Shape, xp):
         self.xp = xp
@@ -151,6 +163,8 @@ class Collectives:
         raise NotImplementedError
 
     def _allreduce(self, x, mesh_dims: tuple, op: str):
+        """With `fills_out`, each of these also takes `out`: None, `x` itself (allreduce only: in
+        place), or a C-contiguous array apart from `x` of the result's shape and dtype."""
         raise NotImplementedError
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes: Optional[tuple]):
@@ -210,29 +224,39 @@ class Collectives:
             return 0, size
         return block_span(size, self._sizes[mesh_dim], self.coord(mesh_dim))
 
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum"):
-        """Elementwise sum/max/min of `x` over the ranks of `mesh_dims`."""
+    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None):
+        """Elementwise sum/max/min of `x` over the ranks of `mesh_dims` (`out`: see the module;
+        `out=x` reduces in place)."""
         dims = self.ordered(mesh_dims)
+        if out is not None:
+            self._check_out(out, x, x.shape, "allreduce")
         if self.size(dims) == 1:
-            return x
-        return self._allreduce(x, dims, op)
+            return x if out is None else _copy(out, x)
+        if out is None:
+            return self._allreduce(x, dims, op)
+        return self._into(out, x, lambda o: self._allreduce(x, dims, op, **o), in_place=True)
 
-    def iallreduce(self, x, mesh_dims: Sequence[str], op: str = "sum") -> Request:
-        """Start `allreduce(x, mesh_dims, op)` without waiting: a `Request` that owns `x` and the
+    def iallreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None) -> Request:
+        """Start `allreduce(x, mesh_dims, op, out)` without waiting: a `Request` that owns `x` and the
         result buffer, whose `wait()` gives the result (`test()` polls). Counted in the profile as
         the allreduce it is, and, once complete, in its `overlap` (see `Overlapped`). Every rank of
-        the group starts its requests in the same order; `x` must not change until completion."""
+        the group starts its requests in the same order; `x` (and `out`) must not change until completion."""
         dims = self.ordered(mesh_dims)
+        if out is not None:
+            self._check_out(out, x, x.shape, "iallreduce")
         if self.size(dims) == 1:
-            return Request(lambda: True, lambda: None, then=lambda: x)
-        return self._iallreduce(x, dims, op)
+            done = x if out is None else _copy(out, x)
+            return Request(lambda: True, lambda: None, then=lambda: done)
+        if out is None or not self.fills_out or not _fits(self.xp, out, x, True):
+            return self._iallreduce(x, dims, op) if out is None else _copied(self._iallreduce(x, dims, op), out)
+        return self._iallreduce(x, dims, op, out=out)
 
-    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+    def _iallreduce(self, x, dims: tuple, op: str, **out) -> Request:
         """A transport without a non-blocking path: the blocking allreduce, complete when started."""
-        out = self._allreduce(x, dims, op)
-        return Request(lambda: True, lambda: None, then=lambda: out)
+        result = self._allreduce(x, dims, op, **out)
+        return Request(lambda: True, lambda: None, then=lambda: result)
 
-    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None):
+    def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None):
         """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`.
 
         `size`: the length of the result along `axis`, where coordinate c holds block c of
@@ -240,11 +264,16 @@ class Collectives:
         coordinate 0 passes 3 rows, coordinate 1 passes 2, and both get all 5.
         """
         k = self._sizes[mesh_dim]
+        if out is not None:
+            self._check_out(out, x, _with(x.shape, axis, k * x.shape[axis] if size is None else size), "allgather")
         if k == 1:
-            return x
-        return self._allgather(x, mesh_dim, axis, None if size is None else _unequal(block_sizes(size, k)))
+            return x if out is None else _copy(out, x)
+        sizes = None if size is None else _unequal(block_sizes(size, k))
+        if out is None:
+            return self._allgather(x, mesh_dim, axis, sizes)
+        return self._into(out, x, lambda o: self._allgather(x, mesh_dim, axis, sizes, **o))
 
-    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None):
+    def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None, out=None):
         """Cut `x` into k blocks along `split_axis` (like `numpy.array_split`; that axis has the same
         length on every rank), send block j to coordinate j, and concatenate what arrives along
         `concat_axis` in coordinate order.
@@ -256,37 +285,107 @@ class Collectives:
         """
         k = self._sizes[mesh_dim]
         if k == 1:
-            return x
-        splits = block_sizes(x.shape[split_axis], k)
-        concats = block_sizes(k * x.shape[concat_axis] if size is None else size, k)
-        if _unequal(splits) is None and _unequal(concats) is None:
-            return self._alltoall(x, mesh_dim, split_axis, concat_axis, None)
-        if split_axis == concat_axis:
-            raise MpimeshError(f"alltoall along one axis needs equal blocks: length {x.shape[split_axis]} "
-                               f"(size {size}) over mesh dim {mesh_dim!r} of size {k}")
-        return self._alltoall(x, mesh_dim, split_axis, concat_axis, (splits, concats))
+            if out is not None:
+                self._check_out(out, x, x.shape, "alltoall")
+            return x if out is None else _copy(out, x)
+        n, total = x.shape[split_axis], k * x.shape[concat_axis] if size is None else size
+        if n % k == 0 and total == k * x.shape[concat_axis]:  # equal blocks both ways (no block lists to make)
+            sizes = None
+        else:
+            splits, concats = block_sizes(n, k), block_sizes(total, k)
+            sizes = None if _unequal(splits) is None and _unequal(concats) is None else (splits, concats)
+            if sizes is not None and split_axis == concat_axis:
+                raise MpimeshError(f"alltoall along one axis needs equal blocks: length {x.shape[split_axis]} "
+                                   f"(size {size}) over mesh dim {mesh_dim!r} of size {k}")
+        if out is None:
+            return self._alltoall(x, mesh_dim, split_axis, concat_axis, sizes)
+        shape = x.shape if split_axis == concat_axis else \
+            _with(_with(x.shape, split_axis, block_sizes(n, k)[self.coord(mesh_dim)]), concat_axis, total)
+        self._check_out(out, x, shape, "alltoall")
+        return self._into(out, x, lambda o: self._alltoall(x, mesh_dim, split_axis, concat_axis, sizes, **o))
 
-    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum"):
+    def reduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum", out=None):
         """Reduce `x` over `mesh_dim`; coordinate j keeps block j along `axis` (cut like
         `numpy.array_split`: 5 rows over 2 ranks leave 3 on coordinate 0, 2 on coordinate 1)."""
         k = self._sizes[mesh_dim]
         if k == 1:
-            return x
-        return self._reduce_scatter(x, mesh_dim, axis, op, _unequal(block_sizes(x.shape[axis], k)))
+            if out is not None:
+                self._check_out(out, x, x.shape, "reduce_scatter")
+            return x if out is None else _copy(out, x)
+        n = x.shape[axis]
+        blocks = (n // k,) * k if n % k == 0 else block_sizes(n, k)
+        if out is None:
+            return self._reduce_scatter(x, mesh_dim, axis, op, _unequal(blocks))
+        self._check_out(out, x, _with(x.shape, axis, blocks[self.coord(mesh_dim)]), "reduce_scatter")
+        return self._into(out, x, lambda o: self._reduce_scatter(x, mesh_dim, axis, op, _unequal(blocks), **o))
 
-    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True):
+    def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True, out=None):
         """Send `x` to coordinate c+offset along `mesh_dim` and return what coordinate c-offset
         sent; without `wrap`, ranks with no source get zeros."""
         k = self._sizes[mesh_dim]
+        if out is not None:
+            self._check_out(out, x, x.shape, "permute")
         if k == 1 or offset % k == 0 and wrap:
-            return x if wrap or offset == 0 else self.xp.zeros_like(x)
-        return self._permute(x, mesh_dim, offset, wrap)
+            if wrap or offset == 0:
+                return x if out is None else _copy(out, x)
+            if out is None:
+                return self.xp.zeros_like(x)
+            out[...] = 0
+            return out
+        if out is None:
+            return self._permute(x, mesh_dim, offset, wrap)
+        return self._into(out, x, lambda o: self._permute(x, mesh_dim, offset, wrap, **o))
 
     def exscan(self, x, mesh_dim: str, op: str = "sum"):
         """Exclusive prefix reduction over coordinates along `mesh_dim` (zeros on coordinate 0)."""
         if self._sizes[mesh_dim] == 1:
             return self.xp.zeros_like(x)
         return self._exscan(x, mesh_dim, op)
+
+
+    # Output buffers ------------------------------------------------------------------------------
+    def _check_out(self, out, x, shape: tuple, kind: str) -> None:
+        """Refuse an `out` that is not of the result's `shape` and `x`'s dtype."""
+        if tuple(out.shape) != tuple(shape) or out.dtype != x.dtype:
+            raise MpimeshError(f"{kind}: out has shape {tuple(out.shape)} and dtype {out.dtype}, but the result "
+                               f"has shape {tuple(shape)} and dtype {x.dtype} (input shape {tuple(x.shape)})")
+
+    def _into(self, out, x, run, in_place: bool = False):
+        """`run(o)` with `o = {"out": out}` where this transport can receive straight into `out`
+        (else `{}`, and the result is copied into `out`); `out`, holding the result."""
+        if self.fills_out and _fits(self.xp, out, x, in_place):
+            result = run({"out": out})
+            return out if result is out else _copy(out, result)
+        return _copy(out, run({}))
+
+
+def _with(shape: tuple, axis: int, n: int) -> tuple:
+    """`shape` with length `n` along `axis`."""
+    return tuple(shape[:axis]) + (n,) + tuple(shape[axis + 1:])
+
+
+def _fits(xp, out, x, in_place: bool) -> bool:
+    """Whether a transport may receive into `out`: C-contiguous and apart from `x` (or, where
+    `in_place`, `x` itself)."""
+    if not out.flags.c_contiguous:
+        return False
+    if out is x:
+        return in_place
+    return not xp.may_share_memory(out, x)
+
+
+def _copy(out, result):
+    """`result` copied into `out` (nothing to do where they are one); `out`."""
+    if result is not out:
+        out[...] = result
+    return out
+
+
+def _copied(req: Request, out) -> Request:
+    """`req` whose result is copied into `out` when it completes."""
+    then = req._then
+    req._then = (lambda: _copy(out, then() if then is not None else None))
+    return req
 
 
 def _unequal(sizes: tuple) -> Optional[tuple]:

@@ -8,6 +8,10 @@ NCCL transports replace. Unequal blocks (see `base`) take the v-variants (`Allga
 `Reduce_scatter` and their non-blocking forms, which the time-out polls as any other): blocks
 are packed one after another and exactly the real elements move.
 
+Given `out=` (see `base`), the transfer receives straight into it where the result is laid out as
+MPI writes it (any allreduce, permute and equal-block reduce-scatter; an allgather or alltoall whose
+blocks stack along axis 0); an allreduce with `out=x` runs in place (`MPI.IN_PLACE`).
+
 16-bit floats (float16, bfloat16) are summed in float32 and rounded once, while only their 16-bit
 words move: an allreduce is an alltoall of the raw words (rank j gets block j of every rank's
 array), a float32 reduction of those blocks in rank order, and an allgather of the rounded blocks;
@@ -23,13 +27,14 @@ mpi4py cannot export, travels as uint16 views (`backend.wire_dtype`).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import accumulation_dtype, is_low_precision, wire_dtype
-from ..errors import CollectiveTimeoutError
+from ..backend import BFLOAT16, accumulation_dtype, is_low_precision, wire_dtype
+from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
 from . import counters
 from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, merge_front, pack, split_front,
@@ -72,7 +77,7 @@ class BufferPool:
     def empty(self, shape: tuple, dtype):
         """An uninitialised array of `shape` and `dtype`."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes or self.xp is not np:
             return self.xp.empty(shape, dtype)
         key = (self.device, nbytes)
@@ -102,6 +107,7 @@ class MpiCollectives(Collectives):
     """The collectives of one mesh, over MPI sub-communicators per set of mesh dims."""
 
     transport = "mpi"
+    fills_out = True
     _nonblocking = False  # True while `_iallreduce` posts: `_post` starts the transfer and returns
 
     def __init__(self, mesh):
@@ -111,6 +117,7 @@ class MpiCollectives(Collectives):
         self.guard = Guard(mesh._guard_comm, mesh.shape, mesh.coords)
         self._device = mesh.backend == "cupy"
         self._host_pool = BufferPool(np) if self._device else self.pool
+        self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
 
     def _on(self, x):
         """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
@@ -127,11 +134,16 @@ class MpiCollectives(Collectives):
     def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
         """Start `kind` from `send` into `recv` over `dims`; blocking unless a time-out is set.
         `counts`: for unequal blocks, (elements to each coordinate, elements from each coordinate)."""
-        comm = self.mesh.comm_for(dims)
+        comm = self._mpi_comms.get(dims)
+        if comm is None:
+            comm = self._mpi_comms[dims] = self.mesh.comm_for(dims)
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
-        if wire_dtype(send.dtype) != send.dtype:  # bfloat16: move the raw words (never reduced: see `_reduce16`)
+        in_place = send is recv  # an allreduce into its input
+        if send.dtype == BFLOAT16:  # move the raw words (never reduced: see `_reduce16`)
             send, recv = send.view(wire_dtype(send.dtype)), recv.view(wire_dtype(recv.dtype))
+        if in_place:
+            send = MPI.IN_PLACE
         nonblocking = self._nonblocking or Guard.timeout() is not None
         if kind == "permute":
             if not nonblocking:
@@ -177,6 +189,8 @@ class MpiCollectives(Collectives):
 
     def _complete(self, req: Request, dims: tuple) -> None:
         """Wait for `req`, polled under the time-out if one is set."""
+        if req is DONE:
+            return
         if Guard.timeout() is not None:
             try:
                 self.guard.wait(req, dims)
@@ -207,27 +221,27 @@ class MpiCollectives(Collectives):
         rows = recv.reshape(k, sizes[j]).astype(accumulation_dtype(send.dtype))
         return getattr(xp, {"sum": "sum", "max": "max", "min": "min"}[op])(rows, axis=0).astype(send.dtype)
 
-    def _allreduce(self, x, dims: tuple, op: str):
+    def _allreduce(self, x, dims: tuple, op: str, out=None):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
-        if is_low_precision(x.dtype) and x.size:
+        if is_low_precision(x.dtype) and x.size:  # `out` may be `x`: the alltoall has read it when the allgather runs
             sizes = block_sizes(x.size, self.size(dims))
             mine = self._reduce16("allreduce", dims, x.reshape(-1), sizes, op, x.shape)
-            out = pool.empty((x.size,), x.dtype)
+            out = pool.empty(x.shape, x.dtype) if out is None else out
             with counters.paused():
-                self._run("allgather", dims, mine, out, mine.size, mine.nbytes, f" {op} (allreduce of 16-bit floats)",
-                          x.shape, counts=((mine.size,) * len(sizes), sizes))
-            return out.reshape(x.shape)
-        out = pool.empty(x.shape, x.dtype)
+                self._run("allgather", dims, mine, out.reshape(-1), mine.size, mine.nbytes,
+                          f" {op} (allreduce of 16-bit floats)", x.shape, counts=((mine.size,) * len(sizes), sizes))
+            return out
+        out = pool.empty(x.shape, x.dtype) if out is None else out
         self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
 
-    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+    def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
         xp, pool = self._on(x)
         x = contiguous(xp, x)
         if is_low_precision(x.dtype):  # summed in float32 by blocking steps (`_allreduce`)
-            return super()._iallreduce(x, dims, op)
-        out = pool.empty(x.shape, x.dtype)
+            return super()._iallreduce(x, dims, op, **({} if out is None else {"out": out}))
+        out = pool.empty(x.shape, x.dtype) if out is None else out
         self._nonblocking = True
         try:
             req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
@@ -239,38 +253,53 @@ class MpiCollectives(Collectives):
             return out
         return Overlapped(req.test, lambda: self._complete(req, dims), then)
 
-    def _allgather(self, x, mesh_dim: str, axis: int, sizes):
+    def _allgather(self, x, mesh_dim: str, axis: int, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         x = contiguous(xp, x)
+        front = axis == 0 or math.prod(x.shape[:axis]) == 1  # blocks stack in memory: receive straight into the result
         if sizes is not None:
             counts = block_counts(x.shape, axis, sizes)
-            out = pool.empty((sum(counts),), x.dtype)
-            self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}",
+            flat = out.reshape(-1) if out is not None and front else pool.empty((sum(counts),), x.dtype)
+            self._run("allgather", (mesh_dim,), x, flat, x.size, x.nbytes, f" axis {axis}",
                       uneven_shape(x.shape, axis, sizes, self.coord(mesh_dim)), counts=((x.size,) * k, counts))
-            return unpack(xp, out, x.shape, axis, sizes)
-        # axis 0 is block-major already: receive straight into the result's shape
-        out = pool.empty(((k * x.shape[0],) + x.shape[1:]) if axis == 0 else (k,) + x.shape, x.dtype)
-        self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}")
-        return out if axis == 0 else merge_front(xp, out, axis)
+            if front:
+                return flat.reshape(x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:]) if out is None else out
+            return unpack(xp, flat, x.shape, axis, sizes)
+        if front:
+            shape = x.shape[:axis] + (k * x.shape[axis],) + x.shape[axis + 1:]
+            out = pool.empty(shape, x.dtype) if out is None else out
+            self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}")
+            return out
+        every = pool.empty((k,) + x.shape, x.dtype)
+        self._run("allgather", (mesh_dim,), x, every, x.size, x.nbytes, f" axis {axis}")
+        return merge_front(xp, every, axis)
 
-    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes):
+    def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         if sizes is not None:
             (splits, concats), c = sizes, self.coord(mesh_dim)
             send = pack(xp, x, split_axis, splits)
             piece = x.shape[:split_axis] + (splits[c],) + x.shape[split_axis + 1:]  # each sender's block for us
             counts = (block_counts(x.shape, split_axis, splits), block_counts(piece, concat_axis, concats))
-            recv = pool.empty((sum(counts[1]),), x.dtype)
+            front = math.prod(piece[:concat_axis]) == 1  # arriving blocks stack in memory
+            recv = out.reshape(-1) if out is not None and front else pool.empty((sum(counts[1]),), x.dtype)
             self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}",
                       uneven_shape(x.shape, concat_axis, concats, c), counts=counts)
+            if front:
+                return recv.reshape(piece[:concat_axis] + (sum(concats),) + piece[concat_axis + 1:]) \
+                    if out is None else out
             return unpack(xp, recv, piece, concat_axis, concats)
         flat = split_axis == concat_axis == 0  # blocks go and come back along axis 0: no reshaping
         send = contiguous(xp, x) if flat else split_front(xp, x, split_axis, k)
+        if out is not None and (flat or concat_axis == 0):  # arriving blocks stack along axis 0 of `out`
+            recv = out.reshape(send.shape)
+            self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}")
+            return out
         recv = pool.empty(send.shape, send.dtype)
         self._run("alltoall", (mesh_dim,), send, recv, send.size, send.nbytes, f" axes {split_axis}->{concat_axis}")
         return recv if flat else merge_front(xp, recv, concat_axis)
 
-    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes):
+    def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         if is_low_precision(x.dtype):
             sizes = sizes or block_sizes(x.shape[axis], k)
@@ -281,7 +310,7 @@ class MpiCollectives(Collectives):
         if sizes is not None:
             send, counts = pack(xp, x, axis, sizes), block_counts(x.shape, axis, sizes)
             c = self.coord(mesh_dim)
-            recv = pool.empty(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:], x.dtype)
+            recv = pool.empty(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:], x.dtype) if out is None else out
             self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}",
                       op=op, counts=(counts, counts))
             return recv
@@ -291,11 +320,11 @@ class MpiCollectives(Collectives):
         else:
             send = split_front(xp, x, axis, k)
             shape = send.shape[1:]
-        recv = pool.empty(shape, x.dtype)
+        recv = pool.empty(shape, x.dtype) if out is None else out
         self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}", op=op)
         return recv
 
-    def _permute(self, x, mesh_dim: str, offset: int, wrap: bool):
+    def _permute(self, x, mesh_dim: str, offset: int, wrap: bool, out=None):
         k, c = self.size((mesh_dim,)), self.mesh.coords[mesh_dim]
         dest, src = c + offset, c - offset
         if wrap:
@@ -305,7 +334,10 @@ class MpiCollectives(Collectives):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
         # Zeros only where nothing arrives; otherwise the receive overwrites every element.
-        out = xp.zeros_like(x) if src == MPI.PROC_NULL else pool.empty(x.shape, x.dtype)
+        if out is None:
+            out = xp.zeros_like(x) if src == MPI.PROC_NULL else pool.empty(x.shape, x.dtype)
+        elif src == MPI.PROC_NULL:
+            out[...] = 0
         sends = dest != MPI.PROC_NULL
         self._run("permute", (mesh_dim,), x, out, x.size if sends else 0, x.nbytes if sends else 0,
                   f" offset {offset} wrap {wrap}", dest=dest, src=src)
@@ -331,10 +363,18 @@ class MpiCollectives(Collectives):
         self.mesh.comm_for(self.mesh.shape.names).Allreduce(mine, out, op=MPI.MAX)
         return bool(out[0])
 
-    def broadcast(self, x, root: int = 0):
-        """A copy of mesh rank `root`'s numpy array `x` on every rank; every rank passes an array of
-        the same shape and dtype. For small control values (names, flags); like `any_rank`, not counted."""
-        out = np.array(x, copy=True, order="C")
+    def broadcast(self, x, root: int = 0, out=None):
+        """A copy of mesh rank `root`'s numpy array `x` on every rank (into `out`, a C-contiguous
+        numpy array of x's shape and dtype, where given); every rank passes an array of the same shape
+        and dtype. For small control values (names, flags); like `any_rank`, not counted."""
+        if out is None:
+            out = np.array(x, copy=True, order="C")
+        else:
+            x = np.asarray(x)
+            self._check_out(out, x, x.shape, "broadcast")
+            if not (isinstance(out, np.ndarray) and out.flags.c_contiguous):
+                raise MpimeshError(f"broadcast: out must be a C-contiguous numpy array, got {type(out).__name__}")
+            out[...] = x
         if self.mesh.size > 1:
             self.mesh.comm_for(self.mesh.shape.names).Bcast(out, root=root)
         return out

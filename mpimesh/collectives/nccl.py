@@ -120,15 +120,15 @@ class NcclCollectives(MpiCollectives):
         done.record(stream)
         return _Aborting(done, comm)
 
-    def _iallreduce(self, x, dims: tuple, op: str) -> Request:
+    def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
         """The allreduce on a side stream that first waits for the current stream's work so far: the
         kernels enqueued after it overlap the transfer; `wait()` makes the current stream wait for it
         (the host does not block, unless a time-out is set: then it polls)."""
         if isinstance(x, np.ndarray):
-            return super()._iallreduce(x, dims, op)
+            return super()._iallreduce(x, dims, op, out)
         cuda = self.xp.cuda
         x = contiguous(self.xp, x)
-        out = self.pool.empty(x.shape, x.dtype)
+        out = self.pool.empty(x.shape, x.dtype) if out is None else out  # `out` may be `x`: NCCL reduces in place
         main = cuda.get_current_stream()
         if self._side is None:
             self._side = cuda.Stream(non_blocking=True)

@@ -1,0 +1,25 @@
+"""Cost model and automatic layouts: price a step's op trace on a machine, search layout rules.
+
+- `Machine(flops, latency, bandwidth, memory, ...)`: hardware per rank; published ones `TPUV2`,
+  `TPUV3`, `H100_NVLINK` (sources in `mpimesh/cost/machine.py`); `calibrate(mesh)` measures one.
+- `record(fn, args, mesh, rules)`: the step run dry (shapes only, `mpimesh.dryrun`), a `Recording`
+  that can run itself again under other rules or mesh shapes.
+- `estimate(trace, rules, mesh_shape, machine)`: seconds (compute, communication) and bytes per rank.
+- `auto_layout(fn, args, mesh, memory_per_rank, machine)` (also `mm.auto_layout`): the fastest
+  rules that fit, as a `LayoutPlan` with the alternatives.
+
+>>> import mpimesh as mm
+>>> def step(x):
+...     return mm.reduce_sum(mm.square(x))
+>>> rec = record(step, [ArgSpec("batch:4096;d:256", "float32")], "rows:4", "batch:rows")
+>>> e = estimate(rec, "d:rows", "rows:4", TPUV2)
+>>> e["collectives"], e["bytes_per_rank"] == 4096 * 64 * 4 * 2 + 4
+({'allreduce/rows': {'calls': 1, 'elements': 1, 'bytes': 4}}, True)
+"""
+from .machine import H100_NVLINK, TPUV2, TPUV3, Machine, calibrate, with_links
+from .model import ArgSpec, OpCost, Recording, collective_seconds, estimate, from_trace, op_seconds, record
+from .search import LayoutPlan, auto_layout
+
+__all__ = ["Machine", "TPUV2", "TPUV3", "H100_NVLINK", "calibrate", "with_links", "ArgSpec", "Recording",
+           "OpCost", "record", "from_trace", "estimate", "collective_seconds", "op_seconds", "LayoutPlan",
+           "auto_layout"]

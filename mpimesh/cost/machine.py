@@ -1,0 +1,282 @@
+"""Machines for the cost model: the `Machine` record, published figures, and `calibrate(mesh)`.
+
+A `Machine` gives, per rank (processor): peak matmul FLOP/s, the latency α (seconds per
+collective call) and bandwidth β (bytes/s per link) of the α-β model, memory in bytes, and
+optionally the memory bandwidth that elementwise ops (and skinny matmuls) are bound by, fixed
+per-op costs (an eager framework's dispatch), and α, β per mesh dim (`links`).
+
+>>> m = Machine(flops=1e12, latency=1e-5, bandwidth=1e9, memory=2**30, links=(("rows", 2e-5, 5e8),))
+>>> m.link("rows"), m.link("cols")
+((2e-05, 500000000.0), (1e-05, 1000000000.0))
+>>> TPUV2.flops * 512 / 1e15  # the Mesh-TensorFlow paper's 512-core pod: 11.5 PFLOP/s
+11.52
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional
+
+import numpy as np
+
+from ..errors import MpimeshError
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Hardware, per rank, for `estimate`.
+
+    Args:
+      flops: peak FLOP/s of a large matmul (the dtype the step computes in).
+      latency: α, seconds per collective call (default for mesh dims not in `links`).
+      bandwidth: β, bytes/s per link (default for mesh dims not in `links`).
+      memory: bytes of memory.
+      memory_bandwidth: bytes/s of memory traffic: an elementwise op's time is its bytes in and
+        out over it; a matmul's time is its FLOPs at `flops` or its bytes at this, whichever is
+        longer (the roofline: skinny matmuls are bound by memory).
+      op_overhead: seconds every op costs on top (an eager framework's dispatch; 0 on hardware
+        whose steps are compiled).
+      einsum_overhead: seconds every einsum costs on top, instead of `op_overhead` (so a small
+        matmul runs below peak: Hockney's half-performance size is `einsum_overhead * flops`).
+      links: `((mesh_dim, latency, bandwidth), ...)`: measured α and β of some mesh dims.
+      name: a label.
+    """
+
+    flops: float
+    latency: float
+    bandwidth: float
+    memory: float
+    memory_bandwidth: float = math.inf
+    op_overhead: float = 0.0
+    einsum_overhead: float = 0.0
+    links: tuple = field(default=())
+    name: str = ""
+
+    def __post_init__(self):
+        for k in ("flops", "bandwidth", "memory", "memory_bandwidth"):
+            if not getattr(self, k) > 0:
+                raise MpimeshError(f"Machine: {k} must be > 0, got {getattr(self, k)!r}")
+        for k in ("latency", "op_overhead", "einsum_overhead"):
+            if not getattr(self, k) >= 0:
+                raise MpimeshError(f"Machine: {k} must be >= 0, got {getattr(self, k)!r}")
+        for k in ("flops", "latency", "bandwidth", "memory", "memory_bandwidth", "op_overhead", "einsum_overhead"):
+            object.__setattr__(self, k, float(getattr(self, k)))
+        object.__setattr__(self, "links", tuple((str(d), float(a), float(b)) for d, a, b in self.links))
+
+    def link(self, mesh_dim: str) -> tuple[float, float]:
+        """`(α, β)` of `mesh_dim`: its measured link, else the machine's defaults."""
+        for d, a, b in self.links:
+            if d == mesh_dim:
+                return a, b
+        return self.latency, self.bandwidth
+
+    def group(self, mesh_dims: Iterable[str]) -> tuple[float, float]:
+        """`(α, β)` of a collective over several mesh dims at once: the slowest dim's (the
+        largest α, the smallest β)."""
+        links = [self.link(d) for d in mesh_dims] or [(self.latency, self.bandwidth)]
+        return max(a for a, _ in links), min(b for _, b in links)
+
+
+# --------------------------------------------------------------------------- published machines
+# Figures are per core (TPU: a chip has 2 cores, which share its links) or per GPU, from:
+#  [MTF]  Shazeer et al., "Mesh-TensorFlow: Deep Learning for Supercomputers", NeurIPS 2018, sec. 9:
+#         "a 512-core TPUv2 cluster ... 11.5 petaflops" (peak), i.e. 22.5 TFLOP/s per core.
+#  [TPU]  Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks",
+#         CACM 63(7), 2020, Table 3: TPUv2 chip 46 TFLOP/s bf16, 16 GiB HBM at 700 GB/s, 4 ICI
+#         links of 496 Gbit/s; TPUv3 chip 123 TFLOP/s, 32 GiB HBM at 900 GB/s, 4 ICI links of
+#         656 Gbit/s. (Google Cloud's TPU docs give 45 and 123 TFLOP/s, 8 and 16 GiB per core.)
+#  [H100] NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOP/s dense bf16 (1979 with
+#         sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 4 at 900 GB/s total (both directions) per GPU.
+# Not published, assumed (each a guess, said here so the simulation can be read with it): α, the
+# per-collective latency: 5 µs per ICI collective call, 10 µs per NCCL call over NVLink (NCCL's
+# small-message allreduce latency on one node is of that order). β is one direction of one link:
+# a ring over a mesh dim of a TPU torus runs over one link per direction, shared by the chip's 2 cores,
+# and a bidirectional ring uses both directions, so one link's one-way rate per core; on NVLink the
+# 900 GB/s is 450 GB/s per direction, all of which a ring allreduce through NVSwitch can use.
+
+TPUV2 = Machine(flops=11.52e15 / 512, latency=5e-6, bandwidth=496e9 / 8 / 2, memory=8 * 2**30,
+                memory_bandwidth=700e9 / 2, name="TPUv2 core")
+"""One TPUv2 core: 22.5 TFLOP/s bf16 [MTF], 8 GiB HBM [TPU], 350 GB/s HBM (700 per chip)
+[TPU], β = 31 GB/s (a 496 Gbit/s ICI link, 62 GB/s, shared by the chip's 2 cores) [TPU], α = 5 µs
+(assumed)."""
+
+TPUV3 = Machine(flops=123e12 / 2, latency=5e-6, bandwidth=656e9 / 8 / 2, memory=16 * 2**30,
+                memory_bandwidth=900e9 / 2, name="TPUv3 core")
+"""One TPUv3 core: 61.5 TFLOP/s bf16 (123 per chip of 2 cores) [TPU], 16 GiB HBM, 450 GB/s HBM
+(900 per chip), β = 41 GB/s (a 656 Gbit/s ICI link, 82 GB/s, shared by 2 cores) [TPU], α = 5 µs
+(assumed)."""
+
+H100_NVLINK = Machine(flops=989e12, latency=10e-6, bandwidth=450e9, memory=80e9, memory_bandwidth=3.35e12,
+                      name="H100 SXM in an 8-GPU NVLink node")
+"""One H100 SXM of an 8-GPU NVLink/NVSwitch node: 989 TFLOP/s dense bf16, 80 GB HBM3 at
+3.35 TB/s, β = 450 GB/s (NVLink 4: 900 GB/s per GPU, both directions) [H100], α = 10 µs
+(assumed). A node only: across nodes the links are InfiniBand, far slower."""
+
+
+# --------------------------------------------------------------------------- calibration
+
+def _median(fn, reps: int, sync=lambda: None) -> float:
+    """The median seconds of `reps` calls of `fn`, after a warm-up call (the median, not the least:
+    on a node with more ranks than cores, a step runs at the shared rate, and so should this)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def calibrate(mesh, seconds: float = 3.0) -> Machine:
+    """Measure this mesh's `Machine` in a few seconds; every rank returns the same one.
+
+    Each rank times, on replicated tensors: a dense layer's `mm.einsum` ([2048, 256] x [256, 256]:
+    FLOP/s, beyond its fixed cost), a tiny `mm.einsum` (the fixed cost of an einsum), a tiny
+    training step (forward, `mm.gradients`, update: the fixed cost of any other op), a product
+    over a 16 MiB array with the mesh's array module (memory bandwidth: bytes in and out over the
+    time), a mid-size MLP training step ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
+    of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
+    call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
+    cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
+    2(k-1)/k of its bytes in the time beyond α). The ranks agree on the slowest rank's figure for
+    each (an allreduce max over the mesh). The MLP step is then priced with the compute figures,
+    and all of them are scaled by its measured time over that price (clipped to 0.5 to 4: what
+    the parts miss, e.g. the load of a shared node). `memory` is the host's (or the GPU's) free
+    memory over the ranks on it, at most. `seconds` bounds the repetitions, roughly.
+
+    Collectives made here are not counted by an open `mm.profile`.
+    """
+    from ..collectives import counters
+    from ..ops.einsum import einsum
+    if not hasattr(mesh, "collectives") or getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
+        raise MpimeshError(f"calibrate needs a Mesh with processors, got {mesh!r} (give a Machine by hand instead)")
+    xp = mesh.xp
+    sync = _sync(xp)
+    reps = max(3, int(seconds * 5))  # about seconds / 3 in all on one core
+    with counters.paused():
+        big = (2048, 256, 256)  # a dense layer's matmul: [batch, d_in] x [d_in, d_out]
+        a = mesh.ones(f"calib_a:{big[0]};calib_b:{big[1]}", layout="")
+        b = mesh.ones(f"calib_b:{big[1]};calib_c:{big[2]}", layout="")
+        t_big = _median(lambda: einsum([a, b]), reps, sync)
+        x = xp.ones(4 << 20, np.float32)
+        t_mem = _median(lambda: x * np.float32(1.5), reps, sync)
+        u, v = mesh.ones("calib_a:2;calib_b:3", layout=""), mesh.ones("calib_b:3;calib_c:2", layout="")
+        t_einsum = _median(lambda: einsum([u, v]), 20 * reps)
+        t_op = _tiny_step_overhead(u, v, t_einsum, 5 * reps)
+        ref, ref_args = _reference_step(mesh)
+        t_ref = _median(lambda: ref(*ref_args), reps, sync)
+        values = [t_big, t_mem, t_op, t_einsum, t_ref]
+        dims = [d.name for d in mesh.shape if d.size > 1]
+        p, q = mesh.ones("calib_a:512;calib_b:256", layout=""), mesh.ones("calib_b:256;calib_c:256", layout="")
+        one = xp.ones(1, np.float32)
+        for d in dims:  # α: an allreduce after a burst of compute (ranks arrive as in a step), less the burst
+            burst = _median(lambda: einsum([p, q]), 2 * reps, sync)
+            values.append(max(0.0, _median(lambda: (einsum([p, q]), mesh.collectives.allreduce(one, [d])),
+                                           2 * reps, sync) - burst))
+            many = xp.ones(1 << 20, np.float32)
+            values.append(_median(lambda: mesh.collectives.allreduce(many, [d]), reps))
+        values = np.asarray(values, np.float64)
+        if mesh.size > 1:  # the slowest rank's figures, the same on every rank
+            values = np.asarray(_to_host(mesh.collectives.allreduce(xp.asarray(values), list(mesh.shape.names), "max")))
+        memory = _free_memory(mesh)
+    t_big, t_mem, t_op, t_einsum, t_ref = values[:5]
+    values = values[1:]  # the α, β pairs from values[4]
+    flops = 2 * math.prod(big) / max(t_big - t_einsum, 1e-9)
+    mem_bw = 2 * x.nbytes / t_mem
+    links = []
+    for i, d in enumerate(dims):
+        alpha, t_large = max(values[4 + 2 * i], 1e-7), values[5 + 2 * i]
+        k = mesh.shape[d].size
+        moved = 2 * (k - 1) / k * 4 * (1 << 20)
+        links.append((d, alpha, moved / max(t_large - alpha, 1e-9)))
+    latency = max((a for _, a, _ in links), default=1e-6)
+    bandwidth = min((b for _, _, b in links), default=1e12)
+    parts = Machine(flops=flops, latency=latency, bandwidth=bandwidth, memory=memory, memory_bandwidth=mem_bw,
+                    op_overhead=t_op, einsum_overhead=t_einsum, links=tuple(links))
+    from .model import estimate, record
+    scale = min(4.0, max(0.5, t_ref / estimate(record(ref, ref_args, mesh.shape, ""), None, None, parts)["seconds"]))
+    return replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
+                   einsum_overhead=t_einsum * scale,
+                   name=f"calibrated on mesh {mesh.shape} ({mesh.backend}; compute x{scale:.2f} from a reference step)")
+
+
+def _reference_step(mesh):
+    """A replicated two-layer MLP training step of mid-size tensors: `(step, args)`."""
+    from ..autodiff import gradients
+    from ..ops.einsum import einsum
+    from ..ops.elementwise import relu, square, subtract
+    from ..ops.reduce import reduce_sum
+    from ..trace import trace
+
+    def step(x, w1, w2):
+        with trace():
+            y = einsum([relu(einsum([x, w1])), w2])
+            g1, g2 = gradients([reduce_sum(square(y - x))], [w1, w2])
+            return subtract(w1, g1 * 0.01), subtract(w2, g2 * 0.01)
+    return step, (mesh.ones("calib_a:512;calib_b:256", layout=""), mesh.ones("calib_b:256;calib_c:512", layout=""),
+                  mesh.ones("calib_c:512;calib_b:256", layout=""))
+
+
+def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:
+    """Seconds per op other than einsum of a tiny training step (forward, `mm.gradients`, update):
+    the fixed cost of an op in a step, autodiff's bookkeeping and the trace included."""
+    from ..autodiff import gradients
+    from ..ops.einsum import einsum
+    from ..ops.elementwise import subtract, tanh
+    from ..ops.reduce import reduce_sum
+    from ..trace import trace
+
+    def step():
+        with trace() as tr:
+            y = tanh(einsum([x, w]))
+            loss = reduce_sum(y * y)
+            (g,) = gradients([loss], [w])
+            subtract(w, g * 0.1)
+        return tr
+    ops = step().ops
+    n_einsum = sum(op.name == "einsum" for op in ops)
+    return max(0.0, (_median(step, reps) - n_einsum * t_einsum) / max(1, len(ops) - n_einsum))
+
+
+def _sync(xp):
+    if xp.__name__.split(".")[0] == "cupy":
+        return lambda: xp.cuda.Stream.null.synchronize()
+    return lambda: None
+
+
+def _to_host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def _free_memory(mesh) -> float:
+    """Bytes each rank may use: the GPU's free memory, else the host's available memory over the
+    ranks of this node (`MemAvailable`; 16 GiB where /proc is missing). The minimum over ranks."""
+    from mpi4py import MPI
+    if mesh.backend == "cupy":
+        free = float(mesh.xp.cuda.runtime.memGetInfo()[0])
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            avail = 16 * 2**30
+        node = mesh.comm_for(mesh.shape.names).Split_type(MPI.COMM_TYPE_SHARED) if mesh.size > 1 else None
+        free = avail / (node.Get_size() if node is not None else 1)
+        if node is not None:
+            node.Free()
+    comm = mesh.comm_for(mesh.shape.names)
+    return float(comm.allreduce(free, op=MPI.MIN))
+
+
+def with_links(machine: Machine, links: Optional[dict] = None, **changes) -> Machine:
+    """`machine` with some fields changed and `links` (`{mesh_dim: (α, β)}`) added or replaced.
+
+    >>> with_links(TPUV2, {"rows": (1e-6, 1e9)}).link("rows")
+    (1e-06, 1000000000.0)
+    """
+    merged = {d: (a, b) for d, a, b in machine.links}
+    merged.update(links or {})
+    return replace(machine, links=tuple((d, a, b) for d, (a, b) in merged.items()), **changes)

@@ -1,0 +1,405 @@
+"""The cost model: a step recorded dry (`record`), priced on a `Machine` (`estimate`).
+
+A `Recording` is a program run dry (`mpimesh.dryrun`) on a mesh shape under layout rules: per op
+its local FLOPs and bytes in and out, the collectives counted as the MPI transport counts them
+(kind, mesh dims, calls, bytes), and the lifetimes of its tensors' blocks (peak memory). It keeps
+the function and its arguments' shapes and dtypes, so it can run the program again, dry, on any
+mesh shape under any rules: `estimate(recording, rules, mesh_shape, machine)` does (each re-run
+kept). A plain `mm.trace()` can be priced too, as it ran: each op's kernel is re-traced dry for its
+collectives; other rules or mesh shapes need the program, hence `record`.
+
+Prices (seconds per rank, the processor at coordinate 0 of every mesh dim, whose blocks are the
+largest):
+- an einsum: `max(flops / machine.flops, bytes / machine.memory_bandwidth) + einsum_overhead`
+  (the roofline, plus a per-call cost: skinny and small matmuls run below peak);
+- any other op: the same with `op_overhead` (elementwise ops are bound by their bytes);
+- each collective call over mesh dims of `k` processors, with `(α, β) = machine.group(dims)` and
+  `b` the bytes this rank hands the transport (the profile's count): `α + f · b / β`, where `f` is
+  2(k-1)/k for an allreduce (a ring), (k-1)/k for an alltoall and a reduce-scatter, (k-1) for an
+  allgather (b is one block of the k gathered), 1 for a permute, and 2(k-1)/k for an exscan;
+- the step: compute plus communication, none of it overlapped (a bound: buckets hide some).
+
+Memory per rank: the arguments' blocks (parameters, optimizer state, batch) for the whole step,
+plus at the peak the op outputs alive then: each from its op to its last use, or, made while a
+trace of the program was open (`mm.trace()`, which every step with gradients has), until that
+trace closes or autodiff releases it (`mm.gradients(..., release=True)`); the function's outputs
+to the end. Kernel temporaries are not counted.
+
+>>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
+>>> round(allreduce * 1e6, 3)  # α + 2·3/4 · 1000 B / 1 GB/s
+2.5
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from ..errors import MpimeshError
+from ..layout import LayoutRules
+from ..shape import Shape
+from .machine import Machine
+
+
+def collective_seconds(kind: str, k: int, nbytes: float, machine: Machine, mesh_dims=(), calls: int = 1) -> float:
+    """Seconds of `calls` collectives of `kind` over a group of `k` processors whose inputs on this
+    rank total `nbytes` (the profile's bytes), on `machine`'s links of `mesh_dims`."""
+    if k <= 1:
+        return 0.0
+    alpha, beta = machine.group(mesh_dims)
+    factor = {"allreduce": 2 * (k - 1) / k, "exscan": 2 * (k - 1) / k, "alltoall": (k - 1) / k,
+              "reduce_scatter": (k - 1) / k, "allgather": k - 1, "permute": 1.0}.get(kind)
+    if factor is None:
+        raise MpimeshError(f"no cost for collective kind {kind!r}")
+    return calls * alpha + factor * nbytes / beta
+
+
+class ArgSpec:
+    """A tensor argument of a recorded function: its shape and dtype (laid out by the rules of each
+    run)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = Shape(shape), np.dtype(dtype)
+
+    def __repr__(self) -> str:
+        return f"ArgSpec([{self.shape}], {self.dtype})"
+
+
+def _map(tree, leaf):
+    """`tree` (dicts, lists, tuples) with `leaf` applied to each of its `DistTensor`s and `ArgSpec`s."""
+    from ..tensor import DistTensor
+    if isinstance(tree, (DistTensor, ArgSpec)):
+        return leaf(tree)
+    if isinstance(tree, dict):
+        return type(tree)((k, _map(v, leaf)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_map(v, leaf) for v in tree)
+    return tree
+
+
+def _leaves(tree) -> list:
+    out = []
+    _map(tree, lambda t: out.append(t) or t)
+    return out
+
+
+def _nbytes(t) -> int:
+    return math.prod(t.local.shape) * np.dtype(t.dtype).itemsize
+
+
+class OpCost:
+    """One op of a recording: its name, local FLOPs, and local bytes in and out."""
+
+    __slots__ = ("name", "flops", "nbytes")
+
+    def __init__(self, name: str, flops: int, nbytes: int):
+        self.name, self.flops, self.nbytes = name, flops, nbytes
+
+    def __repr__(self) -> str:
+        return f"OpCost({self.name!r}, flops={self.flops}, nbytes={self.nbytes})"
+
+
+class Recording:
+    """A program run dry on `mesh_shape` under `rules` (see `record`).
+
+    Attributes:
+      ops: `OpCost` per op, in order.
+      collectives: the profile's counters, `{"<kind>/<mesh dims>": {"calls", "elements", "bytes"}}`.
+      state_bytes: this rank's blocks of the arguments (parameters, optimizer state, batch).
+      activation_bytes: the peak of the op outputs alive at once.
+      dims: `{tensor dim: size}` of every tensor of the run; `shapes`: their dim-name tuples.
+    """
+
+    def __init__(self, fn, args, mesh_shape: Shape, rules: LayoutRules):
+        self.fn, self.args, self.mesh_shape, self.rules = fn, args, mesh_shape, rules
+        self.ops: list[OpCost] = []
+        self.collectives: dict = {}
+        self.state_bytes = self.activation_bytes = 0
+        self.dims: dict[str, int] = {}
+        self.shapes: set = set()
+        self._runs: dict = {}
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+    def rerun(self, rules=None, mesh_shape=None) -> "Recording":
+        """This program recorded on `mesh_shape` under `rules` (None: this recording's); kept."""
+        rules = self.rules if rules is None else LayoutRules(rules)
+        mesh_shape = self.mesh_shape if mesh_shape is None else Shape(mesh_shape)
+        if (rules, mesh_shape) == (self.rules, self.mesh_shape):
+            return self
+        if self.fn is None:
+            raise MpimeshError(f"this trace is priced as it was recorded (rules {str(self.rules)!r} on mesh "
+                               f"{self.mesh_shape}); to price rules {str(rules)!r} on mesh {mesh_shape}, record "
+                               f"the step with mm.cost.record(fn, args, mesh), which can run it again dry")
+        key = (str(rules), str(mesh_shape))
+        if key not in self._runs:
+            self._runs[key] = record(self.fn, self.args, mesh_shape, rules)
+        return self._runs[key]
+
+    def __repr__(self) -> str:
+        return (f"Recording({len(self.ops)} ops on mesh {self.mesh_shape}, rules {str(self.rules)!r}, "
+                f"{self.bytes_per_rank} bytes per rank)")
+
+
+class _Lifetimes:
+    """Op outputs' lifetimes by tensor identity (an id reused by a later output is a new tensor).
+
+    An output lives to its last use; one made while a trace of the program was open lives (held
+    by that trace's records) until the trace closes, or until autodiff releases it."""
+
+    def __init__(self):
+        self.live: dict[int, int] = {}  # id -> index into spans
+        self.spans: list[list] = []  # [first op, last op, bytes]
+        self.held: dict[int, list[int]] = {}  # id of the trace holding them -> span indices
+
+    def use(self, t, i: int) -> None:
+        j = self.live.get(id(t))
+        if j is not None:
+            self.spans[j][1] = max(self.spans[j][1], i)
+
+    def make(self, t, i: int, holder: Optional[int] = None) -> None:
+        self.live[id(t)] = len(self.spans)
+        if holder is not None:
+            self.held.setdefault(holder, []).append(len(self.spans))
+        self.spans.append([i, i, _nbytes(t)])
+
+    def release(self, t_id: int, i: int) -> None:
+        """Autodiff gave the tensor's values back at op `i` (its trace keeps only its shape)."""
+        j = self.live.pop(t_id, None)
+        if j is not None:
+            self.spans[j][1] = max(self.spans[j][1], i)
+            self.spans[j].append("released")
+
+    def close(self, holder: int, i: int) -> None:
+        """The trace `holder` closed before op `i`: what it held and autodiff kept lives to there."""
+        for j in self.held.pop(holder, ()):
+            if len(self.spans[j]) == 3:
+                self.spans[j][1] = max(self.spans[j][1], i - 1)
+
+    def peak(self, n: int) -> int:
+        delta = np.zeros(n + 2, np.int64)
+        for first, last, b, *_ in self.spans:
+            delta[first] += b
+            delta[last + 1] -= b
+        return int(np.cumsum(delta).max(initial=0))
+
+
+class _Watched(set):
+    """The recording trace's set of produced ids: autodiff's release discards from it (noted)."""
+
+    def __init__(self, on_discard):
+        super().__init__()
+        self.on_discard = on_discard
+
+    def discard(self, x) -> None:
+        if x in self:
+            self.on_discard(x)
+        super().discard(x)
+
+
+def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
+    """A `Trace` that, as each op is appended, notes its FLOPs (from the open counters), bytes
+    and the lifetimes of its inputs and outputs."""
+    from ..trace import Trace, _open_traces
+
+    class RecordingTrace(Trace):
+        def __init__(self):
+            super().__init__()
+            self.flops_seen = 0
+            self.life = _Lifetimes()
+            self._produced = _Watched(lambda t_id: self.life.release(t_id, len(rec.ops)))
+            self.open: set = set()  # ids of the program's traces open at the last op
+
+        def _append(self, op) -> None:
+            super()._append(op)
+            i = len(rec.ops)
+            users = [tr for tr in _open_traces if tr is not self]
+            now = {id(tr) for tr in users}
+            for closed in self.open - now:
+                self.life.close(closed, i)
+            self.open = now
+            flops = counts.get("flops", {}).get("flops", 0)
+            nbytes = 0
+            for t in op.inputs:
+                nbytes += _nbytes(t)
+                if id(t) not in arg_ids:
+                    self.life.use(t, i)
+            for t in op.outputs:
+                nbytes += _nbytes(t)
+                self.life.make(t, i, id(users[0]) if users else None)
+                rec.shapes.add(t.shape.names)
+                for d in t.shape:
+                    rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
+            rec.ops.append(OpCost(op.name, flops - self.flops_seen, nbytes))
+            self.flops_seen = flops
+
+        def finish(self, out) -> int:
+            """The peak of live outputs, once `fn` has returned `out`."""
+            n = len(rec.ops)
+            for holder in list(self.life.held):
+                self.life.close(holder, n)
+            for t in _leaves(out):
+                self.life.use(t, n)
+            return self.life.peak(n)
+    return RecordingTrace()
+
+
+def record(fn, args, mesh, rules=None) -> Recording:
+    """Run `fn(*args)` dry on a `DryMesh` of `mesh`'s shape (a mesh, or a mesh shape) under
+    `rules` (default: the mesh's rules in force; none for a shape) and record what it costs.
+
+    `args` may nest DistTensors and `ArgSpec`s in dicts, lists and tuples; each tensor is replaced
+    by a placeholder of its shape and dtype laid out by the rules (whatever its own layout was),
+    other values pass as they are. `fn` must run on tensors without values: mpimesh ops only, no
+    `to_numpy`, `float(t)` or branching on values. Needs JAX (`mpimesh.dryrun`).
+
+    >>> import mpimesh as mm
+    >>> def step(x, w):
+    ...     return mm.reduce_sum(mm.tanh(mm.einsum([x, w])))
+    >>> args = (ArgSpec("batch:8;io:4", "float32"), ArgSpec("io:4;out:2", "float32"))
+    >>> rec = record(step, args, "rows:2", "batch:rows")
+    >>> [op.name for op in rec.ops], rec.collectives["allreduce/rows"]["calls"], rec.state_bytes
+    (['einsum', 'tanh', 'einsum'], 1, 96)
+    """
+    from ..collectives import counters
+    from ..dryrun import DryMesh, placeholder
+    from ..mesh import layout_scope
+    from ..trace import _open_traces
+    if isinstance(mesh, (str, Shape, list, tuple)):
+        mesh_shape, in_force = Shape(mesh), LayoutRules("")
+    else:
+        mesh_shape, in_force = mesh.shape, mesh.layout
+    rules = in_force if rules is None else LayoutRules(rules)
+    specs = _map(args, lambda t: t if isinstance(t, ArgSpec) else ArgSpec(t.shape, t.dtype))
+    rec = Recording(fn, specs, mesh_shape, rules)
+    dry = DryMesh(mesh_shape, rules)
+    with layout_scope(dry, rules):
+        ghosts = _map(specs, lambda s: placeholder(dry, s.shape, s.dtype))
+    arg_tensors = _leaves(ghosts)
+    rec.state_bytes = sum(_nbytes(t) for t in arg_tensors)
+    for t in arg_tensors:
+        rec.shapes.add(t.shape.names)
+        for d in t.shape:
+            rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
+    with counters.counting() as counts:
+        tr = _recording_trace(rec, counts, {id(t) for t in arg_tensors})
+        _open_traces.append(tr)
+        try:
+            out = fn(*ghosts)
+        finally:
+            _open_traces.remove(tr)
+    rec.activation_bytes = tr.finish(out)
+    rec.collectives = {k: dict(v) for k, v in counts.items() if k != "flops"}
+    return rec
+
+
+def from_trace(trace) -> Recording:
+    """A plain `mm.trace()` as a `Recording` priced as it ran (it cannot run again): each op's
+    kernel re-traced dry on a `DryMesh` of its mesh's shape, coordinate 0's blocks, for its
+    collectives; FLOPs of einsums from their subscripts (other ops' FLOPs are not known here);
+    outputs held by the trace to its end, those autodiff released to their last use. Bucketed
+    gradient sums count as one allreduce each (their "psum" ops), not one per bucket."""
+    from ..collectives import counters
+    from ..dryrun import DryMesh, evaluate, shaped
+    from ..trace import Released
+    if not trace.ops:
+        raise MpimeshError("estimate: the trace holds no ops")
+    mesh = trace.ops[0].outputs[0].mesh
+    rules = trace.ops[0].rules if trace.ops[0].rules is not None else LayoutRules("")
+    rec = Recording(None, None, mesh.shape, rules)
+    dry = DryMesh(mesh.shape, rules)
+    life, held = _Lifetimes(), {}
+
+    def local(t):
+        return shaped(mesh.block_shape(t.shape, t.tensor_layout), t.dtype)
+    inputs = {id(t) for t in trace.inputs}
+    rec.state_bytes = sum(math.prod(local(t).shape) * np.dtype(t.dtype).itemsize for t in trace.inputs)
+    with counters.counting() as counts:
+        for i, op in enumerate(trace.ops):
+            ins = [local(t) for t in op.inputs]
+            evaluate(dry, op.name, op.lower, ins)
+            nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ins)
+            for t in op.outputs:
+                held[id(t)] = t
+                size = math.prod(local(t).shape) * np.dtype(t.dtype).itemsize
+                nbytes += size
+                life.live[id(t)] = len(life.spans)
+                life.spans.append([i, i, size])
+                rec.shapes.add(t.shape.names)
+                for d in t.shape:
+                    rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
+            for t in op.inputs:
+                if id(t) not in inputs:
+                    life.use(t, i)
+            rec.ops.append(OpCost(op.name, _einsum_flops(op, ins), nbytes))
+    for t_id, j in life.live.items():  # the trace holds what autodiff did not release, to its end
+        if not isinstance(held.get(t_id), Released):
+            life.spans[j][1] = len(trace.ops) - 1
+    rec.activation_bytes = life.peak(len(trace.ops))
+    rec.collectives = {k: dict(v) for k, v in counts.items() if k != "flops"}
+    return rec
+
+
+def _einsum_flops(op, ins) -> int:
+    if op.name != "einsum" or "subscripts" not in op.params:
+        return 0
+    from ..ops.einsum import _expression
+    return _expression(op.params["subscripts"], tuple(tuple(a.shape) for a in ins))[1]
+
+
+def op_seconds(op: OpCost, machine: Machine) -> float:
+    """One op's local compute time on `machine` (the roofline plus its fixed cost)."""
+    fixed = machine.einsum_overhead if op.name == "einsum" else machine.op_overhead
+    return max(op.flops / machine.flops, op.nbytes / machine.memory_bandwidth) + fixed
+
+
+def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = None) -> dict[str, Any]:
+    """Price one run of a step on `machine`: a dict with `seconds` (compute plus communication,
+    per rank), `compute_seconds`, `comm_seconds`, `bytes_per_rank`, and the parts: `flops`,
+    `comm_bytes`, `collectives` (the profile's counters of the run priced), `state_bytes`,
+    `activation_bytes`, `ops`.
+
+    `trace`: a `Recording` (from `record`, or `mm.auto_layout`'s `plan.recording`), run again dry
+    on `mesh_shape` under `rules` where they differ from its own (None: its own); or a plain
+    `mm.trace()`, priced as it ran (other rules: a clear error).
+
+    >>> import mpimesh as mm
+    >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
+    >>> rec = record(lambda x: mm.reduce_sum(x), [ArgSpec("batch:1000", "float32")], "rows:4", "batch:rows")
+    >>> e = estimate(rec, "batch:rows", "rows:4", m)
+    >>> e["collectives"], round(e["comm_seconds"] * 1e6, 2)  # α + 2·3/4 · 4 B / β
+    ({'allreduce/rows': {'calls': 1, 'elements': 1, 'bytes': 4}}, 10.06)
+    """
+    from ..trace import Trace
+    if not isinstance(machine, Machine):
+        raise MpimeshError(f"estimate needs a mm.cost.Machine (calibrate(mesh), or TPUV2, ...), got {machine!r}")
+    if isinstance(trace, Trace):
+        rec = from_trace(trace)
+        mesh_shape = None if mesh_shape is None else Shape(mesh_shape)
+        if (rules is not None and LayoutRules(rules) != rec.rules) or \
+                (mesh_shape is not None and mesh_shape != rec.mesh_shape):
+            rec.rerun(rules, mesh_shape)  # raises: a plain trace cannot run again
+    elif isinstance(trace, Recording):
+        rec = trace.rerun(rules, mesh_shape)
+    else:
+        raise MpimeshError(f"estimate prices a mm.cost.Recording (mm.cost.record) or a mm.trace(), "
+                           f"got {type(trace).__name__}")
+    compute = sum(op_seconds(op, machine) for op in rec.ops)
+    comm = 0.0
+    for key, c in rec.collectives.items():
+        kind, _, dims = key.partition("/")
+        if not dims:  # a host-device copy: memory traffic
+            comm += c["bytes"] / machine.memory_bandwidth
+            continue
+        dims = tuple(dims.split("+"))
+        k = math.prod(rec.mesh_shape[d].size for d in dims)
+        comm += collective_seconds(kind, k, c["bytes"], machine, dims, c["calls"])
+    return {"seconds": compute + comm, "compute_seconds": compute, "comm_seconds": comm,
+            "bytes_per_rank": rec.bytes_per_rank, "flops": sum(op.flops for op in rec.ops),
+            "comm_bytes": sum(c["bytes"] for c in rec.collectives.values()), "collectives": rec.collectives,
+            "state_bytes": rec.state_bytes, "activation_bytes": rec.activation_bytes, "ops": len(rec.ops)}

@@ -1,0 +1,200 @@
+"""The layout search: `auto_layout` prices candidate rules with the cost model, `LayoutPlan` holds the result.
+
+A candidate assigns some tensor dims of the recorded step to mesh dims of size > 1 (a tensor dim
+at most once; a mesh dim at most once per tensor of the step, as a layout needs; a tensor dim
+only to a mesh dim no larger than it, so no block is empty; sizes need not divide). Each is priced
+by running the step again dry under it (`mpimesh.cost.record`: kernels repeated across candidates
+are traced once). Where the candidates number at most `exact_limit`, all are priced (exact);
+otherwise a beam search starts from the replicated layout and moves one tensor dim at a time,
+keeping the `beam` best (not two that differ only by swapping mesh dims of equal size), until no
+move helps. Plans over `memory_per_rank` are left out; among equal times the plan with fewer
+uneven splits wins (then fewer rules).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import MpimeshError
+from ..layout import LayoutRules
+from .machine import Machine, calibrate
+from .model import Recording, estimate, record
+
+_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The result of `mm.auto_layout`.
+
+    Attributes:
+      rules: the fastest rules (a rules string) that fit the memory limit.
+      seconds, bytes_per_rank: its predicted step time and memory per rank.
+      candidates: `[(rules, seconds, bytes_per_rank)]` that fit, fastest first.
+      too_big: `[(rules, seconds, bytes_per_rank)]` priced but over the memory limit.
+      machine: the `Machine` priced on; recording: the step, recorded (replicated), for `estimate`.
+      exact: whether every candidate was priced (else a beam search).
+    """
+
+    rules: str
+    seconds: float
+    bytes_per_rank: int
+    candidates: list
+    too_big: list
+    machine: Machine
+    recording: Recording
+    exact: bool
+
+    def report(self, top: int = 5) -> str:
+        """The chosen rules and the next `top` alternatives (not those that only swap mesh dims
+        of equal size with one shown), with predicted times and memory."""
+        lines = [f"layout search ({'exact' if self.exact else 'beam'}, {len(self.candidates) + len(self.too_big)} "
+                 f"candidates priced on {self.machine.name or 'the given machine'}):"]
+        shown: set = set()
+        for rules, s, b in self.candidates:
+            sig = _signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape)
+            if sig in shown:
+                continue
+            mark = "chosen" if not shown else f"  #{len(shown) + 1} "
+            shown.add(sig)
+            lines.append(f"  {mark} {s * 1e3:9.2f} ms  {b / 2**20:9.2f} MiB/rank  {rules or '(replicated)'!s}")
+            if len(shown) > top:
+                break
+        return "\n".join(lines)
+
+
+def _rules_string(assign: dict, order: list) -> str:
+    return ";".join(f"{d}:{assign[d]}" for d in order if assign.get(d))
+
+
+def _signature(assign: dict, mesh_shape) -> tuple:
+    """What a plan is up to renaming mesh dims of equal size (its twins price alike, or nearly)."""
+    groups: dict = {}
+    for d, m in assign.items():
+        groups.setdefault(m, []).append(d)
+    return tuple(sorted((mesh_shape[m].size, tuple(sorted(ds))) for m, ds in groups.items()))
+
+
+def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine: Optional[Machine] = None,
+                *, exact_limit: int = 256, beam: int = 2) -> LayoutPlan:
+    """Choose layout rules for `fn(*args)` on `mesh` with the cost model.
+
+    `fn(*args)` is never run on the real mesh: it is recorded dry (`mm.cost.record`, needs JAX)
+    from the shapes and dtypes of the DistTensors in `args`, once replicated and once per priced
+    candidate, so `fn` must not read values. `machine`: default `mm.cost.calibrate(mesh)` (a
+    few seconds, collective: every rank must call; kept per mesh). `memory_per_rank`: bytes
+    (default the machine's memory). On a `Mesh` of several ranks the candidates are shared out
+    over the ranks, which exchange their prices: every rank must call, and gets the same plan.
+    A candidate some op cannot run (an `MpimeshError` in its dry run) is left out.
+
+    >>> import mpimesh as mm
+    >>> from mpimesh.cost import ArgSpec
+    >>> m = mm.cost.Machine(flops=1e9, latency=1e-4, bandwidth=1e8, memory=2**30)
+    >>> def step(x, w):
+    ...     return mm.reduce_sum(mm.relu(mm.einsum([x, w])))
+    >>> args = (ArgSpec("batch:64;io:32", "float32"), ArgSpec("io:32;hidden:1024", "float32"))
+    >>> from mpimesh.dryrun import DryMesh
+    >>> plan = auto_layout(step, args, DryMesh("x:4"), machine=m)
+    >>> plan.rules, plan.exact
+    ('hidden:x', True)
+    """
+    if machine is None:
+        if getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
+            raise MpimeshError(f"auto_layout on {mesh!r} (no processors) needs machine=... (mm.cost.TPUV2, ...)")
+        machine = _calibrated.get(mesh)
+        if machine is None:
+            machine = _calibrated[mesh] = calibrate(mesh)
+    limit = machine.memory if memory_per_rank is None else float(memory_per_rank)
+    base = record(fn, args, mesh.shape, "")
+    order = list(base.dims)
+    mdims = [d for d in mesh.shape if d.size > 1]
+    options = {d: [None] + [m.name for m in mdims if base.dims[d] >= m.size] for d in order}
+    order = [d for d in order if len(options[d]) > 1]
+    shapes = [[d for d in s if d in options] for s in base.shapes]
+
+    def valid(assign: dict) -> bool:
+        for s in shapes:
+            used = [assign[d] for d in s if assign.get(d)]
+            if len(used) != len(set(used)):
+                return False
+        return True
+
+    priced: dict[str, tuple] = {}
+    failed: dict[str, str] = {}
+    comm = mesh.comm_for(mesh.shape.names) if hasattr(mesh, "comm_for") and mesh.size > 1 else None
+
+    def price(assigns: list) -> None:
+        """Price the new ones among `assigns`, shared out over the mesh's ranks (each prices every
+        size-th; all get all prices)."""
+        todo = {}
+        for a in assigns:
+            r = _rules_string(a, order)
+            if r not in priced and r not in failed:
+                todo[r] = a
+        mine = list(todo.items())[comm.Get_rank()::comm.Get_size()] if comm is not None else list(todo.items())
+        out = []
+        for rules, assign in mine:
+            try:
+                e = estimate(base, rules, mesh.shape, machine)
+            except MpimeshError as err:  # a layout some op cannot run: not a candidate
+                out.append((rules, None, str(err), 0))
+                continue
+            uneven = sum(base.dims[d] % mesh.shape[m].size != 0 for d, m in assign.items() if m)
+            out.append((rules, e["seconds"], e["bytes_per_rank"], uneven))
+        for p in (sum(comm.allgather(out), []) if comm is not None else out):
+            if p[1] is None:
+                failed[p[0]] = p[2]
+            else:
+                priced[p[0]] = p
+
+    def score(p: tuple) -> tuple:
+        rules, s, b, uneven = p
+        return (0, s, uneven, rules.count(":")) if b <= limit else (1, b, s, rules)
+
+    space = math.prod(len(options[d]) for d in order)
+    exact = space <= exact_limit
+    if exact:
+        everything = [dict((d, m) for d, m in zip(order, choice) if m)
+                      for choice in itertools.product(*[options[d] for d in order])]
+        price([a for a in everything if valid(a)])
+    else:
+        frontier = [{}]
+        price([{}])
+        while True:
+            pool = {_rules_string(a, order): a for a in frontier}
+            for st in frontier:
+                for d in order:
+                    for m in options[d]:
+                        if m == st.get(d):
+                            continue
+                        new = {k: v for k, v in st.items() if k != d}
+                        if m:
+                            new[d] = m
+                        if valid(new):
+                            pool[_rules_string(new, order)] = new
+            price(list(pool.values()))
+            pool = {r: a for r, a in pool.items() if r in priced}
+            best, twins = [], set()
+            for r in sorted(pool, key=lambda r: score(priced[r])):
+                sig = _signature(pool[r], mesh.shape)
+                if sig not in twins and len(best) < max(1, beam):
+                    best.append(r)
+                    twins.add(sig)
+            if set(best) == {_rules_string(a, order) for a in frontier}:
+                break
+            frontier = [pool[r] for r in best]
+    if not priced:
+        raise MpimeshError(f"auto_layout: no layout of the step could be priced; the first error: "
+                           f"{next(iter(failed.values()))}")
+    ranked = sorted(priced.values(), key=score)
+    fits = [(r, s, b) for r, s, b, _ in ranked if b <= limit]
+    over = [(r, s, b) for r, s, b, _ in ranked if b > limit]
+    if not fits:
+        r, s, b = min(over, key=lambda p: p[2])
+        raise MpimeshError(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: the "
+                           f"smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced")
+    rules, seconds, nbytes = fits[0]
+    return LayoutPlan(rules, seconds, int(nbytes), fits, over, machine, base, exact)

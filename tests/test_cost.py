@@ -1,0 +1,306 @@
+"""The cost model (mpimesh.cost): α-β formulas by hand, a dry run's collectives against the MPI
+profile of the same step, predicted memory against the blocks a real run holds, and the layout
+search against brute force, data parallelism and model parallelism."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpimesh as mm
+from meshes import mesh_shapes
+
+pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu): dry runs need it")
+
+from mpimesh.cost import ArgSpec, Machine, collective_seconds, estimate, record  # noqa: E402
+from mpimesh.dryrun import DryMesh  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+TOY = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30, memory_bandwidth=4e9, op_overhead=2e-6,
+              einsum_overhead=3e-6)
+
+
+def _agree(verdict):
+    """Rank 0's verdict on every rank: an assert that fails alike everywhere."""
+    return WORLD.bcast(verdict, root=0)
+
+
+# --------------------------------------------------------------------------- formulas
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_alpha_beta_formulas_by_hand(k):
+    a, b, n = 1e-5, 1e8, 12_000
+    m = Machine(flops=1e12, latency=a, bandwidth=b, memory=1e9)
+    if k == 1:
+        assert all(collective_seconds(kind, 1, n, m) == 0 for kind in ("allreduce", "allgather", "permute"))
+        return
+    hand = {"allreduce": a + 2 * (k - 1) / k * n / b, "alltoall": a + (k - 1) / k * n / b,
+            "reduce_scatter": a + (k - 1) / k * n / b, "allgather": a + (k - 1) * n / b, "permute": a + n / b}
+    for kind, want in hand.items():
+        assert collective_seconds(kind, k, n, m) == pytest.approx(want, rel=1e-12), kind
+    assert collective_seconds("allreduce", k, n, m, calls=3) == pytest.approx(3 * a + 2 * (k - 1) / k * n / b)
+    slow = mm.cost.with_links(m, {"rows": (4e-5, 2e7)})
+    assert collective_seconds("allreduce", k, n, slow, ("rows",)) == pytest.approx(4e-5 + 2 * (k - 1) / k * n / 2e7)
+    assert collective_seconds("allreduce", k, n, slow, ("cols",)) == pytest.approx(hand["allreduce"])
+    assert slow.group(("rows", "cols")) == (4e-5, 2e7)  # the slowest dim's
+    with pytest.raises(mm.MpimeshError, match="no cost for collective kind 'gossip'"):
+        collective_seconds("gossip", k, n, m)
+
+
+def test_machines_published_and_checked():
+    assert mm.cost.TPUV2.flops * 512 == pytest.approx(11.5e15, rel=0.01)  # Mesh-TensorFlow's 512-core pod
+    assert mm.cost.TPUV3.flops * 2 == pytest.approx(123e12) and mm.cost.TPUV3.memory == 16 * 2**30
+    assert mm.cost.H100_NVLINK.flops == pytest.approx(989e12) and mm.cost.H100_NVLINK.bandwidth == 450e9
+    with pytest.raises(mm.MpimeshError, match="flops must be > 0"):
+        Machine(flops=0, latency=1e-6, bandwidth=1e9, memory=1e9)
+    with pytest.raises(mm.MpimeshError, match="latency must be >= 0"):
+        Machine(flops=1, latency=-1, bandwidth=1e9, memory=1e9)
+
+
+def test_estimate_prices_by_hand():
+    """One einsum and one allreduce: each term computed by hand from the model's formulas."""
+    rec = record(lambda x, w: mm.einsum([x, w]), (ArgSpec("b:40;k:64", "float32"), ArgSpec("k:64;n:32", "float32")),
+                 "x:4", "k:x")
+    e = estimate(rec, None, None, TOY)
+    flops = 2 * 40 * 16 * 32  # this rank's block: k 64 / 4
+    nbytes = 4 * (40 * 16 + 16 * 32 + 40 * 32)
+    assert e["flops"] == flops and rec.ops[0].nbytes == nbytes
+    assert e["compute_seconds"] == pytest.approx(max(flops / TOY.flops, nbytes / TOY.memory_bandwidth) + 3e-6)
+    assert e["collectives"] == {"allreduce/x": {"calls": 1, "elements": 40 * 32, "bytes": 40 * 32 * 4}}
+    assert e["comm_seconds"] == pytest.approx(1e-5 + 1.5 * 40 * 32 * 4 / 1e8)
+    assert e["seconds"] == pytest.approx(e["compute_seconds"] + e["comm_seconds"])
+    assert e["state_bytes"] == 4 * (40 * 16 + 16 * 32) and e["activation_bytes"] == 40 * 32 * 4
+
+
+# --------------------------------------------------------------------------- against MPI
+
+SIZES = {"batch": 6, "io": 5, "hidden": 7, "out": 3}  # uneven over 2, 3, 4
+
+
+def _init(mesh, rules, seed=0):
+    rng = np.random.default_rng(seed)
+    with mm.layout_scope(mesh, rules):
+        params = {"w1": mesh.from_numpy(rng.normal(size=(5, 7)), "io:5;hidden:7"),
+                  "w2": mesh.from_numpy(rng.normal(size=(7, 3)), "hidden:7;out:3")}
+        batch = {"x": mesh.from_numpy(rng.normal(size=(6, 5)), "batch:6;io:5"),
+                 "y": mesh.from_numpy(rng.normal(size=(6, 3)), "batch:6;out:3")}
+    return params, batch
+
+
+def _mlp_step(params, batch):
+    """Forward, gradients (bucketed) and an SGD update of a two-layer MLP."""
+    with mm.trace():
+        h = mm.relu(mm.einsum([batch["x"], params["w1"]]))
+        loss = mm.reduce_mean(mm.square(mm.einsum([h, params["w2"]]) - batch["y"]))
+        grads = mm.gradients([loss], [params["w1"], params["w2"]])
+        new = {k: params[k] - 0.1 * g for k, g in zip(("w1", "w2"), grads)}
+    return new, loss
+
+
+def _rule_sets(mesh):
+    names = [d.name for d in mesh.shape]
+    first, last = names[0], names[-1]
+    out = ["", f"batch:{first}", f"hidden:{last}", f"io:{first};out:{last}"]
+    if len(names) > 1:
+        out.append(f"batch:{first};hidden:{last}")
+    return out
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_estimate_collectives_equal_the_mpi_profile(shape):
+    """The step run for real under mm.profile on rank 0 (coordinate 0) counts exactly the
+    collectives (kind, mesh dims, calls, elements, bytes) that `estimate` prices for it, for every
+    rule set; a plain trace of the same run priced as recorded has the same bytes per key."""
+    mesh = mm.Mesh(shape)
+    for rules in _rule_sets(mesh):
+        params, batch = _init(mesh, rules)
+        with mm.layout_scope(mesh, rules):
+            with mm.profile() as prof, mm.trace() as tr:
+                _mlp_step(params, batch)
+        rec = record(_mlp_step, (params, batch), mesh.shape, rules)
+        e = estimate(rec, rules, mesh.shape, TOY)
+        plain = estimate(tr, None, None, TOY)
+        want = {k: v for k, v in prof.counters.items() if k != "flops"}
+        verdict = None
+        if mesh.rank == 0:
+            if e["collectives"] != want:
+                verdict = f"rules {rules!r}: estimate {e['collectives']} vs MPI {want}"
+            elif {k: v["bytes"] for k, v in plain["collectives"].items()} != {k: v["bytes"] for k, v in want.items()}:
+                verdict = f"rules {rules!r}: plain trace {plain['collectives']} vs MPI {want}"
+            elif e["flops"] != prof.counters["flops"]["flops"]:
+                verdict = f"rules {rules!r}: flops {e['flops']} vs MPI {prof.counters['flops']['flops']}"
+        verdict = _agree(verdict)
+        assert verdict is None, verdict
+        if mesh.size > 1 and rules:
+            used = dict(mm.LayoutRules(rules).pairs).values()
+            assert e["comm_bytes"] > 0 or all(mesh.shape[m].size == 1 for m in used)
+    with pytest.raises(mm.MpimeshError, match="priced as it was recorded.*mm.cost.record"):
+        estimate(tr, f"out:{mesh.shape.names[0]}", mesh.shape, TOY)
+
+
+def test_plain_trace_priced_as_recorded_needs_record_for_other_rules():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    params, batch = _init(mesh, "")
+    with mm.trace() as tr:
+        _mlp_step(params, batch)
+    e = estimate(tr, "", "all:1", TOY)
+    assert e["seconds"] > 0 and e["comm_bytes"] == 0
+    with pytest.raises(mm.MpimeshError, match="priced as it was recorded"):
+        estimate(tr, "batch:all", "all:1", TOY)
+    with pytest.raises(mm.MpimeshError, match="needs a mm.cost.Machine"):
+        estimate(tr, None, None, None)
+
+
+# --------------------------------------------------------------------------- memory
+
+def _wide(mesh, rules):
+    """An MLP trained by Adam whose memory is its parameters, their two slots and the update's
+    intermediates (a batch of 4: the forward activations are small)."""
+    rng = np.random.default_rng(1)
+    with mm.layout_scope(mesh, rules):
+        params = {"w1": mesh.from_numpy(rng.normal(size=(128, 601)).astype(np.float32), "io:128;hidden:601"),
+                  "w2": mesh.from_numpy(rng.normal(size=(601, 96)).astype(np.float32), "hidden:601;out:96")}
+        batch = {"x": mesh.from_numpy(rng.normal(size=(4, 128)).astype(np.float32), "batch:4;io:128"),
+                 "y": mesh.from_numpy(rng.normal(size=(4, 96)).astype(np.float32), "batch:4;out:96")}
+        opt = mm.optim.Adam(1e-3)
+        state = opt.init(params)
+    return params, state, batch, opt
+
+
+def _adam_step(opt):
+    def step(params, state, batch):
+        with mm.trace():
+            h = mm.relu(mm.einsum([batch["x"], params["w1"]]))
+            loss = mm.reduce_mean(mm.square(mm.einsum([h, params["w2"]]) - batch["y"]))
+            grads = dict(zip(params, mm.gradients([loss], list(params.values()))))
+            params, state = opt.update(params, grads, state)
+        return params, state, loss
+    return step
+
+
+def _local_bytes(tree) -> int:
+    return sum(t.local.nbytes for t in mm.cost.model._leaves(tree))
+
+
+def test_memory_limit_shards_parameters_and_predicts_local_bytes():
+    """With a limit below what the replicated step needs (parameters, Adam's state, and the
+    activations its trace holds), the plan splits the parameters, and its bytes per rank are within
+    10% of what a real run holds: the arguments' `.local` blocks plus the peak of the arrays the
+    step allocates (tracemalloc), on the rank with the most."""
+    mesh = mm.Mesh(mesh_shapes()[0] if WORLD.Get_size() < 4 else mesh_shapes()[1])  # 1-D; 2-D from 4 ranks
+    params, state, batch, opt = _wide(mesh, "")
+    replicated = _local_bytes((params, state))
+    step = _adam_step(opt)
+    need = record(step, (params, state, batch), mesh, "").bytes_per_rank  # replicated: all of it on every rank
+    assert need > replicated
+    limit = 0.75 * need if mesh.size > 1 else 2**40
+    plan = mm.auto_layout(step, (params, state, batch), mesh, memory_per_rank=limit, machine=TOY)
+    assert plan.bytes_per_rank <= limit and plan.candidates[0][0] == plan.rules
+    assert all(b > limit for _, _, b in plan.too_big)
+    split = dict(mm.LayoutRules(plan.rules).pairs)
+    if mesh.size > 1:
+        assert plan.too_big and ({"hidden", "io", "out"} & set(split)), plan.report()
+    params, state, batch, _ = _wide(mesh, plan.rules)
+    held = _local_bytes((params, state, batch))
+    with mm.layout_scope(mesh, plan.rules), mm.profile(memory=True) as prof:
+        step(params, state, batch)
+    measured = WORLD.allreduce(held + prof.peak_bytes["arrays"], op=MPI.MAX)
+    assert abs(plan.bytes_per_rank - measured) <= 0.10 * measured, (plan.rules, plan.bytes_per_rank, measured)
+    if mesh.size > 1:
+        assert held < replicated
+    with pytest.raises(mm.MpimeshError, match="no layout priced fits 1000 bytes per rank"):
+        mm.auto_layout(step, (params, state, batch), mesh, memory_per_rank=1000, machine=TOY)
+
+
+# --------------------------------------------------------------------------- search
+
+def _brute_force(rec, mesh_shape, machine, limit=math.inf):
+    """Every valid rule set over the recording's dims and the mesh dims of size > 1, priced."""
+    mdims = [d for d in mesh_shape if d.size > 1]
+    dims = [d for d in rec.dims if any(rec.dims[d] >= m.size for m in mdims)]
+    best = None
+    for choice in itertools.product([None] + [m.name for m in mdims], repeat=len(dims)):
+        assign = {d: m for d, m in zip(dims, choice) if m and rec.dims[d] >= mesh_shape[m].size}
+        if len(assign) != sum(c is not None for c in choice):
+            continue
+        if any(len([assign[d] for d in s if d in assign]) != len({assign[d] for d in s if d in assign})
+               for s in rec.shapes):
+            continue
+        rules = ";".join(f"{d}:{m}" for d, m in assign.items())
+        e = estimate(rec, rules, mesh_shape, machine)
+        if e["bytes_per_rank"] <= limit and (best is None or e["seconds"] < best[1]):
+            best = (rules, e["seconds"])
+    return best
+
+
+@pytest.mark.parametrize("shape", mesh_shapes()[:2])
+def test_auto_layout_beats_data_and_model_parallel_and_is_exact(shape):
+    mesh = mm.Mesh(shape)
+    sizes = {"batch": 64, "io": 48, "hidden": 96, "out": 16}
+
+    def step(params, batch):
+        return _mlp_step(params, batch)
+    args = ({"w1": ArgSpec(f"io:{sizes['io']};hidden:{sizes['hidden']}", "float32"),
+             "w2": ArgSpec(f"hidden:{sizes['hidden']};out:{sizes['out']}", "float32")},
+            {"x": ArgSpec(f"batch:{sizes['batch']};io:{sizes['io']}", "float32"),
+             "y": ArgSpec(f"batch:{sizes['batch']};out:{sizes['out']}", "float32")})
+    plan = mm.auto_layout(step, args, mesh, machine=TOY)
+    m0, m1 = mesh.shape.names[0], mesh.shape.names[-1]
+    dp = estimate(plan.recording, f"batch:{m0}", mesh.shape, TOY)["seconds"]
+    mp = estimate(plan.recording, f"hidden:{m1}", mesh.shape, TOY)["seconds"]
+    assert plan.seconds <= dp * (1 + 1e-12) and plan.seconds <= mp * (1 + 1e-12)
+    assert plan.exact and [s for _, s, _ in plan.candidates] == sorted(s for _, s, _ in plan.candidates)
+    best = _brute_force(plan.recording, mesh.shape, TOY)
+    assert plan.seconds == pytest.approx(best[1], rel=1e-12), (plan.rules, best)
+    assert _agree(plan.rules) == plan.rules  # every rank chose alike
+    beam = mm.auto_layout(step, args, mesh, machine=TOY, exact_limit=1)
+    assert (not beam.exact or mesh.size == 1) and beam.seconds <= min(dp, mp) * (1 + 1e-12)
+    assert "chosen" in plan.report() and plan.rules in plan.report() or plan.rules == ""
+
+
+def test_calibrate_agrees_on_every_rank():
+    shape = mesh_shapes()[1] if WORLD.Get_size() > 1 else "all:1"
+    mesh = mm.Mesh(shape)
+    with mm.profile() as prof:
+        m = mm.cost.calibrate(mesh, seconds=0.5)
+    assert not [k for k in prof.counters if k != "flops"]  # its collectives are not the program's
+    everyone = WORLD.allgather(m)
+    assert all(x == m for x in everyone)
+    assert m.flops > 1e8 and m.memory_bandwidth > 1e8 and m.memory > 0 and m.op_overhead > 0
+    assert {d for d, _, _ in m.links} == {d.name for d in mesh.shape if d.size > 1}
+    assert all(a > 0 and b > 0 for _, a, b in m.links)
+    with pytest.raises(mm.MpimeshError, match="needs a Mesh with processors"):
+        mm.cost.calibrate(DryMesh("x:2"))
+
+
+# --------------------------------------------------------------------------- the app
+
+def test_transformer_layout_auto_prints_plan_and_trains_with_it(capsys):
+    """`apps/transformer.py --layout auto`: rank 0 prints the chosen rules and the top 5
+    alternatives with predicted times, then trains under the chosen rules."""
+    import os
+    import re
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
+    import transformer as T
+    corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+    tiny = ["--d-model", "16", "--heads", "4", "--d-kv", "4", "--d-ff", "32", "--layers", "1", "--length", "8",
+            "--batch", "8", "--data", corpus, "--heldout", "0.3", "--eval-batches", "1", "--samples", "0",
+            "--steps", "2", "--log-every", "1"]
+    T.main(tiny + ["--layout", "auto"])
+    out = capsys.readouterr().out
+    if WORLD.Get_rank() == 0:
+        chosen = re.search(r"--layout auto on mesh \S+ \S+: (\S+), predicted [\d.]+ ms", out)
+        assert chosen, out
+        rules = "" if chosen.group(1) == "(replicated)" else chosen.group(1)
+        assert f"layout {rules!r}" in out and "step     2/2" in out, out
+        table = re.findall(r"^\s+(chosen|#\d)\s+[\d.]+ ms\s+[\d.]+ MiB/rank\s+(\S+)$", out, re.M)
+        assert table[0] == ("chosen", chosen.group(1)) and (2 if WORLD.Get_size() > 1 else 1) <= len(table) <= 6
+    else:
+        assert out == ""
+    for flags, message in ((["--dtype", "float16"], "float16 step"), (["--backend", "jax"], "needs --backend mpi")):
+        with pytest.raises(Exception, match=message):
+            T.main(tiny + ["--layout", "auto"] + flags)
