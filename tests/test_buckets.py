@@ -64,6 +64,16 @@ def _step(mesh, g, bucket_bytes):
     return {k: t.to_numpy() for k, t in zip(params, grads)}, prof
 
 
+def _half_of_all(mesh) -> int:
+    """Half the bytes of the four deferred gradients (w2, b1 and w1's two terms) as buckets count
+    them (a gradient's global bytes over the ranks that split it, rounded up), plus one: no gradient
+    fills that alone, so the walk closes more than one bucket and fewer than four, on any mesh."""
+    split = mesh.tensor_layout(f"h:{H}").get("h")  # w1, b1 and w2 are split along h only, if at all
+    k = mesh.shape[split].size if split else 1
+    sizes = [H * O, H, I * H, I * H]
+    return sum(-(-n // k) * 8 for n in sizes) // 2 + 1
+
+
 def _calls(prof) -> int:
     return sum(v["calls"] for k, v in prof.counters.items() if k.startswith("allreduce/"))
 
@@ -76,7 +86,7 @@ def test_bucketed_gradients_equal_unbucketed_bitwise(shape):
     want = _numpy_grads(g)
     plain, p0 = _step(mesh, g, 0)
     one, p1 = _step(mesh, g, 1)  # every gradient a bucket of its own
-    few, p2 = _step(mesh, g, 200)  # several buckets of a few gradients
+    few, p2 = _step(mesh, g, _half_of_all(mesh))  # several buckets of a few gradients
     big, p3 = _step(mesh, g, None)  # the default, 25 MiB: one bucket per (mesh dims, dtype)
     for k in want:
         np.testing.assert_allclose(plain[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)

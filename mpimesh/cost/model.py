@@ -23,7 +23,9 @@ Memory per rank: the arguments' blocks (parameters, optimizer state, batch) for 
 plus at the peak the op outputs alive then: each from its op to its last use, or, made while a
 trace of the program was open (`mm.trace()`, which every step with gradients has), until that
 trace closes or autodiff releases it (`mm.gradients(..., release=True)`); the function's outputs
-to the end. Kernel temporaries are not counted.
+to the end. An output that is a view of its input (a reshape or rename, a relayout that moves
+nothing, an einsum that only reorders dims) adds no bytes: it keeps its input's block alive.
+Kernel temporaries are not counted.
 
 >>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
 >>> round(allreduce * 1e6, 3)  # α + 2·3/4 · 1000 B / 1 GB/s
@@ -36,6 +38,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ..backend import is_low_precision
 from ..errors import MpimeshError
 from ..layout import LayoutRules
 from ..shape import Shape
@@ -150,11 +153,12 @@ class _Lifetimes:
     """Op outputs' lifetimes by tensor identity (an id reused by a later output is a new tensor).
 
     An output lives to its last use; one made while a trace of the program was open lives (held
-    by that trace's records) until the trace closes, or until autodiff releases it."""
+    by that trace's records) until the trace closes, or until autodiff releases it. An output that
+    is a view of an input (see `_view_of`) adds no bytes: it keeps its input's block alive."""
 
     def __init__(self):
         self.live: dict[int, int] = {}  # id -> index into spans
-        self.spans: list[list] = []  # [first op, last op, bytes]
+        self.spans: list[list] = []  # [first op, last op, bytes, tensors not released yet]
         self.held: dict[int, list[int]] = {}  # id of the trace holding them -> span indices
 
     def use(self, t, i: int) -> None:
@@ -162,31 +166,61 @@ class _Lifetimes:
         if j is not None:
             self.spans[j][1] = max(self.spans[j][1], i)
 
-    def make(self, t, i: int, holder: Optional[int] = None) -> None:
-        self.live[id(t)] = len(self.spans)
+    def make(self, t, i: int, holder: Optional[int] = None, base=None, nbytes: Optional[int] = None) -> None:
+        """`t` made by op `i` (`nbytes`: its block's, default from `t.local`); `base`: the tensor
+        whose block it is a view of (None: its own)."""
+        j = None if base is None else self.live.get(id(base))
+        if j is None:
+            j = len(self.spans)
+            self.spans.append([i, i, 0 if base is not None else _nbytes(t) if nbytes is None else nbytes, 0])
+        self.live[id(t)] = j
+        self.spans[j][3] += 1
         if holder is not None:
-            self.held.setdefault(holder, []).append(len(self.spans))
-        self.spans.append([i, i, _nbytes(t)])
+            self.held.setdefault(holder, []).append(j)
 
     def release(self, t_id: int, i: int) -> None:
-        """Autodiff gave the tensor's values back at op `i` (its trace keeps only its shape)."""
+        """Autodiff gave the tensor's values back at op `i` (its trace keeps only its shape); the
+        block goes once every tensor viewing it has gone."""
         j = self.live.pop(t_id, None)
         if j is not None:
             self.spans[j][1] = max(self.spans[j][1], i)
-            self.spans[j].append("released")
+            self.spans[j][3] -= 1
 
     def close(self, holder: int, i: int) -> None:
         """The trace `holder` closed before op `i`: what it held and autodiff kept lives to there."""
         for j in self.held.pop(holder, ()):
-            if len(self.spans[j]) == 3:
+            if self.spans[j][3] > 0:
                 self.spans[j][1] = max(self.spans[j][1], i - 1)
 
     def peak(self, n: int) -> int:
         delta = np.zeros(n + 2, np.int64)
-        for first, last, b, *_ in self.spans:
+        for first, last, b, _ in self.spans:
             delta[first] += b
             delta[last + 1] -= b
         return int(np.cumsum(delta).max(initial=0))
+
+
+def _view_of(name: str, params: dict, ins: list, out) -> Optional[int]:
+    """The input whose block the kernel's output `out` is a view of (numpy shares the memory), or
+    None: a relayout that moves nothing (only mesh dims of size 1 change: the same array), a
+    reshape (of a contiguous block), or an einsum of one input that only reorders its dims (no
+    sum, no collective, no change of dtype). `ins` and `out` need `.shape` and `.dtype`.
+
+    >>> from mpimesh.dryrun import shaped
+    >>> x = shaped((4, 3), "float32")
+    >>> _view_of("einsum", {"subscripts": "ab->ba", "reduce_mesh_dims": ()}, [x], shaped((3, 4), "float32"))
+    0
+    >>> _view_of("einsum", {"subscripts": "ab->a", "reduce_mesh_dims": ()}, [x], shaped((4,), "float32"))
+    """
+    if len(ins) != 1 or math.prod(ins[0].shape) != math.prod(out.shape) or \
+            np.dtype(ins[0].dtype) != np.dtype(out.dtype):
+        return None
+    if name == "reshape" or (name == "relayout" and not params.get("steps")):
+        return 0
+    if name == "einsum" and not params.get("reduce_mesh_dims") and not is_low_precision(out.dtype):
+        sub_in, _, sub_out = params.get("subscripts", ",->").partition("->")
+        return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
+    return None
 
 
 class _Watched(set):
@@ -231,7 +265,8 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
                     self.life.use(t, i)
             for t in op.outputs:
                 nbytes += _nbytes(t)
-                self.life.make(t, i, id(users[0]) if users else None)
+                v = _view_of(op.name, op.params, [x.local for x in op.inputs], t.local)
+                self.life.make(t, i, id(users[0]) if users else None, None if v is None else op.inputs[v])
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
                     rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
@@ -326,10 +361,11 @@ def from_trace(trace) -> Recording:
             nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ins)
             for t in op.outputs:
                 held[id(t)] = t
-                size = math.prod(local(t).shape) * np.dtype(t.dtype).itemsize
+                out = local(t)
+                size = math.prod(out.shape) * np.dtype(t.dtype).itemsize
                 nbytes += size
-                life.live[id(t)] = len(life.spans)
-                life.spans.append([i, i, size])
+                v = _view_of(op.name, op.params, ins, out)
+                life.make(t, i, None, None if v is None else op.inputs[v], size)
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
                     rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
