@@ -79,6 +79,22 @@ def mesh_fixture(request) -> mm.Mesh:
     return get_mesh(request.param)
 
 
+TRANSPORT_MODES = ["mpi", "staged", "mpi+guard", "staged+timeout"]
+
+
+def transport_mesh(shape: str, mode: str) -> Iterator[mm.Mesh]:
+    """The body of a `mesh` fixture over (shape, mode): `mode` a transport, plus "+guard" (the SPMD
+    check on) or "+timeout" (a 120 s collective time-out); both are turned off afterwards."""
+    mesh = get_mesh(shape, "", mode.split("+")[0])
+    mm.set_spmd_check(mode.endswith("+guard"))
+    mm.set_collective_timeout(120 if "+" in mode else None)
+    try:
+        yield mesh
+    finally:
+        mm.set_spmd_check(False)
+        mm.set_collective_timeout(None)
+
+
 def big(mesh: mm.Mesh) -> list[str]:
     """Mesh dims of size > 1, in mesh order."""
     return [d.name for d in mesh.shape if d.size > 1]

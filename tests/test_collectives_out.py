@@ -18,29 +18,21 @@ import pytest
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from meshes import get_mesh, mesh_shapes  # noqa: E402
+from meshes import TRANSPORT_MODES, mesh_shapes, transport_mesh  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.errors import MpimeshError  # noqa: E402
 from mpimesh.layout import block_sizes  # noqa: E402
 
 # Every transport and check on up to 4 ranks; on more, one of each kind (out= takes the same paths).
-MODES = ["mpi", "staged", "mpi+guard", "staged+timeout"] if MPI.COMM_WORLD.Get_size() <= 4 else ["mpi", "staged+timeout"]
+MODES = TRANSPORT_MODES if MPI.COMM_WORLD.Get_size() <= 4 else ["mpi", "staged+timeout"]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 @pytest.fixture(scope="module", params=[(s, m) for s in mesh_shapes() for m in MODES], name="mesh",
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def mesh_fixture(request):
-    shape, mode = request.param
-    mesh = get_mesh(shape, "", mode.split("+")[0])
-    mm.set_spmd_check(mode.endswith("+guard"))
-    mm.set_collective_timeout(120 if "+" in mode else None)
-    try:
-        yield mesh
-    finally:
-        mm.set_spmd_check(False)
-        mm.set_collective_timeout(None)
+    yield from transport_mesh(*request.param)
 
 
 def values(shape, seed, dtype=np.float64) -> np.ndarray:

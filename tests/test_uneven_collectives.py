@@ -14,12 +14,12 @@ import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from meshes import Errors, get_mesh, mesh_shapes  # noqa: E402
+from meshes import TRANSPORT_MODES, Errors, get_mesh, mesh_shapes, transport_mesh  # noqa: E402
 
 N, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 DTYPES = [np.float64, np.int32, np.bool_, np.complex128]
 # "guard": the SPMD check and a time-out; "timeout": a time-out alone (polled non-blocking transfers)
-MODES = ["mpi", "staged", "mpi+guard", "staged+timeout"]
+MODES = TRANSPORT_MODES
 
 
 def shapes(n: int) -> list[str]:
@@ -34,15 +34,7 @@ def shapes(n: int) -> list[str]:
 @pytest.fixture(scope="module", params=[(s, m) for s in shapes(N) for m in MODES], name="mesh",
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def mesh_fixture(request):
-    shape, mode = request.param
-    mesh = get_mesh(shape, "", mode.split("+")[0])
-    mm.set_spmd_check(mode.endswith("+guard"))
-    mm.set_collective_timeout(120 if "+" in mode else None)
-    try:
-        yield mesh
-    finally:
-        mm.set_spmd_check(False)
-        mm.set_collective_timeout(None)
+    yield from transport_mesh(*request.param)
 
 
 def values(shape, seed, dtype=np.float64) -> np.ndarray:
