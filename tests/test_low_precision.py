@@ -135,10 +135,16 @@ def test_collectives(shape, dt) -> None:
     ulp = EPS[dt]
     v = np.array([1.0 if c == 0 else 0.375 * ulp] * 3).astype(dt)
     errs.bitwise("allreduce rounds once", coll.allreduce(v, (m,)), np.full(3, 1 + (k - 1) * 0.375 * ulp), dt)
+    # non-blocking: the same float32 sums rounded once, two in flight at once, completed out of order
+    reqs = [coll.iallreduce(x, (m,)), coll.iallreduce(v, (m,), out=v.copy())]
+    reqs[0].test()  # a poll lets the first step progress; it never starts the second
+    errs.bitwise("iallreduce rounds once", reqs[1].wait(), np.full(3, 1 + (k - 1) * 0.375 * ulp), dt)
+    errs.bitwise("iallreduce sum", reqs[0].wait(), g.sum(0), dt)
     with counters.counting() as cnt:
         coll.allreduce(x, (m,))
         coll.allreduce(g[c].astype(np.float32), (m,))
-    errs.expect(cnt == {f"allreduce/{m}": {"calls": 2, "elements": 70, "bytes": 35 * 2 + 35 * 4}},
+        coll.iallreduce(x, (m,)).wait()
+    errs.expect(cnt == {f"allreduce/{m}": {"calls": 3, "elements": 105, "bytes": 2 * 35 * 2 + 35 * 4}},
                 f"profile counts {cnt}: a 16-bit allreduce counts 2 bytes an element")
     errs.check()
 

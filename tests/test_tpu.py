@@ -39,19 +39,24 @@ def _wait_all() -> None:
         time.sleep(0.002)
 
 
-def _compare(got, want: np.ndarray, what: str) -> None:
+def _compare(got, want: np.ndarray, what: str, tol: float = 2e-5) -> None:
+    """`tol`: relative to the result's largest magnitude (float32 rounding by default; values that
+    went through 16-bit floats, rounded once from float32 sums taken in another order, may differ
+    by a few of their ulps)."""
     got = np.asarray(got)
     assert got.shape == want.shape, f"{what}: shape {got.shape}, MPI gave {want.shape}"
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, MPI gave {want.dtype}"
-    if want.dtype.kind in "fc":
-        scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale, err_msg=what)
+    if mm.backend.is_float(want.dtype) or want.dtype.kind == "c":
+        scale = max(1.0, float(np.abs(want.astype(np.float64)).max())) if want.size else 1.0
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol * scale,
+                                   err_msg=what)
     else:
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-def check_replay(tr, inputs: list, outputs: dict, modes=("shard_map",)) -> None:
-    """Rank 0 replays `outputs` (name -> tensor) of `tr` in each mode and compares with MPI."""
+def check_replay(tr, inputs: list, outputs: dict, modes=("shard_map",), grad_tol: float = 2e-5) -> None:
+    """Rank 0 replays `outputs` (name -> tensor) of `tr` in each mode and compares with MPI
+    (`grad_tol`: `_compare`'s tolerance for the gradients, the outputs named `d_*`)."""
     ins = [t.to_numpy() for t in inputs]
     want = [t.to_numpy() for t in outputs.values()]
     try:
@@ -61,7 +66,7 @@ def check_replay(tr, inputs: list, outputs: dict, modes=("shard_map",)) -> None:
                 got = fn(*ins)
                 assert len(got) == len(want)
                 for g, w, name in zip(got, want, outputs):
-                    _compare(g, w, f"{name} [{mode}]")
+                    _compare(g, w, f"{name} [{mode}]", grad_tol if name.startswith("d_") else 2e-5)
     finally:
         _wait_all()
 
@@ -231,9 +236,32 @@ def _model(mesh, grads: bool = True):
     return tr, [tokens, targets, *p.values()], out
 
 
-FAMILIES = {"dense": (_dense, "b:M0;i:M1;h:M2"), "windows": (_windows, "s:M0;b:M1"),
+def _low(mesh, grads: bool = True):
+    """bfloat16 activations over float32 masters: a contraction over a split dim (float32 partial
+    sums across ranks, one rounding), a batched einsum, softmax, a reduction; gradients back
+    through the casts to the float32 masters."""
+    x = mesh.from_numpy(global_array("b:8;i:16", 1), "b:8;i:16")
+    w = mesh.from_numpy(global_array("i:16;h:8", 2), "i:16;h:8")
+    out = {}
+    with mm.trace() as tr:
+        xb, y = mm.cast(x, "bfloat16"), mm.einsum([mm.cast(x, "bfloat16"), mm.cast(w, "bfloat16")], "b:8;h:8")
+        out["einsum"] = y
+        q = mm.reshape(xb, "b:8;g:2;j:8")
+        out["batched"] = mm.einsum([q, mm.rename_dimension(q, "j", "k")], "b:8;j:8;k:8")
+        out["softmax"] = mm.softmax(y, "h")
+        out["reduce_sum"] = mm.reduce_sum(y, reduced_dim="b")
+        out["float32"] = mm.cast(out["softmax"], "float32") * mm.cast(out["reduce_sum"], "float32")
+        if grads:
+            _add_gradients(out, {"x": x, "w": w})
+    return tr, [x, w], out
+
+
+FAMILIES = {"dense": (_dense, "b:M0;i:M1;h:M2"), "bfloat16": (_low, "b:M0;i:M1;h:M2"), "windows": (_windows, "s:M0;b:M1"),
             "conv": (_conv, "h:M0;w:M1;co:M2"), "nn": (_nn, "v:M0;b:M1"),
             "model": (_model, "batch:M0;vocab:M1;k:M2")}
+# bfloat16 gradients pass through several roundings, each of which may go the other way: 2 ulps
+# (2^-7 apart near 1) of the largest value. Forward values, rounded once, are compared to float32's 2e-5.
+GRAD_TOL = {"bfloat16": 2.0 ** -6}
 
 
 @pytest.mark.parametrize("mesh_index", [0, 1, 2])
@@ -242,14 +270,14 @@ def test_replay_matches_mpi(family, mesh_index):
     make, rules = FAMILIES[family]
     # gradients (their ops too) on the 2-D mesh; forward ops only on the others, for time
     tr, inputs, outputs = make(_mesh(mesh_index, rules), grads=mesh_index == 1)
-    check_replay(tr, inputs, outputs)
+    check_replay(tr, inputs, outputs, grad_tol=GRAD_TOL.get(family, 2e-5))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gspmd_mode_matches_mpi(family):
     make, rules = FAMILIES[family]
     tr, inputs, outputs = make(_mesh(1, rules))
-    check_replay(tr, inputs, outputs, modes=("gspmd",))
+    check_replay(tr, inputs, outputs, modes=("gspmd",), grad_tol=GRAD_TOL.get(family, 2e-5))
 
 
 needs_ranks = pytest.mark.skipif(N == 1, reason="a mesh of one rank has no collectives")

@@ -16,7 +16,9 @@ blocks stack along axis 0); an allreduce with `out=x` runs in place (`MPI.IN_PLA
 words move: an allreduce is an alltoall of the raw words (rank j gets block j of every rank's
 array), a float32 reduction of those blocks in rank order, and an allgather of the rounded blocks;
 a reduce-scatter stops after the reduction. That is half the bytes of a float32 allreduce, and it
-is counted as the one allreduce (reduce-scatter) it is, at the dtype's width. bfloat16, which
+is counted as the one allreduce (reduce-scatter) it is, at the dtype's width. A non-blocking one
+(`iallreduce`) starts the alltoall and leaves the rest to its `wait()`, the one point where every
+rank of the group is sure to start the allgather in the same order as its other collectives. bfloat16, which
 mpi4py cannot export, travels as uint16 views (`backend.wire_dtype`).
 
 >>> from mpimesh import Mesh
@@ -94,6 +96,30 @@ class BufferPool:
             bufs.append(raw)
             self._bytes += nbytes
         return raw.view(dtype).reshape(shape)
+
+
+class _TwoStep(Request):
+    """The request of a non-blocking allreduce of 16-bit floats: the alltoall of its first step is
+    in flight; the second step (reduce, then the allgather) starts in `start_second`, which the
+    owner calls where every rank of the group does (its `wait`), never inside a `test()` poll, so
+    that every rank starts its collectives in the same order. Until then `test()` only lets the
+    alltoall progress and says False."""
+
+    __slots__ = ("_first", "_second", "_req")
+
+    def __init__(self, first: Request, second):
+        super().__init__(self._test_second, lambda: self._req.wait())
+        self._first, self._second, self._req = first, second, None
+
+    def start_second(self) -> None:
+        if self._req is None:
+            self._req = self._second()
+
+    def _test_second(self) -> bool:
+        if self._req is None:
+            self._first.test()
+            return False
+        return self._req.test()
 
 
 def _refcount(items: list, i: int) -> int:
@@ -211,47 +237,79 @@ class MpiCollectives(Collectives):
         """This rank's block j (of `sizes`) of the reduction over `dims` of the 16-bit floats in flat
         `send`: an alltoall of the raw words, then a float32 reduction in rank order, rounded once.
         Counted as one `kind` of `send` (`shape`: the local shape the SPMD check compares)."""
-        xp, pool = self._on(send)
         k, j = len(sizes), self._group_rank(dims)
-        recv = pool.empty((k * sizes[j],), send.dtype)
+        recv = self._on(send)[1].empty((k * sizes[j],), send.dtype)
         counters.record(kind, dims, send.size, send.nbytes)
         with counters.paused():
             self._run("alltoall", dims, send, recv, send.size, send.nbytes, f" {op} ({kind} of 16-bit floats)",
                       shape, counts=(tuple(sizes), (sizes[j],) * k))
-        rows = recv.reshape(k, sizes[j]).astype(accumulation_dtype(send.dtype))
-        return getattr(xp, {"sum": "sum", "max": "max", "min": "min"}[op])(rows, axis=0).astype(send.dtype)
+        return self._sum16(recv.reshape(k, sizes[j]), op)
+
+    def _sum16(self, rows, op: str):
+        """The reduction over the k rows of 16-bit floats `rows`, in float32 in row (rank) order,
+        rounded once to their dtype."""
+        xp = self._on(rows)[0]
+        wide = rows.astype(accumulation_dtype(rows.dtype))
+        return getattr(xp, {"sum": "sum", "max": "max", "min": "min"}[op])(wide, axis=0).astype(rows.dtype)
 
     def _allreduce(self, x, dims: tuple, op: str, out=None):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
-        if is_low_precision(x.dtype) and x.size:  # `out` may be `x`: the alltoall has read it when the allgather runs
-            sizes = block_sizes(x.size, self.size(dims))
-            mine = self._reduce16("allreduce", dims, x.reshape(-1), sizes, op, x.shape)
-            out = pool.empty(x.shape, x.dtype) if out is None else out
-            with counters.paused():
-                self._run("allgather", dims, mine, out.reshape(-1), mine.size, mine.nbytes,
-                          f" {op} (allreduce of 16-bit floats)", x.shape, counts=((mine.size,) * len(sizes), sizes))
-            return out
         out = pool.empty(x.shape, x.dtype) if out is None else out
+        if is_low_precision(x.dtype) and x.size:  # `out` may be `x`: the alltoall has read it when the allgather runs
+            self._complete(self._allreduce16(x, dims, op, out, "")[1](), dims)
+            return out
         self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
+
+    def _allreduce16(self, x, dims: tuple, op: str, out, detail: str) -> tuple:
+        """The allreduce of 16-bit floats in two steps (see the module): starts the alltoall and
+        returns its request and the second step, a function that completes it, reduces, and starts
+        the allgather into `out` (returning that request). Counted once, as the allreduce it is."""
+        sizes = block_sizes(x.size, self.size(dims))
+        k, j = len(sizes), self._group_rank(dims)
+        recv = self._on(x)[1].empty((k * sizes[j],), x.dtype)
+        counters.record("allreduce", dims, x.size, x.nbytes)
+        with counters.paused():
+            first = self._start("alltoall", dims, x.reshape(-1), recv, x.size, x.nbytes,
+                                f" {op} (allreduce of 16-bit floats{detail})", x.shape,
+                                counts=(tuple(sizes), (sizes[j],) * k))
+
+        def second() -> Request:
+            self._complete(first, dims)
+            mine = self._sum16(recv.reshape(k, sizes[j]), op)
+            with counters.paused():
+                return self._start("allgather", dims, mine, out.reshape(-1), mine.size, mine.nbytes,
+                                   f" {op} (allreduce of 16-bit floats{detail})", x.shape,
+                                   counts=((mine.size,) * k, sizes))
+        return first, second
 
     def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
         xp, pool = self._on(x)
         x = contiguous(xp, x)
-        if is_low_precision(x.dtype):  # summed in float32 by blocking steps (`_allreduce`)
-            return super()._iallreduce(x, dims, op, **({} if out is None else {"out": out}))
         out = pool.empty(x.shape, x.dtype) if out is None else out
         self._nonblocking = True
         try:
-            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
+            if is_low_precision(x.dtype) and x.size:
+                req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"))
+            else:
+                req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
         finally:
             self._nonblocking = False
+
+        def wait():
+            if isinstance(req, _TwoStep):
+                self._nonblocking = True  # the allgather starts here, at a point every rank reaches alike
+                try:
+                    req.start_second()
+                finally:
+                    self._nonblocking = False
+            self._complete(req, dims)
 
         def then(send=x):  # the request owns `send` and `out` until it completes
             req.wait()
             return out
-        return Overlapped(req.test, lambda: self._complete(req, dims), then)
+        return Overlapped(req.test, wait, then)
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)

@@ -22,6 +22,7 @@ from itertools import accumulate
 import numpy as np
 from mpi4py import MPI
 
+from ..backend import is_low_precision
 from . import counters
 from .base import DONE, Overlapped, Request, contiguous
 from .guard import Guard
@@ -123,7 +124,8 @@ class NcclCollectives(MpiCollectives):
     def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
         """The allreduce on a side stream that first waits for the current stream's work so far: the
         kernels enqueued after it overlap the transfer; `wait()` makes the current stream wait for it
-        (the host does not block, unless a time-out is set: then it polls)."""
+        (the host does not block, unless a time-out is set: then it polls). 16-bit floats take both
+        steps of `_allreduce16` on the side stream, enqueued at once (NCCL does not block the host)."""
         if isinstance(x, np.ndarray):
             return super()._iallreduce(x, dims, op, out)
         cuda = self.xp.cuda
@@ -136,7 +138,10 @@ class NcclCollectives(MpiCollectives):
         ready.record(main)
         self._side.wait_event(ready)
         with self._side:  # `_post` enqueues on the current stream: the side one
-            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
+            if is_low_precision(x.dtype) and x.size:  # summed in float32, rounded once, as blocking
+                req = self._allreduce16(x, dims, op, out, ", non-blocking")[1]()  # both steps enqueued now
+            else:
+                req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
         done = cuda.Event(disable_timing=True)
         done.record(self._side)
 

@@ -1,9 +1,10 @@
 """Einsum by dim names: a local contraction on each rank's slices, then one allreduce over the
 mesh dims of the reduced dims that are split.
 
-Inputs of 16-bit floats (float16, bfloat16) are contracted in float32: each rank upcasts its own
-blocks, contracts, sums the float32 partial results across ranks, and rounds once to the inputs'
-dtype (numpy's promotion of the input dtypes: bfloat16 with float32 gives float32).
+Inputs of 16-bit floats (float16, bfloat16) are contracted in float32: each rank multiplies its own
+blocks into float32 (on numpy by upcasting them; on CuPy by a cuBLAS GEMM with float32 compute that
+reads the 16-bit words, `mpimesh.widen`), sums the float32 partial results across ranks, and rounds
+once to the inputs' dtype (numpy's promotion of the input dtypes: bfloat16 with float32 gives float32).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -29,6 +30,7 @@ from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..trace import dispatch
+from ..widen import widening_matmul
 from .elementwise import contiguous
 from .relayout import to_layout
 
@@ -224,11 +226,17 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
 
     def lower(ctx, *arrays):
         xp = ctx.xp
-        if low:  # upcast this rank's blocks; the allreduce below sums float32 partials
+        # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
+        # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials.
+        wide = low and name(xp) != "numpy" and (bmm is not None or pair is not None and bool(pair[1]))
+        if low and not wide:
             arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
+        matmul = widening_matmul if wide else _matmul
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
-            if pair[1]:
+            if wide:
+                y = _tensordot(xp, matmul, a, b, pair[1], pair[2])
+            elif pair[1]:
                 y = xp.tensordot(a, b, axes=(pair[1], pair[2]))
             else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
                 y = a.reshape(a.shape + (1,) * b.ndim) * b
@@ -238,14 +246,14 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
             a = (a if pa is None else xp.transpose(a, pa)).reshape(sa)
             b = (b if pb is None else xp.transpose(b, pb)).reshape(sb)
             if pc is None:
-                y = xp.matmul(a, b).reshape(sc)
+                y = matmul(xp, a, b).reshape(sc)
             elif into is not None and name(xp) == "numpy":  # the matmul writes the output: no transposed copy
                 y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b))
                 view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
                 assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
                 xp.matmul(a, b, out=view)
             else:
-                y = contiguous(xp, xp.transpose(xp.matmul(a, b).reshape(sc), pc))
+                y = contiguous(xp, xp.transpose(matmul(xp, a, b).reshape(sc), pc))
         else:
             y = expr(*arrays, backend=xp.__name__.split(".")[0])
         y = ctx.allreduce(y, summed) if summed else y
@@ -253,6 +261,20 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     (y,) = dispatch("einsum", xs, [(out, out_layout)], lower,
                     {"subscripts": subs, "reduce_mesh_dims": summed}, _einsum_grad, flops)
     return bucket.partial(y, reduce_mesh, out_dtype) if bucket else y
+
+
+def _matmul(xp, a, b):
+    return xp.matmul(a, b)
+
+
+def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple):
+    """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D reshapes."""
+    free_a = [i for i in range(a.ndim) if i not in axes_a]
+    free_b = [i for i in range(b.ndim) if i not in axes_b]
+    k = math.prod(a.shape[i] for i in axes_a)
+    a2 = xp.transpose(a, free_a + list(axes_a)).reshape(-1, k)
+    b2 = xp.transpose(b, list(axes_b) + free_b).reshape(k, -1)
+    return matmul(xp, a2, b2).reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
 
 
 def _einsum_grad(op, dy):
