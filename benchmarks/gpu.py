@@ -1,0 +1,381 @@
+"""mpimesh against PyTorch eager on one GPU: the Transformer training step, and collectives staged
+through the host between ranks that share the GPU.
+
+    python benchmarks/gpu.py                                  # fp32, tf32 and bf16 on GPU 0
+    python benchmarks/gpu.py --device cpu                     # smoke run: numpy and PyTorch on CPU, tiny model
+    mpiexec -n 2 python benchmarks/gpu.py --collectives       # both ranks on GPU 0
+
+Needs PyTorch, a benchmark-only dependency (`pip install torch`, a CUDA build), and CuPy
+(`python3 install.py gpu`).
+
+The step: apps/transformer.py's train step (d_model 1024, d_ff 4096, 16 heads of 64, 4 layers,
+batch 32 x 512, Adam with linear warmup) on one rank, against benchmarks/torch_twin.py: the same
+model in PyTorch, started from a copy of mpimesh's parameters, trained by `torch.optim.Adam` with
+the same hyper-parameters. Before timing, the two losses on the same weights and batch, and again
+after one step of each, must agree (fp32: to 1e-5 relative, else the run stops). Each precision
+runs in a fresh process (CuPy reads `CUPY_TF32` once): fp32; tf32; bf16 (mpimesh's bfloat16
+activations over float32 parameters, PyTorch's `torch.autocast`; TF32 on, which holds bfloat16
+values exactly wherever mpimesh contracts them as float32). Step times: medians of `--steps`,
+the two sides interleaved, the GPU synchronised after each. MFU: benchmarks/transformer.py's
+`model_flops` / step time / the best n^3 matmul rate of CuPy and PyTorch (PyTorch's alone in bf16)
+in the same precision and process. Peak memory of one step: CuPy's pool (`mm.profile().peak_bytes
+["gpu"]`, cached blocks included) against `torch.cuda.max_memory_allocated()`. Bars on one H100: step time at most 1.0x
+PyTorch's in fp32, 1.3x in tf32 and bf16; peak memory at most 1.2x in fp32 and tf32.
+`--attention sdpa` gives PyTorch its fused attention instead of mpimesh's written-out one.
+`--device cpu` (`--size tiny`; the default without a GPU) runs the same checks, steps and table on
+numpy and PyTorch's CPU build, one thread each, and judges no bar.
+
+`--collectives`: allreduce and allgather of float32 buffers (`--mib`, default 1, 16, 64 per rank)
+through `mm.Mesh("all:N", backend="cupy", transport="staged")`, against the same by hand: a copy
+into a preallocated pinned host buffer, mpi4py's `Allreduce`/`Allgather`, a copy into a
+preallocated GPU array. Results are checked equal first; times are the slowest rank's medians.
+"""
+from __future__ import annotations
+
+import common  # noqa: F401  (first: fixes the BLAS environment)
+
+import argparse  # noqa: E402
+import importlib.metadata  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from typing import Callable, Dict, List, Optional  # noqa: E402
+
+import numpy as np  # noqa: E402
+from common import WORLD, compare, fmt_bytes, kernel_report, rank0_print, table, verdict  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "apps"))
+import transformer as app  # noqa: E402
+
+import mpimesh as mm  # noqa: E402
+from mpimesh.backend import device_count  # noqa: E402
+from mpimesh.launch import job_env  # noqa: E402
+
+SIZES = {"full": {"d_model": 1024, "heads": 16, "d_kv": 64, "d_ff": 4096, "layers": 4, "batch": 32, "length": 512},
+         "tiny": {"d_model": 64, "heads": 4, "d_kv": 16, "d_ff": 256, "layers": 2, "batch": 8, "length": 64}}
+DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}  # mpimesh's activations per precision
+TF32 = ("tf32", "bf16")  # bf16 too: TF32 holds bfloat16 values exactly where mpimesh contracts them as float32
+TIME_BARS = {"fp32": 1.0, "tf32": 1.3, "bf16": 1.3}  # mpimesh step / PyTorch step, at most
+MEMORY_BARS = {"fp32": 1.2, "tf32": 1.2}  # mpimesh peak / PyTorch peak, at most
+SAME_MODEL = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}  # |relative loss difference| on the same weights and batch
+GEMM_N = {"gpu": 8192, "cpu": 1024}
+DEFAULTS = {"gpu": {"size": "full", "precisions": "fp32,tf32,bf16", "steps": 10, "warmup": 3, "mib": "1,16,64"},
+            "cpu": {"size": "tiny", "precisions": "fp32,bf16", "steps": 3, "warmup": 1, "mib": "0.25,1"}}
+
+
+def _sibling(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/transformer.py has apps/transformer.py's name)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+model_flops = _sibling("transformer").model_flops
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_torch(device: str) -> None:
+    """SystemExit naming what to install where PyTorch (built with CUDA, on the GPU) is missing."""
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit("benchmarks/gpu.py needs PyTorch, a benchmark-only dependency: pip install torch")
+    if device == "gpu":
+        import torch
+        if not torch.cuda.is_available():
+            raise SystemExit(f"benchmarks/gpu.py --device gpu needs PyTorch built with CUDA; this one is "
+                             f"{torch.__version__}: pip install torch (the CUDA build for this driver)")
+
+
+def resolve_device(asked: Optional[str]) -> str:
+    """`asked`, or gpu where CuPy sees one and cpu otherwise; SystemExit if a GPU is asked for in vain."""
+    if asked == "cpu":
+        return "cpu"
+    if device_count() > 0:
+        return "gpu"
+    if asked is None:
+        return "cpu"
+    if importlib.util.find_spec("cupy") is None:
+        raise SystemExit("benchmarks/gpu.py --device gpu needs CuPy: python3 install.py gpu")
+    raise SystemExit("benchmarks/gpu.py --device gpu: CuPy sees no GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", choices=("gpu", "cpu"), help="default: gpu where CuPy sees one, else cpu")
+    ap.add_argument("--size", choices=sorted(SIZES), help="full: the issue's step (default on a GPU); tiny (on CPU)")
+    ap.add_argument("--precisions", help="comma-separated, of fp32,tf32,bf16 (default: all on a GPU, fp32,bf16 on CPU)")
+    ap.add_argument("--steps", type=int, help="timed steps per side (default 10 on a GPU, 3 on CPU)")
+    ap.add_argument("--warmup", type=int, help="untimed steps per side first (default 3 on a GPU, 1 on CPU)")
+    ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit",
+                    help="PyTorch's attention: written out as mpimesh computes it, or its fused kernel (sdpa)")
+    ap.add_argument("--collectives", action="store_true", help="time staged allreduce and allgather (under mpiexec)")
+    ap.add_argument("--mib", help="--collectives: MiB per rank, comma-separated (default 1,16,64; CPU 0.25,1)")
+    ap.add_argument("--repeat", type=int, default=10, help="--collectives: timed runs per case")
+    ap.add_argument("--worker", choices=sorted(DTYPES), help=argparse.SUPPRESS)  # one precision, in this process
+    ap.add_argument("--out", help=argparse.SUPPRESS)  # the worker's JSON result
+    args = ap.parse_args(argv)
+    args.device = resolve_device(args.device)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.precisions = args.precisions.split(",")
+    unknown = [p for p in args.precisions if p not in DTYPES or (p == "tf32" and args.device == "cpu")]
+    if unknown:
+        ap.error(f"--precisions: {', '.join(unknown)} not available on {args.device}; choose from "
+                 f"{', '.join(p for p in DTYPES if args.device == 'gpu' or p != 'tf32')}")
+    try:
+        args.mib = [float(m) for m in args.mib.split(",")]
+    except ValueError:
+        ap.error(f"--mib {args.mib!r}: expected comma-separated numbers")
+    if args.steps < 1 or args.warmup < 0 or args.repeat < 1 or min(args.mib) <= 0:
+        ap.error("--steps, --repeat and --mib must be positive, --warmup at least 0")
+    return args
+
+
+# --------------------------------------------------------------------------- the training step
+
+def gemm_rates(torch, xp, precision: str, device: str, syncs: Dict[str, Callable]) -> Dict[str, Optional[float]]:
+    """FLOP/s of an n^3 matmul in `precision`, best of 5: the array library's (None in bf16) and PyTorch's."""
+    n = GEMM_N[device]
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    lib = xp.__name__
+    fns = {}
+    if precision != "bf16":
+        xa = xp.asarray(a)
+        fns[lib] = lambda: (xa @ xa, syncs["mpimesh"]())
+    ta = torch.from_numpy(a).to("cuda" if device == "gpu" else "cpu",
+                                torch.bfloat16 if precision == "bf16" else torch.float32)
+    fns["torch"] = lambda: (ta @ ta, syncs["torch"]())
+    best = {k: t[0] for k, t in compare(fns, repeat=5, warmup=2, comm=mm.MPI.COMM_SELF).items()}
+    return {k: 2 * n ** 3 / best[k] if k in best else None for k in (lib, "torch")}
+
+
+def measure(precision: str, args: argparse.Namespace) -> dict:
+    """One precision in this process: the same-model check, GEMM rates, step times, peak memory."""
+    import torch
+    from torch_twin import TorchTwin, make_adam
+    gpu = args.device == "gpu"
+    where = "cuda" if gpu else "cpu"
+    if gpu:
+        import cupy
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision in TF32
+        syncs = {"mpimesh": cupy.cuda.Device().synchronize, "torch": torch.cuda.synchronize}
+    else:
+        torch.set_num_threads(1)  # numpy's BLAS runs one thread too (common.py)
+        syncs = {"mpimesh": lambda: None, "torch": lambda: None}
+    say = (lambda *a: print(f"[{precision}]", *a, flush=True))
+
+    cfg = app.Config(optimizer="adam", lr=3e-3, warmup=20, dtype=DTYPES[precision], **SIZES[args.size])
+    mesh = mm.Mesh("all:1", backend="cupy" if gpu else "numpy", comm=mm.MPI.COMM_SELF)
+    data = np.random.default_rng(1).integers(0, 256, size=1 << 16).astype(np.uint8)
+    offsets = app.train_offsets(data, cfg, 0, 0)
+    batch = app.make_batch(mesh, data, cfg, offsets)
+    ids, targets = (torch.from_numpy(a).long().to(where) for a in app.batch_windows(data, cfg, offsets))
+    opt = app.make_optimizer(cfg)
+    params = app.init_params(mesh, cfg)
+    start = {k: t.to_numpy() for k, t in params.items()}
+    model = TorchTwin(start, args.attention, where)
+    torch_opt, schedule = make_adam(model, cfg.lr, cfg.warmup, (opt.beta1, opt.beta2), opt.epsilon)
+    train_step = app.make_train_step(cfg, opt)
+    state = [params, opt.init(params)]
+
+    def autocast():
+        return torch.autocast(where, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def mm_step() -> None:
+        state[0], state[1], _ = train_step(state[0], state[1], batch)
+        syncs["mpimesh"]()
+
+    def torch_step() -> None:
+        torch_opt.zero_grad()
+        with autocast():
+            loss = model(ids, targets)
+        loss.backward()
+        torch_opt.step()
+        schedule.step()
+        syncs["torch"]()
+
+    def losses() -> tuple:
+        with torch.no_grad(), autocast():
+            theirs = float(model(ids, targets))
+        return float(app.loss_fn(state[0], batch, cfg, train=False)), theirs
+
+    before = losses()
+    mm_step()
+    torch_step()
+    after = losses()
+    rel = [abs(a - b) / abs(b) for a, b in (before, after)]
+    moved = {k: t.to_numpy() - start[k] for k, t in state[0].items()}  # each parameter's first update
+    gap = sum(np.sum((moved[k] - (p.detach().cpu().numpy() - start[k])) ** 2) for k, p in model.p.items())
+    update = np.sqrt(gap / sum(np.sum(u ** 2) for u in moved.values()))
+    same = max(rel) <= SAME_MODEL[precision]
+    say(f"same model: loss {before[0]:.6f} (mpimesh) vs {before[1]:.6f} (torch), relative difference {rel[0]:.1e}; "
+        f"after one Adam step {rel[1]:.1e}, the updates differ by {update:.1e} of their norm "
+        f"(tolerance {SAME_MODEL[precision]:g} on the loss: {'ok' if same else 'EXCEEDED'})")
+    if precision == "fp32" and not same:
+        raise SystemExit(f"[fp32] mpimesh and the PyTorch twin disagree beyond {SAME_MODEL['fp32']:g}: "
+                         f"not timing two different models")
+
+    rates = gemm_rates(torch, mesh.xp, precision, args.device, syncs)
+    say(f"{GEMM_N[args.device]}^3 matmul on {torch.cuda.get_device_name() if gpu else 'cpu'}: "
+        + ", ".join(f"{k} {r / 1e12:.2f} TFLOP/s" if r else f"{k} n/a" for k, r in rates.items()))
+    times = compare({"mpimesh": mm_step, "torch": torch_step}, repeat=args.steps, warmup=args.warmup,
+                    comm=mm.MPI.COMM_SELF)
+
+    with mm.profile(memory=not gpu) as prof:  # CPU: tracemalloc's peak of the step's own allocations
+        mm_step()
+    torch_peak = reserved = None
+    if gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch_step()
+        torch_peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    mm_peak = prof.peak_bytes["gpu" if gpu else "arrays"]
+    say(f"step (median of {args.steps}): mpimesh {times['mpimesh'][1] * 1e3:.1f} ms, torch "
+        f"{times['torch'][1] * 1e3:.1f} ms; peak memory mpimesh {mib(mm_peak)}, torch "
+        + (f"{mib(torch_peak)} allocated, {mib(reserved)} reserved" if gpu else "n/a"))
+    return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
+            "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0]}
+
+
+def run_workers(args: argparse.Namespace) -> Dict[str, dict]:
+    """Each precision in a fresh process of this script (CuPy reads CUPY_TF32 once); {precision: result}."""
+    passed = [f"--device={args.device}", f"--size={args.size}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+              f"--attention={args.attention}"]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in args.precisions:
+            out = os.path.join(tmp, f"{precision}.json")
+            env = job_env(MPIMESH_BENCH_LOCK="", CUPY_TF32="1" if precision in TF32 else "0")
+            sys.stdout.flush()
+            code = subprocess.call([sys.executable, os.path.abspath(__file__), *passed, "--worker", precision,
+                                    "--out", out], env=env)
+            if code == 0:
+                with open(out) as f:
+                    results[precision] = json.load(f)
+            else:
+                print(f"[{precision}] failed with exit status {code} (its output is above)", flush=True)
+    return results
+
+
+def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
+    """The verdicts (GPU only: the bars are for one H100) and the table."""
+    gpu = args.device == "gpu"
+    judged = (lambda met: "-" if met is None or not gpu else "MET" if met else "MISSED")
+    rows = []
+    for p, r in results.items():
+        ratio = r["mm_s"] / r["torch_s"]
+        mem_ratio = r["mm_bytes"] / r["torch_bytes"] if r["torch_bytes"] else None
+        time_met = ratio <= TIME_BARS[p]
+        mem_met = mem_ratio <= MEMORY_BARS[p] if mem_ratio is not None and p in MEMORY_BARS else None
+        if gpu:
+            print(verdict(f"{p} step <= {TIME_BARS[p]}x PyTorch eager", time_met,
+                          f"{r['mm_s'] * 1e3:.1f} ms vs {r['torch_s'] * 1e3:.1f} ms, {ratio:.2f}x"))
+            if mem_met is not None:
+                print(verdict(f"{p} peak GPU memory <= {MEMORY_BARS[p]}x PyTorch's", mem_met,
+                              f"{mib(r['mm_bytes'])} vs {mib(r['torch_bytes'])}, {mem_ratio:.2f}x"))
+        rows.append((p, f"{r['mm_s'] * 1e3:.1f}", f"{r['torch_s'] * 1e3:.1f}", f"{ratio:.2f}", f"<= {TIME_BARS[p]}",
+                     judged(time_met), f"{100 * r['flops'] / r['mm_s'] / r['peak_rate']:.1f}%",
+                     f"{100 * r['flops'] / r['torch_s'] / r['peak_rate']:.1f}%", f"{r['mm_bytes'] / 2**20:.0f}",
+                     f"{r['torch_bytes'] / 2**20:.0f}" if r["torch_bytes"] else "n/a",
+                     f"{mem_ratio:.2f}" if mem_ratio else "-", f"<= {MEMORY_BARS[p]}" if p in MEMORY_BARS else "-",
+                     judged(mem_met), f"{r['loss_rel']:.1e}"))
+    cfg = SIZES[args.size]
+    print(f"\nmodel ({args.size}): d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, {cfg['heads']}x{cfg['d_kv']} heads, "
+          f"{cfg['layers']} layers, batch {cfg['batch']} x length {cfg['length']}; Adam; PyTorch attention "
+          f"{args.attention}; MFU against the best matmul rate of each precision; memory in MiB"
+          + ("" if gpu else "\ncpu smoke run: the bars are for one H100 GPU and are not judged here"))
+    print(table(("precision", "mpimesh ms", "torch ms", "ratio", "bar", "time", "MFU mpimesh", "MFU torch",
+                 "mpimesh MiB", "torch MiB", "mem ratio", "mem bar", "memory", "loss diff"), rows), flush=True)
+
+
+# -------------------------------------------------------------------------------- collectives
+
+def by_hand(kind: str, x, xp, gpu: bool) -> Callable:
+    """The reference: `x` into a preallocated (pinned) host buffer, mpi4py's `kind` between host
+    buffers, the result into a preallocated device array; returns that array."""
+    count = x.size * (WORLD.Get_size() if kind == "allgather" else 1)
+    if gpu:
+        import cupyx
+        send, recv = cupyx.empty_pinned(x.shape, np.float32), cupyx.empty_pinned((count,), np.float32)
+    else:
+        send, recv = np.empty(x.shape, np.float32), np.empty(count, np.float32)
+    out = xp.empty(count, np.float32)
+    transfer = WORLD.Allreduce if kind == "allreduce" else WORLD.Allgather
+
+    def run():
+        if gpu:
+            x.get(out=send)
+            transfer(send, recv)
+            out.set(recv)
+            xp.cuda.Device().synchronize()
+        else:
+            np.copyto(send, x)
+            transfer(send, recv)
+            np.copyto(out, recv)
+        return out
+    return run
+
+
+def collectives(args: argparse.Namespace) -> None:
+    """mpimesh's staged allreduce and allgather against `by_hand`, per buffer size."""
+    n = WORLD.Get_size()
+    if n < 2:
+        raise SystemExit("benchmarks/gpu.py --collectives times transfers between ranks: mpiexec -n 2 python "
+                         "benchmarks/gpu.py --collectives")
+    gpu = args.device == "gpu"
+    mesh = mm.Mesh(f"all:{n}", backend="cupy" if gpu else "numpy", transport="staged", **({"device": 0} if gpu else {}))
+    xp, coll = mesh.xp, mesh.collectives
+    sync = xp.cuda.Device().synchronize if gpu else (lambda: None)
+    rank0_print(kernel_report())
+    rows = []
+    for size in args.mib:
+        count = int(size * 2 ** 20) // 4
+        x = xp.asarray(np.random.default_rng(WORLD.Get_rank()).standard_normal(count, dtype=np.float32))
+        for kind, ours in (("allreduce", lambda: coll.allreduce(x, ("all",))),
+                           ("allgather", lambda: coll.allgather(x, "all", 0))):
+            theirs = by_hand(kind, x, xp, gpu)
+            if not bool(xp.array_equal(ours(), theirs())):
+                raise AssertionError(f"staged {kind} of {fmt_bytes(4 * count)} differs from the reference")
+            t = compare({"staged": lambda: (ours(), sync()), "by hand": theirs}, repeat=args.repeat, warmup=2)
+            staged, hand = t["staged"][1], t["by hand"][1]
+            rows.append((fmt_bytes(4 * count), kind, f"{staged * 1e3:.3f}", f"{hand * 1e3:.3f}", f"{staged / hand:.2f}",
+                         f"{4 * count / staged / 1e9:.2f}", f"{4 * count / hand / 1e9:.2f}"))
+    where = "GPU 0, shared" if gpu else "host (cpu smoke run)"
+    rank0_print(f"\nstaged collectives on {n} ranks, {where}: mpimesh (transport 'staged') vs host MPI plus the "
+                f"copies by hand; float32, medians of {args.repeat}, the slowest rank's; GB/s of this rank's input")
+    rank0_print(table(("per rank", "collective", "mpimesh ms", "by hand ms", "ratio", "mpimesh GB/s", "by hand GB/s"),
+                      rows))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        with open(args.out, "w") as f:
+            json.dump(measure(args.worker, args), f)
+        return 0
+    if args.collectives:
+        collectives(args)
+        return 0
+    if WORLD.Get_size() != 1:
+        raise SystemExit("benchmarks/gpu.py times the step on one rank: python benchmarks/gpu.py (mpiexec -n 2 "
+                         "only with --collectives)")
+    check_torch(args.device)
+    print(kernel_report())
+    print(f"device {args.device}; torch {importlib.metadata.version('torch')}"
+          + (f", cupy {mm.backend.array_module('cupy').__version__}" if args.device == "gpu" else ""), flush=True)
+    results = run_workers(args)
+    if results:
+        report(results, args)
+    return 0 if len(results) == len(args.precisions) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
