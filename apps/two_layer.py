@@ -24,7 +24,6 @@ Run::
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import os
@@ -93,13 +92,12 @@ def loss_grad(y, target):
 def backward(params: Params, x, y, dy, input_grad: bool = True) -> Params:
     """Gradients of w, bias, v (and x) by `mm.gradients` over the step's open trace.
 
-    The loss gradient `dy` enters as a constant cotangent: the gradient of
-    sum(y * stop_gradient(dy)) with respect to anything upstream of y is dy pulled back through
-    the forward pass, with no scalar reduction (so the counted allreduces are Table 1's).
+    The loss gradient `dy` enters as y's cotangent (`grad_ys`): dy pulled back through the forward
+    pass, with no scalar reduction (so the counted allreduces are Table 1's).
     """
     names = ["w", "bias", "v"] + (["x"] if input_grad else [])
     xs = [params[n] for n in names[:3]] + ([x] if input_grad else [])
-    return dict(zip(names, mm.gradients([y * mm.stop_gradient(dy)], xs)))
+    return dict(zip(names, mm.gradients([y], xs, grad_ys=[dy])))
 
 
 def sgd(params: Params, grads: Params, lr: float) -> Params:

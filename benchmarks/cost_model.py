@@ -34,7 +34,6 @@ import common  # noqa: F401  (first: clean BLAS environment, may re-exec)
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import glob  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402

@@ -37,6 +37,27 @@ def _zeros_like(t):
     return full(t.mesh, t.shape, 0, t.dtype, t.tensor_layout)
 
 
+def _cotangents(ys: list, grad_ys: list) -> list:
+    """`grad_ys` checked against `ys` (one each, same mesh, shape and dtype), laid out like them."""
+    from .errors import DTypeError, MeshError, ShapeError
+    from .ops.relayout import to_layout
+    if len(grad_ys) != len(ys):
+        raise MpimeshError(f"mm.gradients: {len(grad_ys)} grad_ys for {len(ys)} ys: give one per y")
+    out = []
+    for i, (y, g) in enumerate(zip(ys, grad_ys)):
+        if not hasattr(g, "tensor_layout"):
+            raise TypeError(f"mm.gradients: grad_ys[{i}] is a {type(g).__name__}, not a DistTensor")
+        if g.mesh is not y.mesh:
+            raise MeshError(f"mm.gradients: grad_ys[{i}] lives on mesh {g.mesh.shape}, ys[{i}] on {y.mesh.shape}")
+        if g.shape != y.shape:
+            raise ShapeError(f"mm.gradients: grad_ys[{i}] has shape {g.shape}, ys[{i}] has {y.shape}")
+        if g.dtype != y.dtype:
+            raise DTypeError(f"mm.gradients: grad_ys[{i}] has dtype {g.dtype}, ys[{i}] has {y.dtype} "
+                             f"(mm.cast it)")
+        out.append(to_layout(g, y.tensor_layout))
+    return out
+
+
 def _rules_of(op):
     """A scope putting the layout rules the op ran under in force (none if they already are)."""
     mesh = op.inputs[0].mesh if op.inputs else None
@@ -46,12 +67,17 @@ def _rules_of(op):
     return layout_scope(mesh, op.rules)
 
 
-def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release: bool = False,
-              bucket_bytes: Optional[int] = None) -> list:
+def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys: Optional[Sequence] = None,
+              release: bool = False, bucket_bytes: Optional[int] = None) -> list:
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
     Must run inside `mm.trace()` (or pass the trace), and ys and xs must be tensors of that trace.
+
+    `grad_ys`: one tensor per y, of its shape and dtype (the cotangents, as TensorFlow's `grad_ys` or
+    the argument of JAX's `vjp` function): the gradients are then those of the sum of all elements
+    of `y * grad_y` over the ys, without computing that product (e.g. a loss's gradient dy, fed
+    back through the layers that made y). Default: ones.
 
     With `release=True` (a training step's memory), each intermediate tensor that nothing but the
     trace holds gives its values back as soon as no remaining gradient rule needs them: the trace
@@ -74,9 +100,10 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
         raise MpimeshError("mm.gradients needs an open trace: run the forward pass inside `with mm.trace():`")
     ys, xs = list(ys), list(xs)
     ops = list(tr.ops)  # the backward ops are appended to the trace as they run
+    seeds = [_ones_like(y) for y in ys] if grad_ys is None else _cotangents(ys, list(grad_ys))
     reach = {id(x) for x in xs}
-    for op in ops:
-        if any(id(t) in reach for t in op.inputs):
+    for op in ops:  # no gradient flows out of an op without a rule (stop_gradient, a comparison)
+        if op.grad is not None and any(id(t) in reach for t in op.inputs):
             reach.update(id(t) for t in op.outputs)
     grads: dict[int, object] = {}
     memory = _Release(tr, ops, reach, ys, xs) if release else None
@@ -93,16 +120,9 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
         old = grads.get(id(t))
         grads[id(t)] = g if old is None else add(old, g)
 
-    def total(t_id):  # added in the order, and by the op, of the unbucketed walk
-        gs = [_through_grad(g, total) if isinstance(g, tuple) else g for g in terms[t_id]]
-        g = gs[0]
-        for h in gs[1:]:
-            g = add(g, h)
-        return g
-
     with Bucketer(leaves, limit) as buckets:
-        for y in ys:
-            accumulate(y, _ones_like(y))
+        for y, seed in zip(ys, seeds):
+            accumulate(y, seed)
         for i in reversed(range(len(ops))):
             op = ops[i]
             if i in through:  # its rule runs once its output's gradient is summed: keep its place
@@ -116,7 +136,7 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, release
         buckets.finish()
     for x in xs:
         if id(x) in terms:
-            grads[id(x)] = total(id(x))
+            grads[id(x)] = _total(terms, id(x))
     out = []
     for x in xs:
         g = grads.get(id(x))
@@ -146,11 +166,23 @@ def _bucket_leaves(ops: list, xs: list) -> tuple:
     return leaves, through
 
 
-def _through_grad(placed: tuple, total):
+def _total(terms: dict, t_id: int):
+    """A bucketed leaf's gradient: its terms added in the order, and by the ops, of the unbucketed
+    walk (a module function, not a closure: a closure calling itself would hold the walk's tensors
+    in a reference cycle until the garbage collector runs)."""
+    from .ops.elementwise import add
+    gs = [_through_grad(g, terms) if isinstance(g, tuple) else g for g in terms[t_id]]
+    g = gs[0]
+    for h in gs[1:]:
+        g = add(g, h)
+    return g
+
+
+def _through_grad(placed: tuple, terms: dict):
     """The gradient a relayout of `_bucket_leaves` passes its input, from its output's summed one."""
     op, out_id = placed
     with _rules_of(op):
-        (g,) = op.grad(op, total(out_id))
+        (g,) = op.grad(op, _total(terms, out_id))
     return g
 
 

@@ -333,3 +333,59 @@ def test_backward_of_model_parallel_matmul_allreduces(shape):
     assert gw.layout == {"hidden": m} and gx.layout == {}
     np.testing.assert_allclose(gx.to_numpy(), np.ones((8, 16)) @ wa.T, rtol=1e-12)
     np.testing.assert_allclose(gw.to_numpy(), xa.T @ np.ones((8, 16)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grad_ys_are_cotangents(shape):
+    """gradients([y], xs, grad_ys=[c]) is the gradient of sum(y * c): J^T c, by hand in float64; c in
+    another layout than y is laid out like it; several ys add up."""
+    mesh = get_mesh(shape)
+    lay, rules = split_config(mesh)
+    xa, wa = global_array("a:8;k:16", 14, np.float64), global_array("k:16;b:8", 15, np.float64)
+    ca, da = global_array("a:8;b:8", 16, np.float64), global_array("a:8;k:16", 17, np.float64)
+    x, w = mesh.from_numpy(xa, "a:8;k:16", lay), mesh.from_numpy(wa, "k:16;b:8")
+    c = mesh.from_numpy(ca, "a:8;b:8", {"b": lay["a"]} if lay else {})
+    with mm.layout_scope(mesh, rules), mm.trace():
+        y, z = mm.tanh(mm.einsum([x, w])), mm.square(x)
+        gx, gw = mm.gradients([y], [x, w], grad_ys=[c])
+        gx2, = mm.gradients([y, z], [x], grad_ys=[c, mesh.from_numpy(da, "a:8;k:16")])
+    dh = (1 - np.tanh(xa @ wa) ** 2) * ca
+    np.testing.assert_allclose(gx.to_numpy(), dh @ wa.T, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(gw.to_numpy(), xa.T @ dh, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(gx2.to_numpy(), dh @ wa.T + 2 * xa * da, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grad_ys_errors(shape):
+    mesh = get_mesh(shape)
+    x = mesh.from_numpy(global_array(AB, 18, np.float64), AB)
+    other = mm.Mesh(shape)
+    with mm.trace():
+        y = x * 2.0
+        bad = [([], mm.MpimeshError, "0 grad_ys for 1 ys"),
+               ([mesh.ones("a:8")], mm.ShapeError, "grad_ys[0] has shape [a:8], ys[0] has [a:8, b:16]"),
+               ([mesh.ones(AB, dtype="float32")], mm.DTypeError, "dtype float32, ys[0] has float64"),
+               ([other.ones(AB, dtype="float64")], mm.MeshError, "grad_ys[0] lives on mesh"),
+               ([np.ones((8, 16))], TypeError, "grad_ys[0] is a ndarray")]
+        for grad_ys, kind, words in bad:
+            with pytest.raises(kind) as info:
+                mm.gradients([y], [x], grad_ys=grad_ys)
+            assert words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_gradient_work_behind_stop_gradient(shape):
+    """y * stop_gradient(s) with s made from x: the rule computes dz * s for y and nothing for the
+    stopped side (one multiply, not two), and the gradient ignores the path through s."""
+    mesh = get_mesh(shape)
+    lay, rules = split_config(mesh)
+    xa = global_array(AB, 19, np.float64)
+    x = mesh.from_numpy(xa, AB, lay)
+    with mm.layout_scope(mesh, rules), mm.trace() as tr:
+        y = mm.sin(x)
+        z = y * mm.stop_gradient(mm.exp(x))
+        n = len(tr)
+        (g,) = mm.gradients([z], [x], grad_ys=[mesh.ones(AB, dtype="float64")])
+    backward = [op.name for op in tr.ops[n:]]
+    assert backward.count("multiply") == 2, backward  # dz * exp(x), then that * cos(x): the sin rule's
+    np.testing.assert_allclose(g.to_numpy(), np.exp(xa) * np.cos(xa), rtol=1e-12)

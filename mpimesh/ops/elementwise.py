@@ -111,19 +111,21 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None):
 
 
 def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
+    """`grad(x, y, z, dz)` returns two functions of no argument, giving x's and y's gradient: only
+    those of the inputs that need one run (nothing is computed for a constant side)."""
     def rule(op, dz):
         if len(op.inputs) == 2:
             x, y = op.inputs
             gx, gy = grad(x, y, op.outputs[0], dz)
-            need = op.needs or (True, True)  # an unneeded broadcast gradient is not summed back
+            need = op.needs or (True, True)
             with partial_for(x):  # a parameter's gradient summed over the batch may wait in a bucket
-                gx = sum_to(gx, x.shape) if need[0] else None
+                gx = sum_to(gx(), x.shape) if need[0] else None
             with partial_for(y):
-                gy = sum_to(gy, y.shape) if need[1] else None
+                gy = sum_to(gy(), y.shape) if need[1] else None
             return [gx, gy]
         if op.params["side"] == "right":
-            return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]]
-        return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]]
+            return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]()]
+        return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]()]
     rule = None if grad is None else rule
 
     def op(x, y):
@@ -200,25 +202,26 @@ negative = _unary("negative", lambda xp, a: -a, "-x.", lambda x, y, dy: -dy)
 
 def _min_max_grad(pick_x):
     def grad(x, y, z, dz):
-        take_x = pick_x(x, y)  # ties go to x
-        gx = dz * cast(take_x, dz.dtype) if _is_tensor(x) else None
-        gy = dz * (1.0 - cast(take_x, dz.dtype)) if _is_tensor(y) else None
-        return gx, gy
+        made = []
+
+        def take_x():  # ties go to x; made once where both sides need it
+            if not made:
+                made.append(cast(pick_x(x, y), dz.dtype))
+            return made[0]
+        return (lambda: dz * take_x()), (lambda: dz * (1.0 - take_x()))
     return grad
 
 
 def _pow_grad(x, y, z, dz):
-    gx = dz * y * power(x, y - 1) if _is_tensor(x) else None
-    gy = (dz * z * (log(x) if _is_tensor(x) else math.log(x))) if _is_tensor(y) else None
-    return gx, gy
+    return (lambda: dz * y * power(x, y - 1)), (lambda: dz * z * (log(x) if _is_tensor(x) else math.log(x)))
 
 
-add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: (dz, dz))
-subtract = _binary("subtract", lambda xp, a, b: a - b, "x - y.", lambda x, y, z, dz: (dz, -dz))
+add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: ((lambda: dz), (lambda: dz)))
+subtract = _binary("subtract", lambda xp, a, b: a - b, "x - y.", lambda x, y, z, dz: ((lambda: dz), (lambda: -dz)))
 multiply = _binary("multiply", lambda xp, a, b: a * b, "x * y.",
-                   lambda x, y, z, dz: (dz * y if _is_tensor(x) else None, dz * x if _is_tensor(y) else None))
+                   lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)))
 divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
-                 lambda x, y, z, dz: (dz / y if _is_tensor(x) else None, -(dz * z) / y if _is_tensor(y) else None))
+                 lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)))
 power = _binary("power", lambda xp, a, b: a ** b, "x ** y.", _pow_grad)
 minimum = _binary("minimum", lambda xp, a, b: xp.minimum(a, b), "Elementwise minimum.",
                   _min_max_grad(lambda x, y: less_equal(x, y)))
