@@ -12,6 +12,9 @@ rank `max(1, cores // ranks on this node)` threads:
 
 Overrides: `MPIMESH_THREADS=N`, or any of those three variables set before the program starts
 (they are then left alone); `set_threads(n)` at run time. `describe()` says what is in force.
+A default chosen here is marked (`MPIMESH_AUTO_THREADS`), so that a child process, say the ranks of
+a job that `python -m mpimesh.launch` starts from inside another job, does not take its parent's
+share for a user's override: it finds its own.
 
 >>> info = settings()
 >>> sorted(info), info["threads"] >= 1
@@ -24,8 +27,10 @@ import sys
 from typing import Optional
 
 _VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_AUTO = "MPIMESH_AUTO_THREADS"  # the value this module put in _VARS by default (not a user's choice)
 _LOCAL_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
                "PALS_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+_DEFAULT = "cores // local ranks"
 _state: dict = {"threads": None, "source": "not set", "local_ranks": None}
 
 
@@ -54,6 +59,10 @@ def _apply(n: int, source: str, local_ranks: Optional[int]) -> None:
     _state.update(threads=n, source=source, local_ranks=local_ranks)
     for var in _VARS:
         os.environ[var] = str(n)  # for BLAS loaded from now on, and for child processes
+    if source == _DEFAULT:
+        os.environ[_AUTO] = str(n)
+    else:
+        os.environ.pop(_AUTO, None)
     if "numpy" in sys.modules:  # BLAS may be loaded already: its pools are resized in place
         try:
             from threadpoolctl import threadpool_limits
@@ -64,6 +73,10 @@ def _apply(n: int, source: str, local_ranks: Optional[int]) -> None:
 
 def configure_at_import() -> None:
     """Set the default before numpy loads, where the launcher says how many ranks share the node."""
+    inherited = os.environ.pop(_AUTO, None)
+    for var in _VARS:  # a parent's default, chosen for its own job's ranks: not an override
+        if inherited is not None and os.environ.get(var) == inherited:
+            del os.environ[var]
     forced = _env_int("MPIMESH_THREADS")
     if forced is not None:
         _apply(forced, "MPIMESH_THREADS", _launcher_local_ranks())
@@ -73,7 +86,7 @@ def configure_at_import() -> None:
     else:
         local = _launcher_local_ranks()
         if local is not None:
-            _apply(max(1, cores() // local), "cores // local ranks", local)
+            _apply(max(1, cores() // local), _DEFAULT, local)
 
 
 def configure_for(comm) -> None:
@@ -84,7 +97,7 @@ def configure_for(comm) -> None:
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local = node.Get_size()
     node.Free()
-    _apply(max(1, cores() // local), "cores // local ranks", local)
+    _apply(max(1, cores() // local), _DEFAULT, local)
 
 
 def set_threads(n: int) -> None:
@@ -104,7 +117,7 @@ def settings() -> dict:
 def describe() -> str:
     """One line for a program's header, e.g. `BLAS threads per rank: 1 (2 cores, 4 ranks on this node)`."""
     s = settings()
-    if s["source"] == "cores // local ranks":
+    if s["source"] == _DEFAULT:
         why = f"{s['cores']} cores, {s['local_ranks']} ranks on this node; MPIMESH_THREADS=N overrides"
     elif s["source"] == "not set":
         why = "one rank: the BLAS default"

@@ -5,6 +5,7 @@ Usage::
     python tests/run.py                          # every test, on 1, 2, 3, 4 and 8 ranks
     MPIMESH_TEST_RANKS="1 4" python tests/run.py -x -k einsum
     python tests/run.py tests/test_shape.py      # paths given replace tests/
+    python tests/run.py --backend cupy           # every mesh on CuPy (MPIMESH_BACKEND=cupy): needs a GPU
 
 Each run is ``mpiexec -n N python -m pytest --with-mpi -q -p no:cacheprovider tests/ [args]``, killed
 after ``MPIMESH_TEST_TIMEOUT`` seconds (default 900, about 2.5 times the slowest run in CI: the 1-rank
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,11 +48,46 @@ def _has_paths(args: List[str]) -> bool:
     return any(not a.startswith("-") and (ROOT / a.split("::")[0]).exists() for a in args)
 
 
+def backend_option(args: List[str]) -> Tuple[Optional[str], List[str]]:
+    """`--backend NAME` (or `--backend=NAME`) taken out of `args`: (NAME or None, the other args).
+
+    >>> backend_option(["-x", "--backend", "cupy", "-k", "einsum"])
+    ('cupy', ['-x', '-k', 'einsum'])
+    """
+    rest, backend, it = [], None, iter(args)
+    for a in it:
+        if a == "--backend":
+            backend = next(it, "")
+        elif a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return backend, rest
+
+
+def check_backend(backend: str) -> Optional[str]:
+    """None if meshes can use `backend` here, else why not (mpimesh's own one-line error), asked in
+    a child process so that this one never initialises MPI or CUDA."""
+    code = "import mpimesh.backend as b, sys; b.array_module(sys.argv[1])"
+    proc = subprocess.run([sys.executable, "-c", code, backend], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, MPIMESH_NO_ABORT="1"))
+    if proc.returncode == 0:
+        return None
+    return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+
+
 def main(extra: List[str]) -> int:
+    backend, extra = backend_option(extra)
     ranks = [int(n) for n in os.environ.get("MPIMESH_TEST_RANKS", "1 2 3 4 8").split()]
     timeout = int(os.environ.get("MPIMESH_TEST_TIMEOUT", "900"))
     mpiexec = find_mpiexec()
     env: Dict[str, str] = dict(os.environ, MPIEXEC_TIMEOUT=str(timeout), MPIMESH_TEST_QUIET_NONZERO="1")
+    if backend is not None:
+        why = check_backend(backend)
+        if why is not None:
+            print(f"tests/run.py --backend {backend}: {why}", file=sys.stderr)
+            return 2
+        env["MPIMESH_BACKEND"] = backend  # every Mesh made without backend= uses it
     # Up to 8 ranks share a few cores: one BLAS thread each, or they fight for the cores.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")

@@ -80,3 +80,26 @@ def test_overrides(tmp_path):
 def test_set_threads_refuses_nonsense(bad):
     with pytest.raises(mm.MpimeshError, match="threads must be a positive int"):
         mm.threads.set_threads(bad)
+
+
+@pytest.mark.skipif(CORES < 2, reason="on one core every default is 1 thread")
+def test_a_parent_default_is_not_an_override(tmp_path):
+    """A 1-rank job's default (every core) reaches its children through the environment; the ranks
+    of a 2-rank job it starts (`python -m mpimesh.launch` inside a job) still take cores // 2 each,
+    where without the mark they would take the parent's value for a user's override."""
+    inner = tmp_path / "inner.py"
+    inner.write_text(textwrap.dedent("import mpimesh as mm\nimport numpy") + textwrap.dedent(REPORT))
+    (tmp_path / "inner_out").mkdir()
+    reports = _job(tmp_path, 1, f"""
+        import os, subprocess, sys
+        import mpimesh as mm
+        from mpimesh.launch import job_env
+        assert os.environ["OMP_NUM_THREADS"] == "{CORES}", os.environ.get("OMP_NUM_THREADS")
+        subprocess.run([sys.executable, "-m", "mpimesh.launch", "-n", "2", {str(inner)!r}, {str(tmp_path / "inner_out")!r}],
+                       env=job_env(), check=True, timeout=100)
+    """)
+    assert reports[0]["blas"] == [CORES]  # the parent: one rank on the node
+    for r in range(2):
+        child = json.loads((tmp_path / "inner_out" / f"{r}.json").read_text())
+        assert child["blas"] == [max(1, CORES // 2)], child
+        assert "ranks on this node" in child["said"], child
