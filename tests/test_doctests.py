@@ -1,6 +1,7 @@
-"""The examples in the package's docstrings run and print what they show (they use COMM_SELF meshes,
-so every rank runs them alone). Every module must have at least one: a module without examples fails
-here instead of passing with nothing checked. `mpimesh.tpu` runs under the JAX test flags."""
+"""The examples in the package's docstrings run and print what they show. They use COMM_SELF meshes, so
+they run in the 1-rank session only (each rank of a larger job would run them alone, again). Every
+module must have at least one: a module without examples fails here instead of passing with nothing
+checked. `mpimesh.tpu` runs under the JAX test flags."""
 from __future__ import annotations
 
 import doctest
@@ -8,6 +9,7 @@ import importlib
 import pkgutil
 
 import pytest
+from mpi4py import MPI
 
 import jaxenv  # noqa: F401  (before jax: host devices, quick compiles)
 
@@ -16,6 +18,7 @@ import mpimesh
 MODULES = sorted(m.name for m in pkgutil.walk_packages(mpimesh.__path__, "mpimesh."))
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="COMM_SELF examples: the 1-rank session runs them")
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     if name.startswith("mpimesh.tpu"):

@@ -248,7 +248,8 @@ def _padded(x: np.ndarray, axis: int, width: int) -> np.ndarray:
     return np.pad(x, pad)
 
 
-@pytest.mark.skipif(RANK != 0, reason="no MPI inside: rank 0 alone runs the JAX twin")
+@pytest.mark.skipif(N != 1, reason="no MPI inside (k devices of one process): the "
+                    "1-rank session runs the JAX twin")
 @pytest.mark.parametrize("k,mode", [(3, "vmap"), (4, "vmap"), (3, "shard_map")])
 def test_jax_twin(k: int, mode: str) -> None:
     pytest.importorskip("jax")
