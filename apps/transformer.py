@@ -52,6 +52,9 @@ load-balancing loss joins the training loss. Unless `--layout` places `experts`,
 
     mpiexec -n 4 python apps/transformer.py --moe-every 2 --experts 4
 
+`--device gpu`: every rank holds its slices on its own GPU (CuPy, `python3 install.py gpu`; one rank
+per GPU, e.g. `mpiexec -n 8` on an 8-GPU node); the transport is chosen per mesh (see README.md).
+
 `--layout auto`: `mm.auto_layout` calibrates the machine on the mesh (a few seconds), records the
 training step dry (shapes only) and prices layout rules with the cost model (`mpimesh.cost`); rank
 0 prints the chosen rules and the top 5 alternatives with their predicted step times, then trains
@@ -475,6 +478,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="jax: ONE process (no mpiexec); the train step is recorded once with mpimesh on 1 rank "
                          "and replayed by JAX for the loop on a jax mesh named and sized like --mesh (host "
                          "devices on CPU), sharded by --layout; see apps/transformer_jax.py")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
+                    help="gpu: each rank's slices live on its GPU (CuPy; python3 install.py gpu), one rank per GPU; "
+                         "the transport (nccl, CUDA-aware mpi, or staged through host) is chosen per mesh")
     ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below), or "
                     "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh)")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
@@ -543,6 +549,9 @@ def main(argv=None) -> None:
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)
+    if args.device == "gpu" and args.backend == "jax":
+        raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
+                         "devices JAX sees")
     if args.backend == "jax":  # one process: record on 1 rank, replay on the jax mesh (transformer_jax.py)
         if cfg.dtype == "float16":
             raise UsageError("--dtype float16 needs --backend mpi: its loss scaling decides on the host whether "
@@ -557,7 +566,8 @@ def main(argv=None) -> None:
     else:
         if auto:
             args.layout = moe_layout(auto_layout(args.mesh or default_mesh(world), cfg, args.seed), cfg.moe_every)
-        mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout)
+        mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
+                       backend="cupy" if args.device == "gpu" else "numpy")
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
     start = start_step(args, mesh)
     if args.resume and start == args.steps:
@@ -578,7 +588,9 @@ def main(argv=None) -> None:
         say(f"mpimesh transformer, jax backend: 1 process, jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
             f"{devices[0].platform} devices, layout {args.layout!r}")
     else:
-        say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; {mm.threads.describe()}")
+        say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; "
+            + (f"GPU {mesh.device} per rank (rank 0's), transport {mesh.transport}" if args.device == "gpu"
+               else mm.threads.describe()))
     say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads}x{cfg.d_kv}, d_ff {cfg.d_ff}, "
         f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}; "
         f"{cfg.dtype} activations")

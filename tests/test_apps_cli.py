@@ -3,6 +3,7 @@
 the model lacks, a bad flag or a bad value is one line on stderr and exit status 2."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -89,6 +90,14 @@ def test_transformer_on_3_ranks_runs_uneven_blocks():
     proc = _run("transformer", *TINY, "--steps", "1", ranks=3)
     assert proc.returncode == 0, proc.stderr
     assert "3 ranks, mesh [rows:1, cols:3]" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_transformer_device_gpu_without_cupy_names_the_extra():
+    proc = _run("transformer", *TINY, "--steps", "1", "--device", "gpu")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = set(proc.stderr.strip().splitlines())  # one line per rank, alike
+    assert "backend 'cupy' needs CuPy" in line and "install.py gpu" in line, line
 
 
 def test_transformer_binary_data_says_why(tmp_path):
