@@ -101,8 +101,8 @@ def backward(params: Params, x, y, dy, input_grad: bool = True) -> Params:
 
 
 def sgd(params: Params, grads: Params, lr: float) -> Params:
-    """p - lr·g for each parameter."""
-    return {k: p - grads[k] * lr for k, p in params.items()}
+    """p - lr·g for each parameter (`mm.axpy`: one array and one pass over memory less than `p - g * lr`)."""
+    return {k: mm.axpy(-lr, grads[k], p) for k, p in params.items()}
 
 
 def train_step(params: Params, x, target, lr: float, input_grad: bool = True) -> Step:

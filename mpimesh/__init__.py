@@ -23,7 +23,7 @@ from .layout import LayoutRules
 from .mesh import Mesh, layout_scope
 from . import creation  # noqa: F401  (binds mesh.zeros, mesh.random_normal, ...: see creation.py)
 from .ops.einsum import einsum
-from .ops.elementwise import (abs, add, cast, cos, divide, equal, exp, gelu, greater, greater_equal, less,
+from .ops.elementwise import (abs, add, axpy, cast, cos, divide, equal, exp, gelu, greater, greater_equal, less,
                               less_equal, log, maximum, minimum, multiply, negative, not_equal, power,
                               relu, rsqrt, sigmoid, sin, sqrt, square, subtract, tanh, where)
 from .ops.reduce import reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
@@ -65,7 +65,7 @@ __all__ = [
     "slice", "concat", "split", "pad", "shift", "halo_exchange",
     "cumsum", "one_hot", "gather", "top_k", "argmax", "where", "cast", "stop_gradient", "dropout",
     "relu", "gelu", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "square", "abs", "sin", "cos",
-    "minimum", "maximum", "add", "subtract", "multiply", "divide", "power", "negative",
+    "minimum", "maximum", "add", "subtract", "multiply", "divide", "power", "negative", "axpy",
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets

@@ -42,7 +42,7 @@ from .backend import accumulation_dtype
 from .errors import MpimeshError, ShapeError
 from .mesh import layout_scope
 from .ops.einsum import einsum
-from .ops.elementwise import cast, maximum, minimum, rsqrt, sqrt, square
+from .ops.elementwise import axpy, cast, maximum, minimum, rsqrt, sqrt, square
 from .ops.reduce import reduce_mean
 from .ops.relayout import to_layout
 from .shape import Dimension, Shape
@@ -195,9 +195,9 @@ class SGD(Optimizer):
     def _apply(self, p, g, slots, t):
         lr = _value(self.lr, t)
         if not self.momentum:
-            return p - lr * g, {}
-        v = self.momentum * slots["v"] + g
-        return p - lr * v, {"v": v}
+            return axpy(-lr, g, p), {}
+        v = axpy(self.momentum, slots["v"], g)
+        return axpy(-lr, v, p), {"v": v}
 
 
 class Adam(Optimizer):
@@ -229,13 +229,13 @@ class Adam(Optimizer):
     def _apply(self, p, g, slots, t):
         b1, b2 = self.beta1, self.beta2
         lr = _value(self.lr, t)
-        m = b1 * slots["m"] + (1.0 - b1) * g
-        v = b2 * slots["v"] + (1.0 - b2) * square(g)
+        m = axpy(1.0 - b1, g, b1 * slots["m"])
+        v = axpy(1.0 - b2, square(g), b2 * slots["v"])
         m_hat = m / (1.0 - b1 ** t)
         v_hat = v / (1.0 - b2 ** t)
-        new_p = p - lr * (m_hat / (sqrt(v_hat) + self.epsilon))
+        new_p = axpy(-lr, m_hat / (sqrt(v_hat) + self.epsilon), p)
         if self.weight_decay:
-            new_p = new_p - (lr * self.weight_decay) * p
+            new_p = axpy(-(lr * self.weight_decay), p, new_p)
         return new_p, {"m": m, "v": v}
 
 

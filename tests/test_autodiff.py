@@ -139,6 +139,8 @@ CASES["broadcast_reordered"] = Case(lambda x: mm.broadcast(x, "c:8;b:16;a:8"), (
 CASES["relayout"] = Case(lambda x, w: mm.relayout(x, _shuffled(x)) * w, (AB, AB), (normal, normal), wrt=(0,))
 CASES["relayout_and_back"] = Case(lambda x: mm.sin(mm.relayout(mm.relayout(x, _shuffled(x)), x.layout)),
                                   (ABC,), (normal,))
+CASES["axpy"] = Case(lambda x, y: mm.axpy(-0.7, x, y), (AB, AB), (normal, normal))
+CASES["axpy_tensor_alpha"] = Case(lambda a, x, y: mm.axpy(a, x, y), ("", AB, "b:16;a:8"), (normal, normal, normal))
 NAMES = list(CASES)
 
 

@@ -313,6 +313,31 @@ def test_scalar_operators(mesh: mm.Mesh) -> None:
 
 
 @pytest.mark.mpi
+def test_axpy(mesh: mm.Mesh) -> None:
+    """alpha * x + y against numpy, x and y in differing layouts (y's dims in another order), alpha a
+    number or a 0-d tensor; float32 in, float32 out; bad input refused on every rank."""
+    yt = np.ascontiguousarray(XP.T)
+    for lx, ly, rules in _combos(mesh):
+        x = mesh.from_numpy(X, "a:8;b:16", layout=lx)
+        y = mesh.from_numpy(yt, "b:16;a:8", layout={k: v for k, v in ly.items() if k == "b"})
+        with mm.layout_scope(mesh, rules):
+            z = mm.axpy(-0.25, x, y)
+            assert z.layout == mesh.tensor_layout("a:8;b:16")
+            _check(z, np.float32(-0.25) * X + XP, "a:8;b:16")
+            _check(mm.axpy(mesh.from_numpy(np.array(3.0, np.float32), []), x, y), 3 * X + XP, "a:8;b:16")
+    x, y = mesh.from_numpy(X, "a:8;b:16"), mesh.from_numpy(Y, "b:16;c:8")
+    for fn, kind, words in ((lambda: mm.axpy(2.0, x, y), mm.ShapeError, "the same dims"),
+                            (lambda: mm.axpy(x, x, x), mm.ShapeError, "0-d tensor"),
+                            (lambda: mm.axpy(2.0, X, x), TypeError, "x must be a DistTensor")):
+        try:
+            fn()
+            ok = False
+        except kind as e:
+            ok = words in str(e)
+        assert all_ranks(ok)
+
+
+@pytest.mark.mpi
 def test_operator_size_mismatch(mesh: mm.Mesh) -> None:
     x = mesh.from_numpy(X, "a:8;b:16")
     y = mesh.from_numpy(np.ones((8, 8)), "b:8;c:8")

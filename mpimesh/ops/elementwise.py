@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import align, as_dtype, contiguous, is_float, is_low_precision  # noqa: F401 (einsum imports contiguous from here)
+from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision  # noqa: F401 (einsum imports contiguous from here)
 from ..buckets import partial_for
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes
@@ -233,6 +233,59 @@ greater = _binary("greater", lambda xp, a, b: a > b, "x > y (no gradient).")
 greater_equal = _binary("greater_equal", lambda xp, a, b: a >= b, "x >= y (no gradient).")
 equal = _binary("equal", lambda xp, a, b: a == b, "x == y (no gradient).")
 not_equal = _binary("not_equal", lambda xp, a, b: a != b, "x != y (no gradient).")
+
+
+def axpy(alpha, x, y):
+    """`alpha * x + y` in one op, written into the product's buffer (BLAS's axpy; numpy would make
+    two arrays and pass over memory once more): the optimizers' `p - lr * g` is `axpy(-lr, g, p)`.
+    `x` and `y` have the same dims (the result has x's order); `alpha` is a number or a 0-d tensor
+    (a learning-rate schedule).
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> g, p = mesh.from_numpy(np.array([1.0, 2.0]), "a:2"), mesh.ones("a:2")
+    >>> axpy(-0.5, g, p).to_numpy().tolist()
+    [0.5, 0.0]
+    """
+    for what, t in (("x", x), ("y", y)):
+        if not _is_tensor(t):
+            raise TypeError(f"axpy: {what} must be a DistTensor, got {type(t).__name__}")
+    scaled = _is_tensor(alpha)  # a 0-d tensor: an input of the op (and differentiable)
+    if x.mesh is not y.mesh or scaled and alpha.mesh is not x.mesh:
+        raise MeshError(f"axpy: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape})")
+    if sorted(x.shape) != sorted(y.shape):
+        raise ShapeError(f"axpy: x has shape {x.shape}, y has {y.shape}: they must have the same dims")
+    if scaled and alpha.shape.rank:
+        raise ShapeError(f"axpy: alpha must be a number or a 0-d tensor, got shape {alpha.shape}")
+    alpha = to_layout(alpha, ()) if scaled else _scalar(alpha, "axpy", x.dtype)
+    layout = x.mesh.plan(x.shape)
+    x, y = to_layout(x, layout), to_layout(y, _layout_for(y, x.shape, layout))
+    xd, yd = x.shape.names, y.shape.names
+    low = x.dtype if is_low_precision(x.dtype) and not scaled else None  # numpy computes bf16 * 0.5 in float32
+
+    def lower(ctx, *arrays):
+        xp = ctx.xp
+        a, xa, ya = arrays if scaled else (alpha, *arrays)
+        ya = align(xp, ya, yd, xd)
+        out = xp.multiply(xa, a)
+        out = _round_to(out, low) if low is not None else out
+        if is_eager(xp) and out.dtype == xp.result_type(out, ya):
+            return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
+        return out + ya
+
+    def rule(op, dz):
+        need = op.needs or (True,) * len(op.inputs)
+        yt = op.inputs[-1]
+        from .reshape import transpose
+        gy = (dz if yt.shape == dz.shape else transpose(dz, yt.shape)) if need[-1] else None
+        if scaled:
+            from .reduce import reduce_sum
+            a, xt, _ = op.inputs
+            return [reduce_sum(dz * xt) if need[0] else None, dz * a if need[1] else None, gy]
+        return [dz * op.params["alpha"] if need[0] else None, gy]
+    (z,) = dispatch("axpy", [alpha, x, y] if scaled else [x, y], [(x.shape, layout)], lower,
+                    {} if scaled else {"alpha": alpha}, rule)
+    return z
 
 
 def cast(x, dtype):
