@@ -166,7 +166,7 @@ class MpiCollectives(Collectives):
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
         in_place = send is recv  # an allreduce into its input
-        if send.dtype == BFLOAT16:  # move the raw words (never reduced: see `_reduce16`)
+        if send.dtype == BFLOAT16:  # move the raw words (never reduced: see `_exchange16`)
             send, recv = send.view(wire_dtype(send.dtype)), recv.view(wire_dtype(recv.dtype))
         if in_place:
             send = MPI.IN_PLACE
@@ -233,24 +233,26 @@ class MpiCollectives(Collectives):
             j = j * self._sizes[m] + self.mesh.coords[m]
         return j
 
-    def _reduce16(self, kind: str, dims: tuple, send, sizes: tuple, op: str, shape):
-        """This rank's block j (of `sizes`) of the reduction over `dims` of the 16-bit floats in flat
-        `send`: an alltoall of the raw words, then a float32 reduction in rank order, rounded once.
-        Counted as one `kind` of `send` (`shape`: the local shape the SPMD check compares)."""
+    def _exchange16(self, kind: str, dims: tuple, send, sizes: tuple, op: str, shape, detail: str = "") -> tuple:
+        """Start the first step of a reduction over `dims` of the 16-bit floats in flat `send`: an
+        alltoall of the raw words (block j of `sizes` to group rank j). Returns its request and a
+        function that completes it and gives this rank's block of the reduction, in float32 in rank
+        order, rounded once. Counted as one `kind` of `send` (`shape`: the local shape the SPMD
+        check compares)."""
         k, j = len(sizes), self._group_rank(dims)
         recv = self._on(send)[1].empty((k * sizes[j],), send.dtype)
         counters.record(kind, dims, send.size, send.nbytes)
         with counters.paused():
-            self._run("alltoall", dims, send, recv, send.size, send.nbytes, f" {op} ({kind} of 16-bit floats)",
-                      shape, counts=(tuple(sizes), (sizes[j],) * k))
-        return self._sum16(recv.reshape(k, sizes[j]), op)
+            first = self._start("alltoall", dims, send, recv, send.size, send.nbytes,
+                                f" {op} ({kind} of 16-bit floats{detail})", shape,
+                                counts=(tuple(sizes), (sizes[j],) * k))
 
-    def _sum16(self, rows, op: str):
-        """The reduction over the k rows of 16-bit floats `rows`, in float32 in row (rank) order,
-        rounded once to their dtype."""
-        xp = self._on(rows)[0]
-        wide = rows.astype(accumulation_dtype(rows.dtype))
-        return getattr(xp, {"sum": "sum", "max": "max", "min": "min"}[op])(wide, axis=0).astype(rows.dtype)
+        def reduced():
+            self._complete(first, dims)
+            rows = recv.reshape(k, sizes[j])
+            wide = rows.astype(accumulation_dtype(rows.dtype))
+            return getattr(self._on(rows)[0], op)(wide, axis=0).astype(rows.dtype)  # sum, max or min
+        return first, reduced
 
     def _allreduce(self, x, dims: tuple, op: str, out=None):
         xp, pool = self._on(x)
@@ -263,25 +265,18 @@ class MpiCollectives(Collectives):
         return out
 
     def _allreduce16(self, x, dims: tuple, op: str, out, detail: str) -> tuple:
-        """The allreduce of 16-bit floats in two steps (see the module): starts the alltoall and
-        returns its request and the second step, a function that completes it, reduces, and starts
-        the allgather into `out` (returning that request). Counted once, as the allreduce it is."""
+        """The allreduce of 16-bit floats in two steps (see the module): starts the alltoall
+        (`_exchange16`) and returns its request and the second step, a function that completes it,
+        reduces, and starts the allgather into `out` (returning that request)."""
         sizes = block_sizes(x.size, self.size(dims))
-        k, j = len(sizes), self._group_rank(dims)
-        recv = self._on(x)[1].empty((k * sizes[j],), x.dtype)
-        counters.record("allreduce", dims, x.size, x.nbytes)
-        with counters.paused():
-            first = self._start("alltoall", dims, x.reshape(-1), recv, x.size, x.nbytes,
-                                f" {op} (allreduce of 16-bit floats{detail})", x.shape,
-                                counts=(tuple(sizes), (sizes[j],) * k))
+        first, reduced = self._exchange16("allreduce", dims, x.reshape(-1), sizes, op, x.shape, detail)
 
         def second() -> Request:
-            self._complete(first, dims)
-            mine = self._sum16(recv.reshape(k, sizes[j]), op)
+            mine = reduced()
             with counters.paused():
                 return self._start("allgather", dims, mine, out.reshape(-1), mine.size, mine.nbytes,
                                    f" {op} (allreduce of 16-bit floats{detail})", x.shape,
-                                   counts=((mine.size,) * k, sizes))
+                                   counts=((mine.size,) * len(sizes), sizes))
         return first, second
 
     def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
@@ -362,8 +357,8 @@ class MpiCollectives(Collectives):
         if is_low_precision(x.dtype):
             sizes = sizes or block_sizes(x.shape[axis], k)
             c = self.coord(mesh_dim)
-            mine = self._reduce16("reduce_scatter", (mesh_dim,), pack(xp, x, axis, sizes),
-                                  block_counts(x.shape, axis, sizes), op, x.shape)
+            mine = self._exchange16("reduce_scatter", (mesh_dim,), pack(xp, x, axis, sizes),
+                                    block_counts(x.shape, axis, sizes), op, x.shape)[1]()
             return mine.reshape(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:])
         if sizes is not None:
             send, counts = pack(xp, x, axis, sizes), block_counts(x.shape, axis, sizes)
