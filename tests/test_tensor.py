@@ -325,6 +325,8 @@ def test_axpy(mesh: mm.Mesh) -> None:
             assert z.layout == mesh.tensor_layout("a:8;b:16")
             _check(z, np.float32(-0.25) * X + XP, "a:8;b:16")
             _check(mm.axpy(mesh.from_numpy(np.array(3.0, np.float32), []), x, y), 3 * X + XP, "a:8;b:16")
+    s, t = mesh.from_numpy(np.array(2.0), []), mesh.from_numpy(np.array(3.0), [])  # 0-d x and y
+    _check(mm.axpy(0.5, s, t), np.array(4.0), "")
     x, y = mesh.from_numpy(X, "a:8;b:16"), mesh.from_numpy(Y, "b:16;c:8")
     for fn, kind, words in ((lambda: mm.axpy(2.0, x, y), mm.ShapeError, "the same dims"),
                             (lambda: mm.axpy(x, x, x), mm.ShapeError, "0-d tensor"),

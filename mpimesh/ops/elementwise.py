@@ -269,7 +269,7 @@ def axpy(alpha, x, y):
         ya = align(xp, ya, yd, xd)
         out = xp.multiply(xa, a)
         out = _round_to(out, low) if low is not None else out
-        if is_eager(xp) and out.dtype == xp.result_type(out, ya):
+        if is_eager(xp) and out.ndim and out.dtype == xp.result_type(out, ya):  # (0-d: numpy gives a scalar)
             return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
         return out + ya
 
