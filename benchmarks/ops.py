@@ -98,8 +98,9 @@ def trace_overhead() -> tuple[float, float]:
 
 
 def guard_overhead(mesh) -> dict:
-    """Microseconds per small allreduce (16 floats over every rank): raw mpi4py, mpimesh with the
-    check off, with `mm.set_spmd_check(True)`, and with a collective time-out (polled requests)."""
+    """Microseconds per small allreduce (16 floats over every rank): raw mpi4py's blocking call,
+    mpimesh as it runs by default (a polled request under the default time-out), and with
+    `mm.set_spmd_check(True)`."""
     x = np.ones(16, np.float32)
     out = np.empty_like(x)
     comm, dims, reps = mesh.comm_for(mesh.shape.names), mesh.shape.names, 3000
@@ -120,9 +121,6 @@ def guard_overhead(mesh) -> dict:
     mm.set_spmd_check(True)
     result["check"] = best(lambda: mesh.collectives.allreduce(x, dims))
     mm.set_spmd_check(False)
-    mm.set_collective_timeout(600)
-    result["timeout"] = best(lambda: mesh.collectives.allreduce(x, dims))
-    mm.set_collective_timeout(None)
     return result
 
 
@@ -142,7 +140,7 @@ def main() -> None:
     if mesh.size > 1:
         g = guard_overhead(mesh)
         rank0_print(f"\nsmall allreduce (16 floats, {mesh.size} ranks), us per call: raw mpi4py {g['raw']:.1f}, "
-                    f"mpimesh {g['off']:.1f}, with the SPMD check {g['check']:.1f}, with a time-out {g['timeout']:.1f}")
+                    f"mpimesh {g['off']:.1f} (polled, under the default time-out), with the SPMD check {g['check']:.1f}")
         rank0_print(verdict("SPMD check <= 30 us per collective", g["check"] - g["off"] <= 30.0,
                             f"{g['check'] - g['off']:.1f} us"))
         rank0_print("  (off, the check costs one flag test per collective: nothing is exchanged)")

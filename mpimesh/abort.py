@@ -3,8 +3,10 @@
 Without this, a rank that dies (say, before its first `Mesh`, opening a missing file) leaves the
 others waiting forever in their next collective. Under MPI with more than one rank, `install()`
 wraps `sys.excepthook`: it prints the traceback with the rank's number, leaves the launcher
-`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. Set `MPIMESH_NO_ABORT=1` to keep
-Python's own hook (a debugger's post-mortem, say).
+`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. A collective that failed (time-out,
+departed rank, divergence) prints only its message, one paragraph that already names where each
+rank was: the traceback through mpimesh's internals would say nothing more. Set
+`MPIMESH_NO_ABORT=1` to keep Python's own hook (a debugger's post-mortem, say).
 
 >>> install()  # idempotent; a no-op on one rank
 >>> getattr(sys.excepthook, "_mpimesh", False) == (MPI.COMM_WORLD.Get_size() > 1)
@@ -18,6 +20,8 @@ import time
 import traceback
 
 from mpi4py import MPI
+
+from .errors import CollectiveTimeoutError, DivergenceError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
 
@@ -33,8 +37,11 @@ def install() -> None:
     def hook(kind, value, tb):
         try:
             rank = MPI.COMM_WORLD.Get_rank()
-            sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
-            traceback.print_exception(kind, value, tb)
+            if isinstance(value, (CollectiveTimeoutError, DivergenceError)):
+                sys.stderr.write(f"mpimesh: rank {rank}: {kind.__name__}: {value}\nmpimesh: aborting all ranks\n")
+            else:
+                sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
+                traceback.print_exception(kind, value, tb)
             sys.stderr.flush()
             time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
         finally:

@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from . import abort, threads
 from .backend import array_module, resolve_backend
+from .collectives.liveness import Watch
 from .errors import MeshError, ShapeError
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
                      plan_layout)
@@ -158,6 +159,7 @@ class Mesh(AbstractMesh):
             self._coords = {}
         self._rank = self._cart.Get_rank()
         self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
+        self._watch = Watch(self._guard_comm)  # who is still in the job (exit notices, process ids)
         self._subcomms: dict[tuple, MPI.Comm] = {}
         self._collectives = None
         abort.install()
@@ -225,8 +227,10 @@ class Mesh(AbstractMesh):
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
     def barrier(self) -> None:
-        """Wait for every rank of the mesh."""
-        self._cart.Barrier()
+        """Wait for every rank of the mesh (polled like a collective: under the time-out, and raising
+        if a rank left the job)."""
+        if self.size > 1:
+            self.collectives.guard.barrier()
 
     def __repr__(self) -> str:
         return f"Mesh({str(self.shape)!r}, layout={str(self.rules)!r}, rank={self.rank})"

@@ -14,6 +14,7 @@ import pytest
 from mpi4py import MPI
 
 import mpimesh as mm
+from mpimesh.collectives import guard
 
 _SHAPES = {
     1: ["all:1", "rows:1;cols:1", "rows:1;cols:1;planes:1"],
@@ -84,15 +85,15 @@ TRANSPORT_MODES = ["mpi", "staged", "mpi+guard", "staged+timeout"]
 
 def transport_mesh(shape: str, mode: str) -> Iterator[mm.Mesh]:
     """The body of a `mesh` fixture over (shape, mode): `mode` a transport, plus "+guard" (the SPMD
-    check on) or "+timeout" (a 120 s collective time-out); both are turned off afterwards."""
+    check on) or "+timeout" (a 120 s collective time-out); both return to their defaults afterwards."""
     mesh = get_mesh(shape, "", mode.split("+")[0])
     mm.set_spmd_check(mode.endswith("+guard"))
-    mm.set_collective_timeout(120 if "+" in mode else None)
+    if "+" in mode:
+        mm.set_collective_timeout(120)
     try:
         yield mesh
     finally:
-        mm.set_spmd_check(False)
-        mm.set_collective_timeout(None)
+        guard.reset()
 
 
 def big(mesh: mm.Mesh) -> list[str]:

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.collectives import guard  # noqa: E402
 
 # Every test runs on every transport this machine has (the staged one stages numpy through a second
 # host buffer), and once more with the SPMD check and a time-out on: those change no value or count.
@@ -35,8 +36,7 @@ def mesh_fixture(request):
     try:
         yield mesh
     finally:
-        mm.set_spmd_check(False)
-        mm.set_collective_timeout(None)
+        guard.reset()
 
 
 def inp(rank: int, shape: Sequence[int], seed: int = 0, dtype=np.float64) -> np.ndarray:

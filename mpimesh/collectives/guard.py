@@ -1,4 +1,11 @@
-"""Never a silent hang: the SPMD check before each collective, and collective time-outs.
+"""Never a silent hang: the SPMD check before each collective, time-outs, and departed ranks.
+
+Every collective is started non-blocking and polled (as fast as a blocking call: flat out for its
+first `_SPIN` seconds, then with naps that grow to `_MAX_NAP`, so a rank kept waiting uses at most
+a few percent of a core). While it waits, a rank answers others' questions about where it is, and
+looks for ranks of the collective's group that left the job (`liveness.py`: an exit notice, or a
+process gone). A member that left while the collective is still incomplete `_GRACE` seconds later
+makes it raise `CollectiveTimeoutError`, naming that rank and where every rank of the group was.
 
 `set_spmd_check(True)` (or `MPIMESH_SPMD_CHECK=1`): before each collective, every rank of the mesh
 confirms, in one small allreduce on a communicator of its own, that all ranks are at the same op
@@ -9,14 +16,15 @@ If not, every rank raises
 `DivergenceError` naming what each rank was doing and where in the user's code; no data moved,
 so the mesh stays usable. The check is not counted in the profile.
 
-`set_collective_timeout(S)` (or `MPIMESH_COLLECTIVE_TIMEOUT=S`): collectives are started
-non-blocking and polled. One not complete after S seconds asks the ranks of its group where they
-are (a rank waiting in another collective answers while it polls; one busy elsewhere, or gone,
-cannot), then raises `CollectiveTimeoutError` naming the ranks that never arrived. The transfer
-can never be cancelled, so the mesh is unusable afterwards and an uncaught error ends the job.
+The time-out (`DEFAULT_TIMEOUT`, 10 minutes; `set_collective_timeout(S)` or
+`MPIMESH_COLLECTIVE_TIMEOUT=S`, `None`/`0`/`off` for none): a collective not complete after S seconds
+asks the ranks of its group where they are (a rank waiting in another collective answers while it
+polls; one busy elsewhere, or gone, cannot), then raises `CollectiveTimeoutError` naming the ranks
+that never arrived. Either way the transfer can never be cancelled, so the mesh is unusable
+afterwards and an uncaught error ends the job.
 
->>> set_spmd_check(False); settings()
-{'check': False, 'timeout': None}
+>>> set_spmd_check(False); settings()["check"]
+False
 """
 from __future__ import annotations
 
@@ -31,20 +39,29 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError, DivergenceError, MpimeshError
+from .liveness import ABANDONED, Watch, describe
 
-_QUERY, _REPLY = 31001, 31002  # tags of the time-out's where-are-you exchange
+_QUERY, _REPLY = 31001, 31002  # tags of the where-are-you exchange
 _WIDTH = 400  # bytes of a rank's description of its op
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+DEFAULT_TIMEOUT = 600.0  # seconds: long enough for real work, short of forever
+_SPIN = 0.05  # seconds a collective is polled flat out, as a blocking call would
+_MAX_NAP = 0.02  # the longest nap between polls after that (they grow with the time waited)
+_LOOK = 0.1  # seconds between looks for departed ranks and for others' questions
+_GRACE = 1.0  # seconds a collective may still complete after a member left (its part may be done)
 
 
 def _env_timeout() -> Optional[float]:
     raw = os.environ.get("MPIMESH_COLLECTIVE_TIMEOUT", "").strip()
     if not raw:
+        return DEFAULT_TIMEOUT
+    if raw.lower() in ("0", "off", "none"):
         return None
     try:
         return _checked_timeout(float(raw))
-    except ValueError:
-        raise MpimeshError(f"MPIMESH_COLLECTIVE_TIMEOUT={raw!r} is not a positive number of seconds") from None
+    except (ValueError, MpimeshError):
+        raise MpimeshError(f"MPIMESH_COLLECTIVE_TIMEOUT={raw!r} is not a positive number of seconds "
+                           "(or 0/off/none for no time-out)") from None
 
 
 def _checked_timeout(seconds: Optional[float]) -> Optional[float]:
@@ -53,7 +70,16 @@ def _checked_timeout(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else float(seconds)
 
 
-_settings = {"check": os.environ.get("MPIMESH_SPMD_CHECK", "") not in ("", "0"), "timeout": _env_timeout()}
+_settings: dict = {}
+
+
+def reset() -> None:
+    """The settings as the environment gives them (what a program starts with)."""
+    _settings.update(check=os.environ.get("MPIMESH_SPMD_CHECK", "") not in ("", "0"), timeout=_env_timeout(),
+                     chosen=os.environ.get("MPIMESH_COLLECTIVE_TIMEOUT", "").strip() != "")
+
+
+reset()
 
 
 def set_spmd_check(enabled: bool) -> None:
@@ -62,13 +88,19 @@ def set_spmd_check(enabled: bool) -> None:
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
-    """Raise `CollectiveTimeoutError` from a collective not complete after `seconds` (None: wait forever)."""
+    """Raise `CollectiveTimeoutError` from a collective not complete after `seconds` (None: wait
+    forever; the default is `DEFAULT_TIMEOUT`, 600 s). Departed ranks are noticed either way."""
     _settings["timeout"] = _checked_timeout(seconds)
+    _settings["chosen"] = True
 
 
 def settings() -> dict:
-    """The check and time-out in force: `{"check": bool, "timeout": seconds or None}`."""
-    return dict(_settings)
+    """The check and time-out in force: `{"check": bool, "timeout": seconds or None}`.
+
+    >>> settings()["timeout"] == DEFAULT_TIMEOUT or "MPIMESH_COLLECTIVE_TIMEOUT" in os.environ
+    True
+    """
+    return {"check": _settings["check"], "timeout": _settings["timeout"]}
 
 
 def user_frame() -> str:
@@ -80,49 +112,52 @@ def user_frame() -> str:
 
 
 class Guard:
-    """The check and time-out state of one mesh: its sequence number and a communicator of its own.
+    """The check, time-out and departure state of one mesh: its sequence number, a communicator of
+    its own and the mesh's `liveness.Watch`.
 
     Args:
-      comm: a duplicate of the mesh's communicator (rank r = mesh rank r), for the check's allreduce
-        and the time-out's point-to-point questions; it never carries user data.
+      watch: the mesh's watch, over a duplicate of the mesh's communicator (rank r = mesh rank r), for
+        the check's allreduce, the where-are-you questions and exit notices; it never carries user data.
       mesh_shape: the mesh shape, to name a group's ranks.
       coords: this rank's mesh coordinates.
     """
 
-    def __init__(self, comm: MPI.Comm, mesh_shape, coords: dict):
-        self.comm, self._shape, self._coords = comm, mesh_shape, coords
+    def __init__(self, watch: Watch, mesh_shape, coords: dict):
+        self.watch, self.comm, self._shape, self._coords = watch, watch.comm, mesh_shape, coords
         self.seq = 0
         self._buffers: dict = {}  # the check's send and receive buffers, per number of groups
         self.broken: Optional[str] = None
         self._op: Optional[tuple] = None  # (seq, kind, dims, dtype, local shape, detail) of the current collective
-
-    @staticmethod
-    def active() -> bool:
-        """Whether the check or a time-out is on."""
-        return _settings["check"] or _settings["timeout"] is not None
+        self._sends: list = []  # questions and answers in flight
 
     @staticmethod
     def timeout() -> Optional[float]:
         """The time-out in force, seconds, or None."""
         return _settings["timeout"]
 
+    @staticmethod
+    def polls_device() -> bool:
+        """Whether device-ordered transfers (NCCL) are polled from the host: only under a time-out
+        the program chose (the default one would stall every GPU step on the host)."""
+        return _settings["chosen"] and _settings["timeout"] is not None
+
     def enter(self, kind: str, dims: tuple, x, detail: str = "", shape: Optional[str] = None) -> None:
         """Before a collective: refuse on a broken mesh, count it, and run the SPMD check if on
         (`shape`: the local shape to compare, where it is not x's: see `uneven_shape`)."""
         if self.broken:
-            raise CollectiveTimeoutError(f"this mesh is unusable after an earlier time-out: {self.broken}")
+            raise CollectiveTimeoutError(f"this mesh is unusable after an earlier failed collective: {self.broken}")
+        self.watch.poll()
+        if self.watch.abandoned:  # its pending transfer would match this rank's next one
+            self._refuse_abandoned()
         self.seq += 1
-        self._op = (self.seq, kind, dims, x.dtype, shape or tuple(x.shape), detail)  # formatted only when needed
+        self._op = self.watch.op = (self.seq, kind, dims, x.dtype, shape or tuple(x.shape), detail)
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()
 
     @property
     def _state(self) -> str:
         """What this rank is in (or last was in), for messages and others' questions."""
-        if self._op is None:
-            return ""
-        seq, kind, dims, dtype, shape, detail = self._op
-        return f"#{seq} {kind} over {'+'.join(dims)} {dtype} local shape {shape}{detail}"
+        return "" if self._op is None else describe(self._op)
 
     def _check(self) -> None:
         seq, kind, dims, dtype, shape, detail = self._op  # a compact key: str(dtype) alone costs 4 us
@@ -140,10 +175,7 @@ class Guard:
         mine[0], mine[1] = h, -h
         k = zlib.crc32(str(shape).encode())
         mine[2 + 2 * g], mine[3 + 2 * g] = k, -k
-        if _settings["timeout"] is None:  # the common case: one blocking allreduce of a few ints
-            self.comm.Allreduce(mine, out, op=MPI.MIN)
-        else:
-            self.wait_mpi(self.comm.Iallreduce(mine, out, op=MPI.MIN), "the SPMD check")
+        self.wait_mpi(self.comm.Iallreduce(mine, out, op=MPI.MIN), "the SPMD check")
         if (out[0::2] == -out[1::2]).all():  # every rank had the same key: min == max
             return
         every = self._gather_states(f"{self._state} at {user_frame()}")
@@ -159,26 +191,57 @@ class Guard:
         self.wait_mpi(self.comm.Iallgather(buf, every), "the SPMD check")
         return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
 
-    def wait_mpi(self, request: MPI.Request, what: str) -> None:
-        """Wait for an MPI request of the guard's own, under the time-out if one is set."""
-        if _settings["timeout"] is None:
-            request.Wait()
-            return
+    def barrier(self) -> None:
+        """Wait for every rank of the mesh, as a collective of its own (checked, polled)."""
+        self.enter("barrier", tuple(self._shape.names), np.empty(0, np.uint8))
+        self.wait_mpi(self.comm.Ibarrier(), None)
+
+    def wait_mpi(self, request: MPI.Request, what: Optional[str]) -> None:
+        """Wait for an MPI request of the guard's own, over the whole mesh (see `wait`)."""
         self.wait(_Polled(request.Test), tuple(self._shape.names), what)
 
     def wait(self, request, dims: tuple, what: Optional[str] = None) -> None:
-        """Poll `request` (anything with `test()`) until done; past the time-out, diagnose and raise."""
-        timeout = _settings["timeout"]
+        """Poll `request` (anything with `test()`) until done: flat out for `_SPIN` seconds, then with
+        growing naps; every `_LOOK` seconds answer others' questions and look for members of the group
+        over `dims` that left (raising once one has been gone `_GRACE` seconds), and past the time-out,
+        diagnose and raise. `what`: a step before the collective (the SPMD check), for messages."""
+        try:
+            self._poll(request, dims, what)
+        except KeyboardInterrupt:  # the transfer cannot be cancelled: the mesh is unusable from here
+            self._abandon(what)
+            raise
+
+    def _poll(self, request, dims: tuple, what: Optional[str]) -> None:
         start = time.monotonic()
-        spins = 0
-        while not request.test():
-            spins += 1
-            if spins < 200:
-                continue
-            self._serve()
-            if time.monotonic() - start > timeout:
-                self._expire(dims, timeout, what)
-            time.sleep(2e-4 if spins < 5000 else 2e-3)
+        fast = start + _SPIN
+        while not self._test(request, dims, what):
+            if time.monotonic() > fast:
+                break
+        else:
+            return
+        timeout, others = _settings["timeout"], None
+        look = noticed = 0.0
+        while not self._test(request, dims, what):
+            now = time.monotonic()
+            if now >= look:
+                look = now + _LOOK
+                self._serve()
+                if others is None:
+                    others = [r for r in self._group_ranks(dims) if r != self.comm.Get_rank()]
+                if self.watch.gone(others):
+                    noticed = noticed or now
+                    if now - noticed >= _GRACE:
+                        self._departed(dims, what)
+                if timeout is not None and now - start > timeout:
+                    self._expire(dims, timeout, what)
+            time.sleep(min(_MAX_NAP, max(1e-4, 0.02 * (now - start))))
+
+    def _test(self, request, dims: tuple, what: Optional[str]) -> bool:
+        try:
+            return request.test()
+        except MPI.Exception as e:  # the MPI library saw a peer fail (MPI_ERRORS_RETURN, mpi4py's default)
+            self._departed(dims, what, f"MPI reported: {e.Get_error_string().strip()}")
+            raise  # not reached
 
     def _group_ranks(self, dims: tuple) -> list:
         """Mesh ranks of this rank's group over `dims` (coordinates differ only there)."""
@@ -199,35 +262,88 @@ class Guard:
             src = status.Get_source()
             self.comm.Recv(np.empty(1, np.int64), src, _QUERY)
             answer = f"{self._state} at {user_frame()}".encode()[:_WIDTH]
-            self.comm.Send(np.frombuffer(answer.ljust(_WIDTH, b"\0"), np.uint8), src, _REPLY)
+            self._send(np.frombuffer(answer.ljust(_WIDTH, b"\0"), np.uint8), src, _REPLY)
 
-    def _expire(self, dims: tuple, timeout: float, what: Optional[str]) -> None:
-        me = self.comm.Get_rank()
-        peers = [r for r in self._group_ranks(dims) if r != me]
+    def _send(self, buf, dest: int, tag: int) -> None:
+        """Start sending `buf`, never waiting for it (the peer may be gone); the request keeps it alive."""
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends.append(self.comm.Isend(buf, dest, tag))
+
+    def _ask(self, peers: list, seconds: float) -> dict:
+        """Where each of `peers` is, as each answers within `seconds` (serving questions meanwhile):
+        `{rank: answer}`. Never waits on a send: a peer may be gone."""
         for r in peers:
-            self.comm.Send(np.array([self.seq], np.int64), r, _QUERY)
+            self._send(np.array([self.seq], np.int64), r, _QUERY)
         answers: dict = {}
-        grace_end = time.monotonic() + min(max(1.0, 0.2 * timeout), 5.0)
+        end = time.monotonic() + seconds
         status = MPI.Status()
-        while len(answers) < len(peers) and time.monotonic() < grace_end:
+        while len(answers) < len(peers) and time.monotonic() < end:
             self._serve()
             while self.comm.Iprobe(MPI.ANY_SOURCE, _REPLY, status):
                 buf = np.empty(_WIDTH, np.uint8)
                 self.comm.Recv(buf, status.Get_source(), _REPLY)
                 answers[status.Get_source()] = bytes(buf).rstrip(b"\0").decode(errors="replace")
             time.sleep(1e-3)
+        return answers
+
+    def _fail(self, message: str) -> None:
+        """Mark the mesh unusable and raise `message`."""
+        self.broken = message
+        raise CollectiveTimeoutError(message)
+
+    def _where(self, what: Optional[str]) -> str:
+        op = f"collective {self._state} at {user_frame()}"
+        return f"{what}, before {op}" if what else op
+
+    def _refuse_abandoned(self) -> None:
+        """Raise: a rank abandoned this mesh (an interrupted collective). (Exit notices only count
+        while a collective waits, see `wait`: a rank may have done its part before it left.)"""
+        dropped = {r: why for r, why in self.watch.left.items() if why.startswith(ABANDONED)}
+        if dropped:
+            self.broken = "; ".join(f"rank {r}: {why}" for r, why in dropped.items())
+            raise CollectiveTimeoutError(f"this mesh is unusable: {self.broken}")
+
+    def _abandon(self, what: Optional[str]) -> None:
+        """After an interrupt inside a collective: mark the mesh unusable here, and tell the other
+        ranks, whose collectives on this mesh then raise instead of waiting for this one."""
+        where = self._where(what)
+        self.broken = f"{where} was interrupted before it completed (a transfer cannot be cancelled)"
+        sent = self.watch.notify(f"{ABANDONED}: {where} was interrupted on it")
+        end = time.monotonic() + 0.5  # push the notices out now: this rank may not call MPI again soon
+        while not MPI.Request.Testall(sent) and time.monotonic() < end:
+            time.sleep(1e-3)
+        self._sends += sent
+
+    def _departed(self, dims: tuple, what: Optional[str], mpi_error: str = "") -> None:
+        me = self.comm.Get_rank()
+        others = [r for r in self._group_ranks(dims) if r != me]
+        gone = self.watch.gone(others)
+        answers = self._ask([r for r in others if r not in gone], _GRACE)
+        where = [f"rank {me} (this one) in it"]
+        for r in others:
+            where.append(f"rank {r} left: {gone[r]}" if r in gone else
+                         f"rank {r} waiting in {answers[r]}" if r in answers else
+                         f"rank {r} did not answer (busy outside mpimesh's collectives)")
+        place = "the job" if all(why.startswith("its ") for why in gone.values()) else "this mesh"
+        who = (f"rank {list(gone)[0]} left {place}" if len(gone) == 1 else
+               f"ranks {list(gone)} left {place}" if gone else "a rank of its group failed")
+        self._fail(f"{self._where(what)} on rank {me} cannot complete: {who} before it was done. "
+                   f"{mpi_error + '. ' if mpi_error else ''}Where the ranks of the collective were: "
+                   f"{'; '.join(where)}. The mesh is unusable now; uncaught, this error ends the job.")
+
+    def _expire(self, dims: tuple, timeout: float, what: Optional[str]) -> None:
+        me = self.comm.Get_rank()
+        peers = [r for r in self._group_ranks(dims) if r != me]
+        answers = self._ask(peers, min(max(1.0, 0.2 * timeout), 5.0))
         mine = self._state
         missing = [r for r in peers if answers.get(r, "").split(" at ", 1)[0] != mine]
-        notes = [f"  rank {r}: " + (f"waiting in {answers[r]}" if r in answers else
-                                    "did not answer (busy outside mpimesh's collectives, or finished)")
+        notes = [f"rank {r} " + (f"waiting in {answers[r]}" if r in answers else
+                                 "did not answer (busy outside mpimesh's collectives, or finished)")
                  for r in missing]
-        op = f"collective {mine} at {user_frame()}"
-        op = f"{what}, before {op}" if what else op
-        self.broken = (f"{op} on rank {me} was not complete after {timeout:g} s; ranks {missing} never "
-                       f"arrived:\n" + "\n".join(notes))
-        sys.stderr.write(f"mpimesh: CollectiveTimeoutError: {self.broken}\n")
-        sys.stderr.flush()
-        raise CollectiveTimeoutError(self.broken)
+        self._fail(f"{self._where(what)} on rank {me} was not complete after {timeout:g} s; ranks {missing} "
+                   f"never arrived: {'; '.join(notes)}. A longer time-out: MPIMESH_COLLECTIVE_TIMEOUT=S or "
+                   f"mm.set_collective_timeout(S) (None for none). The mesh is unusable now; uncaught, this "
+                   "error ends the job.")
 
 
 def uneven_shape(shape, axis: int, sizes: tuple, c: int) -> str:

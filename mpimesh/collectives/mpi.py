@@ -134,13 +134,12 @@ class MpiCollectives(Collectives):
 
     transport = "mpi"
     fills_out = True
-    _nonblocking = False  # True while `_iallreduce` posts: `_post` starts the transfer and returns
 
     def __init__(self, mesh):
         super().__init__(mesh.shape, mesh.xp)
         self.mesh = mesh
         self.pool = BufferPool(mesh.xp, mesh.device)
-        self.guard = Guard(mesh._guard_comm, mesh.shape, mesh.coords)
+        self.guard = Guard(mesh._watch, mesh.shape, mesh.coords)
         self._device = mesh.backend == "cupy"
         self._host_pool = BufferPool(np) if self._device else self.pool
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
@@ -158,7 +157,8 @@ class MpiCollectives(Collectives):
 
     # The transfer: the one step other transports replace ------------------------------------
     def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
-        """Start `kind` from `send` into `recv` over `dims`; blocking unless a time-out is set.
+        """Start `kind` from `send` into `recv` over `dims`, non-blocking (`guard.wait` polls it as
+        fast as a blocking call would complete; see `guard.py`).
         `counts`: for unequal blocks, (elements to each coordinate, elements from each coordinate)."""
         comm = self._mpi_comms.get(dims)
         if comm is None:
@@ -170,11 +170,7 @@ class MpiCollectives(Collectives):
             send, recv = send.view(wire_dtype(send.dtype)), recv.view(wire_dtype(recv.dtype))
         if in_place:
             send = MPI.IN_PLACE
-        nonblocking = self._nonblocking or Guard.timeout() is not None
         if kind == "permute":
-            if not nonblocking:
-                comm.Sendrecv(send, dest, 0, recv, src, 0)
-                return DONE
             reqs = [comm.Irecv(recv, src, 0), comm.Isend(send, dest, 0)]
             return Request(lambda: MPI.Request.Testall(reqs), lambda: MPI.Request.Waitall(reqs))
         if counts is None:
@@ -185,9 +181,6 @@ class MpiCollectives(Collectives):
             sends, recvs = list(counts[0]), list(counts[1])
             calls, args = _VCALLS[kind], ([send, sends] if kind == "alltoall" else send, [recv, recvs])
         args += () if op is None else (_OPS[op],)
-        if not nonblocking:
-            getattr(comm, calls[0])(*args)
-            return DONE
         req = getattr(comm, calls[1])(*args)
         return Request(req.Test, req.Wait)
 
@@ -200,13 +193,11 @@ class MpiCollectives(Collectives):
     def _start(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
                shape=None, **kw) -> Request:
         """Check, count and post one transfer: its request (`DONE` where nothing moves)."""
-        guarded = self.guard.active()
-        if guarded:
-            self.guard.enter(kind, dims, send, detail, shape)
+        self.guard.enter(kind, dims, send, detail, shape)
         counters.record(kind, dims, elements, nbytes)
-        if guarded and Guard.timeout() is not None and not self.mesh.has_comm(dims):
-            # making a sub-communicator is a blocking collective over the whole mesh: first make sure
-            # that every rank is here, under the time-out
+        if self.mesh.size > 1 and not self.mesh.has_comm(dims):
+            # making a sub-communicator is a blocking collective over the whole mesh: first make sure,
+            # polled, that every rank is here
             self.guard.wait_mpi(self.guard.comm.Ibarrier(), f"making the communicator over {'+'.join(dims)}")
         if send.size == 0 and kw.get("counts") is None:  # an empty block: the whole group has nothing to send
             self.mesh.comm_for(dims)  # but a first use makes the communicator, over the whole mesh: join it
@@ -214,15 +205,14 @@ class MpiCollectives(Collectives):
         return self._post(kind, dims, send, recv, **kw)
 
     def _complete(self, req: Request, dims: tuple) -> None:
-        """Wait for `req`, polled under the time-out if one is set."""
+        """Wait for `req`, polled (see `guard.wait`)."""
         if req is DONE:
             return
-        if Guard.timeout() is not None:
-            try:
-                self.guard.wait(req, dims)
-            except CollectiveTimeoutError:
-                getattr(req, "abort", lambda: None)()  # a NCCL group that will never finish
-                raise
+        try:
+            self.guard.wait(req, dims)
+        except CollectiveTimeoutError:
+            getattr(req, "abort", lambda: None)()  # a NCCL group that will never finish
+            raise
         req.wait()
 
     # The collectives ------------------------------------------------------------------------
@@ -283,22 +273,14 @@ class MpiCollectives(Collectives):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
         out = pool.empty(x.shape, x.dtype) if out is None else out
-        self._nonblocking = True
-        try:
-            if is_low_precision(x.dtype) and x.size:
-                req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"))
-            else:
-                req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
-        finally:
-            self._nonblocking = False
+        if is_low_precision(x.dtype) and x.size:
+            req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"))
+        else:
+            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
 
         def wait():
             if isinstance(req, _TwoStep):
-                self._nonblocking = True  # the allgather starts here, at a point every rank reaches alike
-                try:
-                    req.start_second()
-                finally:
-                    self._nonblocking = False
+                req.start_second()  # the allgather starts here, at a point every rank reaches alike
             self._complete(req, dims)
 
         def then(send=x):  # the request owns `send` and `out` until it completes
