@@ -5,7 +5,10 @@ job (from rank 0) instead of a traceback per rank.
 >>> p = parser("demo", {"batch": "examples per step", "hidden": "the hidden layer's units"},
 ...            example="batch:rows;hidden:cols")
 >>> _ = p.add_argument("--steps", type=int, default=3, help="training steps")
+>>> _ = p.add_argument("--data", default=None, help="a text file (default: the stdlib's sources)")
 >>> "(default: 3)" in p.format_help() and "hidden:cols" in p.format_help()
+True
+>>> p.format_help().count("default: ") == 2   # --data's own, not again as "(default: None)"
 True
 >>> try:
 ...     check_layout("batch:all;nope:all", {"batch": "", "hidden": ""})
@@ -28,7 +31,14 @@ class UsageError(Exception):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each help text; the description and epilog kept as written."""
+    """Defaults shown after each help text, unless it says "(default: ...)" itself or the flag takes
+    no value; the description and epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or "(default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -184,7 +184,7 @@ def model_dims(depth: int) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__.split("\n\n")[0], DIMS, "height:rows;width:cols")
     ap.add_argument("--mesh", default=None,
-                    help="mesh shape (None: the squarest rows:r;cols:c with r*c = ranks, any rank count)")
+                    help="mesh shape (default: the squarest rows:r;cols:c with r*c = ranks, any rank count)")
     ap.add_argument("--layout", default="height:rows;width:cols", help="layout rules (the input's layout)")
     ap.add_argument("--size", type=int, default=256, help="image height and width (2048: benchmark size)")
     ap.add_argument("--batch", type=int, default=2, help="images per step")

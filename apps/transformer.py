@@ -30,10 +30,13 @@ end (the parameters and the whole optimizer state), then deletes all but the new
 is atomic (`mpimesh.checkpoint.save_step`: every rank writes and fsyncs its slices in a temporary
 sibling directory; after they all have, rank 0 writes the index last and renames the directory into
 place), so a job killed at any moment, even mid-save, leaves the previous checkpoint whole.
-`--steps` is the total step count: `--resume` continues from the newest complete checkpoint in DIR
-up to `--steps`, on any rank count, mesh and layout, with the same batches (they depend only on
-`--seed` and the step), so the loss curve is the uninterrupted one to float rounding. A checkpoint
-already at `--steps` leaves nothing to do; one past it is an error. These are refused at start, on
+Rank 0 logs each save in one line (step, path, MiB, seconds). `--steps` is the total step count:
+`--resume` continues from the newest complete checkpoint in DIR (`--resume 250`: from DIR's step
+250; `--resume PATH`: from the checkpoint directory PATH) up to `--steps`, on any rank count, mesh
+and layout, with the same batches (they depend only on `--seed` and the step), so the loss curve is
+the uninterrupted one to float rounding. A checkpoint already at `--steps` leaves nothing to do;
+one past it is an error; a damaged one (a file truncated or corrupted after it was saved) is refused
+naming the newest intact checkpoint in DIR and the `--resume STEP` that takes it. These are refused at start, on
 every rank, before any training: a DIR that holds anything but checkpoints; without `--resume`, a
 DIR that holds a checkpoint, unless `--overwrite` (which deletes them and starts from step 0); with
 `--resume`, a model of other sizes, naming the tensor and dim (`checkpoint has d_model:64, expected
@@ -393,27 +396,54 @@ def load_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -
     return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy())
 
 
-def start_step(args: argparse.Namespace, mesh: mm.Mesh) -> int:
-    """The step training starts from: with `--resume` the newest complete checkpoint's, else 0.
-    Refuses (CheckpointError on every rank) a --checkpoint DIR holding other things, one holding a
-    checkpoint without --resume or --overwrite, and --resume of a checkpoint past --steps.
-    Otherwise, without --resume, deletes DIR's checkpoints (--overwrite) and interrupted saves."""
-    if not args.checkpoint:
-        return 0
-    found = checkpoint.steps(args.checkpoint, mesh)
-    if args.resume:
+def resume_point(args: argparse.Namespace, mesh: mm.Mesh) -> Optional[str]:
+    """The checkpoint `--resume` continues from: the newest complete one in --checkpoint, the one
+    of step N there, or a path; None without --resume. Refuses (CheckpointError on every rank) a
+    --checkpoint DIR holding other things, and one holding a checkpoint without --resume or
+    --overwrite. Otherwise, without --resume, deletes DIR's checkpoints (--overwrite) and
+    interrupted saves."""
+    found = checkpoint.steps(args.checkpoint, mesh) if args.checkpoint else []
+    if args.resume is None:
+        if found and not args.overwrite:
+            raise mm.CheckpointError(f"--checkpoint {args.checkpoint!r} already holds a checkpoint at step "
+                                     f"{found[-1]}: pass --resume to continue it, or --overwrite to delete it and "
+                                     "start from step 0")
+        if args.checkpoint:
+            checkpoint.prune(args.checkpoint, mesh, keep=0)
+        return None
+    if args.resume == "newest":
         if not found:
             raise mm.CheckpointError(f"--resume: no complete checkpoint in {args.checkpoint!r}; run without --resume")
-        if found[-1] > args.steps:
-            raise mm.CheckpointError(f"--resume: the checkpoint in {args.checkpoint!r} is at step {found[-1]}, past "
-                                     f"--steps {args.steps} (the total step count, not steps to add); pass --steps "
-                                     f"above {found[-1]} to train on")
-        return found[-1]
-    if found and not args.overwrite:
-        raise mm.CheckpointError(f"--checkpoint {args.checkpoint!r} already holds a checkpoint at step {found[-1]}: "
-                                 f"pass --resume to continue it, or --overwrite to delete it and start from step 0")
-    checkpoint.prune(args.checkpoint, mesh, keep=0)
-    return 0
+        return checkpoint.step_path(args.checkpoint, found[-1])
+    if args.resume.isdigit():
+        if int(args.resume) not in found:
+            raise mm.CheckpointError(f"--resume {args.resume}: {args.checkpoint!r} holds no complete checkpoint of "
+                                     f"step {int(args.resume)}; it holds steps {found or 'none'}")
+        return checkpoint.step_path(args.checkpoint, int(args.resume))
+    return args.resume
+
+
+def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, opt_state: dict) -> tuple:
+    """`(params, opt_state, step)` of the checkpoint `path` (see `load_checkpoint`). A damaged
+    checkpoint (a truncated or corrupted file) is refused naming the newest intact one in
+    --checkpoint and how to resume from it; a step past --steps is refused too."""
+    try:
+        params, opt_state, step = load_checkpoint(path, mesh, params, opt_state)
+    except mm.CheckpointError as e:
+        damaged = checkpoint.verify(path) if mesh.rank == 0 else None
+        damaged = mesh.collectives.any_rank(damaged is not None)  # the same answer on every rank
+        match = checkpoint.STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+        if not (damaged and args.checkpoint):
+            raise
+        intact = checkpoint.newest_intact(args.checkpoint, mesh, before=int(match[1]) if match else None)
+        hint = (f"the newest intact checkpoint is {checkpoint.step_path(args.checkpoint, intact)}: resume from it "
+                f"with --resume {intact}" if intact is not None else
+                f"no older intact checkpoint is in {args.checkpoint!r}")
+        raise mm.CheckpointError(f"{e}; {hint}") from None
+    if step > args.steps:
+        raise mm.CheckpointError(f"--resume: the checkpoint {path!r} is at step {step}, past --steps {args.steps} "
+                                 f"(the total step count, not steps to add); pass --steps above {step} to train on")
+    return params, opt_state, step
 
 
 def auto_layout(mesh_shape: str, cfg: Config, seed: int, top: int = 5) -> str:
@@ -463,7 +493,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the activations' dtype (parameters and optimizer state stay float32; float16 scales the "
                          "loss dynamically)")
     ap.add_argument("--optimizer", default=c.optimizer, choices=["adafactor", "adam"])
-    ap.add_argument("--lr", type=float, default=None, help="adafactor: relative step (default min(0.01, 1/sqrt(t))); adam: 3e-3")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="the learning rate (default: adafactor, a relative step of min(0.01, 1/sqrt(t)); adam, 3e-3)")
     ap.add_argument("--warmup", type=int, default=c.warmup, help="adam's linear warmup steps")
     ap.add_argument("--moe-every", dest="moe_every", type=int, default=0,
                     help="K > 0: every K-th feed-forward block (layers i with (i+1) %% K == 0) is a GShard top-2 "
@@ -493,8 +524,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default=None, help=f"directory of step-NNNNNNNN checkpoints, saved every "
                     f"--save-every steps and at the end; the newest {KEEP} are kept")
     ap.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
-                    "--checkpoint, up to --steps")
+    ap.add_argument("--resume", nargs="?", const="newest", default=None, metavar="STEP|PATH",
+                    help="continue, up to --steps, from the newest complete checkpoint in --checkpoint, or from its "
+                    "step STEP, or from the checkpoint directory PATH (then --checkpoint, if given, is where new "
+                    "ones go)")
     ap.add_argument("--overwrite", action="store_true", help="start from step 0 although --checkpoint holds "
                     "checkpoints (they are deleted)")
     ap.add_argument("--log-json", default=None, metavar="FILE", help='rank 0 writes one line {"step": S, "loss": L} '
@@ -504,9 +537,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sample-bytes", type=int, default=120, help="bytes per sampled line")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
     args = ap.parse_args(argv)
-    if (args.resume or args.overwrite) and not args.checkpoint:
-        ap.error(f"--{'resume' if args.resume else 'overwrite'} needs --checkpoint DIR")
-    if args.resume and args.overwrite:
+    if args.resume is not None and not args.checkpoint and (args.resume == "newest" or args.resume.isdigit()):
+        ap.error(f"--resume{'' if args.resume == 'newest' else ' ' + args.resume} needs --checkpoint DIR "
+                 "(or give the checkpoint's path: --resume DIR/step-NNNNNNNN)")
+    if args.overwrite and not args.checkpoint:
+        ap.error("--overwrite needs --checkpoint DIR")
+    if args.resume is not None and args.overwrite:
         ap.error("--resume continues the checkpoint that --overwrite deletes: give one of them")
     if args.moe_every > 0 and args.experts < 2:
         ap.error(f"--moe-every {args.moe_every} needs --experts E with E >= 2, got {args.experts}")
@@ -569,20 +605,19 @@ def main(argv=None) -> None:
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                        backend="cupy" if args.device == "gpu" else "numpy")
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
-    start = start_step(args, mesh)
-    if args.resume and start == args.steps:
-        say(f"nothing to do: the checkpoint in {args.checkpoint!r} is at step {start}, and --steps {args.steps} is "
-            f"the total step count; pass a larger --steps to train on")
-        return
-    train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
-    base = unigram_bits_per_byte(train)
-
+    from_path = resume_point(args, mesh)
     params = init_params(mesh, cfg, args.seed)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
-    if args.resume:
-        params, opt_state, start = load_checkpoint(checkpoint.step_path(args.checkpoint, start), mesh, params,
-                                                   opt_state)
+    start = 0
+    if from_path:
+        params, opt_state, start = resume(from_path, args, mesh, params, opt_state)
+        if start == args.steps:
+            say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is the "
+                f"total step count; pass a larger --steps to train on")
+            return
+    train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
+    base = unigram_bits_per_byte(train)
     n_params = sum(t.shape.size for t in params.values())
     if args.backend == "jax":
         say(f"mpimesh transformer, jax backend: 1 process, jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
@@ -599,8 +634,8 @@ def main(argv=None) -> None:
             f"(top-2 gating, groups = sequences)")
     say(f"data: {desc}")
     say(f"unigram baseline: {base:.3f} bits per byte (entropy of the training bytes)")
-    if args.resume:
-        say(f"resumed from {checkpoint.step_path(args.checkpoint, start)} at step {start}")
+    if from_path:
+        say(f"resumed from {from_path} at step {start}")
 
     train_step = make_train_step(cfg, optimizer)
     if args.backend == "jax":
@@ -653,7 +688,12 @@ def main(argv=None) -> None:
             say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
                 f"(unigram baseline {base:.3f})", flush=True)
         if saving:
-            save_checkpoint(args.checkpoint, done, params, opt_state)
+            t0 = time.perf_counter()
+            path = save_checkpoint(args.checkpoint, done, params, opt_state)
+            seconds = time.perf_counter() - t0
+            if mesh.rank == 0:
+                size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+                say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
     if log:
         log.close()
     train_time = time.perf_counter() - t_begin

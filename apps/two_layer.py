@@ -263,10 +263,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--d-io", type=int, default=512, help="input and output features")
     p.add_argument("--d-hidden", type=int, default=2048, help="hidden units")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the profiled one")
-    p.add_argument("--lr", type=float, default=None, help="SGD learning rate (None: 4/d_hidden)")
+    p.add_argument("--lr", type=float, default=None, help="SGD learning rate (default: 4/d_hidden)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--layouts", nargs="+", default=None, metavar="RULES",
-                   help='a subset of the layouts, e.g. "[]" "batch:rows;hidden:cols" (None: the paper\'s five)')
+                   help='a subset of the layouts, e.g. "[]" "batch:rows;hidden:cols" (default: the paper\'s five)')
     p.add_argument("--no-input-grad", dest="input_grad", action="store_false",
                    help="skip the input gradient dx (a first layer needs none)")
     args = p.parse_args(argv)

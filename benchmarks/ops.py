@@ -59,7 +59,7 @@ def cases(mesh):
     with mm.layout_scope(mesh, "h:all"):
         yield "einsum 4096x1024x1024", lambda: mm.einsum([xd, w], reduced_dims=["d"]), lambda: g["x"] @ g["w"]
     with mm.layout_scope(mesh, ""):
-        yield "reduce_sum over split d", lambda: mm.reduce_sum(xd, reduced_dim="d"), lambda: g["x"].sum(1)
+        yield "reduce_sum over split d", lambda: mm.reduce_sum(xd, reduced_dims="d"), lambda: g["x"].sum(1)
     yield "relayout batch:all -> d:all (numpy: a copy)", lambda: mm.relayout(x, "d:all"), lambda: g["x"].copy()
     with mm.layout_scope(mesh, "batch:all"):
         yield "softmax over d", lambda: mm.softmax(x, "d"), lambda: _np_softmax(g["x"])
@@ -140,7 +140,8 @@ def main() -> None:
     if mesh.size > 1:
         g = guard_overhead(mesh)
         rank0_print(f"\nsmall allreduce (16 floats, {mesh.size} ranks), us per call: raw mpi4py {g['raw']:.1f}, "
-                    f"mpimesh {g['off']:.1f} (polled, under the default time-out), with the SPMD check {g['check']:.1f}")
+                    f"mpimesh {g['off']:.1f} (polled, under the default time-out), "
+                    f"with the SPMD check {g['check']:.1f}")
         rank0_print(verdict("SPMD check <= 30 us per collective", g["check"] - g["off"] <= 30.0,
                             f"{g['check'] - g['off']:.1f} us"))
         rank0_print("  (off, the check costs one flag test per collective: nothing is exchanged)")

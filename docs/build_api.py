@@ -7,19 +7,20 @@ Usage::
 
 It imports mpimesh (which initialises MPI: run it as a plain process, or under ``mpiexec -n 1``) and
 documents the package as ``pdoc`` sees it: ``mpimesh`` lists every name of ``mpimesh.__all__`` on its own
-page, ``mpimesh.layers`` (no ``__all__``) points to one page per layer module, and ``mpimesh.optim`` and
-``mpimesh.tpu`` have a page each. JAX is not imported (``mpimesh.tpu`` imports it only to build a replay).
+page, ``mpimesh.layers`` (no ``__all__``) points to one page per layer module, and ``mpimesh.optim``,
+``mpimesh.tpu``, ``mpimesh.cost`` and ``mpimesh.threads`` have a page each. JAX is not imported
+(``mpimesh.tpu`` imports it only to build a replay).
 
 The exit status is non-zero when:
 
 - a module does not import (pdoc raises), or pdoc warns about anything (a module that fails to load, a
   name in ``__all__`` that does not resolve, an attribute that raises, a docstring include it cannot read);
   pdoc does not validate docstrings beyond that;
-- a public name of ``mm``, ``mm.layers``, ``mm.optim`` or ``mm.tpu``, or a public member of one of their
-  classes, has no entry (no anchor) in the HTML, or ``mpimesh/__init__.py`` imports a public name that
-  its ``__all__`` leaves out.
-
-Public names without a docstring are listed as notes; they do not fail the build.
+- a public name of ``mm``, ``mm.layers``, ``mm.optim``, ``mm.tpu``, ``mm.cost`` or ``mm.threads``, or a
+  public member of one of their classes, has no entry (no anchor) in the HTML, or ``mpimesh/__init__.py``
+  imports a public name that its ``__all__`` leaves out;
+- one of those names or members has no docstring (a property's is its getter's; an attribute's, a
+  string literal right after its assignment or class-level annotation, as pdoc reads them).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "docs" / "api"
 PACKAGE = "mpimesh"
-# The modules whose public names the reference must cover: `mm`, `mm.layers`, `mm.optim`, `mm.tpu`.
-PUBLIC_MODULES = ("mpimesh", "mpimesh.layers", "mpimesh.optim", "mpimesh.tpu")
+# The modules whose public names the reference must cover (and document):
+# `mm`, `mm.layers`, `mm.optim`, `mm.tpu`, `mm.cost`, `mm.threads`.
+PUBLIC_MODULES = ("mpimesh", "mpimesh.layers", "mpimesh.optim", "mpimesh.tpu", "mpimesh.cost", "mpimesh.threads")
 # pdoc's anchors for documented objects: <section id="einsum"> (module level) and
 # <div id="Mesh.zeros" class="classattr"> (class members). Headings inside docstrings are <h6 id=...>.
 _ANCHOR = re.compile(r'<(?:section|div) id="([^"]+)"')
@@ -47,11 +49,13 @@ def build(out: Path, modules: Sequence[str] = (PACKAGE,)) -> List[str]:
     """Write the HTML reference for `modules` and their submodules into `out`.
 
     Returns pdoc's warnings as strings (empty when clean). An import error propagates. Deprecation
-    warnings that importing other libraries may raise are not pdoc's and are left out.
+    warnings that importing other libraries may raise are not pdoc's and are left out. The files are
+    those `pdoc.pdoc(*modules, output_directory=out)` writes, made from `pdoc_module`'s documentation
+    (so a re-exported variable keeps its docstring).
     """
     if str(ROOT) not in sys.path:  # `python docs/build_api.py` from a checkout that is not installed
         sys.path.insert(0, str(ROOT))
-    import pdoc
+    import pdoc.extract
     import pdoc.render
 
     # Google-style "Args:"/"Returns:"/"Raises:" sections become lists; Markdown and doctests as usual.
@@ -59,7 +63,15 @@ def build(out: Path, modules: Sequence[str] = (PACKAGE,)) -> List[str]:
     out.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pdoc.pdoc(*modules, output_directory=out)
+        all_modules = {name: pdoc_module(name) for name in pdoc.extract.walk_specs(modules)}
+        for name, module in all_modules.items():
+            html_file = page(out, name)
+            html_file.parent.mkdir(parents=True, exist_ok=True)
+            html_file.write_bytes(pdoc.render.html_module(module, all_modules).encode())
+        for file, text in (("index.html", pdoc.render.html_index(all_modules)),
+                           ("search.js", pdoc.render.search_index(all_modules))):
+            if text:
+                (out / file).write_bytes(text.encode())
     return [f"{w.category.__name__}: {w.message}" for w in caught
             if not issubclass(w.category, (DeprecationWarning, PendingDeprecationWarning))]
 
@@ -152,9 +164,43 @@ def missing(out: Path, modules: Sequence[str] = PUBLIC_MODULES) -> List[str]:
     return problems
 
 
+def pdoc_module(name: str):
+    """pdoc's documentation of the module `name` (a `pdoc.doc.Module`), with the docstrings of the
+    variables it re-exports.
+
+    pdoc reads a variable's docstring (the string literal after its assignment) from the source of the
+    module it documents, so a package that re-exports a variable (`mm.cost.TPUV2`, assigned in
+    `mpimesh/cost/machine.py`) would show it without one (pdoc issue #365: use pdoc as a library and
+    set it). Such a variable takes the docstring from the submodule of `name` that binds the same
+    object and documents it, as `locate` finds re-exported classes and functions where they are defined.
+
+    Made afresh on each call (not pdoc's cached `Module.from_name`), from the modules as they are now.
+    """
+    import pdoc.doc
+
+    module = pdoc.doc.Module(importlib.import_module(name))
+    for member in module.members.values():
+        if not isinstance(member, pdoc.doc.Variable) or member.docstring.strip():
+            continue
+        for sub in sorted(n for n in sys.modules if n.startswith(name + ".")):
+            if getattr(sys.modules[sub], member.name, None) is member.default_value:
+                home = pdoc.doc.Module(sys.modules[sub]).get(member.name)
+                if isinstance(home, pdoc.doc.Variable) and home.docstring.strip():
+                    member.docstring = home.docstring
+                    break
+    return module
+
+
 def _documented_objects(modules: Sequence[str]) -> Iterator[Tuple[str, object]]:
     """(public name, pdoc doc object) for every public name of `modules` and their classes' members."""
     import pdoc.doc
+
+    docs: Dict[str, object] = {}  # module name -> pdoc_module(name), once per call
+
+    def doc_of(module_name: str):
+        if module_name not in docs:
+            docs[module_name] = pdoc_module(module_name)
+        return docs[module_name]
 
     for module_name in modules:
         module = importlib.import_module(module_name)
@@ -163,9 +209,9 @@ def _documented_objects(modules: Sequence[str]) -> Iterator[Tuple[str, object]]:
             if inspect.ismodule(obj):
                 continue
             if getattr(module, "__all__", None) is None and (inspect.isclass(obj) or inspect.isfunction(obj)):
-                doc = pdoc.doc.Module.from_name(obj.__module__).get(obj.__qualname__)
+                doc = doc_of(obj.__module__).get(obj.__qualname__)
             else:
-                doc = pdoc.doc.Module.from_name(module_name).get(name)
+                doc = doc_of(module_name).get(name)
             if doc is None:
                 continue
             yield f"{module_name}.{name}", doc
@@ -176,7 +222,8 @@ def _documented_objects(modules: Sequence[str]) -> Iterator[Tuple[str, object]]:
 
 
 def undocumented(modules: Sequence[str] = PUBLIC_MODULES) -> List[str]:
-    """Public names (and public class members) whose reference entry has no docstring."""
+    """Public names of `modules` (and public members of their classes) without a docstring in the
+    reference, as `mpimesh.Shape.rank`. Empty when everything is documented."""
     return [full for full, doc in _documented_objects(modules) if not doc.docstring.strip()]
 
 
@@ -188,8 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = args.out.resolve()
     problems = [f"pdoc: {w}" for w in build(out)]
     problems += [f"not in the reference: {n}" for n in missing(out)]
-    for name in undocumented():
-        print(f"note: no docstring: {name}", file=sys.stderr)
+    problems += [f"no docstring: {n}" for n in undocumented()]
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     if problems:

@@ -29,7 +29,9 @@ mpimesh.errors.CheckpointError: checkpoint '...ckpt' does not fit: tensor 'w': c
 A training loop keeps numbered checkpoints in one directory: `save_step(root, step, tensors, keep=2)`
 saves `root/step-NNNNNNNN` as above, then deletes all but the newest `keep` complete ones and the
 temporary directories of interrupted saves; `steps(root, mesh)` lists the complete ones. A save killed
-on any rank never leaves a `step-*` directory behind, so the newest listed is always loadable.
+on any rank never leaves a `step-*` directory behind, so the newest listed is always loadable unless its
+files were damaged later: `verify(path)` says why one cannot be loaded, and `newest_intact(root, mesh)`
+finds the newest one that can.
 
 >>> root = os.path.join(tempfile.mkdtemp(), "run")
 >>> for step in (10, 20, 30):
@@ -510,6 +512,50 @@ def steps(root: str, mesh) -> list[int]:
             err = f"cannot list checkpoints in {root!r}: {e}"
     _sync(mesh, err)
     return json.loads(_bcast_text(mesh, json.dumps(found), 0))
+
+
+def verify(path: str) -> Optional[str]:
+    """Why the checkpoint at `path` cannot be loaded (no index, an inconsistent one, a missing,
+    truncated or corrupted file), or None if it is intact. Reads every byte and checks every
+    checksum, on the calling process alone (not a collective).
+
+    >>> import tempfile, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt"); mm.save(path, {"w": mesh.ones("a:3")})
+    >>> verify(path) is None
+    True
+    >>> with open(os.path.join(path, "part-00000.bin"), "r+b") as f:
+    ...     _ = f.write(b"?")
+    >>> verify(path)
+    "checksum mismatch in '...part-00000.bin', tensor 'w', slice at offset [0], chunk 0: the file is corrupted"
+    """
+    target = os.path.abspath(path)
+    files: dict = {}
+    try:
+        with open(os.path.join(target, INDEX), "rb") as f:
+            specs = _parse_index(f.read().decode("utf-8", "replace"), os.path.join(target, INDEX))
+        for spec in specs:
+            for s in spec["slices"]:
+                _read_block(target, spec, tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"])), files)
+    except OSError as e:
+        return f"cannot read checkpoint {target!r}: {e}"
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        for f in files.values():
+            f.close()
+    return None
+
+
+def newest_intact(root: str, mesh, before: Optional[int] = None) -> Optional[int]:
+    """The step of the newest complete checkpoint in `root` (older than step `before`, if given)
+    that `verify` passes, or None. A collective: rank 0 checks, newest first, and tells the others."""
+    found = [s for s in steps(root, mesh) if before is None or s < before]
+    best = -1
+    if mesh.rank == 0:
+        best = next((s for s in reversed(found) if verify(step_path(root, s)) is None), -1)
+    best = int(mesh.collectives.broadcast(np.array([best], np.int64), 0)[0])
+    return None if best < 0 else best
 
 
 def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int = 2, mesh=None,

@@ -44,9 +44,10 @@ def _counting_collectives(mesh_shape: Shape):
 
         log = None  # while `evaluate` traces a kernel: the counts it makes, to replay on a cache hit
 
-        def _count(self, kind: str, dims, x) -> None:
-            entry = (kind, (dims,) if isinstance(dims, str) else tuple(dims), math.prod(x.shape),
-                     math.prod(x.shape) * np.dtype(x.dtype).itemsize)
+        def _count(self, kind: str, dims, x, result_dtype=None) -> None:
+            n, size = math.prod(x.shape), np.dtype(x.dtype).itemsize
+            entry = (kind, (dims,) if isinstance(dims, str) else tuple(dims), n,
+                     counters.reduction_bytes(n, size, np.dtype(result_dtype or x.dtype).itemsize))
             if self.log is not None:
                 self.log.append(entry)
             counters.record(*entry)
@@ -54,6 +55,10 @@ def _counting_collectives(mesh_shape: Shape):
         def _allreduce(self, x, mesh_dims, op):
             self._count("allreduce", mesh_dims, x)
             return super()._allreduce(x, mesh_dims, op)
+
+        def _allreduce_rounded(self, x, mesh_dims, op, dtype):
+            self._count("allreduce", mesh_dims, x, dtype)
+            return JaxCollectives._allreduce(self, x, mesh_dims, op).astype(dtype)
 
         def _allgather(self, x, mesh_dim, axis, sizes):
             self._count("allgather", mesh_dim, x)

@@ -28,6 +28,9 @@ class LayoutRules:
     """
 
     __slots__ = ("pairs", "_map")
+    pairs: tuple[tuple[str, str], ...]
+    """The rules as `(tensor_dim, mesh_dim)` pairs in order, each tensor dim once:
+    `(('batch', 'rows'), ('hidden', 'cols'))`."""
 
     def __init__(self, rules: "RulesLike" = ""):
         if rules is None:

@@ -149,6 +149,7 @@ class Mesh(AbstractMesh):
         super().__init__(shape, layout)
         self._backend = resolve_backend(backend)
         self.xp = array_module(self._backend)
+        """The array module of this mesh's backend, that every `.local` belongs to: `numpy`, or `cupy`."""
         from .collectives.placement import choose
         self._device, self._transport = choose(comm, self._backend, device, transport)
         if self.shape.rank:

@@ -91,6 +91,8 @@ class Optimizer:
     """Base class: subclasses define `_slot_shapes(p)` and `_apply(p, g, slots, t)`."""
 
     slot_names: tuple = ()
+    """The names of the state a parameter may have, each a key of `init`'s state (holding a
+    `{parameter name: tensor}` dict): `("m", "v")` for Adam, `()` for SGD without momentum."""
 
     def _slot_shapes(self, p: DistTensor) -> dict[str, Shape]:
         """{slot name: shape} of the state this parameter needs (dims a subset of p's)."""
@@ -280,9 +282,11 @@ class Adafactor(Optimizer):
             raise MpimeshError(f"Adafactor: clipping_threshold must be > 0 or None, got {clipping_threshold}")
         self.learning_rate, self.decay_rate, self.beta1 = learning_rate, decay_rate, beta1
         self.clipping_threshold = clipping_threshold
+        """Update clipping: `u` is divided by `max(1, RMS(u) / clipping_threshold)`; None: no clipping."""
         self.multiply_by_parameter_scale, self.factored = multiply_by_parameter_scale, factored
         self.epsilon1, self.epsilon2 = epsilon1, epsilon2
         self.min_dim_size_to_factor = min_dim_size_to_factor
+        """The second moment is factored only where a parameter's second-largest dim is at least this."""
         self.slot_names = ("vr", "vc", "v") + (("m",) if beta1 else ())
 
     def factored_dims(self, shape: Shape) -> Optional[tuple[Dimension, Dimension]]:
@@ -329,7 +333,7 @@ class Adafactor(Optimizer):
             # g times the outer product of the two small factors: a p-sized product written once by
             # einsum, then one multiply of two p-sized arrays (broadcasting a row vector over a large
             # array is the slowest case of a numpy multiply)
-            u = g * einsum([rsqrt(vr / reduce_mean(vr, reduced_dim=d1.name)), rsqrt(vc)], output_shape=p.shape)
+            u = g * einsum([rsqrt(vr / reduce_mean(vr, reduced_dims=d1.name)), rsqrt(vc)], output_shape=p.shape)
             new.update(vr=vr, vc=vc)
         else:
             v = decay * slots["v"] + (1.0 - decay) * (square(g) + self.epsilon1)
@@ -372,6 +376,7 @@ class DynamicLossScale:
                                f"got {scale}, {growth}, {backoff}, {interval}")
         self.scale, self.growth, self.backoff, self.interval = float(scale), growth, backoff, interval
         self.good_steps = 0
+        """Steps applied in a row since the scale last changed (the scale grows when it reaches `interval`)."""
 
     def scaled(self, loss):
         """`loss * scale`, the value to differentiate."""

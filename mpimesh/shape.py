@@ -114,6 +114,12 @@ class Shape:
     """
 
     __slots__ = ("dims", "names", "sizes", "_index", "_hash")
+    dims: tuple[Dimension, ...]
+    """The dims in order: `(Dimension(name='batch', size=8), Dimension(name='io', size=32))`."""
+    names: tuple[str, ...]
+    """The dim names in order: `('batch', 'io')`."""
+    sizes: tuple[int, ...]
+    """The dim sizes in order: `(8, 32)`."""
 
     def __new__(cls, dims: ShapeLike = ()):
         if isinstance(dims, Shape):
@@ -149,6 +155,7 @@ class Shape:
 
     @property
     def rank(self) -> int:
+        """Number of dims (0 for a scalar's shape)."""
         return len(self.dims)
 
     def index(self, name: str) -> int:

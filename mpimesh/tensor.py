@@ -23,19 +23,20 @@ PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many 
 
 
 class DistTensor:
-    """A tensor with named dims whose data is split over a mesh; each rank holds `local`.
-
-    Attributes:
-      shape: the global `Shape`.
-      mesh: the `Mesh` it lives on.
-      local: this rank's slice, axes in `shape` order.
-    """
+    """A tensor with named dims whose data is split over a mesh; each rank holds `local`."""
 
     __slots__ = ("mesh", "shape", "tensor_layout", "local", "__weakref__")
     __array_ufunc__ = None  # numpy scalars on the left defer to our operators
 
     def __init__(self, mesh, shape: Shape, tensor_layout: TensorLayout, local):
-        self.mesh, self.shape, self.tensor_layout, self.local = mesh, shape, tensor_layout, local
+        self.mesh = mesh
+        """The `Mesh` it lives on."""
+        self.shape = shape
+        """The global `Shape`, e.g. `Shape('batch:8;io:32')`."""
+        self.tensor_layout = tensor_layout
+        """Per dim of `shape`, the mesh dim it is split over or None: `('rows', None)` (`layout` as a dict)."""
+        self.local = local
+        """This rank's block (a numpy array; CuPy under the cupy backend), axes in `shape` order."""
 
     @property
     def layout(self) -> dict[str, str]:
@@ -44,6 +45,7 @@ class DistTensor:
 
     @property
     def dtype(self) -> np.dtype:
+        """The element type, `local`'s: `dtype('float32')`."""
         return self.local.dtype
 
     def to_numpy(self) -> np.ndarray:

@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Optional
 
+__all__ = ["configure_at_import", "configure_for", "set_threads", "settings", "describe", "cores"]
+
 _VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _AUTO = "MPIMESH_AUTO_THREADS"  # the value this module put in _VARS by default (not a user's choice)
 _LOCAL_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",

@@ -124,11 +124,11 @@ _REDUCE = [("reduce_sum", mm.reduce_sum, normal), ("reduce_mean", mm.reduce_mean
            ("reduce_max", mm.reduce_max, distinct), ("reduce_min", mm.reduce_min, distinct),
            ("reduce_logsumexp", mm.reduce_logsumexp, normal)]
 for _name, _op, _gen in _REDUCE:
-    CASES[_name + "_dim"] = Case(lambda x, op=_op: op(x, reduced_dim="b"), (ABC,), (_gen,), split="b")
+    CASES[_name + "_dim"] = Case(lambda x, op=_op: op(x, reduced_dims="b"), (ABC,), (_gen,), split="b")
     CASES[_name + "_transposed_out"] = Case(lambda x, op=_op: op(x, output_shape="c:8;a:8"), (ABC,), (_gen,),
                                             split="b")
     CASES[_name + "_all"] = Case(lambda x, op=_op: op(x), (AB,), (_gen,), split="a")
-CASES["reduce_mean_two_dims"] = Case(lambda x: mm.reduce_mean(x, reduced_dim=["a", "c"]), (ABC,), (normal,),
+CASES["reduce_mean_two_dims"] = Case(lambda x: mm.reduce_mean(x, reduced_dims=["a", "c"]), (ABC,), (normal,),
                                      split="c")
 CASES["reshape_merge"] = Case(lambda x: mm.reshape(x, "ab:128"), (AB,), (normal,), dims="ab:128")
 CASES["reshape_regroup"] = Case(lambda x: mm.reshape(x, "c:16;d:8"), (AB,), (normal,), dims="c:16;d:8")
@@ -211,7 +211,7 @@ def test_gradient_shape_layout_dtype_and_zeros(shape):
     v = mesh.from_numpy(global_array("c:8", 5), "c:8")  # float32, used but not on y's path
     with mm.layout_scope(mesh, rules), mm.trace():
         side = mm.exp(v) * 2.0
-        y = mm.reduce_sum(mm.square(x), reduced_dim="a")
+        y = mm.reduce_sum(mm.square(x), reduced_dims="a")
         gx, gu, gv, gs = mm.gradients([y], [x, u, v, side])
     for g, t in ((gx, x), (gu, u), (gv, v), (gs, side)):
         assert g.shape == t.shape and g.tensor_layout == t.tensor_layout and g.dtype == t.dtype
@@ -269,8 +269,8 @@ def test_reduce_max_ties_share_gradient(shape):
     xa = np.tile(np.array([1.0, 3.0, 3.0, 0.0, 3.0, 2.0, 3.0, -1.0] * 2), (8, 1))  # four ties per row
     x = mesh.from_numpy(xa, AB, {"b": lay["a"]} if lay else {})
     with mm.layout_scope(mesh, rules), mm.trace():
-        g_max, = mm.gradients([mm.reduce_max(x, reduced_dim="b")], [x])
-        g_min, = mm.gradients([mm.reduce_min(x, reduced_dim="b")], [x])
+        g_max, = mm.gradients([mm.reduce_max(x, reduced_dims="b")], [x])
+        g_min, = mm.gradients([mm.reduce_min(x, reduced_dims="b")], [x])
     np.testing.assert_allclose(g_max.to_numpy(), (xa == 3.0) / 8.0, rtol=1e-12)
     np.testing.assert_allclose(g_min.to_numpy(), (xa == -1.0) / 2.0, rtol=1e-12)
 

@@ -40,7 +40,8 @@ WAIT = """
 """
 
 
-def _job(tmp_path: Path, ranks: int, body: str, wrap: bool = False, **env) -> tuple[subprocess.CompletedProcess, float]:
+def _job(tmp_path: Path, ranks: int, body: str, wrap: bool = False,
+         **env) -> tuple[subprocess.CompletedProcess, float]:
     """Run `body` on `ranks` ranks with a clean mpimesh environment; `wrap`: each rank under `sh -c`
     and `mpiexec -disable-auto-cleanup`, so that the launcher sees a shell exit, not a signal, and
     leaves the other ranks running, as `srun` does by default (MPICH's launcher ends the job when a
@@ -114,7 +115,8 @@ def test_rank_killed_by_sigkill_under_a_launcher_that_leaves_the_others_running(
     for r, (after, message) in reports.items():
         assert after < 5.0 + 0.5, (r, after)
         # (a survivor that raised first and aborted may be named gone too: this launcher leaves each alone)
-        assert re.search(r"rank 1 left: its process \(pid \d+\) ended without an exit notice \(killed", message), message
+        assert re.search(r"rank 1 left: its process \(pid \d+\) ended without an exit notice \(killed",
+                         message), message
     _one_paragraph(proc)
 
 
@@ -138,13 +140,13 @@ def test_a_departure_outside_the_collectives_group_is_not_an_error(tmp_path):
     proc, _ = _job(tmp_path, 4, """
         mesh = mm.Mesh("rows:2;cols:2", layout="a:rows;b:cols")
         x = mesh.ones("a:4;b:4")
-        mm.reduce_sum(x, reduced_dim=["a"]), mm.reduce_sum(x, reduced_dim=["b"])  # makes both sub-communicators
+        mm.reduce_sum(x, reduced_dims=["a"]), mm.reduce_sum(x, reduced_dims=["b"])  # makes both sub-communicators
         if mesh.rank == 3:
             sys.exit(0)
         if mesh.rank in (0, 1):
-            waiting("sum over cols", lambda: mm.reduce_sum(x, reduced_dim=["b"]).local)
+            waiting("sum over cols", lambda: mm.reduce_sum(x, reduced_dims=["b"]).local)
         time.sleep(1.5)  # rank 3's notice has arrived by now everywhere
-        waiting("sum over rows", lambda: mm.reduce_sum(x, reduced_dim=["a"]).local)
+        waiting("sum over rows", lambda: mm.reduce_sum(x, reduced_dims=["a"]).local)
     """)
     assert proc.returncode != 0
     assert "rank 0: sum over cols completed" in proc.stdout and "rank 1: sum over cols completed" in proc.stdout

@@ -263,7 +263,7 @@ def mm_run(step: Step, ins: list, mesh: mm.Mesh) -> list:
         fn = getattr(mm, f"reduce_{p['kind']}")
         if p["form"] == "out":
             return [fn(x, output_shape=[x.shape[n] for n in p["out"]])]
-        return [fn(x, reduced_dim=list(p["reduced"]))]
+        return [fn(x, reduced_dims=list(p["reduced"]))]
     if op == "softmax":
         return [(mm.log_softmax if p["log"] else mm.softmax)(x, list(p["dims"]))]
     if op == "cumsum":

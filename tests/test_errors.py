@@ -186,7 +186,7 @@ def test_transpose_not_a_permutation(xy) -> None:
 def test_reduce_missing_dim(xy, op: str) -> None:
     x, _ = xy
     fn = getattr(mm, op)
-    raises_everywhere(mm.ShapeError, lambda: fn(x, reduced_dim="z"), "'z'", "a:8", "b:16")
+    raises_everywhere(mm.ShapeError, lambda: fn(x, reduced_dims="z"), "'z'", "a:8", "b:16")
     raises_everywhere(mm.ShapeError, lambda: fn(x, output_shape="z:3"), "z:3", "a:8", "b:16")
     raises_everywhere(mm.ShapeError, lambda: fn(x, output_shape="a:4"), "a:4", "a:8")
 

@@ -320,7 +320,7 @@ def test_fuzz_reduced_dims(mesh_shape, spec, which, lay) -> None:
             e = np.exp(g - g.max(axis=axes, keepdims=True))
             want = e / e.sum(axis=axes, keepdims=True)
         else:
-            y = mm.einsum([x], reduced_dims=spec) if which == "einsum" else getattr(mm, which)(x, reduced_dim=spec)
+            y = mm.einsum([x], reduced_dims=spec) if which == "einsum" else getattr(mm, which)(x, reduced_dims=spec)
             want = {"reduce_sum": np.sum, "einsum": np.sum, "reduce_max": np.max,
                     "reduce_mean": np.mean}[which](g, axis=axes)
         _close(y.to_numpy(), want)

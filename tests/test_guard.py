@@ -98,7 +98,7 @@ def test_uneven_blocks_of_another_mesh_dim_are_not_a_divergence(checked):
     g = np.arange(21.0).reshape(3, 7)
     x = mesh.from_numpy(g, "a:3;b:7")
     np.testing.assert_array_equal(mm.shift(x, 1, "b", wrap=True).to_numpy(), np.roll(g, 1, axis=1))
-    np.testing.assert_array_equal(mm.reduce_sum(x, reduced_dim="b").to_numpy(), g.sum(1))
+    np.testing.assert_array_equal(mm.reduce_sum(x, reduced_dims="b").to_numpy(), g.sum(1))
 
 
 def test_settings_reject_bad_values():

@@ -32,8 +32,8 @@ def _model(p, tokens, targets):
     att = mm.softmax(mm.einsum([q, kk], reduced_dims=["k"]) * (1.0 / np.sqrt(K)), "mseq")
     o = mm.einsum([att, vv], reduced_dims=["mseq"])                # [batch, seq, k]
     logits = mm.einsum([o, p["wout"]], reduced_dims=["k"])         # [batch, seq, vocab]
-    gold = mm.reduce_sum(logits * mm.one_hot(targets, logits.shape["vocab"]), reduced_dim="vocab")
-    return mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dim="vocab") - gold)
+    gold = mm.reduce_sum(logits * mm.one_hot(targets, logits.shape["vocab"]), reduced_dims="vocab")
+    return mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dims="vocab") - gold)
 
 
 def _numpy_loss(p, tokens, targets) -> float:

@@ -226,15 +226,15 @@ def test_einsum_and_reductions(shape, dt) -> None:
     errs.bitwise("reduce_sum rounds once", mm.reduce_sum(s).to_numpy(), np.array(exact), dt)
     # reductions of x over the split dim i, and over everything
     for name, got, r, m in (
-            ("reduce_sum", mm.reduce_sum(x, reduced_dim="i"), a.sum(1), np.abs(a).sum(1)),
-            ("reduce_mean", mm.reduce_mean(x, reduced_dim="i"), a.mean(1), np.abs(a).mean(1)),
+            ("reduce_sum", mm.reduce_sum(x, reduced_dims="i"), a.sum(1), np.abs(a).sum(1)),
+            ("reduce_mean", mm.reduce_mean(x, reduced_dims="i"), a.mean(1), np.abs(a).mean(1)),
             ("reduce_sum all", mm.reduce_sum(x), a.sum(), np.abs(a).sum()),
             ("reduce_mean all", mm.reduce_mean(x), a.mean(), np.abs(a).mean())):
         errs.expect(got.dtype == np.dtype(dt), f"{name}: dtype {got.dtype}")
         errs.within(name, got.to_numpy(), r, u * np.abs(r) + K * 2.0 ** -22 * m)
-    errs.bitwise("reduce_max", mm.reduce_max(x, reduced_dim="i").to_numpy(), a.max(1), dt)
-    errs.bitwise("reduce_min", mm.reduce_min(x, reduced_dim="b").to_numpy(), a.min(0), dt)
-    lse = mm.reduce_logsumexp(x, reduced_dim="i")
+    errs.bitwise("reduce_max", mm.reduce_max(x, reduced_dims="i").to_numpy(), a.max(1), dt)
+    errs.bitwise("reduce_min", mm.reduce_min(x, reduced_dims="b").to_numpy(), a.min(0), dt)
+    lse = mm.reduce_logsumexp(x, reduced_dims="i")
     r = np.log(np.exp(a).sum(1))
     errs.expect(lse.dtype == np.dtype(dt), f"logsumexp dtype {lse.dtype}")
     errs.within("reduce_logsumexp", lse.to_numpy(), r, 2 * u * np.abs(r) + 2.0 ** -20)

@@ -57,8 +57,8 @@ def reference(op: str, x: np.ndarray, out: tuple) -> np.ndarray:
     return np.transpose(y, [kept.index(n) for n in out])
 
 
-def run(op: str, x, output_shape, reduced_dim):
-    return getattr(mm, op)(x, output_shape=output_shape, reduced_dim=reduced_dim)
+def run(op: str, x, output_shape, reduced_dims):
+    return getattr(mm, op)(x, output_shape=output_shape, reduced_dims=reduced_dims)
 
 
 def check(errs: Errors, what: str, y, ref: np.ndarray, out: tuple, rules: dict, dtype, tol: float) -> None:
@@ -158,7 +158,7 @@ def test_size_one_mesh_dims_never_allreduce(mshape: str) -> None:
     xa = global_array(XSHAPE, 6)
     x = mesh.from_numpy(xa, XSHAPE, layout=dict(zip(("b", "c"), ones)))
     with mm.profile() as prof:
-        y = mm.reduce_sum(x, reduced_dim=["b", "c"])
+        y = mm.reduce_sum(x, reduced_dims=["b", "c"])
     assert collectives(prof) == {}
     np.testing.assert_allclose(y.local, xa.astype(np.float64).sum(axis=(1, 2)), rtol=1e-5, atol=1e-5)
 
@@ -174,7 +174,7 @@ def test_logsumexp_large_and_small_values(mshape: str) -> None:
         for lay in layouts(mesh, list(NAMES), limit=5):
             x = mesh.from_numpy(xa, XSHAPE, layout=lay)
             for output_shape, reduced_dim, out in (SPECS[4], SPECS[6], SPECS[-1]):
-                y = mm.reduce_logsumexp(x, output_shape=output_shape, reduced_dim=reduced_dim)
+                y = mm.reduce_logsumexp(x, output_shape=output_shape, reduced_dims=reduced_dim)
                 errs.expect(bool(np.all(np.isfinite(y.local))), f"shift {shift} {out} x={lay}: {y.local}")
                 check(errs, f"shift {shift} {out} x={lay}", y, reference("reduce_logsumexp", xa, out), out, {},
                       np.float32, 1e-5)
@@ -192,7 +192,7 @@ def test_logsumexp_minus_inf(mshape: str) -> None:
     for lay in layouts(mesh, list(NAMES), limit=6):
         x = mesh.from_numpy(xa, XSHAPE, layout=lay)
         for output_shape, reduced_dim, out in (SPECS[0], ("a:8", None, ("a",)), (None, ["b", "c"], ("a",))):
-            y = mm.reduce_logsumexp(x, output_shape=output_shape, reduced_dim=reduced_dim)
+            y = mm.reduce_logsumexp(x, output_shape=output_shape, reduced_dims=reduced_dim)
             got = np.asarray(y.to_numpy())
             ref = reference("reduce_logsumexp", xa, out)
             errs.expect(not np.any(np.isnan(got)), f"{out} x={lay}: nan in {got}")
@@ -210,10 +210,28 @@ def test_bad_arguments_raise() -> None:
     for op in NP_OPS:
         fn = getattr(mm, op)
         with pytest.raises(mm.ShapeError):
-            fn(x, output_shape="a:8", reduced_dim="b")
+            fn(x, output_shape="a:8", reduced_dims="b")
         with pytest.raises(mm.ShapeError, match="z"):
-            fn(x, reduced_dim="z")
+            fn(x, reduced_dims="z")
         with pytest.raises(mm.ShapeError, match="z"):
             fn(x, output_shape="a:8;z:2")
         with pytest.raises(mm.ShapeError, match="a"):
             fn(x, output_shape="a:4")
+
+
+def test_old_spelling_reduced_dim_warns_and_still_works() -> None:
+    """One spelling, `reduced_dims`, for einsum and every reduction; `reduced_dim=` is an alias for a
+    release: same values, a FutureWarning naming the op, and both spellings at once refused."""
+    mesh = get_mesh(SHAPES[0])
+    g = np.arange(512.0).reshape(8, 8, 8)
+    x = mesh.from_numpy(g, XSHAPE)
+    for op in [*NP_OPS, "einsum"]:
+        fn = (lambda t, **kw: mm.einsum([t], **kw)) if op == "einsum" else getattr(mm, op)
+        with pytest.warns(FutureWarning, match=rf"{op}\(reduced_dim=\.\.\.\) is deprecated: use reduced_dims="):
+            old = fn(x, reduced_dim=["a", "c"]).to_numpy()
+        new = fn(x, reduced_dims=["a", "c"]).to_numpy()
+        np.testing.assert_array_equal(old, new)
+        ref = g.sum((0, 2)) if op in ("einsum", "reduce_sum") else reference(op, g, ("b",))
+        np.testing.assert_allclose(new, ref, rtol=1e-12)
+        with pytest.raises(mm.ShapeError, match="not both"):
+            fn(x, reduced_dims="a", reduced_dim="a")

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.mpi
 def _model(x, w1, w2, labels):
     """An MLP with layer-norm-like scaling and a softmax cross-entropy: every op family's rule."""
     h = mm.relu(mm.einsum([x, w1]))
-    h = h * mm.rsqrt(mm.reduce_mean(mm.square(h), reduced_dim="hidden") + 1e-3)
+    h = h * mm.rsqrt(mm.reduce_mean(mm.square(h), reduced_dims="hidden") + 1e-3)
     logits = mm.einsum([h, w2])
     logp = mm.log_softmax(logits, "vocab")
     return -mm.reduce_mean(mm.reduce_sum(logp * mm.one_hot(labels, logits.shape["vocab"], dtype="float64"),
-                                         reduced_dim="vocab"))
+                                         reduced_dims="vocab"))
 
 
 @pytest.mark.parametrize("shape", mesh_shapes())

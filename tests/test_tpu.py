@@ -119,11 +119,11 @@ def _dense(mesh, grads: bool = True):
         out["compare"] = (mm.cast(x >= 0, "float32") + mm.cast(mm.not_equal(x, 0.5), "float32")
                           + mm.cast(mm.less(x, 0.2), "float32") + mm.cast(mm.less_equal(x, -0.2), "float32")
                           + mm.cast(mm.equal(x, x), "float32") + mm.cast(mm.greater(x, 1.0), "float32"))
-        out["reduce_sum"] = mm.reduce_sum(x, reduced_dim="i")
+        out["reduce_sum"] = mm.reduce_sum(x, reduced_dims="i")
         out["reduce_mean"] = mm.reduce_mean(x)
-        out["reduce_max"] = mm.reduce_max(x, reduced_dim="b")
-        out["reduce_min"] = mm.reduce_min(x, reduced_dim="i")
-        out["logsumexp"] = mm.reduce_logsumexp(x, reduced_dim="i")
+        out["reduce_max"] = mm.reduce_max(x, reduced_dims="b")
+        out["reduce_min"] = mm.reduce_min(x, reduced_dims="i")
+        out["logsumexp"] = mm.reduce_logsumexp(x, reduced_dims="i")
         names = mesh.shape.names
         out["relayout_swap"] = mm.relayout(x, {"i": names[0]})  # alltoall
         out["relayout_gather"] = mm.relayout(x, {})
@@ -225,8 +225,8 @@ def _loss(p, tokens, targets):
     vv = mm.rename_dimension(mm.einsum([h, p["wv"]], reduced_dims=["c"]), "seq", "mseq")
     att = mm.softmax(mm.einsum([q, kk], reduced_dims=["k"]) * (1.0 / np.sqrt(K)), "mseq")
     logits = mm.einsum([mm.einsum([att, vv], reduced_dims=["mseq"]), p["wout"]], reduced_dims=["k"])
-    gold = mm.reduce_sum(logits * mm.one_hot(targets, logits.shape["vocab"]), reduced_dim="vocab")
-    return mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dim="vocab") - gold)
+    gold = mm.reduce_sum(logits * mm.one_hot(targets, logits.shape["vocab"]), reduced_dims="vocab")
+    return mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dims="vocab") - gold)
 
 
 def _model(mesh, grads: bool = True):
@@ -252,7 +252,7 @@ def _low(mesh, grads: bool = True):
         q = mm.reshape(xb, "b:8;g:2;j:8")
         out["batched"] = mm.einsum([q, mm.rename_dimension(q, "j", "k")], "b:8;j:8;k:8")
         out["softmax"] = mm.softmax(y, "h")
-        out["reduce_sum"] = mm.reduce_sum(y, reduced_dim="b")
+        out["reduce_sum"] = mm.reduce_sum(y, reduced_dims="b")
         out["float32"] = mm.cast(out["softmax"], "float32") * mm.cast(out["reduce_sum"], "float32")
         if grads:
             _add_gradients(out, {"x": x, "w": w})
@@ -311,14 +311,14 @@ def _dense_uneven(mesh, grads: bool = True):
         z = mm.gelu(y + bias)
         out["where"] = mm.where(z > 0.1, z, y * 2.0)
         out["unary"] = mm.exp(x) + mm.log(mm.abs(x) + 1.0) + mm.rsqrt(mm.abs(x) + 1.0) + mm.sigmoid(x)
-        out["reduce_sum"] = mm.reduce_sum(x, reduced_dim="i")
+        out["reduce_sum"] = mm.reduce_sum(x, reduced_dims="i")
         out["reduce_mean"] = mm.reduce_mean(x)
         if _full(x, "b"):
-            out["reduce_max"] = mm.reduce_max(x, reduced_dim="b")
+            out["reduce_max"] = mm.reduce_max(x, reduced_dims="b")
             out["reduce_max_all"] = mm.reduce_max(x)
             out["log_softmax"] = mm.log_softmax(x, ["b", "i"])
-        out["reduce_min"] = mm.reduce_min(-x, reduced_dim="i")
-        out["logsumexp"] = mm.reduce_logsumexp(x * 3.0, reduced_dim="i")
+        out["reduce_min"] = mm.reduce_min(-x, reduced_dims="i")
+        out["logsumexp"] = mm.reduce_logsumexp(x * 3.0, reduced_dims="i")
         out["softmax"] = mm.softmax(x, "i")
         out["cumsum"] = mm.cumsum(x, "b")
         out["cumsum_rev_excl"] = mm.cumsum(x, "i", exclusive=True, reverse=True)
@@ -330,7 +330,7 @@ def _dense_uneven(mesh, grads: bool = True):
         out["reshape"] = mm.reshape(x, "b:7;i1:3;i2:3")
         out["transpose"] = mm.transpose(x, "i:9;b:7")
         out["broadcast"] = mm.broadcast(bias, "b:7;h:5")
-        out["cast"] = mm.cast(mm.reduce_sum(mm.cast(x > 0, "int32"), reduced_dim="b"), "int64")
+        out["cast"] = mm.cast(mm.reduce_sum(mm.cast(x > 0, "int32"), reduced_dims="b"), "int64")
         if grads:
             _add_gradients(out, {"x": x, "w": w, "bias": bias})
     return tr, [x, w, bias], out
@@ -344,14 +344,14 @@ def _tiny_uneven(mesh, grads: bool = True):
     out = {}
     with mm.trace() as tr:
         out["exp"] = mm.exp(x)
-        out["sum"] = mm.reduce_sum(x, reduced_dim="e")
+        out["sum"] = mm.reduce_sum(x, reduced_dims="e")
         if _full(x, "e"):
-            out["max"] = mm.reduce_max(x, reduced_dim="e")
+            out["max"] = mm.reduce_max(x, reduced_dims="e")
             out["softmax"] = mm.softmax(x, "e")
         out["cumsum"] = mm.cumsum(x, "e", reverse=True)
         out["einsum"] = mm.einsum([x, u], "e:2;one:1")
         out["gathered"] = mm.relayout(x, {})
-        out["empty_sum"] = mm.reduce_sum(n, reduced_dim="none")
+        out["empty_sum"] = mm.reduce_sum(n, reduced_dims="none")
         if grads:
             _add_gradients(out, {"x": x, "u": u})
     return tr, [x, u, n], out
@@ -366,10 +366,10 @@ def _vocab_uneven(mesh, grads: bool = True):
     with mm.trace() as tr:
         logits = mm.einsum([h, emb], "b:5;v:257") - 3.0
         out["logits"] = logits
-        out["max"] = mm.reduce_max(logits, reduced_dim="v")
+        out["max"] = mm.reduce_max(logits, reduced_dims="v")
         out["softmax"] = mm.softmax(logits, "v")
-        out["xent"] = mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dim="v")
-                                     - mm.reduce_sum(logits * gold, reduced_dim="v"))
+        out["xent"] = mm.reduce_mean(mm.reduce_logsumexp(logits, reduced_dims="v")
+                                     - mm.reduce_sum(logits * gold, reduced_dims="v"))
         out["log_softmax"] = mm.log_softmax(logits, "v")
         if grads:
             _add_gradients(out, {"h": h, "emb": emb})
@@ -441,7 +441,7 @@ def test_uneven_matches_numpy():
     a = global_array("b:7;v:11", 29).astype(np.float64) - 1.0
     x = mesh.from_numpy(a, "b:7;v:11")
     with mm.trace() as tr:
-        outs = {"max": mm.reduce_max(x, reduced_dim="v"), "softmax": mm.softmax(x, "v"), "cumsum": mm.cumsum(x, "v")}
+        outs = {"max": mm.reduce_max(x, reduced_dims="v"), "softmax": mm.softmax(x, "v"), "cumsum": mm.cumsum(x, "v")}
     try:
         if RANK == 0:
             got = mm.tpu.replay(tr, [x], list(outs.values()), devices=DEVICES)(a)
@@ -681,7 +681,7 @@ def test_errors():
     other = mesh.from_numpy(global_array("c:8", 2), "c:8")
     with mm.trace() as tr:
         y = mm.exp(x)
-        z = mm.reduce_sum(y, reduced_dim="a")
+        z = mm.reduce_sum(y, reduced_dims="a")
     # None of these compiles or communicates: every rank checks them.
     wrong = jax.devices()[:N + 1] if N < 8 else jax.devices()[:4]
     with pytest.raises(mm.MeshError, match=f"has {N} processors, but {len(wrong)} JAX devices"):

@@ -40,7 +40,7 @@ def test_records_ops_in_order(shape):
         h = mm.einsum([x, w])
         e = mm.exp(h)
         s = e * 2.0
-        r = mm.reduce_max(s, reduced_dim="b")
+        r = mm.reduce_max(s, reduced_dims="b")
         t = mm.transpose(e, "b:8;a:8")
     assert [op.name for op in tr.ops] == ["einsum", "exp", "multiply", "reduce_max", "transpose"]
     assert len(tr) == 5
@@ -192,7 +192,7 @@ def test_gradients_of_several_nonscalar_ys(shape):
     x = mesh.from_numpy(xa, "a:2;b:8")
     with mm.trace():
         y1 = mm.sin(x)        # [a, b]: sum of all its elements
-        y2 = mm.reduce_sum(x * x, reduced_dim="a")  # [b]
+        y2 = mm.reduce_sum(x * x, reduced_dims="a")  # [b]
         (g,) = mm.gradients([y1, y2], [x])
     np.testing.assert_allclose(g.to_numpy(), np.cos(xa) + 2 * xa, rtol=1e-12)
 

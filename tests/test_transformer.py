@@ -4,7 +4,9 @@ command line refuses, on every rank and before training, a checkpoint directory 
 (Killing a rank mid-save and resuming on other ranks: tests/test_crash_safe.py.)"""
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -171,6 +173,12 @@ def test_command_line_trains_saves_resumes_and_samples(tmp_path, capsys):
         for text in ("unigram baseline", "step     4/4", "held-out loss", "resumed from", "at step 4",
                      "step     6/6", "flops", "final held-out loss", "--- sample 1"):
             assert text in out, f"{text!r} missing from:\n{out}"
+        saves = re.findall(r"checkpoint: step (\d+) saved to (\S+), ([\d.]+) MiB in ([\d.]+) s", out)
+        assert [int(step) for step, *_ in saves] == [2, 4, 6], out  # one line per save
+        for step, where, mib, _ in saves:
+            on_disk = sum(e.stat().st_size for e in os.scandir(where)) if os.path.isdir(where) else None
+            assert where == os.path.join(path, f"step-{int(step):08d}") and float(mib) > 0
+            assert on_disk is None or abs(on_disk / 2**20 - float(mib)) < 0.01  # the two older ones are pruned
     else:
         assert out == ""
 
@@ -218,11 +226,56 @@ def test_resume_at_or_past_steps(tmp_path, capsys):
     T.main(TINY + ["--checkpoint", path, "--steps", "4", "--resume"])
     out = capsys.readouterr().out
     if MPI.COMM_WORLD.Get_rank() == 0:
-        assert out.startswith("nothing to do: the checkpoint in") and "at step 4" in out and "loss" not in out, out
+        assert out.startswith("nothing to do: the checkpoint ") and "at step 4" in out and "loss" not in out, out
     with pytest.raises(mm.CheckpointError, match="at step 4, past --steps 3 .* pass --steps above 4"):
         T.main(TINY + ["--checkpoint", path, "--steps", "3", "--resume"])
     assert "loss" not in capsys.readouterr().out
     assert saved_steps(path) == [2, 4]
+
+
+def _losses(path: str) -> dict:
+    with open(path) as f:
+        return {d["step"]: d["loss"] for d in map(json.loads, f)}
+
+
+def test_resume_takes_a_step_or_a_path(tmp_path, capsys):
+    """--resume 2 (a step of DIR) and --resume DIR/step-00000002 (a path, no --checkpoint) both go on
+    from step 2 with the uninterrupted run's losses; a step DIR lacks is refused, listing its steps."""
+    path, logs = _shared_dir(tmp_path), MPI.COMM_WORLD.bcast(str(tmp_path), root=0)
+    T.main(TINY + ["--checkpoint", path, "--steps", "4", "--log-json", os.path.join(logs, "a.jsonl")])
+    T.main(TINY + ["--checkpoint", path, "--steps", "4", "--resume", "2", "--log-json", os.path.join(logs, "b.jsonl")])
+    T.main(TINY + ["--steps", "4", "--resume", os.path.join(path, "step-00000002"),
+                   "--log-json", os.path.join(logs, "c.jsonl")])
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        straight = _losses(os.path.join(logs, "a.jsonl"))
+        for name in ("b.jsonl", "c.jsonl"):
+            resumed = _losses(os.path.join(logs, name))
+            assert list(resumed) == [3, 4]
+            np.testing.assert_allclose([resumed[3], resumed[4]], [straight[3], straight[4]], rtol=1e-6)
+        assert out.count(f"resumed from {os.path.join(path, 'step-00000002')} at step 2") == 2, out
+    with pytest.raises(mm.CheckpointError, match=r"--resume 3: .* holds no complete checkpoint of step 3; it holds "
+                                                 r"steps \[2, 4\]"):
+        T.main(TINY + ["--checkpoint", path, "--steps", "4", "--resume", "3"])
+
+
+def test_damaged_newest_checkpoint_names_the_newest_intact_one(tmp_path):
+    """A byte of the newest checkpoint changed after it was saved: --resume is refused, naming the
+    damage and the newest intact checkpoint, and the --resume STEP that takes it (which works)."""
+    path = _shared_dir(tmp_path)
+    T.main(TINY + ["--checkpoint", path, "--steps", "4"])
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with open(os.path.join(path, "step-00000004", "part-00000.bin"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    MPI.COMM_WORLD.barrier()
+    with pytest.raises(mm.CheckpointError, match=r"checksum mismatch in .*step-00000004.* the newest intact checkpoint "
+                                                 r"is .*step-00000002: resume from it with --resume 2"):
+        T.main(TINY + ["--checkpoint", path, "--steps", "6", "--resume"])
+    T.main(TINY + ["--checkpoint", path, "--steps", "6", "--resume", "2"])
+    assert saved_steps(path)[-1] == 6
 
 
 @pytest.mark.parametrize("flag,message", [

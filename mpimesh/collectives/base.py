@@ -35,6 +35,8 @@ from __future__ import annotations
 import time
 from typing import Optional, Protocol, Sequence
 
+import numpy as np
+
 from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
 from ..shape import Shape
@@ -50,7 +52,7 @@ class CollectivesLike(Protocol):
     def coord(self, mesh_dim: str): ...
     def span(self, size: int, mesh_dim: Optional[str]) -> tuple: ...
     def block(self, x, mesh_dim: str, axis: int): ...
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None): ...
+    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None, dtype=None): ...
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None): ...
     def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None,
                  out=None): ...
@@ -224,10 +226,18 @@ class Collectives:
             return 0, size
         return block_span(size, self._sizes[mesh_dim], self.coord(mesh_dim))
 
-    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None):
+    def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None, dtype=None):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims` (`out`: see the module;
-        `out=x` reduces in place)."""
+        `out=x` reduces in place). `dtype`: a narrower result dtype for wider partials (float32
+        partial sums of a bfloat16 einsum): reduced at x's width, rounded once to `dtype`, whose
+        words are what the second half of the transfer moves (not with `out`)."""
         dims = self.ordered(mesh_dims)
+        if dtype is not None and np.dtype(dtype) != x.dtype:
+            if out is not None:
+                raise MpimeshError(f"allreduce: give out= or dtype={np.dtype(dtype)}, not both")
+            if self.size(dims) == 1:
+                return x.astype(dtype)
+            return self._allreduce_rounded(x, dims, op, np.dtype(dtype))
         if out is not None:
             self._check_out(out, x, x.shape, "allreduce")
         if self.size(dims) == 1:
@@ -235,6 +245,11 @@ class Collectives:
         if out is None:
             return self._allreduce(x, dims, op)
         return self._into(out, x, lambda o: self._allreduce(x, dims, op, **o), in_place=True)
+
+    def _allreduce_rounded(self, x, dims: tuple, op: str, dtype):
+        """`allreduce(x, dims, op, dtype=dtype)` over more than one rank: here the reduction at x's
+        width, then the rounding; transports that move the result's narrower words replace it."""
+        return self._allreduce(x, dims, op).astype(dtype)
 
     def iallreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None) -> Request:
         """Start `allreduce(x, mesh_dims, op, out)` without waiting: a `Request` that owns `x` and the

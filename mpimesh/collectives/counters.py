@@ -48,6 +48,17 @@ def record(kind: str, mesh_dims: Sequence[str], elements: int, nbytes: int) -> N
         c["bytes"] += int(nbytes)
 
 
+def reduction_bytes(elements: int, itemsize: int, result_itemsize: int) -> int:
+    """Bytes counted for a reduction of `elements` partials of `itemsize` bytes into a result of
+    `result_itemsize` bytes each: half at each width, since an allreduce is a reduce-scatter of the
+    partials and an allgather of the result (the same as `elements * itemsize` when they agree).
+
+    >>> reduction_bytes(10, 4, 2), reduction_bytes(10, 4, 4)
+    (30, 40)
+    """
+    return elements * (itemsize + result_itemsize) // 2
+
+
 def record_flops(flops: int) -> None:
     """Count one local compute kernel of `flops` floating-point operations."""
     for counters in _open:

@@ -25,33 +25,30 @@ from ..errors import MpimeshError
 
 @dataclass(frozen=True)
 class Machine:
-    """Hardware, per rank, for `estimate`.
-
-    Args:
-      flops: peak FLOP/s of a large matmul (the dtype the step computes in).
-      latency: α, seconds per collective call (default for mesh dims not in `links`).
-      bandwidth: β, bytes/s per link (default for mesh dims not in `links`).
-      memory: bytes of memory.
-      memory_bandwidth: bytes/s of memory traffic: an elementwise op's time is its bytes in and
-        out over it; a matmul's time is its FLOPs at `flops` or its bytes at this, whichever is
-        longer (the roofline: skinny matmuls are bound by memory).
-      op_overhead: seconds every op costs on top (an eager framework's dispatch; 0 on hardware
-        whose steps are compiled).
-      einsum_overhead: seconds every einsum costs on top, instead of `op_overhead` (so a small
-        matmul runs below peak: Hockney's half-performance size is `einsum_overhead * flops`).
-      links: `((mesh_dim, latency, bandwidth), ...)`: measured α and β of some mesh dims.
-      name: a label.
-    """
+    """Hardware, per rank, for `estimate`; the constructor takes the fields below, by the same names."""
 
     flops: float
+    """Peak FLOP/s of a large matmul (in the dtype the step computes in)."""
     latency: float
+    """α, seconds per collective call (the default for mesh dims not in `links`)."""
     bandwidth: float
+    """β, bytes/s per link (the default for mesh dims not in `links`)."""
     memory: float
+    """Bytes of memory."""
     memory_bandwidth: float = math.inf
+    """Bytes/s of memory traffic: an elementwise op's time is its bytes in and out over it; a
+    matmul's time is its FLOPs at `flops` or its bytes at this, whichever is longer (the roofline:
+    skinny matmuls are bound by memory)."""
     op_overhead: float = 0.0
+    """Seconds every op costs on top (an eager framework's dispatch; 0 on hardware whose steps are
+    compiled)."""
     einsum_overhead: float = 0.0
+    """Seconds every einsum costs on top, instead of `op_overhead` (so a small matmul runs below
+    peak: Hockney's half-performance size is `einsum_overhead * flops`)."""
     links: tuple = field(default=())
+    """`((mesh_dim, latency, bandwidth), ...)`: measured α and β of some mesh dims."""
     name: str = ""
+    """A label: `"TPUv2 core"`."""
 
     def __post_init__(self):
         for k in ("flops", "bandwidth", "memory", "memory_bandwidth"):

@@ -63,6 +63,10 @@ class ArgSpec:
     run)."""
 
     __slots__ = ("shape", "dtype")
+    shape: Shape
+    """The tensor's global `Shape`."""
+    dtype: np.dtype
+    """Its element type: `dtype('float32')`."""
 
     def __init__(self, shape, dtype):
         self.shape, self.dtype = Shape(shape), np.dtype(dtype)
@@ -97,6 +101,13 @@ class OpCost:
     """One op of a recording: its name, local FLOPs, and local bytes in and out."""
 
     __slots__ = ("name", "flops", "nbytes")
+    name: str
+    """The op's name: `"einsum"`, `"tanh"`, ..."""
+    flops: int
+    """Floating-point operations on this rank's blocks, as the op counts them (einsums and
+    convolutions do; other ops count 0)."""
+    nbytes: int
+    """Bytes of this rank's blocks of the op's inputs and outputs together."""
 
     def __init__(self, name: str, flops: int, nbytes: int):
         self.name, self.flops, self.nbytes = name, flops, nbytes
@@ -109,24 +120,27 @@ class Recording:
     """A program run dry on `mesh_shape` under `rules` (see `record`).
 
     Attributes:
-      ops: `OpCost` per op, in order.
-      collectives: the profile's counters, `{"<kind>/<mesh dims>": {"calls", "elements", "bytes"}}`.
       state_bytes: this rank's blocks of the arguments (parameters, optimizer state, batch).
       activation_bytes: the peak of the op outputs alive at once.
-      dims: `{tensor dim: size}` of every tensor of the run; `shapes`: their dim-name tuples.
     """
 
     def __init__(self, fn, args, mesh_shape: Shape, rules: LayoutRules):
         self.fn, self.args, self.mesh_shape, self.rules = fn, args, mesh_shape, rules
         self.ops: list[OpCost] = []
+        """An `OpCost` per op, in order."""
         self.collectives: dict = {}
+        """The profile's counters, `{"<kind>/<mesh dims>": {"calls", "elements", "bytes"}}`:
+        `{"allreduce/rows": {"calls": 1, "elements": 1, "bytes": 4}}`."""
         self.state_bytes = self.activation_bytes = 0
         self.dims: dict[str, int] = {}
+        """`{tensor dim name: size}` of every tensor of the run."""
         self.shapes: set = set()
+        """The dim-name tuples of the run's tensors: `{("batch", "io"), ("io", "out")}`."""
         self._runs: dict = {}
 
     @property
     def bytes_per_rank(self) -> int:
+        """Memory per rank at the peak: `state_bytes + activation_bytes`."""
         return self.state_bytes + self.activation_bytes
 
     def rerun(self, rules=None, mesh_shape=None) -> "Recording":

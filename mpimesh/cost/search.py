@@ -28,25 +28,25 @@ _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """The result of `mm.auto_layout`.
-
-    Attributes:
-      rules: the fastest rules (a rules string) that fit the memory limit.
-      seconds, bytes_per_rank: its predicted step time and memory per rank.
-      candidates: `[(rules, seconds, bytes_per_rank)]` that fit, fastest first.
-      too_big: `[(rules, seconds, bytes_per_rank)]` priced but over the memory limit.
-      machine: the `Machine` priced on; recording: the step, recorded (replicated), for `estimate`.
-      exact: whether every candidate was priced (else a beam search).
-    """
+    """The result of `mm.auto_layout`."""
 
     rules: str
+    """The fastest rules that fit the memory limit, as a rules string: `"batch:rows;hidden:cols"`
+    (`""`: everything replicated)."""
     seconds: float
+    """The predicted step time of `rules`, in seconds."""
     bytes_per_rank: int
+    """The predicted memory per rank of `rules`, in bytes."""
     candidates: list
+    """`[(rules, seconds, bytes_per_rank)]` of the priced rules that fit, fastest first (the first is `rules`)."""
     too_big: list
+    """`[(rules, seconds, bytes_per_rank)]` of the priced rules over the memory limit, smallest first."""
     machine: Machine
+    """The `Machine` the rules were priced on."""
     recording: Recording
+    """The step recorded replicated (no rules), for `estimate` under other rules."""
     exact: bool
+    """Whether every candidate was priced (else a beam search)."""
 
     def report(self, top: int = 5) -> str:
         """The chosen rules and the next `top` alternatives (not those that only swap mesh dims

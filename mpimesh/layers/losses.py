@@ -48,9 +48,9 @@ def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float 
         if targets.shape[v] != vocab:
             raise ShapeError(f"softmax_cross_entropy_with_logits: targets {targets.shape} and logits "
                              f"{logits.shape} disagree on {v!r}")
-        loss = -reduce_sum(targets * log_softmax(logits, v), reduced_dim=v)
+        loss = -reduce_sum(targets * log_softmax(logits, v), reduced_dims=v)
         if z_loss:
-            loss = loss + z_loss * square(reduce_logsumexp(logits, reduced_dim=v))
+            loss = loss + z_loss * square(reduce_logsumexp(logits, reduced_dims=v))
         return loss
     if not np.issubdtype(targets.dtype, np.integer):
         raise ShapeError(f"softmax_cross_entropy_with_logits: targets {targets.shape} of dtype {targets.dtype} "
@@ -59,8 +59,8 @@ def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float 
         if d not in logits.shape:
             raise ShapeError(f"softmax_cross_entropy_with_logits: target dim {d.name}:{d.size} is not in "
                              f"logits {logits.shape}")
-    lse = reduce_logsumexp(logits, reduced_dim=v)
-    gold = reduce_sum(logits * one_hot(targets, vocab, dtype=logits.dtype), reduced_dim=v)
+    lse = reduce_logsumexp(logits, reduced_dims=v)
+    gold = reduce_sum(logits * one_hot(targets, vocab, dtype=logits.dtype), reduced_dims=v)
     loss = lse - gold
     if z_loss:
         loss = loss + z_loss * square(lse)

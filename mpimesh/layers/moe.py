@@ -144,16 +144,16 @@ def _gating(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, polic
     gates = softmax(einsum([x, wg], output_shape=Shape([g, s, e])), e.name)
     index_1 = argmax(gates, e.name)
     mask_1 = one_hot(index_1, e, dtype=dt)
-    gate_1 = reduce_sum(gates * mask_1, reduced_dim=e.name)
+    gate_1 = reduce_sum(gates * mask_1, reduced_dims=e.name)
     index_2 = argmax(gates * (1.0 - mask_1), e.name)
     mask_2 = one_hot(index_2, e, dtype=dt)
-    gate_2 = reduce_sum(gates * mask_2, reduced_dim=e.name)
+    gate_2 = reduce_sum(gates * mask_2, reduced_dims=e.name)
     denom = gate_1 + gate_2 + 1e-9
     gate_1, gate_2 = gate_1 / denom, gate_2 / denom
 
     # Load balance: mean over groups and experts of (fraction routed first to e) · (mean gate of e).
-    density = reduce_mean(mask_1, reduced_dim=s.name)
-    proxy = reduce_mean(gates, reduced_dim=s.name)
+    density = reduce_mean(mask_1, reduced_dims=s.name)
+    proxy = reduce_mean(gates, reduced_dims=s.name)
     aux = reduce_mean(density * proxy) * float(e.size * e.size * loss_coef)
 
     if policy == "none":
@@ -167,11 +167,11 @@ def _gating(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, polic
     # Positions in the experts' buffers: first choices in token order, then second choices.
     pos_1 = cumsum(mask_1, s.name, exclusive=True) * mask_1
     mask_1 = mask_1 * cast(less(pos_1, float(c.size)), dt)
-    count_1 = reduce_sum(mask_1, reduced_dim=s.name)
+    count_1 = reduce_sum(mask_1, reduced_dims=s.name)
     pos_2 = (cumsum(mask_2, s.name, exclusive=True) + count_1) * mask_2
     mask_2 = mask_2 * cast(less(pos_2, float(c.size)), dt)
-    slot_1 = one_hot(cast(reduce_sum(pos_1, reduced_dim=e.name), "int32"), c, dtype=dt)
-    slot_2 = one_hot(cast(reduce_sum(pos_2, reduced_dim=e.name), "int32"), c, dtype=dt)
+    slot_1 = one_hot(cast(reduce_sum(pos_1, reduced_dims=e.name), "int32"), c, dtype=dt)
+    slot_2 = one_hot(cast(reduce_sum(pos_2, reduced_dims=e.name), "int32"), c, dtype=dt)
     dispatch_1 = stop_gradient(mask_1 * slot_1)  # [G, S, E, C]
     dispatch_2 = stop_gradient(mask_2 * slot_2)
     combine = gate_1 * dispatch_1 + gate_2 * dispatch_2

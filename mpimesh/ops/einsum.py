@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import string
+import warnings
 from collections import Counter
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -185,14 +186,35 @@ def default_output(in_shapes: tuple, reduced: Optional[tuple]) -> Shape:
     return Shape(tuple(d for d in all_dims if counts[d.name] == 1))
 
 
-def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=None):
+def renamed_reduced_dims(op: str, reduced_dims, reduced_dim):
+    """`reduced_dims`, or the old spelling `reduced_dim` with a FutureWarning (not both).
+
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     renamed_reduced_dims("reduce_sum", None, "i"), str(caught[0].message)[:47]
+    ('i', 'reduce_sum(reduced_dim=...) is deprecated: use ')
+    """
+    if reduced_dim is None:
+        return reduced_dims
+    if reduced_dims is not None:
+        raise ShapeError(f"{op}: give reduced_dims, not both reduced_dims and its old spelling reduced_dim")
+    warnings.warn(f"{op}(reduced_dim=...) is deprecated: use reduced_dims=..., the spelling mm.einsum and every "
+                  "reduction share (reduced_dim= goes in the next release)", FutureWarning, stacklevel=3)
+    return reduced_dim
+
+
+def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Contract tensors by dim names (Mesh-TensorFlow's `einsum`).
 
     Args:
       xs: the input tensors.
       output_shape: the output dims; default: dims in exactly one input, in order of appearance.
       reduced_dims: alternatively, the dims to sum away (all others are kept).
+      reduced_dim: the old spelling of `reduced_dims` (a FutureWarning; goes in the next release).
     """
+    reduced_dims = renamed_reduced_dims("einsum", reduced_dims, reduced_dim)
+    if output_shape is not None and reduced_dims is not None:
+        raise ShapeError("einsum: give output_shape or reduced_dims, not both")
     xs = list(xs)
     if not xs:
         raise ShapeError("einsum needs at least one input")
@@ -227,7 +249,9 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     def lower(ctx, *arrays):
         xp = ctx.xp
         # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
-        # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials.
+        # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
+        # rounds once to the 16-bit result, whose words its second half moves (`allreduce(dtype=)`:
+        # 3/4 of a float32 allreduce's bytes). A bucket sums the float32 partials (`mpimesh.buckets`).
         wide = low and name(xp) != "numpy" and (bmm is not None or pair is not None and bool(pair[1]))
         if low and not wide:
             arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
@@ -256,7 +280,8 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
                 y = contiguous(xp, xp.transpose(matmul(xp, a, b).reshape(sc), pc))
         else:
             y = expr(*arrays, backend=xp.__name__.split(".")[0])
-        y = ctx.allreduce(y, summed) if summed else y
+        if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
+            return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
         return y.astype(out_dtype) if rounded else y
     (y,) = dispatch("einsum", xs, [(out, out_layout)], lower,
                     {"subscripts": subs, "reduce_mesh_dims": summed}, _einsum_grad, flops)

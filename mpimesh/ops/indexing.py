@@ -30,6 +30,7 @@ from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
 from ..trace import dispatch
 from .einsum import contraction_plan, einsum
+from .elementwise import cast
 from .relayout import to_layout
 
 
@@ -119,8 +120,11 @@ def _gather_plan(wnames: tuple, inames: tuple, v: str, onames: tuple) -> dict:
     }
 
 
-def gather(weights, indices, dim):
-    """Embedding lookup: `out[i..., o...] = weights[indices[i...], o...]` along `dim`.
+def gather(weights, indices, dim, dtype=None):
+    """Embedding lookup: `out[i..., o...] = weights[indices[i...], o...]` along `dim`, cast to
+    `dtype` if given (each rank casts the rows it looked up before they are combined, so a
+    bfloat16 lookup of a float32 table moves 16-bit words; the gradient w.r.t. `weights` stays
+    in weights' dtype).
 
     The output has indices' dims, then weights' other dims (dims shared by both act as batch
     dims: each index picks from its own batch entry). Indices outside `[0, dim.size)` give
@@ -153,6 +157,7 @@ def gather(weights, indices, dim):
     p = _gather_plan(weights.shape.names, indices.shape.names, vdim.name, out.names)
     mv = splitting(wl[weights.shape.index(vdim.name)], mesh.shape)
     ns, no = p["n_shared"], p["n_oonly"]
+    out_dtype = None if dtype is None else as_dtype(dtype)
 
     def lower(ctx, w, i):
         xp = ctx.xp
@@ -170,8 +175,10 @@ def gather(weights, indices, dim):
         else:  # an empty block of the looked-up dim: nothing to look up here
             g = xp.zeros(i.shape + w.shape[2:], w.dtype)
         g = xp.transpose(g.reshape(gshape), p["operm"])
+        if out_dtype is not None:  # exact before the sum: each row comes from one rank, zeros from the others
+            g = g.astype(out_dtype)
         return ctx.allreduce(g, reduce_mesh) if reduce_mesh else g
-    grad = _gather_grad if is_float(weights.dtype) else None
+    grad = _gather_grad if is_float(weights.dtype) and (out_dtype is None or is_float(out_dtype)) else None
     (y,) = dispatch("gather", [weights, indices], [(out, out_layout)], lower,
                     {"dim": vdim, "reduce_mesh_dims": reduce_mesh}, grad)
     return y
@@ -195,6 +202,8 @@ def _scatter_hot(indices, dim: Dimension, dtype):
 def _gather_grad(op, dy):
     """Scatter-add of dy into the looked-up rows (out-of-range indices add nothing)."""
     weights, indices = op.inputs
+    if dy.dtype != weights.dtype:  # a lookup cast to another dtype: scatter-add in weights' own
+        dy = cast(dy, weights.dtype)
     hot = _scatter_hot(indices, op.params["dim"], dy.dtype)
     with partial_for(weights):  # an embedding's gradient summed over the batch may wait in a bucket
         return [einsum([hot, dy], output_shape=weights.shape), None]

@@ -61,14 +61,14 @@ def local_extreme(xp, a, axes: tuple, op: str = "max", keepdims: bool = False):
 def _softmax_grad(op, dy):
     from .reduce import reduce_sum
     y = op.outputs[0]
-    return [y * (dy - reduce_sum(dy * y, reduced_dim=op.params["reduced_dims"]))]
+    return [y * (dy - reduce_sum(dy * y, reduced_dims=op.params["reduced_dims"]))]
 
 
 def _log_softmax_grad(op, dy):
     from .elementwise import exp
     from .reduce import reduce_sum
     y = op.outputs[0]
-    return [dy - exp(y) * reduce_sum(dy, reduced_dim=op.params["reduced_dims"])]
+    return [dy - exp(y) * reduce_sum(dy, reduced_dims=op.params["reduced_dims"])]
 
 
 def _normalize(name: str, log: bool, grad, doc: str):

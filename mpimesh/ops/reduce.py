@@ -4,8 +4,12 @@ reduced dims that are split (`reduce_sum` is a one-input einsum).
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.arange(6.0).reshape(2, 3), "b:2;i:3")
->>> mm.reduce_max(x, reduced_dim="i").to_numpy().tolist(), float(mm.reduce_sum(x).to_numpy())
+>>> mm.reduce_max(x, reduced_dims="i").to_numpy().tolist(), float(mm.reduce_sum(x).to_numpy())
 ([2.0, 5.0], 15.0)
+
+The dims to reduce are `reduced_dims` (one name or several), as in `mm.einsum`. The spelling
+`reduced_dim=` is still accepted for one release, with a FutureWarning. (Ops that reduce exactly
+one dim, such as `softmax`, `argmax` and `top_k`, name it `reduced_dim`.)
 """
 from __future__ import annotations
 
@@ -18,38 +22,40 @@ from ..backend import accumulation_dtype
 from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..trace import dispatch
-from .einsum import contraction_plan, einsum
+from .einsum import contraction_plan, einsum, renamed_reduced_dims
 from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
 from .relayout import to_layout
 
 
-def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dim) -> Shape:
-    """The output shape of reducing `x`: `output_shape`, or x without `reduced_dim`, or a scalar."""
-    if output_shape is not None and reduced_dim is not None:
-        raise ShapeError("give output_shape or reduced_dim, not both")
+def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims) -> Shape:
+    """The output shape of reducing `x`: `output_shape`, or x without `reduced_dims`, or a scalar."""
+    if output_shape is not None and reduced_dims is not None:
+        raise ShapeError("give output_shape or reduced_dims, not both")
     if output_shape is not None:
         out = Shape(output_shape)
         for d in out:
             if d not in x.shape:
                 raise ShapeError(f"reduction output dim {d.name}:{d.size} is not in the input shape {x.shape}")
         return out
-    if reduced_dim is None:
+    if reduced_dims is None:
         return Shape(())
-    names = dim_names(reduced_dim, x.shape, "reduction")
+    names = dim_names(reduced_dims, x.shape, "reduction")
     for n in names:
         if n not in x.shape:
             raise ShapeError(f"reduced dim {n!r} is not in the input shape {x.shape}")
     return x.shape.without(names)
 
 
-def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
-    """Sum over the dims not in `output_shape` (or over `reduced_dim`; neither: everything)."""
-    return einsum([x], output_shape_of(x, output_shape, reduced_dim))
+def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
+    """Sum over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."""
+    reduced_dims = renamed_reduced_dims("reduce_sum", reduced_dims, reduced_dim)
+    return einsum([x], output_shape_of(x, output_shape, reduced_dims))
 
 
-def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
+def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Mean over the reduced dims (of 16-bit floats: summed and scaled in float32, rounded once)."""
-    out = output_shape_of(x, output_shape, reduced_dim)
+    reduced_dims = renamed_reduced_dims("reduce_mean", reduced_dims, reduced_dim)
+    out = output_shape_of(x, output_shape, reduced_dims)
     count = math.prod(d.size for d in x.shape if d.name not in out)
     if accumulation_dtype(x.dtype) != x.dtype:
         from .elementwise import cast
@@ -58,8 +64,8 @@ def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
 
 
 def _local_reduce(name: str, kernel, grad):
-    def op(x, output_shape: Optional[ShapeLike] = None, reduced_dim=None):
-        out = output_shape_of(x, output_shape, reduced_dim)
+    def op(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
+        out = output_shape_of(x, output_shape, renamed_reduced_dims(name, reduced_dims, reduced_dim))
         out_layout = x.mesh.plan(out)
         (target,), reduce_mesh = contraction_plan((x.shape,), (x.tensor_layout,), out, out_layout, x.mesh.shape)
         x = to_layout(x, target)
@@ -76,7 +82,7 @@ def _local_reduce(name: str, kernel, grad):
                         grad)
         return y
     op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"{name} over the dims not in `output_shape` (or over `reduced_dim`; neither: everything)."
+    op.__doc__ = f"{name} over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."
     return op
 
 

@@ -35,6 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..backend import accumulation_dtype, is_low_precision
 from ..collectives.base import Collectives
 from ..errors import MpimeshError
 from ..layout import block, block_sizes
@@ -107,6 +108,8 @@ class JaxCollectives(Collectives):
     def _allreduce(self, x, mesh_dims: Sequence[str], op: str):
         dims = tuple(m for m in mesh_dims if self._sizes[m] > 1)
         fn = {"sum": self._lax.psum, "max": self._lax.pmax, "min": self._lax.pmin}[op]
+        if op == "sum" and dims and is_low_precision(x.dtype):  # summed in float32, rounded once, as on MPI
+            return fn(x.astype(accumulation_dtype(x.dtype)), dims).astype(x.dtype)
         return fn(x, dims)
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes):

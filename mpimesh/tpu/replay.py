@@ -55,6 +55,8 @@ from ..shape import Shape
 from .collectives import JaxCollectives, pad_blocks, unpad_blocks
 
 MODES = ("shard_map", "gspmd")
+"""The ways `replay` runs a trace (its `mode`): per-device kernels in `shard_map`, or one global program
+whose collectives XLA's SPMD partitioner places (see the module docs)."""
 
 
 class ReplayError(MpimeshError):
@@ -324,9 +326,7 @@ class Replay:
     """A trace replayed through JAX: call it with the global arrays of the inputs.
 
     Attributes:
-      jitted: the `jax.jit` function (call it inside a 64-bit context, see the module docs).
       mesh: the `jax.sharding.Mesh`.
-      in_shardings, out_shardings: a `NamedSharding` per input / output.
       mode: "shard_map" or "gspmd".
     """
 
@@ -347,8 +347,10 @@ class Replay:
         bound = jax_shape if layout is not None else ms
         self.in_shardings = tuple(NamedSharding(mesh, PartitionSpec(*_even(t.shape, s, bound)))
                                   for t, s in zip(plan.inputs, in_specs))
+        """A `NamedSharding` per input, in order (a dim its mesh dim does not divide is replicated)."""
         self.out_shardings = tuple(NamedSharding(mesh, PartitionSpec(*_even(t.shape, s, bound)))
                                    for t, s in zip(plan.outputs, out_specs))
+        """A `NamedSharding` per output, in order (a dim its mesh dim does not divide is replicated)."""
         self._compiled = None
         pads = [plan.uneven[id(t)] for t in plan.inputs], [plan.uneven[id(t)] for t in plan.outputs]
         if layout is not None:  # the global program; XLA partitions it by the shardings
@@ -377,6 +379,8 @@ class Replay:
                              for b, (lay, shape), u in zip(blocks, outs, pads[1]))
         self.jitted = jax.jit(fn, in_shardings=self.in_shardings, out_shardings=self.out_shardings,
                               donate_argnums=tuple(donate))
+        """The `jax.jit` function of the global input arrays (call it inside a 64-bit context, see the
+        module docs; calling the replay does that)."""
 
     def _args(self, arrays: Sequence, start: int = 0) -> list:
         """`arrays` checked and cast as inputs `start`, `start + 1`, ... to the end."""
