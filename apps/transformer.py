@@ -446,24 +446,48 @@ def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, o
     return params, opt_state, step
 
 
-def auto_layout(mesh_shape: str, cfg: Config, seed: int, top: int = 5) -> str:
-    """`--layout auto`: the rules `mm.auto_layout` chooses for the training step on a mesh of
-    `mesh_shape`, after calibrating the machine on it; rank 0 prints them and the next `top`
-    alternatives with their predicted step times. The step is recorded dry: the parameters and
-    optimizer state are placeholders on a `DryMesh` (shapes and dtypes, no values)."""
+def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = False, top: int = 5) -> tuple:
+    """`--layout auto`: `(rules, predicted seconds per step)` that `mm.auto_layout` chooses for the
+    training step on a mesh of `mesh_shape`, priced on this machine's calibration for that mesh
+    (kept on disk from an earlier run, or measured now: `recalibrate` measures again); rank 0
+    prints them and the next `top` alternatives with their predicted step times. The step is
+    recorded dry: the parameters and optimizer state are placeholders on a `DryMesh` (shapes and
+    dtypes, no values)."""
+    from mpimesh.cost import cache
     from mpimesh.dryrun import DryMesh
     mesh = mm.Mesh(mesh_shape)
     optimizer = make_optimizer(cfg)
     params = init_params(DryMesh(mesh_shape), cfg, seed)
     tokens = mm.cost.ArgSpec([cfg.dim("batch"), cfg.dim("length")], "int32")
     t0 = time.perf_counter()
+    where = cache.cache_file(mesh)
+    fresh = recalibrate or not os.path.exists(where)
+    machine = cache.calibrated(mesh, redo=recalibrate)
+    t1 = time.perf_counter()
     plan = mm.auto_layout(make_train_step(cfg, optimizer), (params, optimizer.init(params),
-                                                             {"inputs": tokens, "targets": tokens}), mesh)
+                                                             {"inputs": tokens, "targets": tokens}), mesh,
+                          machine=machine)
     if mesh.rank == 0:
+        how = (f"measured in {t1 - t0:.1f} s and kept in {where}" if fresh else
+               f"kept from an earlier run in {where} (--recalibrate measures again)")
         print(f"--layout auto on mesh {mesh.shape}: {plan.rules or '(replicated)'!s}, predicted "
-              f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t0:.1f} s to calibrate and search)")
+              f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t1:.1f} s to search); calibration "
+              f"{how}")
         print(plan.report(top), flush=True)
-    return plan.rules
+    return plan.rules, plan.seconds
+
+
+def predicted_beside_measured(predicted: float, times: list) -> str:
+    """The cost model's step time beside the median of the measured ones (the first left out, where
+    there are more: it warms up).
+
+    >>> predicted_beside_measured(0.1, [0.5, 0.11, 0.12, 0.13])
+    '--layout auto: predicted 100.0 ms per step, measured 120.0 ms (median of steps 2-4): 1.20x the prediction'
+    """
+    kept = times[1:] if len(times) > 1 else times
+    measured = float(np.median(kept))
+    return (f"--layout auto: predicted {predicted * 1e3:.1f} ms per step, measured {measured * 1e3:.1f} ms "
+            f"(median of steps {len(times) - len(kept) + 1}-{len(times)}): {measured / predicted:.2f}x the prediction")
 
 
 def default_mesh(n: int) -> str:
@@ -514,6 +538,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the transport (nccl, CUDA-aware mpi, or staged through host) is chosen per mesh")
     ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below), or "
                     "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh)")
+    ap.add_argument("--recalibrate", action="store_true", help="with --layout auto: measure the machine again "
+                    "instead of using the calibration an earlier run kept for this mesh")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="corpus bytes read at most")
     ap.add_argument("--heldout", type=float, default=0.1, help="held-out fraction")
@@ -576,7 +602,7 @@ def main(argv=None) -> None:
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
-    auto = args.layout == "auto"
+    auto, predicted = args.layout == "auto", None
     if auto and args.backend == "jax":
         raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
     if auto and cfg.dtype == "float16":
@@ -601,7 +627,8 @@ def main(argv=None) -> None:
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
         if auto:
-            args.layout = moe_layout(auto_layout(args.mesh or default_mesh(world), cfg, args.seed), cfg.moe_every)
+            rules, predicted = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
+            args.layout = moe_layout(rules, cfg.moe_every)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                        backend="cupy" if args.device == "gpu" else "numpy")
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
@@ -650,6 +677,7 @@ def main(argv=None) -> None:
         timer = CommTimer(mesh)
     log = open(args.log_json, "w") if args.log_json and mesh.rank == 0 else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
+    step_times: list = []  # with --layout auto, for the predicted time beside the measured one
     t_begin = time.perf_counter()
     for step in range(start, args.steps):
         offsets = train_offsets(train, cfg, args.seed, step)
@@ -666,6 +694,9 @@ def main(argv=None) -> None:
                 loss_value = float(loss)
             sent = sum(v["bytes"] for k, v in prof.counters.items() if k != "flops")
             acc += [time.perf_counter() - t0, timer.seconds - c0, sent, loss_value, 1]
+            step_times.append(time.perf_counter() - t0)
+            if predicted and len(step_times) == min(20, args.steps - start):
+                say(predicted_beside_measured(predicted, step_times))
             if args.profile:
                 say(f"step {step + 1} profile (rank 0):\n{prof.report()}")
         done = step + 1

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -92,6 +94,9 @@ def main(extra: List[str]) -> int:
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         env.setdefault(var, "1")
     env.setdefault("MPIMESH_DEBUG", "1")  # every op's local outputs checked against their layouts
+    # Calibrations (`mpimesh.cost.cache`) kept for this run only, not mixed with the user's own
+    cache = None if "MPIMESH_CACHE_DIR" in env else tempfile.mkdtemp(prefix="mpimesh-test-cache-")
+    env.setdefault("MPIMESH_CACHE_DIR", cache or "")
     # Byte code (and pytest's rewritten test modules) cached by the first session for all the others:
     # without it, each of the 18 processes recompiles every module (2 s each, on 2 cores).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -107,6 +112,8 @@ def main(extra: List[str]) -> int:
         except subprocess.TimeoutExpired:
             code = 255
         results.append((n, code, time.monotonic() - start))
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
     print(f"\n{'=' * 25} summary", flush=True)
     for n, code, secs in results:
         verdict = "PASSED" if code == 0 else f"FAILED (exit {code}: {_EXIT_NAMES.get(code, 'error')})"

@@ -146,6 +146,16 @@ def test_collectives(shape, dt) -> None:
         coll.iallreduce(x, (m,)).wait()
     errs.expect(cnt == {f"allreduce/{m}": {"calls": 3, "elements": 105, "bytes": 2 * 35 * 2 + 35 * 4}},
                 f"profile counts {cnt}: a 16-bit allreduce counts 2 bytes an element")
+    # float32 partials into a 16-bit result (a split einsum's): summed in float32, rounded once, the
+    # result's words moved by the second half: 3 bytes an element (half at each width)
+    parts = np.array([1.0 if c == 0 else 0.375 * ulp] * 3, np.float32)
+    with counters.counting() as cnt:
+        got = coll.allreduce(parts, (m,), dtype=as_dtype(dt))
+    errs.bitwise("allreduce(dtype=) rounds once", got, np.full(3, 1 + (k - 1) * 0.375 * ulp), dt)
+    errs.bitwise("allreduce(dtype=) sum", coll.allreduce(g[c].astype(np.float32), (m,), dtype=as_dtype(dt)),
+                 g.sum(0), dt)
+    errs.expect(cnt == {f"allreduce/{m}": {"calls": 1, "elements": 3, "bytes": 3 * 3}},
+                f"profile counts {cnt}: float32 partials of a 16-bit result count 3 bytes an element")
     errs.check()
 
 

@@ -103,6 +103,9 @@ def settings() -> dict:
     return {"check": _settings["check"], "timeout": _settings["timeout"]}
 
 
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
 def user_frame() -> str:
     """`file:line` of the innermost frame outside the mpimesh package (the user's call site)."""
     frame = sys._getframe(1)
@@ -217,6 +220,7 @@ class Guard:
         while not self._test(request, dims, what):
             if time.monotonic() > fast:
                 break
+            _yield()  # a peer on this core (more ranks than cores) runs now, not when our slice ends
         else:
             return
         timeout, others = _settings["timeout"], None

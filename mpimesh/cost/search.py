@@ -20,7 +20,8 @@ from typing import Optional
 
 from ..errors import MpimeshError
 from ..layout import LayoutRules
-from .machine import Machine, calibrate
+from .cache import calibrated
+from .machine import Machine
 from .model import Recording, estimate, record
 
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -84,8 +85,9 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
 
     `fn(*args)` is never run on the real mesh: it is recorded dry (`mm.cost.record`, needs JAX)
     from the shapes and dtypes of the DistTensors in `args`, once replicated and once per priced
-    candidate, so `fn` must not read values. `machine`: default `mm.cost.calibrate(mesh)` (a
-    few seconds, collective: every rank must call; kept per mesh). `memory_per_rank`: bytes
+    candidate, so `fn` must not read values. `machine`: default this machine's calibration for the
+    mesh's shape (`mpimesh.cost.cache.calibrated`: measured once, a few seconds, then kept on disk;
+    a collective: every rank must call). `memory_per_rank`: bytes
     (default the machine's memory). On a `Mesh` of several ranks the candidates are shared out
     over the ranks, which exchange their prices: every rank must call, and gets the same plan.
     A candidate some op cannot run (an `MpimeshError` in its dry run) is left out.
@@ -106,7 +108,7 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
             raise MpimeshError(f"auto_layout on {mesh!r} (no processors) needs machine=... (mm.cost.TPUV2, ...)")
         machine = _calibrated.get(mesh)
         if machine is None:
-            machine = _calibrated[mesh] = calibrate(mesh)
+            machine = _calibrated[mesh] = calibrated(mesh)
     limit = machine.memory if memory_per_rank is None else float(memory_per_rank)
     base = record(fn, args, mesh.shape, "")
     order = list(base.dims)

@@ -1,0 +1,119 @@
+"""Calibrations kept per machine and mesh shape, so that a layout search prices alike from run to run.
+
+`calibrated(mesh)` returns the `Machine` calibrated earlier for this machine, mesh shape, backend,
+ranks per node and BLAS threads per rank, from a JSON file in the cache directory
+(`$MPIMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/mpimesh`, else `~/.cache/mpimesh`, in `calibration/`),
+or calibrates it (`calibrate`) and keeps it there. `redo=True`, or `MPIMESH_RECALIBRATE=1`, measures
+again and replaces the file. Rank 0 reads and writes the file; every rank gets the same machine. A
+file that cannot be read or written is only reported: the calibration is used all the same.
+
+>>> import os, tempfile, mpimesh as mm
+>>> os.environ["MPIMESH_CACHE_DIR"] = tempfile.mkdtemp()
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> first = calibrated(mesh, seconds=0.3)
+>>> calibrated(mesh) == first, os.path.basename(cache_file(mesh)).startswith("calibration-")
+(True, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+from .machine import Machine, calibrate
+
+FORMAT = 1  # bump when what `calibrate` measures changes: older files are then ignored
+
+
+def cache_dir() -> str:
+    """Where calibrations are kept (see the module docstring)."""
+    root = os.environ.get("MPIMESH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpimesh")
+    return os.path.join(root, "calibration")
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def machine_key(mesh) -> dict:
+    """What a calibration depends on: this host and its CPU, the mesh shape, backend and device, the
+    ranks per node, BLAS threads per rank, and mpimesh's version."""
+    from .. import threads
+    info = threads.settings()
+    device = ""
+    if mesh.backend == "cupy":
+        device = mesh.xp.cuda.runtime.getDeviceProperties(mesh.device)["name"].decode(errors="replace")
+    from .. import __version__
+    return {"format": FORMAT, "host": socket.gethostname(), "cpu": _cpu(), "cores": info["cores"],
+            "mesh": str(mesh.shape), "backend": mesh.backend, "device": device,
+            "ranks_per_node": info["local_ranks"] or 1, "threads": info["threads"], "mpimesh": __version__}
+
+
+def cache_file(mesh) -> str:
+    """The file that keeps `mesh`'s calibration on this machine."""
+    digest = hashlib.sha1(json.dumps(machine_key(mesh), sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), f"calibration-{digest}.json")
+
+
+def _read(path: str, key: dict) -> Optional[Machine]:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("key") != key:
+            return None
+        fields = saved["machine"]
+        fields["links"] = tuple(tuple(link) for link in fields["links"])
+        return Machine(**fields)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: str, key: dict, machine: Machine) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"key": key, "machine": dataclasses.asdict(machine), "when": time.strftime("%Y-%m-%d %H:%M:%S")},
+                  f, indent=1)
+    os.replace(tmp, path)
+
+
+def calibrated(mesh, redo: bool = False, seconds: float = 3.0) -> Machine:
+    """This mesh's `Machine`: the cached calibration, or a new one (`redo`, `MPIMESH_RECALIBRATE=1`,
+    or none cached), then kept. A collective: every rank calls it and gets the same machine."""
+    redo = redo or os.environ.get("MPIMESH_RECALIBRATE", "") not in ("", "0")
+    path, key = cache_file(mesh), machine_key(mesh)
+    found = None if redo or mesh.rank != 0 else _read(path, key)
+    text = _from_rank_0(mesh, "" if found is None else json.dumps(dataclasses.asdict(found)))
+    if text:  # rank 0 had one: every rank takes its figures
+        fields = json.loads(text)
+        fields["links"] = tuple(tuple(link) for link in fields["links"])
+        return Machine(**fields)
+    machine = calibrate(mesh, seconds)
+    if mesh.rank == 0:
+        try:
+            _write(path, key, machine)
+        except OSError as e:
+            sys.stderr.write(f"mpimesh: could not keep the calibration in {path}: {e}\n")
+    return machine
+
+
+def _from_rank_0(mesh, text: str) -> str:
+    """Rank 0's `text`, on every rank of `mesh`."""
+    if mesh.size == 1:
+        return text
+    data = np.frombuffer(text.encode(), np.uint8)
+    n = int(mesh.collectives.broadcast(np.array([data.size], np.int64), 0)[0])
+    buf = data if mesh.rank == 0 else np.zeros(n, np.uint8)
+    return bytes(mesh.collectives.broadcast(buf, 0)).decode() if n else ""
