@@ -58,10 +58,13 @@ load-balancing loss joins the training loss. Unless `--layout` places `experts`,
 `--device gpu`: every rank holds its slices on its own GPU (CuPy, `python3 install.py gpu`; one rank
 per GPU, e.g. `mpiexec -n 8` on an 8-GPU node); the transport is chosen per mesh (see README.md).
 
-`--layout auto`: `mm.auto_layout` calibrates the machine on the mesh (a few seconds), records the
-training step dry (shapes only) and prices layout rules with the cost model (`mpimesh.cost`); rank
-0 prints the chosen rules and the top 5 alternatives with their predicted step times, then trains
-with the chosen rules:
+`--layout auto`: `mm.auto_layout` records the training step dry (shapes only) and prices layout
+rules with the cost model (`mpimesh.cost`) on this machine's calibration for the mesh, measured
+once (a few seconds: a warm-up pass, then the median of 3 rounds) and kept in the user's cache
+(`~/.cache/mpimesh/calibration/`, `MPIMESH_CACHE_DIR`), so that every run prices alike;
+`--recalibrate` measures again. Rank 0 prints the chosen rules and the top 5 alternatives with their
+predicted step times, trains with the chosen rules, and after the first 20 steps prints the
+predicted step time beside the measured one:
 
     mpiexec -n 4 python apps/transformer.py --layout auto
 

@@ -5,8 +5,9 @@ through the host between ranks that share the GPU.
     python benchmarks/gpu.py --device cpu                     # smoke run: numpy and PyTorch on CPU, tiny model
     mpiexec -n 2 python benchmarks/gpu.py --collectives       # both ranks on GPU 0
 
-Needs PyTorch, a benchmark-only dependency (`pip install torch`, a CUDA build), and CuPy
-(`python3 install.py gpu`).
+Needs PyTorch, a benchmark-only dependency that no extra installs (`pip install torch`: a CUDA
+build; for `--device cpu`, the CPU build: `pip install torch --index-url
+https://download.pytorch.org/whl/cpu`), and on a GPU CuPy (`python3 install.py gpu`).
 
 The step: apps/transformer.py's train step (d_model 1024, d_ff 4096, 16 heads of 64, 4 layers,
 batch 32 x 512, Adam with linear warmup) on one rank, against benchmarks/torch_twin.py: the same
