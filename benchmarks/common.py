@@ -10,7 +10,10 @@ thread per rank. Some machines force an AVX2 kernel through `OPENBLAS_CORETYPE` 
 removes both, sets `OPENBLAS_NUM_THREADS`, `OMP_NUM_THREADS` and `MKL_NUM_THREADS` to 1, and,
 if anything had to change, re-executes the interpreter with the same arguments. That is safe under
 `mpiexec` because MPI has not been initialised yet (the process keeps its pid and the launcher's
-file descriptors). This applies to benchmarks only, never to tests or CI.
+file descriptors). The re-exec's mark names that pid, so a child process that inherits it (each of
+benchmarks/gpu.py's precisions runs in one) still fixes its own environment, which its parent may
+have changed since (`mpimesh.threads` drops a thread count it takes for an inherited default of its
+own). This applies to benchmarks only, never to tests or CI.
 """
 from __future__ import annotations
 
@@ -19,27 +22,34 @@ import sys
 
 _DROP = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 _ONE = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-_MARK = "MPIMESH_BENCH_REEXEC"
+_MARK = "MPIMESH_BENCH_REEXEC"  # "<pid>:<what changed>", set by the process that re-executed (execv keeps the pid)
+
+
+def _fixed_here() -> str:
+    """What re-executing this very process fixed ("" if it was not re-executed). A child process
+    inherits its parent's mark, whose pid is not its own: it checks its own environment afresh."""
+    pid, _, changed = os.environ.get(_MARK, "").partition(":")
+    return changed if pid == str(os.getpid()) else ""
 
 
 def _fix_environment() -> None:
     """Drop forced BLAS kernels, pin one BLAS thread, and re-exec once if anything changed."""
     env = os.environ
-    if not any(k in env for k in _DROP) and all(env.get(k) == "1" for k in _ONE):
+    dirty = [f"{k}={env[k]}" for k in _DROP if k in env] + \
+        [f"{k}={env.get(k, '(unset)')}->1" for k in _ONE if env.get(k) != "1"]
+    if not dirty:
         return
-    if env.get(_MARK):  # already re-executed once: never loop
-        sys.stderr.write("benchmarks/common.py: environment still not clean after re-exec\n")
+    if _fixed_here():  # already re-executed once: never loop
+        sys.stderr.write(f"benchmarks/common.py: environment still not clean after re-exec: {'; '.join(dirty)}\n")
         return
     if "numpy" in sys.modules or "mpi4py.MPI" in sys.modules:
         raise RuntimeError("import benchmarks/common.py before numpy and mpi4py: the BLAS library "
                            "is already loaded with the old environment")
-    changed = [f"{k}={env[k]}" for k in _DROP if k in env] + \
-        [f"{k}={env.get(k, '(unset)')}->1" for k in _ONE if env.get(k) != "1"]
     for k in _DROP:
         env.pop(k, None)
     for k in _ONE:
         env[k] = "1"
-    env[_MARK] = "; ".join(changed) or "1"
+    env[_MARK] = f"{os.getpid()}:{'; '.join(dirty)}"
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable] + sys.argv)
@@ -107,7 +117,7 @@ def kernel_report() -> str:
                      f"kernel={info.get('architecture', '?')} threads={info.get('num_threads')} "
                      f"({os.path.basename(info.get('filepath', ''))})")
     forced = [f"{k}={os.environ[k]}" for k in _DROP if k in os.environ]
-    lines.append(f"env fixed at start: {os.environ.get(_MARK, 'nothing to fix')}; still forced: "
+    lines.append(f"env fixed at start: {_fixed_here() or 'nothing to fix'}; still forced: "
                  f"{', '.join(forced) or 'none'}; cpus {os.cpu_count()}; load average {load_average()}")
     return "\n".join(lines)
 

@@ -26,6 +26,12 @@ PyTorch's in fp32, 1.3x in tf32 and bf16; peak memory at most 1.2x in fp32 and t
 `--device cpu` (`--size tiny`; the default without a GPU) runs the same checks, steps and table on
 numpy and PyTorch's CPU build, one thread each, and judges no bar.
 
+`--profile`: where one mpimesh step's time goes, per precision, after the timings: wall time per step
+against the summed time of its GPU kernels (torch.profiler's CUDA activity, which CUPTI gives for
+CuPy's kernels too), the ops (`mm.trace()`) and kernels per step, the host's time to issue the
+step per op, and the ten longest kernels (name, calls and ms per step). With `--device cpu` only
+CPU activity is recorded and the kernel columns read n/a.
+
 `--collectives`: allreduce and allgather of float32 buffers (`--mib`, default 1, 16, 64 per rank)
 through `mm.Mesh("all:N", backend="cupy", transport="staged")`, against the same by hand: a copy
 into a preallocated pinned host buffer, mpi4py's `Allreduce`/`Allgather`, a copy into a
@@ -43,6 +49,7 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from typing import Callable, Dict, List, Optional  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -64,6 +71,7 @@ TIME_BARS = {"fp32": 1.0, "tf32": 1.3, "bf16": 1.3}  # mpimesh step / PyTorch st
 MEMORY_BARS = {"fp32": 1.2, "tf32": 1.2}  # mpimesh peak / PyTorch peak, at most
 SAME_MODEL = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}  # |relative loss difference| on the same weights and batch
 GEMM_N = {"gpu": 8192, "cpu": 1024}
+PROFILE_STEPS = 3  # --profile: steps timed, traced and profiled
 DEFAULTS = {"gpu": {"size": "full", "precisions": "fp32,tf32,bf16", "steps": 10, "warmup": 3, "mib": "1,16,64"},
             "cpu": {"size": "tiny", "precisions": "fp32,bf16", "steps": 3, "warmup": 1, "mib": "0.25,1"}}
 
@@ -116,6 +124,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, help="untimed steps per side first (default 3 on a GPU, 1 on CPU)")
     ap.add_argument("--attention", choices=("explicit", "sdpa"), default="explicit",
                     help="PyTorch's attention: written out as mpimesh computes it, or its fused kernel (sdpa)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one mpimesh step per precision: kernel vs wall time, top kernels, ops per step")
     ap.add_argument("--collectives", action="store_true", help="time staged allreduce and allgather (under mpiexec)")
     ap.add_argument("--mib", help="--collectives: MiB per rank, comma-separated (default 1,16,64; CPU 0.25,1)")
     ap.add_argument("--repeat", type=int, default=10, help="--collectives: timed runs per case")
@@ -164,6 +174,7 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
     from torch_twin import TorchTwin, make_adam
     gpu = args.device == "gpu"
     where = "cuda" if gpu else "cpu"
+    mm.set_matmul_precision("tf32" if precision in TF32 else "highest")
     if gpu:
         import cupy
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = precision in TF32
@@ -190,8 +201,11 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
     def autocast():
         return torch.autocast(where, dtype=torch.bfloat16, enabled=precision == "bf16")
 
-    def mm_step() -> None:
+    def mm_issue() -> None:
         state[0], state[1], _ = train_step(state[0], state[1], batch)
+
+    def mm_step() -> None:
+        mm_issue()
         syncs["mpimesh"]()
 
     def torch_step() -> None:
@@ -243,13 +257,53 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
         f"{times['torch'][1] * 1e3:.1f} ms; peak memory mpimesh {mib(mm_peak)}, torch "
         + (f"{mib(torch_peak)} allocated, {mib(reserved)} reserved" if gpu else "n/a"))
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
-            "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0]}
+            "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
+            "profile": profile_step(mm_issue, syncs["mpimesh"], gpu) if args.profile else None}
+
+
+def profile_step(issue: Callable, sync: Callable, gpu: bool) -> dict:
+    """Where one mpimesh step's time goes: wall time and the host's time to issue it (before waiting
+    for the GPU), medians of PROFILE_STEPS; the ops of one step (its `mm.trace()`); on a GPU the
+    kernels torch.profiler sees through CUPTI (CuPy's too: any CUDA activity of the process), their
+    time and count per step and the ten longest (name, calls, ms per step). On the CPU only CPU
+    activity is recorded and the kernel fields are None."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    walls, hosts = [], []
+    for _ in range(PROFILE_STEPS):
+        sync()
+        t0 = time.perf_counter()
+        issue()
+        hosts.append(time.perf_counter() - t0)
+        sync()
+        walls.append(time.perf_counter() - t0)
+    with mm.trace() as tr:
+        issue()
+    ops = len(tr.ops)
+    del tr  # it holds the step's tensors
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        for _ in range(PROFILE_STEPS):
+            issue()
+        sync()
+    kernels: Dict[str, List[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            k = kernels.setdefault(ev.name, [0, 0.0])
+            k[0] += 1
+            k[1] += ev.time_range.elapsed_us() / 1e3
+    per_step = {name: (calls / PROFILE_STEPS, ms / PROFILE_STEPS) for name, (calls, ms) in kernels.items()}
+    return {"wall_ms": float(np.median(walls)) * 1e3, "ops": ops,
+            "host_us_per_op": float(np.median(hosts)) * 1e6 / max(ops, 1),
+            "kernel_ms": sum(ms for _, ms in per_step.values()) if gpu else None,
+            "kernels": sum(calls for calls, _ in per_step.values()) if gpu else None,
+            "top": sorted(((n, c, ms) for n, (c, ms) in per_step.items()), key=lambda k: -k[2])[:10]}
 
 
 def run_workers(args: argparse.Namespace) -> Dict[str, dict]:
     """Each precision in a fresh process of this script (CuPy reads CUPY_TF32 once); {precision: result}."""
     passed = [f"--device={args.device}", f"--size={args.size}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-              f"--attention={args.attention}"]
+              f"--attention={args.attention}"] + (["--profile"] if args.profile else [])
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in args.precisions:
@@ -295,6 +349,25 @@ def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
           + ("" if gpu else "\ncpu smoke run: the bars are for one H100 GPU and are not judged here"))
     print(table(("precision", "mpimesh ms", "torch ms", "ratio", "bar", "time", "MFU mpimesh", "MFU torch",
                  "mpimesh MiB", "torch MiB", "mem ratio", "mem bar", "memory", "loss diff"), rows), flush=True)
+    if args.profile:
+        report_profile({p: r["profile"] for p, r in results.items()}, gpu)
+
+
+def report_profile(profiles: Dict[str, dict], gpu: bool) -> None:
+    """`--profile`'s table (one row per precision) and each precision's longest kernels."""
+    def n_a(value, fmt: str) -> str:
+        return "n/a" if value is None else format(value, fmt)
+    rows = [(p, f"{r['wall_ms']:.2f}", n_a(r["kernel_ms"], ".2f"),
+             n_a(None if r["kernel_ms"] is None else 100 * r["kernel_ms"] / r["wall_ms"], ".0f"), r["ops"],
+             n_a(r["kernels"], ".0f"), f"{r['host_us_per_op']:.1f}") for p, r in profiles.items()]
+    print(f"\nprofile of one mpimesh step (medians of {PROFILE_STEPS}; kernels: "
+          + ("CUDA activity through CUPTI, CuPy's included)" if gpu else "n/a, cpu run: CPU activity only)"))
+    print(table(("precision", "wall ms", "kernel ms", "kernel %", "ops/step", "kernels/step", "host us/op"), rows))
+    for p, r in profiles.items():
+        if r["top"]:
+            print(f"\n{p}: longest kernels per step")
+            print(table(("ms", "calls", "kernel"), [(f"{ms:.3f}", f"{c:g}", name[:100]) for name, c, ms in r["top"]]))
+    sys.stdout.flush()
 
 
 # -------------------------------------------------------------------------------- collectives

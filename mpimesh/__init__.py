@@ -14,6 +14,7 @@ abort.install()  # from here on, an uncaught exception on one rank ends the whol
 threads.configure_at_import()  # before numpy loads BLAS: cores // ranks on this node
 
 from .autodiff import gradients
+from .backend import matmul_precision, set_matmul_precision
 from .buckets import set_bucket_bytes
 from .checkpoint import load, save
 from .collectives.guard import set_collective_timeout, set_spmd_check
@@ -70,6 +71,8 @@ __all__ = [
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
     "trace", "gradients", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    # speed
+    "set_matmul_precision", "matmul_precision",
     # automatic layouts
     "auto_layout", "LayoutPlan",
     # subpackages

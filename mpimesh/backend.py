@@ -6,7 +6,8 @@ between host and GPU and count each copy in the profile (`"d2h"`, `"h2d"`), so a
 assert that an op makes none.
 
 The dtype policy lives here too: `is_float` (bfloat16 included, which numpy calls kind 'V'),
-`accumulation_dtype` (float32 for the 16-bit floats) and `wire_dtype` (what MPI moves).
+`accumulation_dtype` (float32 for the 16-bit floats) and `wire_dtype` (what MPI moves); and the
+precision of float32 contractions on a GPU (`set_matmul_precision`).
 
 >>> array_module("numpy").__name__, name(np), resolve_backend("numpy")
 ('numpy', 'numpy', 'numpy')
@@ -83,7 +84,61 @@ def array_module(backend: str) -> ModuleType:
     if count < 1:
         raise MpimeshError(f"backend 'cupy' found no GPU (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!r}): {_GPU_HINT}")
+    if not _matmul["cupy"]:  # from the first mesh on, CuPy's own GEMMs follow set_matmul_precision
+        _matmul["cupy"] = True
+        _cupy_compute_type(_matmul["precision"])
     return cp
+
+
+MATMUL_PRECISIONS = ("highest", "tf32")
+
+
+def _tf32_from_env() -> bool:
+    """CuPy's reading of CUPY_TF32: TF32 for float32 where it is a positive integer."""
+    try:
+        return int(os.environ.get("CUPY_TF32", "0")) > 0
+    except ValueError:
+        return False
+
+
+_matmul = {"precision": "tf32" if _tf32_from_env() else "highest", "cupy": False}  # cupy: a mesh has it
+
+
+def set_matmul_precision(precision: str) -> None:
+    """Run float32 contractions on a GPU in full float32 (`"highest"`) or on TF32 tensor cores
+    (`"tf32"`: inputs rounded to 10 mantissa bits, float32 sums; several times faster on GPUs of
+    compute capability 8.0 and later). The default is `"tf32"` where `CUPY_TF32` is a positive integer
+    (as CuPy reads it), else `"highest"`.
+
+    It reaches every float32 GEMM on CuPy: CuPy's own dot, tensordot and 2-D matmul (its compute
+    type), einsum's batched matmuls (`mpimesh.widen`'s cuBLAS call, as CuPy's batched matmul ignores
+    TF32) and einsum's opt_einsum fallback (the cuBLAS handle's TF32 math mode); and a JAX replay
+    (matmul precision "tensorfloat32" or "float32"). 16-bit inputs are multiplied as they are either
+    way; numpy on the CPU has no TF32, so there it changes nothing.
+
+    >>> import mpimesh as mm
+    >>> before = mm.matmul_precision()
+    >>> mm.set_matmul_precision("tf32")
+    >>> mm.matmul_precision()
+    'tf32'
+    >>> mm.set_matmul_precision(before)
+    """
+    if precision not in MATMUL_PRECISIONS:
+        raise MpimeshError(f"matmul precision {precision!r} is not one of {list(MATMUL_PRECISIONS)}")
+    _matmul["precision"] = precision
+    if _matmul["cupy"]:
+        _cupy_compute_type(precision)
+
+
+def matmul_precision() -> str:
+    """The precision of float32 contractions on a GPU: "highest" or "tf32" (`set_matmul_precision`)."""
+    return _matmul["precision"]
+
+
+def _cupy_compute_type(precision: str) -> None:
+    """CuPy's compute type for float32 GEMMs (which it otherwise takes from CUPY_TF32, once)."""
+    linalg = importlib.import_module("cupy._core._routines_linalg")
+    linalg.set_compute_type(_FLOAT32, linalg.COMPUTE_TYPE_TF32 if precision == "tf32" else linalg.COMPUTE_TYPE_DEFAULT)
 
 
 def name(xp) -> str:

@@ -45,6 +45,7 @@ from .ops.einsum import einsum
 from .ops.elementwise import axpy, cast, maximum, minimum, rsqrt, sqrt, square
 from .ops.reduce import reduce_mean
 from .ops.relayout import to_layout
+from .ops.updates import adam_update, sgd_update
 from .shape import Dimension, Shape
 from .tensor import DistTensor, full
 
@@ -118,6 +119,8 @@ class Optimizer:
         """Apply one step: `(new_params, new_state)`, each tensor in its parameter's layout."""
         mesh = self._check(params, grads, state)
         step = state["step"] + 1
+        if self._update_all is not None:  # one op for all parameters of a dtype
+            return self._fused(params, grads, state, step)
         times: dict = {}  # the step as a float tensor, one per parameter dtype
         new_params: dict = {}
         new_state: dict = {"step": step}
@@ -140,6 +143,29 @@ class Optimizer:
             for s, v in new_slots.items():
                 new_state[s][name] = to_layout(v, _sub_layout(p, v.shape))
         return new_params, new_state
+
+    _update_all = None
+    """`(groups, t) -> outputs`: the update of every parameter of one working dtype as one op
+    (`mpimesh.ops.updates`), in a subclass that has one; None: `_apply`, op by op."""
+
+    def _fused(self, params: Mapping, grads: Mapping, state: Mapping, step) -> tuple[dict, dict]:
+        """`update` through `_update_all`: parameters grouped by the dtype they update in."""
+        new_params: dict = {}
+        new_state: dict = {"step": step, **{s: dict(state.get(s, {})) for s in self.slot_names}}
+        groups: dict = {}
+        for name, p in params.items():
+            if grads[name] is None:
+                new_params[name] = p
+            else:
+                groups.setdefault(accumulation_dtype(p.dtype), []).append(name)
+        for work, names in groups.items():
+            t = cast(step, work)
+            tensors = [(params[n], grads[n], *(state[s][n] for s in self.slot_names)) for n in names]
+            for n, (new_p, *slots) in zip(names, self._update_all(tensors, t, work)):
+                new_params[n] = new_p
+                for s, v in zip(self.slot_names, slots):
+                    new_state[s][n] = v
+        return {n: new_params[n] for n in params}, new_state
 
     def _check(self, params: Mapping, grads: Mapping, state: Mapping):
         """Every error from names and shapes alone (identical on all ranks), before any op runs."""
@@ -201,6 +227,9 @@ class SGD(Optimizer):
         v = axpy(self.momentum, slots["v"], g)
         return axpy(-lr, v, p), {"v": v}
 
+    def _update_all(self, groups, t, work):
+        return sgd_update(groups, _value(self.lr, t), self.momentum, work)
+
 
 class Adam(Optimizer):
     """Adam (Kingma & Ba) with bias correction, and decoupled weight decay (AdamW, Loshchilov & Hutter).
@@ -239,6 +268,10 @@ class Adam(Optimizer):
         if self.weight_decay:
             new_p = axpy(-(lr * self.weight_decay), p, new_p)
         return new_p, {"m": m, "v": v}
+
+    def _update_all(self, groups, t, work):
+        return adam_update(groups, t, _value(self.lr, t), self.beta1, self.beta2, self.epsilon, self.weight_decay,
+                           work)
 
 
 class Adafactor(Optimizer):

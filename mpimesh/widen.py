@@ -1,4 +1,5 @@
-"""Matmuls of 16-bit floats that accumulate in float32 and return float32, on every array module.
+"""Matmuls into float32: of 16-bit floats, accumulating in float32, on every array module; and of
+float32 on CuPy, in the precision `mm.set_matmul_precision` chose.
 
 An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after the sum across ranks
 (`mpimesh.ops.einsum`). The partial products must therefore come out of the matmul in float32:
@@ -9,6 +10,11 @@ An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after t
   tensor cores read the 16-bit words directly, no upcast copies are made;
 - JAX (a replay): `matmul(..., preferred_element_type=float32)`, which XLA lowers the same way.
 
+float32 blocks on CuPy take the same cuBLAS call, with `CUBLAS_COMPUTE_32F_FAST_TF32` (TF32 tensor
+cores) where `mm.set_matmul_precision` chose "tf32": einsum sends its batched float32 matmuls here,
+since CuPy's batched matmul ignores CuPy's TF32 setting (its dot and tensordot follow it).
+`tf32_math` switches the rest of cuBLAS (CuPy's own routines) for a block of code.
+
 >>> import numpy as np, ml_dtypes
 >>> a = np.ones((2, 3), ml_dtypes.bfloat16)
 >>> y = widening_matmul(np, a, a.T)
@@ -17,17 +23,30 @@ An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after t
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import numpy as np
 
-from .backend import BFLOAT16, is_low_precision, name
+from .backend import BFLOAT16, is_low_precision, matmul_precision, name
 
 # cuBLAS and CUDA enums (cublas_api.h, library_types.h)
 _CUDA_TYPES = {np.dtype(np.float16): 2, BFLOAT16: 14, np.dtype(np.float32): 0}  # CUDA_R_16F, _16BF, _32F
-_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
+_COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
+_TF32_TENSOR_OP_MATH = 3  # cublasMath_t
 _GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT: cuBLAS picks the algorithm (tensor cores for 16-bit inputs)
 _OP_N = 0  # CUBLAS_OP_N
 _POINTER_MODE_HOST = 0
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read from host memory
+
+
+def compute_type(dtype, precision: str) -> int:
+    """cuBLAS's compute type for a GEMM of `dtype` inputs into float32 at `precision` ("highest" or
+    "tf32"): TF32 tensor cores only for float32 inputs at "tf32"; 16-bit inputs always in float32.
+
+    >>> compute_type(np.float32, "tf32"), compute_type(np.float32, "highest"), compute_type(BFLOAT16, "tf32")
+    (77, 68, 68)
+    """
+    return _COMPUTE_32F_FAST_TF32 if np.dtype(dtype) == np.float32 and precision == "tf32" else _COMPUTE_32F
 
 
 def widening_matmul(xp, a, b):
@@ -37,14 +56,15 @@ def widening_matmul(xp, a, b):
     kind = name(xp)
     if kind == "jax":
         return xp.matmul(a, b, preferred_element_type=f32)
-    if kind == "cupy" and a.dtype == b.dtype and is_low_precision(a.dtype) and a.shape[:-2] == b.shape[:-2]:
-        return cublas_matmul(xp, _cublas(), a, b)
+    if kind == "cupy" and a.dtype == b.dtype and (is_low_precision(a.dtype) or a.dtype == f32) \
+            and a.shape[:-2] == b.shape[:-2]:
+        return cublas_matmul(xp, _cublas(), a, b, compute_type(a.dtype, matmul_precision()))
     return xp.matmul(a.astype(f32, copy=False), b.astype(f32, copy=False))
 
 
-def cublas_matmul(xp, cublas, a, b):
+def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
     """`a @ b` (same leading shape) into a new float32 array by one strided-batched cuBLAS GEMM
-    (`cublas`: CuPy's bindings, or a stand-in with the same calls).
+    with compute type `compute` (`cublas`: CuPy's bindings, or a stand-in with the same calls).
 
     cuBLAS is column-major: to it, a C-contiguous row-major `[r, c]` block is the column-major
     `[c, r]` matrix (its transpose) with leading dimension c. So the row-major `[m, n]` product
@@ -71,10 +91,30 @@ def cublas_matmul(xp, cublas, a, b):
             a.data.ptr, _CUDA_TYPES[a.dtype], k, m * k,
             _ZERO.ctypes.data,
             out.data.ptr, _CUDA_TYPES[out.dtype], n, m * n,
-            batch, _COMPUTE_32F, _GEMM_DEFAULT)
+            batch, compute, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
     return out
+
+
+def tf32_math(xp, cublas=None):
+    """A context in which cuBLAS may use TF32 tensor cores for float32 (its handle's math mode
+    `CUBLAS_TF32_TENSOR_OP_MATH`, restored afterwards) where the precision is "tf32" and `xp` is
+    CuPy: for CuPy's own routines, such as the matmuls inside `cupy.einsum`. Elsewhere it does nothing."""
+    if name(xp) != "cupy" or matmul_precision() != "tf32":
+        return nullcontext()
+    return _math_mode(xp, cublas or _cublas(), _TF32_TENSOR_OP_MATH)
+
+
+@contextmanager
+def _math_mode(xp, cublas, mode: int):
+    handle = xp.cuda.device.get_cublas_handle()
+    before = cublas.getMathMode(handle)
+    cublas.setMathMode(handle, mode)
+    try:
+        yield
+    finally:
+        cublas.setMathMode(handle, before)
 
 
 def _cublas():

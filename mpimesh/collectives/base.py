@@ -51,6 +51,7 @@ class CollectivesLike(Protocol):
 
     def coord(self, mesh_dim: str): ...
     def span(self, size: int, mesh_dim: Optional[str]) -> tuple: ...
+    def real(self, size: int, mesh_dim: Optional[str]): ...
     def block(self, x, mesh_dim: str, axis: int): ...
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None, dtype=None): ...
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None): ...
@@ -225,6 +226,18 @@ class Collectives:
         if not mesh_dim or self._sizes[mesh_dim] == 1:
             return 0, size
         return block_span(size, self._sizes[mesh_dim], self.coord(mesh_dim))
+
+    def real(self, size: int, mesh_dim: Optional[str]):
+        """None where every position of this rank's held block of a dim of `size` split over
+        `mesh_dim` is real (always here: a rank holds its block as it is); a JAX replay holds uneven
+        blocks padded, and gives a 1-D boolean array, False in the padding, for kernels whose
+        padding would not stay out of a sum (`JaxCollectives.real`).
+
+        >>> import numpy as np
+        >>> Collectives(Shape("x:2"), np).real(7, "x") is None
+        True
+        """
+        return None
 
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None, dtype=None):
         """Elementwise sum/max/min of `x` over the ranks of `mesh_dims` (`out`: see the module;

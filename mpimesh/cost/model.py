@@ -25,7 +25,8 @@ trace of the program was open (`mm.trace()`, which every step with gradients has
 trace closes or autodiff releases it (`mm.gradients(..., release=True)`); the function's outputs
 to the end. An output that is a view of its input (a reshape or rename, a relayout that moves
 nothing, an einsum that only reorders dims) adds no bytes: it keeps its input's block alive.
-Kernel temporaries are not counted.
+Kernel temporaries are not counted, but for an op that declares them (`params["scratch_bytes"]`:
+a fused op, whose temporaries were ops of their own before), for the time of that op.
 
 >>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
 >>> round(allreduce * 1e6, 3)  # α + 2·3/4 · 1000 B / 1 GB/s
@@ -206,6 +207,11 @@ class _Lifetimes:
             if self.spans[j][3] > 0:
                 self.spans[j][1] = max(self.spans[j][1], i - 1)
 
+    def scratch(self, i: int, nbytes: int) -> None:
+        """`nbytes` of kernel temporaries during op `i` alone."""
+        if nbytes:
+            self.spans.append([i, i, int(nbytes), 0])
+
     def peak(self, n: int) -> int:
         delta = np.zeros(n + 2, np.int64)
         for first, last, b, _ in self.spans:
@@ -277,6 +283,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
                 nbytes += _nbytes(t)
                 if id(t) not in arg_ids:
                     self.life.use(t, i)
+            self.life.scratch(i, op.params.get("scratch_bytes", 0))
             for t in op.outputs:
                 nbytes += _nbytes(t)
                 v = _view_of(op.name, op.params, [x.local for x in op.inputs], t.local)
@@ -373,6 +380,7 @@ def from_trace(trace) -> Recording:
             ins = [local(t) for t in op.inputs]
             evaluate(dry, op.name, op.lower, ins)
             nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ins)
+            life.scratch(i, op.params.get("scratch_bytes", 0))
             for t in op.outputs:
                 held[id(t)] = t
                 out = local(t)

@@ -4,8 +4,9 @@ Queries keep the input's length dim; keys and values get it renamed to the memor
 so the attention logits `[..., length, heads, memory_length]` have both. With the heads dim
 split (model parallelism) every op runs on local heads and only the output projection's
 contraction over heads is an allreduce; with batch split nothing is communicated at all.
-The causal mask is built from `mm.range` comparisons (query position < memory position gets
--1e9), so it is split like the logits with no communication.
+The causal mask is applied inside the softmax op (`mm.softmax(..., causal=length)`: a memory
+position after the query position gets -1e9), from global positions, so with no mask tensor and
+no communication; `causal_bias` makes the same mask as a tensor.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -16,17 +17,16 @@ Shape('[batch:2, length:5, d_model:8]')
 """
 from __future__ import annotations
 
-from ..backend import as_dtype, finfo, is_float
+from ..backend import as_dtype
 from ..errors import ShapeError
 from ..ops.einsum import einsum
 from ..ops.elementwise import cast, less
-from ..ops.nn import softmax
+from ..ops.nn import MASK_VALUE, mask_value, softmax  # noqa: F401 (MASK_VALUE: this module's name for it)
 from ..ops.reshape import rename_dimension
 from ..shape import Dimension, Shape
 from ..tensor import arange
 from .core import DimLike, Params, as_dim, dense, subseed
 
-MASK_VALUE = -1e9
 
 
 def init_attention(mesh, seed: int, model_dim: DimLike, heads_dim: DimLike, kv_dim: DimLike,
@@ -56,7 +56,7 @@ def causal_bias(mesh, length: Dimension, memory_length: Dimension, dtype="float3
     """
     future = less(arange(mesh, length), arange(mesh, memory_length))
     dt = as_dtype(dtype)
-    return cast(future, dt) * (max(MASK_VALUE, float(finfo(dt).min)) if is_float(dt) else MASK_VALUE)
+    return cast(future, dt) * mask_value(dt)
 
 
 def multihead_attention(params: Params, x, length_dim: str = "length", memory=None,
@@ -92,9 +92,6 @@ def multihead_attention(params: Params, x, length_dim: str = "length", memory=No
         if length.size != mem.size:
             raise ShapeError(f"multihead_attention: causal needs equal lengths, got {length_dim}:{length.size} "
                              f"and {memory_length_dim}:{mem.size}")
-        logits = logits + causal_bias(x.mesh, length, mem, logits.dtype)
-    if bias is not None:
-        logits = logits + bias
-    weights = softmax(logits, memory_length_dim)
+    weights = softmax(logits, memory_length_dim, bias=bias, causal=length_dim if causal else None)  # one op
     o = einsum([weights, v], output_shape=q.shape)                  # [..., length, heads, d_kv]
     return dense(params["o"], o)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Mapping, Optional, Union
 
-from ..backend import accumulation_dtype, is_float
+from ..backend import is_float
 from ..errors import ShapeError
+from ..ops.activation import bias_activation
 from ..ops.einsum import einsum
-from ..ops.elementwise import cast, gelu, relu, rsqrt, square, tanh
+from ..ops.elementwise import cast, gelu, relu, tanh
 from ..ops.indexing import gather
-from ..ops.reduce import reduce_mean
+from ..ops.norm import layer_norm as normalize
 from ..shape import Dimension, Shape, ShapeLike, dim_names, union_shape
 
 Params = dict
@@ -117,9 +118,10 @@ def init_dense(mesh, seed: int, input_dims: ShapeLike, output_dims: ShapeLike, u
     return p
 
 
-def dense(params: Params, x, reduced_dims=None):
-    """`x · kernel (+ bias)`, contracting `reduced_dims` (default: the kernel's dims that x has),
-    in x's dtype (the parameters cast to it, see `like`).
+def dense(params: Params, x, reduced_dims=None, activation: Optional[str] = None):
+    """`activation(x · kernel (+ bias))`, contracting `reduced_dims` (default: the kernel's dims that
+    x has), in x's dtype (the parameters cast to it, see `like`). The bias and the activation
+    ("relu", "gelu", "tanh" or None) are one op (`mpimesh.ops.activation`).
 
     The output has x's other dims, then the kernel's dims that are not reduced and not in x.
 
@@ -141,9 +143,8 @@ def dense(params: Params, x, reduced_dims=None):
             raise ShapeError(f"dense: reduced dim {n!r} must be in both the input {x.shape} and the kernel {w.shape}")
     out = union_shape([x.shape.without(reduced), w.shape.without(reduced)], "dense")
     y = einsum([x, like(w, x)], output_shape=out)
-    if "bias" in params:
-        y = y + like(params["bias"], y)
-    return y
+    bias = like(params["bias"], y) if "bias" in params else None
+    return y if bias is None and activation is None else bias_activation(y, bias, activation)
 
 
 # -------------------------------------------------------------------------------- layer norm
@@ -156,8 +157,9 @@ def init_layer_norm(mesh, dim: DimLike, dtype="float32") -> Params:
 
 def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     """`(x - mean) / sqrt(var + epsilon) * scale + bias`, statistics over `dim` (a name or
-    Dimension, or several); when `dim` is split, the means are one allreduce each. A 16-bit
-    float x is normalised in float32 and the result rounded to x's dtype.
+    Dimension, or several); when `dim` is split, the sums are one allreduce each. A 16-bit
+    float x is normalised in float32 and the result rounded to x's dtype. One op, and one op
+    (plus the parameters' sums) for its gradient: `mpimesh.ops.norm`.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -166,19 +168,7 @@ def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     >>> np.round(mm.layers.layer_norm(p, x, "d").to_numpy(), 4).tolist()
     [[-1.0, 1.0], [0.0, 0.0]]
     """
-    names = dim_names(dim)
-    dt = x.dtype
-    if accumulation_dtype(dt) != dt:
-        x = cast(x, accumulation_dtype(dt))
-    mean = reduce_mean(x, reduced_dims=names)
-    centred = x - mean
-    var = reduce_mean(square(centred), reduced_dims=names)
-    y = centred * rsqrt(var + epsilon)
-    if "scale" in params:
-        y = y * like(params["scale"], y)
-    if "bias" in params:
-        y = y + like(params["bias"], y)
-    return y if y.dtype == dt else cast(y, dt)
+    return normalize(x, dim_names(dim), params.get("scale"), params.get("bias"), epsilon)
 
 
 # --------------------------------------------------------------------------------- embedding
@@ -228,5 +218,4 @@ def feed_forward(params: Params, x, activation: str = "relu"):
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"feed_forward: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
-    h = ACTIVATIONS[activation](dense(params["wi"], x))
-    return dense(params["wo"], h)
+    return dense(params["wo"], dense(params["wi"], x, activation=activation))

@@ -1,9 +1,9 @@
 """Softmax cross-entropy over a (possibly split) vocabulary dim, numerically stable.
 
-The log-partition is `mm.reduce_logsumexp` (a local max and sum, then an allreduce max and an
-allreduce sum over the vocab's mesh dim) and the target logit is picked by a one-hot product
-summed over vocab (one more allreduce of the output size); the vocab-sized logits are never
-gathered. Logits of a 16-bit float are cast to float32 first: the loss is float32 (and the
+Integer targets: one op (`mpimesh.ops.nn.softmax_cross_entropy`): the log-partition (a local max
+and sum, then an allreduce max and an allreduce sum over the vocab's mesh dim) less the target's
+logit (one more allreduce of the output size); its gradient is one op. Soft targets: `log_softmax`
+times the targets, summed over vocab. The vocab-sized logits are never gathered. Logits of a 16-bit float are cast to float32 first: the loss is float32 (and the
 gradient of the logits, through the cast, has their dtype).
 
 >>> import numpy as np, mpimesh as mm
@@ -20,8 +20,7 @@ import numpy as np
 from ..backend import accumulation_dtype
 from ..errors import ShapeError
 from ..ops.elementwise import cast, square
-from ..ops.indexing import one_hot
-from ..ops.nn import log_softmax
+from ..ops.nn import log_softmax, softmax_cross_entropy
 from ..ops.reduce import reduce_logsumexp, reduce_sum
 from ..shape import dim_names
 
@@ -59,9 +58,7 @@ def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float 
         if d not in logits.shape:
             raise ShapeError(f"softmax_cross_entropy_with_logits: target dim {d.name}:{d.size} is not in "
                              f"logits {logits.shape}")
-    lse = reduce_logsumexp(logits, reduced_dims=v)
-    gold = reduce_sum(logits * one_hot(targets, vocab, dtype=logits.dtype), reduced_dims=v)
-    loss = lse - gold
+    loss = softmax_cross_entropy(logits, targets, v)  # one op, its gradient one op
     if z_loss:
-        loss = loss + z_loss * square(lse)
+        loss = loss + z_loss * square(reduce_logsumexp(logits, reduced_dims=v))
     return loss

@@ -23,6 +23,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import Optional, Sequence
 
+import numpy as np
 import opt_einsum
 
 from ..backend import accumulation_dtype, is_low_precision, name, result_type
@@ -31,7 +32,7 @@ from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..trace import dispatch
-from ..widen import widening_matmul
+from ..widen import tf32_math, widening_matmul
 from .elementwise import contiguous
 from .relayout import to_layout
 
@@ -279,7 +280,8 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
             else:
                 y = contiguous(xp, xp.transpose(matmul(xp, a, b).reshape(sc), pc))
         else:
-            y = expr(*arrays, backend=xp.__name__.split(".")[0])
+            with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
+                y = expr(*arrays, backend=xp.__name__.split(".")[0])
         if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
             return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
         return y.astype(out_dtype) if rounded else y
@@ -289,6 +291,10 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
 
 
 def _matmul(xp, a, b):
+    """`a @ b`. A batched float32 one on CuPy goes through `mpimesh.widen`'s cuBLAS call, in the matmul
+    precision: CuPy's batched matmul ignores TF32 (its dot, tensordot and 2-D matmul follow it)."""
+    if a.ndim > 2 and name(xp) == "cupy" and a.dtype == b.dtype == np.float32:
+        return widening_matmul(xp, a, b)
     return xp.matmul(a, b)
 
 

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..backend import as_dtype, is_float
+from ..backend import as_dtype, is_float, name
 from ..buckets import partial_for
 from ..errors import MpimeshError, ShapeError
 from ..layout import TensorLayout, block_sizes, splitting
@@ -236,6 +236,13 @@ def _take(a, axis: int, k: int):
     return a[(slice(None),) * axis + (slice(0, k),)]
 
 
+def _argsort(xp, key, axis: int):
+    """A stable argsort on every array module: numpy's is stable only when asked (`kind="stable"`);
+    CuPy's always is (thrust's stable sort) and takes no `stable=` (older versions no `kind=` either);
+    jax.numpy's is stable by default."""
+    return xp.argsort(key, axis=axis, kind="stable") if name(xp) == "numpy" else xp.argsort(key, axis=axis)
+
+
 def _top(xp, a, axis: int, k: int):
     """The k largest along `axis`, descending, ties to the lower position: (values, positions).
 
@@ -246,7 +253,7 @@ def _top(xp, a, axis: int, k: int):
     n = a.shape[axis]
     eager = getattr(xp, "__name__", "") in ("numpy", "cupy")  # not jax: a traced shape must not vary
     if not eager or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
-        order = _take(xp.argsort(-key, axis=axis, stable=True), axis, k)
+        order = _take(_argsort(xp, -key, axis), axis, k)
         return xp.take_along_axis(a, order, axis=axis), order
     key = xp.moveaxis(key, axis, -1)
     t = xp.partition(key, n - k, axis=-1)[..., n - k:n - k + 1]
@@ -254,7 +261,7 @@ def _top(xp, a, axis: int, k: int):
     need = k - above.sum(-1, keepdims=True)
     chosen = above | (tied & (xp.cumsum(tied, -1) <= need))  # exactly k per row, in position order
     pos = xp.nonzero(chosen)[-1].reshape(key.shape[:-1] + (k,))
-    order = xp.argsort(-xp.take_along_axis(key, pos, -1), axis=-1, stable=True)
+    order = _argsort(xp, -xp.take_along_axis(key, pos, -1), -1)
     pos = xp.moveaxis(xp.take_along_axis(pos, order, -1), -1, axis)
     return xp.take_along_axis(a, pos, axis=axis), pos
 

@@ -1,10 +1,19 @@
-"""softmax and log_softmax over named dims, numerically stable when the reduced dim is split.
+"""softmax and log_softmax over named dims, with masking inside, and softmax cross-entropy:
+each one op, numerically stable when the reduced dim is split, and each gradient one op.
 
-Each is one op: the local max, an allreduce max over the mesh dims of the split reduced dims,
-the local sum of exp(x - max), an allreduce sum, then the result; two allreduces of the
-output size without the reduced dims, nothing else. Gradients are the compact rules
-softmax: y * (dy - sum(dy * y)); log_softmax: dy - exp(y) * sum(dy). Entries of -inf get 0
-(softmax) and -inf (log_softmax); a row that is all -inf gives nan, as in numpy and JAX.
+softmax and log_softmax: the local max, an allreduce max over the mesh dims of the split reduced
+dims, the local sum of exp(x - max), an allreduce sum, then the result; two allreduces of the
+output size without the reduced dims, nothing else. `bias=` adds a tensor first (its dims a subset
+of x's); `causal=q` adds `MASK_VALUE` where the position along the (one) reduced dim is after the
+position along x's dim q (attention's causal mask, made from the global positions inside the
+kernel: no mask tensor). The gradients are one op each, the compact rules softmax:
+y * (dy - sum(dy * y)); log_softmax: dy - exp(y) * sum(dy) (a bias gets dx summed to its dims).
+Entries of -inf get 0 (softmax) and -inf (log_softmax); a row that is all -inf gives nan, as in
+numpy and JAX.
+
+`softmax_cross_entropy(logits, targets, vocab)`: `logsumexp(logits) - logits[target]` for integer
+targets, in one op (the max, the sum and the target's logit each one allreduce where vocab is
+split), its gradient `dy * (softmax(logits) - one_hot(target))` in one op.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -18,12 +27,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import accumulation_dtype, is_float
+from ..backend import accumulation_dtype, align, finfo, is_float
+from ..buckets import partial_for
 from ..errors import ShapeError
 from ..layout import splitting
 from ..shape import dim_names
 from ..trace import dispatch
 from .relayout import to_layout
+
+MASK_VALUE = -1e9
+"""What a masked entry gets added before a softmax (a dtype that cannot hold it, float16, gets its
+lowest finite value): exp of it is exactly 0 next to any unmasked entry."""
 
 
 def _reduced_names(x, reduced_dim, what: str) -> tuple:
@@ -58,32 +72,62 @@ def local_extreme(xp, a, axes: tuple, op: str = "max", keepdims: bool = False):
                    fill, dtype=a.dtype)
 
 
-def _softmax_grad(op, dy):
-    from .reduce import reduce_sum
-    y = op.outputs[0]
-    return [y * (dy - reduce_sum(dy * y, reduced_dims=op.params["reduced_dims"]))]
+def mask_value(dtype) -> float:
+    """`MASK_VALUE`, or the lowest finite value of a `dtype` that cannot hold it (float16).
+
+    >>> mask_value("float32"), mask_value("float16")
+    (-1000000000.0, -65504.0)
+    """
+    return max(MASK_VALUE, float(finfo(dtype).min)) if is_float(dtype) else MASK_VALUE
 
 
-def _log_softmax_grad(op, dy):
-    from .elementwise import exp
-    from .reduce import reduce_sum
-    y = op.outputs[0]
-    return [dy - exp(y) * reduce_sum(dy, reduced_dims=op.params["reduced_dims"])]
+def _mesh_dims(layout, axes, mesh_shape) -> tuple:
+    """The mesh dims that split the axes `axes` of a tensor laid out by `layout`, in mesh order."""
+    split = {splitting(layout[i], mesh_shape) for i in axes} - {None}
+    return tuple(m for m in mesh_shape.names if m in split)
 
 
-def _normalize(name: str, log: bool, grad, doc: str):
-    def op(x, reduced_dim):
+def _positions(ctx, x_shape, layout, axis: int, ndim: int):
+    """The global positions along `axis` of this rank's block, shaped to broadcast over `ndim` axes."""
+    xp = ctx.xp
+    start, n = ctx.span(x_shape[axis].size, layout[axis])
+    return (xp.arange(n) + start).reshape((-1,) + (1,) * (ndim - axis - 1))
+
+
+def _future(ctx, x_shape, layout, q_axis: int, k_axis: int):
+    """True where the position along `k_axis` is after the one along `q_axis` (this rank's block)."""
+    n = x_shape.rank
+    return _positions(ctx, x_shape, layout, k_axis, n) > _positions(ctx, x_shape, layout, q_axis, n)
+
+
+def _normalize(name: str, log: bool, doc: str):
+    def op(x, reduced_dim, bias=None, causal=None):
         names = _reduced_names(x, reduced_dim, name)
         mesh = x.mesh
         layout = mesh.plan(x.shape)
         x = to_layout(x, layout)
         axes = tuple(x.shape.index(n) for n in names)
-        split = {splitting(layout[i], mesh.shape) for i in axes} - {None}
-        mdims = tuple(m for m in mesh.shape.names if m in split)
+        mdims = _mesh_dims(layout, axes, mesh.shape)
+        q_axis = _causal_axis(x, names, causal, name)
+        inputs = [x]
+        if bias is not None:
+            for d in bias.shape:
+                if d not in x.shape:
+                    raise ShapeError(f"{name}: bias dim {d.name}:{d.size} is not in the input shape {x.shape}")
+            inputs.append(to_layout(bias, tuple(layout[x.shape.index(n)] for n in bias.shape.names)))
+        xd, bd = x.shape.names, None if bias is None else bias.shape.names
+        shape = x.shape
+        dt, acc = x.dtype, accumulation_dtype(x.dtype)
+        low = acc != dt
+        masked = mask_value(dt)
 
-        def lower(ctx, a):
+        def lower(ctx, a, *b):
             xp = ctx.xp
+            if b:  # x + bias, in x's dtype as the add op computes it
+                a = a + align(xp, b[0], bd, xd)
             a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
+            if q_axis is not None:
+                a = xp.where(_future(ctx, shape, layout, q_axis, axes[0]), a + masked, a)
             m = local_extreme(xp, a, axes, keepdims=True)
             if mdims:
                 m = ctx.allreduce(m, mdims, "max")
@@ -95,17 +139,143 @@ def _normalize(name: str, log: bool, grad, doc: str):
                 s = ctx.allreduce(s, mdims, "sum")
             y = z - xp.log(s) if log else e / s
             return y.astype(dt) if low else y
-        dt, acc = x.dtype, accumulation_dtype(x.dtype)
-        low = acc != dt
-        (y,) = dispatch(name, [x], [(x.shape, layout)], lower, {"reduced_dims": names, "mesh_dims": mdims},
-                        grad if is_float(x.dtype) else None)
+
+        def rule(op, dy):
+            dx = _normalize_grad(op.outputs[0], dy, axes, mdims, log, name)
+            if len(op.inputs) == 1:
+                return [dx]
+            from .elementwise import sum_to
+            with partial_for(op.inputs[1]):
+                db = sum_to(dx, op.inputs[1].shape) if (op.needs or (True, True))[1] else None
+            return [dx, db]
+        (y,) = dispatch(name, inputs, [(x.shape, layout)], lower,
+                        {"reduced_dims": names, "mesh_dims": mdims, "causal": causal},
+                        rule if is_float(x.dtype) else None)
         return y
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
     return op
 
 
-softmax = _normalize("softmax", False, _softmax_grad,
-                     "exp(x) / sum(exp(x)) over `reduced_dim` (a dim or list of dims), computed stably.")
-log_softmax = _normalize("log_softmax", True, _log_softmax_grad,
-                         "x - logsumexp(x) over `reduced_dim` (a dim or list of dims), computed stably.")
+def _causal_axis(x, names: tuple, causal, what: str):
+    """The axis of x's query dim `causal` (None: no causal mask)."""
+    if causal is None:
+        return None
+    if len(names) != 1:
+        raise ShapeError(f"{what}: causal={causal!r} masks along one reduced dim, got {list(names)}")
+    (q,) = dim_names(causal, x.shape, what)
+    if q not in x.shape or q == names[0]:
+        raise ShapeError(f"{what}: causal={causal!r} must name another dim of {x.shape} than the reduced "
+                         f"{names[0]!r} (the query positions)")
+    if x.shape[q].size != x.shape[names[0]].size:
+        raise ShapeError(f"{what}: causal needs equal lengths, got {q}:{x.shape[q].size} and "
+                         f"{names[0]}:{x.shape[names[0]].size}")
+    return x.shape.index(q)
+
+
+def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
+    """The input gradient of softmax (log_softmax) output `y` for `dy`, as one op."""
+    dy = to_layout(dy, y.tensor_layout)
+    dt, acc = y.dtype, accumulation_dtype(y.dtype)
+
+    def lower(ctx, out, g):
+        xp = ctx.xp
+        if log:  # dy - exp(y) * sum(dy)
+            s = xp.sum(g, axis=axes, keepdims=True)
+            if mdims:
+                s = ctx.allreduce(s, mdims, "sum")
+            return g - xp.exp(out) * s
+        s = xp.sum(g * out, axis=axes, keepdims=True)  # y * (dy - sum(dy * y))
+        if mdims:
+            s = ctx.allreduce(s, mdims, "sum")
+        return out * (g - s)
+    (dx,) = dispatch(f"{name}_grad", [y, dy], [(y.shape, y.tensor_layout)], lower, {"mesh_dims": mdims})
+    return dx
+
+
+softmax = _normalize("softmax", False,
+                     "exp(x) / sum(exp(x)) over `reduced_dim` (a dim or list of dims), computed stably; "
+                     "`bias`: a tensor added first; `causal`: x's query dim, masking later positions.")
+log_softmax = _normalize("log_softmax", True,
+                         "x - logsumexp(x) over `reduced_dim` (a dim or list of dims), computed stably; "
+                         "`bias` and `causal` as in `softmax`.")
+
+
+def softmax_cross_entropy(logits, targets, vocab_dim):
+    """Per-position `logsumexp(logits) - logits[target]` over `vocab_dim` for integer `targets`
+    (logits' dims without vocab; an id outside the vocabulary picks nothing), as one op, in
+    float32 for 16-bit logits; the gradient w.r.t. logits is one op.
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> logits = mesh.from_numpy(np.array([[0.0, 0.0], [1e4, 0.0]]), "b:2;vocab:2")
+    >>> loss = softmax_cross_entropy(logits, mesh.from_numpy(np.array([1, 0]), "b:2"), "vocab")
+    >>> np.round(loss.to_numpy(), 4).tolist()
+    [0.6931, 0.0]
+    """
+    (v,) = dim_names(vocab_dim, logits.shape, "softmax_cross_entropy")
+    if v not in logits.shape:
+        raise ShapeError(f"softmax_cross_entropy: vocab dim {v!r} is not in logits {logits.shape}")
+    mesh = logits.mesh
+    layout = mesh.plan(logits.shape)
+    logits = to_layout(logits, layout)
+    out_shape = logits.shape.without([v])
+    axis = logits.shape.index(v)
+    out_layout = tuple(m for i, m in enumerate(layout) if i != axis)
+    targets = to_layout(targets, tuple(layout[logits.shape.index(n)] for n in targets.shape.names))
+    mdims = _mesh_dims(layout, (axis,), mesh.shape)
+    ld, td, shape = logits.shape.names, targets.shape.names, logits.shape
+    acc = accumulation_dtype(logits.dtype)
+    od = out_shape.names
+
+    def hit(ctx, t):
+        """True where this rank's vocab position is the target (the target aligned to logits' axes),
+        never in a JAX replay's padding (whose positions run on into the next block)."""
+        xp = ctx.xp
+        pos = _positions(ctx, shape, layout, axis, shape.rank)
+        found = pos == xp.expand_dims(align(xp, t, td, od), axis)
+        real = ctx.real(shape[axis].size, layout[axis])
+        return found if real is None else found & real.reshape((-1,) + (1,) * (shape.rank - axis - 1))
+
+    def lower(ctx, a, t):
+        xp = ctx.xp
+        a = a.astype(acc) if a.dtype != acc else a
+        m = local_extreme(xp, a, (axis,), keepdims=True)
+        if mdims:
+            m = ctx.allreduce(m, mdims, "max")
+        m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
+        s = xp.sum(xp.exp(a - m), axis=axis)
+        gold = xp.sum(xp.where(hit(ctx, t), a, xp.zeros((), a.dtype)), axis=axis)
+        if mdims:
+            s, gold = ctx.allreduce(s, mdims, "sum"), ctx.allreduce(gold, mdims, "sum")
+        return xp.log(s) + xp.squeeze(m, axis=axis) - gold
+
+    def rule(op, dy):
+        return [_cross_entropy_grad(op.inputs[0], op.inputs[1], dy, axis, mdims, hit, out_shape), None]
+    (loss,) = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)], lower,
+                       {"vocab": v, "mesh_dims": mdims}, rule if is_float(logits.dtype) else None)
+    return loss
+
+
+def _cross_entropy_grad(logits, targets, dy, axis, mdims, hit, out_shape):
+    """`dy * (softmax(logits) - one_hot(target))` in logits' dtype, as one op."""
+    dy = to_layout(dy, tuple(m for i, m in enumerate(logits.tensor_layout) if i != axis))
+    dt, acc = logits.dtype, accumulation_dtype(logits.dtype)
+
+    def lower(ctx, a, t, g):
+        xp = ctx.xp
+        a = a.astype(acc) if a.dtype != acc else a
+        m = local_extreme(xp, a, (axis,), keepdims=True)
+        if mdims:
+            m = ctx.allreduce(m, mdims, "max")
+        m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
+        e = xp.exp(a - m)
+        s = xp.sum(e, axis=axis, keepdims=True)
+        if mdims:
+            s = ctx.allreduce(s, mdims, "sum")
+        p = e / s - xp.where(hit(ctx, t), xp.ones((), acc), xp.zeros((), acc))
+        dx = p * xp.expand_dims(g.astype(acc) if g.dtype != acc else g, axis)
+        return dx.astype(dt) if dx.dtype != dt else dx
+    (dx,) = dispatch("softmax_cross_entropy_grad", [logits, targets, dy], [(logits.shape, logits.tensor_layout)],
+                     lower, {"mesh_dims": mdims})
+    return dx

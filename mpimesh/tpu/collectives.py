@@ -92,6 +92,21 @@ class JaxCollectives(Collectives):
         return self.xp.take(pad_blocks(self.xp, x, axis, sizes), self.coord(mesh_dim) * max(sizes)
                             + self.xp.arange(max(sizes)), axis=axis)
 
+    def real(self, size: int, mesh_dim):
+        """None where the blocks of a dim of `size` split over `mesh_dim` are equal (no padding),
+        else this device's held block's positions that are real: a traced boolean array.
+
+        >>> import jax, jax.numpy as jnp
+        >>> ctx = JaxCollectives(Shape("x:3"), vmapped=True)
+        >>> jax.vmap(lambda _: ctx.real(7, "x"), axis_name="x")(jnp.zeros(3)).tolist()
+        [[True, True, True], [True, True, False], [True, True, False]]
+        """
+        if not mesh_dim or self._sizes[mesh_dim] == 1 or size % self._sizes[mesh_dim] == 0:
+            return None
+        k = self._sizes[mesh_dim]
+        start, stop = block(size, k, self.coord(mesh_dim))
+        return self.xp.arange(-(-size // k)) < stop - start
+
     def fill_padding(self, x, axis: int, mesh_dim: str, sizes: tuple, fill):
         """`x` (this device's block along `axis`, padded to the largest of `sizes`) with `fill` in
         the padding (a select: nan or inf there never spreads)."""

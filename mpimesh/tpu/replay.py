@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..backend import is_float, to_host
+from ..backend import is_float, matmul_precision, to_host
 from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
 from ..extras import require
 from ..layout import LayoutRules, block_sizes, local_sizes, plan_layout, splitting
@@ -75,11 +75,17 @@ def _describe(t) -> str:
 # dropout index by global position: a padded block's positions run on into the next block's, and
 # what they give there is dropped with the padding (gather's table has zero rows there); so do the
 # creation ops (full, random_uniform, random_normal), which make the padded length.
+# The fused ops: softmax's and log_softmax's gradients, the multi-tensor updates and layer norm
+# (which keeps the padding out of its variance, `Collectives.real`) run on zero padding;
+# softmax_cross_entropy and its gradient see the lowest value there (and never pick a padded target).
 _FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
-          "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest"}
+          "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest",
+          "softmax_cross_entropy": "lowest", "softmax_cross_entropy_grad": "lowest"}
 _PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat", "split",
               "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
-              "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal", *_FILLS}
+              "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal",
+              "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad", "adam_update", "sgd_update",
+              *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad")), *_FILLS}
 
 
 def _runs_padded(rec) -> bool:
@@ -314,6 +320,17 @@ def _x64():
     return enable_x64()
 
 
+_JAX_PRECISIONS = {"highest": "float32", "tf32": "tensorfloat32"}  # mm.set_matmul_precision's, as JAX names them
+
+
+def _matmul_precision():
+    """A context in which JAX traces float32 dots at `mm.matmul_precision()`: precision HIGHEST
+    ("float32") or HIGH ("tensorfloat32", TF32 on a GPU). It is part of jit's cache key: a changed
+    setting traces again (a `compile()`d replay keeps the one it was compiled with)."""
+    import jax
+    return jax.default_matmul_precision(_JAX_PRECISIONS[matmul_precision()])
+
+
 def _shard_map(fn, mesh, in_specs, out_specs):
     import jax
     if hasattr(jax, "shard_map"):
@@ -400,7 +417,7 @@ class Replay:
     def __call__(self, *arrays) -> tuple:
         """The global output arrays (JAX arrays, sharded as the outputs' layouts) for global inputs."""
         args = self._args(arrays)
-        with _x64():
+        with _x64(), _matmul_precision():
             return (self._compiled or self.jitted)(*args)
 
     def compile(self) -> "Replay":
@@ -408,7 +425,7 @@ class Replay:
         import jax
         avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
                  for (shape, dtype), sh in zip(self._shapes, self.in_shardings)]
-        with _x64():
+        with _x64(), _matmul_precision():
             self._compiled = self.jitted.lower(*avals).compile()
         return self
 
@@ -423,7 +440,7 @@ class Replay:
     def lower(self, *arrays):
         """`jax.jit(...).lower(...)` for these inputs: `.compile().as_text()` is the optimised HLO."""
         args = self._args(arrays)
-        with _x64():
+        with _x64(), _matmul_precision():
             return self.jitted.lower(*args)
 
 

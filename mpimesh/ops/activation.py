@@ -1,0 +1,89 @@
+"""Bias plus activation as one op, its gradient as one op: `bias_activation(x, bias, "relu")` is
+`relu(x + bias)` (also "gelu", tanh approximation, "tanh", and None: the sum alone), with the arithmetic of
+the unfused ops (`add`, `mm.relu`, `mm.gelu`). The gradient recomputes `x + bias` (nothing else is
+kept) and gives dx in one op; the bias's gradient is dx summed to its dims, an einsum that a
+data-parallel sum can take into a gradient bucket (`mpimesh.buckets`).
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> x, b = mesh.from_numpy(np.array([[-1.0, 2.0]]), "n:1;h:2"), mesh.from_numpy(np.array([0.5, -3.0]), "h:2")
+>>> bias_activation(x, b, "relu").to_numpy().tolist()
+[[0.0, 0.0]]
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from ..backend import align
+from ..buckets import partial_for
+from ..errors import ShapeError
+from ..trace import dispatch
+from .elementwise import _gelu, _keeping, sum_to
+from .relayout import to_layout
+
+_C = math.sqrt(2.0 / math.pi)
+
+
+def _relu(xp, a):
+    return xp.maximum(a, 0)
+
+
+def _relu_grad(xp, a, g):
+    return g * (a > 0)
+
+
+def _gelu_grad(xp, a, g):
+    t = xp.tanh(_C * (a + 0.044715 * a * a * a))
+    return g * (0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * a * a))
+
+
+def _tanh_grad(xp, a, g):
+    y = xp.tanh(a)
+    return g * (1.0 - y * y)
+
+
+ACTIVATIONS = {"relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad), "tanh": (lambda xp, a: xp.tanh(a), _tanh_grad),
+               None: (lambda xp, a: a, lambda xp, a, g: g)}
+"""name -> (forward kernel, gradient kernel `(xp, pre-activation, dy) -> dx`)."""
+
+
+def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
+    """`activation(x + bias)` in one op, named `bias_<activation>` (`bias_add` without one; `bias`
+    None: `activation(x)`; its dims a subset of x's)."""
+    if activation not in ACTIVATIONS:
+        raise ShapeError(f"bias_activation: unknown activation {activation!r}; choose relu, gelu, tanh or None")
+    layout = x.mesh.plan(x.shape)
+    x = to_layout(x, layout)
+    inputs = [x]
+    if bias is not None:
+        for d in bias.shape:
+            if d not in x.shape:
+                raise ShapeError(f"bias_activation: bias dim {d.name}:{d.size} is not in the input shape {x.shape}")
+        inputs.append(to_layout(bias, tuple(layout[x.shape.index(n)] for n in bias.shape.names)))
+    xd, bd = x.shape.names, None if bias is None else bias.shape.names
+    forward, backward = ACTIVATIONS[activation]
+    name = f"bias_{activation or 'add'}"
+    act = _keeping(forward, x.dtype)  # a 16-bit float stays one, as the unfused op keeps it
+
+    def pre(xp, a, b):
+        return a + align(xp, b[0], bd, xd) if b else a
+
+    def lower(ctx, a, *b):
+        return act(ctx.xp, pre(ctx.xp, a, b))
+
+    def rule(op, dy):
+        need = op.needs or (True,) * len(op.inputs)
+        dy = to_layout(dy, layout)
+
+        def grad(ctx, a, g, *b):
+            d = backward(ctx.xp, pre(ctx.xp, a, b), g)
+            return d.astype(g.dtype) if d.dtype != g.dtype else d
+        (dx,) = dispatch(f"{name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(x.shape, layout)], grad)
+        if len(op.inputs) == 1:
+            return [dx]
+        with partial_for(op.inputs[1]):
+            db = sum_to(dx, op.inputs[1].shape) if need[1] else None
+        return [dx if need[0] else None, db]
+    (y,) = dispatch(name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
+    return y

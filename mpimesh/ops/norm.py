@@ -1,0 +1,149 @@
+"""Layer normalisation as one op, its input gradient as one op.
+
+`layer_norm(x, dims, scale, bias, epsilon)`: `(x - mean) / sqrt(var + epsilon) * scale + bias`,
+the statistics over `dims` (split or not: each is a local sum and, where a dim is split, one
+allreduce over its mesh dims), a 16-bit float x normalised in float32 and rounded once. The same
+arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add).
+
+The gradient: one op `layer_norm_grad` gives dx (from x, dy and scale, the statistics computed
+again: nothing is kept from the forward pass) and the normalised x; the gradients of scale and
+bias are then an einsum and a reduction over the other dims, so that a data-parallel sum of them
+waits in a gradient bucket as any parameter's does (`mpimesh.buckets`).
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> x = mesh.from_numpy(np.array([[1.0, 3.0], [2.0, 2.0]]), "b:2;d:2")
+>>> np.round(layer_norm(x, ("d",)).to_numpy(), 4).tolist()
+[[-1.0, 1.0], [0.0, 0.0]]
+"""
+from __future__ import annotations
+
+import math
+
+from ..backend import accumulation_dtype, align
+from ..buckets import partial_for
+from ..errors import ShapeError
+from ..layout import splitting
+from ..trace import dispatch
+from .einsum import einsum
+from .elementwise import cast
+from .relayout import to_layout
+
+
+def _plan(x, dims: tuple, what: str):
+    """`(layout, axes, mesh dims, count, splits)`: x's layout by the rules in force, the axes of
+    `dims`, the mesh dims that split them, the elements per statistic, and `(axis, size, mesh dim)`
+    of each split one."""
+    for n in dims:
+        if n not in x.shape:
+            raise ShapeError(f"{what}: normalised dim {n!r} is not in the input shape {x.shape}")
+    layout = x.mesh.plan(x.shape)
+    axes = tuple(x.shape.index(n) for n in dims)
+    splits = tuple((i, x.shape[i].size, layout[i]) for i in axes if splitting(layout[i], x.mesh.shape))
+    mdims = tuple(m for m in x.mesh.shape.names if m in {s[2] for s in splits})
+    count = math.prod(x.shape[n].size for n in dims)
+    return layout, axes, mdims, count, splits
+
+
+def _stats(ctx, a, plan, epsilon):
+    """`(centred, 1 / sqrt(var + epsilon))` of local block `a` (as the unfused ops compute them;
+    a JAX replay's padding of an uneven block is kept out of the variance)."""
+    xp = ctx.xp
+    _, axes, mdims, count, splits = plan
+    s = xp.sum(a, axis=axes, keepdims=True)
+    if mdims:
+        s = ctx.allreduce(s, mdims)
+    c = a - s * (1.0 / count)
+    for axis, size, m in splits:
+        real = ctx.real(size, m)
+        if real is not None:
+            c = xp.where(real.reshape((-1,) + (1,) * (a.ndim - axis - 1)), c, xp.zeros((), c.dtype))
+    q = xp.sum(c * c, axis=axes, keepdims=True)
+    if mdims:
+        q = ctx.allreduce(q, mdims)
+    return c, 1 / xp.sqrt(q * (1.0 / count) + epsilon)
+
+
+def _param(t, x, layout):
+    """Parameter `t` (dims a subset of x's) in the layout x's layout gives those dims."""
+    if t is None:
+        return None
+    for d in t.shape:
+        if d not in x.shape:
+            raise ShapeError(f"layer_norm: parameter dim {d.name}:{d.size} is not in the input shape {x.shape}")
+    return to_layout(t, tuple(layout[x.shape.index(n)] for n in t.shape.names))
+
+
+def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
+    """Normalise `x` over `dims`, then `* scale + bias` (each None, or a tensor whose dims are a
+    subset of x's); see the module docstring."""
+    dims = tuple(dims)
+    plan = _plan(x, dims, "layer_norm")
+    layout = plan[0]
+    x = to_layout(x, layout)
+    dt, acc = x.dtype, accumulation_dtype(x.dtype)
+    scale, bias = _param(scale, x, layout), _param(bias, x, layout)
+    params = [t for t in (scale, bias) if t is not None]
+    names = [t.shape.names for t in params]
+    has = (scale is not None, bias is not None)
+    xd = x.shape.names
+
+    def lower(ctx, a, *sb):
+        xp = ctx.xp
+        a = a.astype(acc) if acc != dt else a
+        c, r = _stats(ctx, a, plan, epsilon)
+        y = c * r
+        if has[0]:  # the parameters in y's dtype, as `mm.layers.like` casts them
+            y = y * align(xp, _as(sb[0], y.dtype), names[0], xd)
+        if has[1]:
+            y = y + align(xp, _as(sb[-1], y.dtype), names[-1], xd)
+        return _as(y, dt)
+
+    def rule(op, dy):
+        return _layer_norm_grad(op, dy, dims, epsilon, has)
+    (y,) = dispatch("layer_norm", [x, *params], [(x.shape, layout)], lower,
+                    {"dims": dims, "epsilon": epsilon}, rule)
+    return y
+
+
+def _layer_norm_grad(op, dy, dims, epsilon, has):
+    x = op.inputs[0]
+    scale = op.inputs[1] if has[0] else None
+    bias = op.inputs[-1] if has[1] else None
+    need = op.needs or (True,) * len(op.inputs)
+    plan = _plan(x, dims, "layer_norm_grad")
+    layout, axes, mdims, count, _ = plan
+    dt, acc = x.dtype, accumulation_dtype(x.dtype)
+    dy = to_layout(dy, layout)
+    xd, sd = x.shape.names, None if scale is None else scale.shape.names
+
+    def lower(ctx, a, g, *s):
+        xp = ctx.xp
+        a, g = _as(a, acc), _as(g, acc)
+        c, r = _stats(ctx, a, plan, epsilon)
+        yhat = c * r
+        if s:
+            g = g * align(xp, _as(s[0], acc), sd, xd)
+        m1 = xp.sum(g, axis=axes, keepdims=True)
+        m2 = xp.sum(g * yhat, axis=axes, keepdims=True)
+        if mdims:
+            m1, m2 = ctx.allreduce(m1, mdims), ctx.allreduce(m2, mdims)
+        dx = r * (g - m1 * (1.0 / count) - yhat * (m2 * (1.0 / count)))
+        return _as(dx, dt), yhat
+    (dx, yhat) = dispatch("layer_norm_grad", [x, dy, *([scale] if scale is not None else [])],
+                          [(x.shape, layout), (x.shape, layout)], lower, {"dims": dims, "epsilon": epsilon})
+    grads = [dx if need[0] else None]
+    dy_acc = cast(dy, acc) if dy.dtype != acc else dy
+    if scale is not None:
+        with partial_for(scale):
+            ds = einsum([dy_acc, yhat], output_shape=scale.shape) if need[1] else None
+        grads.append(None if ds is None else cast(ds, scale.dtype))
+    if bias is not None:
+        with partial_for(bias):
+            db = einsum([dy_acc], output_shape=bias.shape) if need[-1] else None
+        grads.append(None if db is None else cast(db, bias.dtype))
+    return grads
+
+
+def _as(a, dtype):
+    return a if a.dtype == dtype else a.astype(dtype)

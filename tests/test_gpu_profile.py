@@ -1,0 +1,34 @@
+"""benchmarks/gpu.py --profile in its CPU configuration: after the step table, one row per precision
+with the wall time per step, the ops per step (its mm.trace) and the host's microseconds per op; the
+kernel columns read n/a (no GPU activity on the CPU). Skipped without PyTorch; the 1-rank session runs it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from mpimesh.launch import job_env
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="one process; the 1-rank session runs it")
+
+GPU_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+HEADER = ["precision", "wall", "ms", "kernel", "ms", "kernel", "%", "ops/step", "kernels/step", "host", "us/op"]
+
+
+def test_cpu_profile_table():
+    proc = subprocess.run([sys.executable, str(GPU_PY), "--device", "cpu", "--size", "tiny",
+                           "--precisions", "fp32,bf16", "--steps", "1", "--warmup", "0", "--profile"],
+                          env=job_env(MPIMESH_BENCH_LOCK=""), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("profile of one mpimesh step"))
+    assert "n/a, cpu run: CPU activity only" in lines[title] and lines[title + 1].split() == HEADER, proc.stdout[-2000:]
+    rows = {r.split()[0]: r.split() for r in lines[title + 2:title + 4]}
+    assert sorted(rows) == ["bf16", "fp32"], proc.stdout[-2000:]
+    for _, wall, kernel_ms, kernel_pct, ops, kernels, host_us in rows.values():
+        assert float(wall) > 0 and int(ops) > 20 and float(host_us) > 0
+        assert kernel_ms == kernel_pct == kernels == "n/a"
