@@ -34,7 +34,7 @@ _CUDA_TYPES = {np.dtype(np.float16): 2, BFLOAT16: 14, np.dtype(np.float32): 0}  
 _COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
 _TF32_TENSOR_OP_MATH = 3  # cublasMath_t
 _GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT: cuBLAS picks the algorithm (tensor cores for 16-bit inputs)
-_OP_N = 0  # CUBLAS_OP_N
+_OP_N, _OP_T = 0, 1  # CUBLAS_OP_N, CUBLAS_OP_T
 _POINTER_MODE_HOST = 0
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read from host memory
 
@@ -62,16 +62,39 @@ def widening_matmul(xp, a, b):
     return xp.matmul(a.astype(f32, copy=False), b.astype(f32, copy=False))
 
 
+def _gemm_operand(x):
+    """How cuBLAS (column-major) reads the row-major `[..., r, c]` matrices of `x` in place:
+    `(transposed, ld, batch stride)` in elements, or None where it cannot (then `x` is copied).
+    Row-major matrices with rows `ld` apart are, to cuBLAS, the column-major `[c, r]` transposes
+    (`transposed` False: operation N on them gives xᵀ); the transpose of such a view (rows one
+    element apart) is, to cuBLAS, x itself (`transposed` True: operation T gives xᵀ)."""
+    s = x.itemsize
+    *lead, r, c = x.shape
+    batch = 0 if len(lead) == 0 else x.strides[-3] // s
+    if len(lead) > 1 and any(x.strides[i] != x.strides[i + 1] * x.shape[i + 1] for i in range(len(lead) - 1)):
+        return None  # batch dims that do not merge into one stride
+    if x.strides[-1] == s or c == 1:
+        ld = max(x.strides[-2] // s if r > 1 else c, c, 1)
+        if r == 1 or x.strides[-2] >= c * s:
+            return False, ld, batch
+    if x.strides[-2] == s or r == 1:
+        ld = max(x.strides[-1] // s if c > 1 else r, r, 1)
+        if c == 1 or x.strides[-1] >= r * s:
+            return True, ld, batch
+    return None
+
+
 def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
     """`a @ b` (same leading shape) into a new float32 array by one strided-batched cuBLAS GEMM
     with compute type `compute` (`cublas`: CuPy's bindings, or a stand-in with the same calls).
 
-    cuBLAS is column-major: to it, a C-contiguous row-major `[r, c]` block is the column-major
-    `[c, r]` matrix (its transpose) with leading dimension c. So the row-major `[m, n]` product
-    C = A·B is computed as the column-major Cᵀ = Bᵀ·Aᵀ: cuBLAS's m, n, k are our n, m, k, its A is
-    our `b` (leading dimension n), its B our `a` (k), its C our result (n); batch entries lie one
-    matrix apart (strides k·n, m·k, m·n)."""
-    a, b = xp.ascontiguousarray(a), xp.ascontiguousarray(b)
+    cuBLAS is column-major: to it, a row-major `[r, c]` block is the column-major `[c, r]` matrix
+    (its transpose). So the row-major `[m, n]` product C = A·B is computed as the column-major
+    Cᵀ = Bᵀ·Aᵀ: cuBLAS's m, n, k are our n, m, k, its A is our `b`, its B our `a`, its C our result
+    (leading dimension n, batch entries m·n apart). Each operand is read where it lies, with its
+    own leading dimension and batch stride, and a transpose flag where it is the transposed view
+    of a row-major block (`_gemm_operand`): an einsum's operands need no copy. Only an operand
+    whose strides cuBLAS cannot express is copied first."""
     *lead, m, k = a.shape
     n = b.shape[-1]
     batch = int(np.prod(lead, dtype=np.int64)) if lead else 1
@@ -81,14 +104,22 @@ def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
     if k == 0:
         out[...] = 0
         return out
+    ops = []
+    for x in (b, a):
+        how = _gemm_operand(x)
+        if how is None:
+            x = xp.ascontiguousarray(x)
+            how = _gemm_operand(x)
+        ops.append((x, how))
+    (b, (tb, ldb, sb)), (a, (ta, lda, sa)) = ops
     handle = xp.cuda.device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, _POINTER_MODE_HOST)
     try:
         cublas.gemmStridedBatchedEx(
-            handle, _OP_N, _OP_N, n, m, k, _ONE.ctypes.data,
-            b.data.ptr, _CUDA_TYPES[b.dtype], n, k * n,
-            a.data.ptr, _CUDA_TYPES[a.dtype], k, m * k,
+            handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, _ONE.ctypes.data,
+            b.data.ptr, _CUDA_TYPES[b.dtype], ldb, sb,
+            a.data.ptr, _CUDA_TYPES[a.dtype], lda, sa,
             _ZERO.ctypes.data,
             out.data.ptr, _CUDA_TYPES[out.dtype], n, m * n,
             batch, compute, _GEMM_DEFAULT)

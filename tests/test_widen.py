@@ -62,14 +62,18 @@ class FakeCublas:
 
     def gemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, sA, B, Btype, ldb, sB,
                              beta, C, Ctype, ldc, sC, batch, compute, algo):
-        assert handle == 7 and transa == transb == 0 and compute == 68  # CUBLAS_OP_N, CUBLAS_COMPUTE_32F
+        assert handle == 7 and transa in (0, 1) and transb in (0, 1) and compute == 68  # OP_N/OP_T, COMPUTE_32F
         assert self.mode == 0, "alpha and beta are host pointers: pointer mode must be host"
-        assert lda >= m and ldb >= k and ldc >= m
+        # op(A) is m x k: A itself (N, stored m x k, lda >= m) or the transpose of a stored k x m (T, lda >= k)
+        assert lda >= (k if transa else m) and ldb >= (n if transb else k) and ldc >= m
         self.calls += 1
+        self.ops = (transa, transb)
         al, be = (float(np.ctypeslib.as_array((ctypes.c_float * 1).from_address(p))[0]) for p in (alpha, beta))
         for i in range(batch):
-            a = self._matrix(A, _TYPES[Atype], m, k, lda, i * sA)[0].astype(np.float64)
-            b = self._matrix(B, _TYPES[Btype], k, n, ldb, i * sB)[0].astype(np.float64)
+            a = (self._matrix(A, _TYPES[Atype], k, m, lda, i * sA)[0].T if transa else
+                 self._matrix(A, _TYPES[Atype], m, k, lda, i * sA)[0]).astype(np.float64)
+            b = (self._matrix(B, _TYPES[Btype], n, k, ldb, i * sB)[0].T if transb else
+                 self._matrix(B, _TYPES[Btype], k, n, ldb, i * sB)[0]).astype(np.float64)
             c, flat, off = self._matrix(C, _TYPES[Ctype], m, n, ldc, i * sC)
             value = al * (a @ b) + (be * c.astype(np.float64) if be else 0.0)  # beta 0: C is never read
             flat[off + np.arange(m)[:, None] + ldc * np.arange(n)[None, :]] = value
@@ -95,10 +99,29 @@ def test_cublas_arguments(shapes, dtype):
     assert fake.mode == 1 and fake.calls == (1 if got.size and a.shape[-1] else 0)
 
 
-def test_transposed_inputs_are_made_contiguous():
-    a, b = _values((5, 3), BF16, 3), _values((4, 5), BF16, 4)
-    got = cublas_matmul(FAKE_XP, FakeCublas(), _device(a).T, _device(b).T)  # strided views
-    np.testing.assert_array_equal(np.asarray(got), a.T.astype(np.float64) @ b.T.astype(np.float64))
+@pytest.mark.parametrize("ta,tb", [(False, True), (True, False), (True, True)])
+def test_transposed_views_are_read_in_place_with_transpose_flags(ta, tb):
+    """An einsum's operands are often transposed views (a gradient's xᵀ·dy): cuBLAS reads them where
+    they lie, with CUBLAS_OP_T, in 2-D and batched (one batch stride) products."""
+    for lead in ((), (3,)):
+        a = _values(lead + ((5, 3) if ta else (3, 5)), BF16, 3)
+        b = _values(lead + ((4, 5) if tb else (5, 4)), BF16, 4)
+        av = np.swapaxes(_device(a), -1, -2) if ta else _device(a)
+        bv = np.swapaxes(_device(b), -1, -2) if tb else _device(b)
+        fake = FakeCublas()
+        got = cublas_matmul(FAKE_XP, fake, av, bv)
+        ref = np.matmul(np.asarray(av).astype(np.float64), np.asarray(bv).astype(np.float64))
+        np.testing.assert_array_equal(np.asarray(got), ref)
+        assert fake.ops == (int(tb), int(ta))  # cuBLAS's A is our b, its B our a
+
+
+def test_operands_cublas_cannot_read_are_copied():
+    a = _values((4, 3, 5), BF16, 5)
+    view = _device(a)[::2, :, ::2]  # no unit stride in either matrix dim: copied first
+    b = _values((2, 3, 6), BF16, 6)
+    got = cublas_matmul(FAKE_XP, FakeCublas(), _device(b).swapaxes(-1, -2), view)
+    np.testing.assert_array_equal(np.asarray(got), np.matmul(b.swapaxes(-1, -2).astype(np.float64),
+                                                             a[::2, :, ::2].astype(np.float64)))
 
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])

@@ -28,6 +28,7 @@ import opt_einsum
 
 from ..backend import accumulation_dtype, is_low_precision, name, result_type
 from ..buckets import claim, partial_for
+from ..collectives import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes
 from ..shape import Shape, ShapeLike, dim_names, union_shape
@@ -134,8 +135,12 @@ def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
     place; else None. None when the plan does not apply (a dim repeated or summed within one
     input, nothing contracted, or a matrix-vector product at most).
 
+    `perm_a` and `perm_b` (or the identity, for None) list the batch axes, then the free (for b, the
+    contracted) axes, then the others; `n_batch` and `n_a`, `n_b` (returned last) count the batch
+    axes and a's free and b's contracted axes, so the groups can be told apart (`_operand`).
+
     >>> batched_plan("gsm,gse->egm", ((2, 3, 4), (2, 3, 5)))
-    (True, (0, 2, 1), (2, 5, 3), None, (2, 3, 4), (2, 5, 4), (1, 0, 2), (1, 0, 2))
+    (True, (0, 2, 1), (2, 5, 3), None, (2, 3, 4), (2, 5, 4), (1, 0, 2), (1, 0, 2), (1, 1, 1))
     """
     ins, out = subscripts.split("->")
     parts = ins.split(",")
@@ -165,7 +170,7 @@ def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
     if pc is not None and all(_adjacent(out, cs) for cs in (free_a, free_b)):
         into = tuple(out.index(c) for c in order)
     return (swap, perm(a, batch + free_a + con), lead + (n_a, k), perm(b, batch + con + free_b), lead + (k, n_b),
-            tuple(size[c] for c in order), pc, into)
+            tuple(size[c] for c in order), pc, into, (len(batch), len(free_a), len(con)))
 
 
 def _adjacent(out: str, dims: list) -> bool:
@@ -259,17 +264,16 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         matmul = widening_matmul if wide else _matmul
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
-            if wide:
+            if pair[1]:
                 y = _tensordot(xp, matmul, a, b, pair[1], pair[2])
-            elif pair[1]:
-                y = xp.tensordot(a, b, axes=(pair[1], pair[2]))
             else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
                 y = a.reshape(a.shape + (1,) * b.ndim) * b
         elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
-            swap, pa, sa, pb, sb, sc, pc, into = bmm
+            swap, pa, sa, pb, sb, sc, pc, into, (nb, nf, nk) = bmm
             a, b = arrays[::-1] if swap else arrays
-            a = (a if pa is None else xp.transpose(a, pa)).reshape(sa)
-            b = (b if pb is None else xp.transpose(b, pb)).reshape(sb)
+            pa, pb = pa or tuple(range(a.ndim)), pb or tuple(range(b.ndim))
+            a = _operand(xp, a, pa[:nb], pa[nb:nb + nf], pa[nb + nf:])
+            b = _operand(xp, b, pb[:nb], pb[nb:nb + nk], pb[nb + nk:])
             if pc is None:
                 y = matmul(xp, a, b).reshape(sc)
             elif into is not None and name(xp) == "numpy":  # the matmul writes the output: no transposed copy
@@ -277,8 +281,11 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
                 view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
                 assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
                 xp.matmul(a, b, out=view)
-            else:
-                y = contiguous(xp, xp.transpose(matmul(xp, a, b).reshape(sc), pc))
+            else:  # the output reordered: a copy, counted
+                y = xp.transpose(matmul(xp, a, b).reshape(sc), pc)
+                if getattr(y, "strides", None) is not None:
+                    counters.record("copies", (), y.size, y.nbytes)
+                    y = contiguous(xp, y)
         else:
             with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
                 y = expr(*arrays, backend=xp.__name__.split(".")[0])
@@ -299,13 +306,50 @@ def _matmul(xp, a, b):
 
 
 def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple):
-    """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D reshapes."""
+    """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D views (`_operand`)."""
     free_a = [i for i in range(a.ndim) if i not in axes_a]
     free_b = [i for i in range(b.ndim) if i not in axes_b]
-    k = math.prod(a.shape[i] for i in axes_a)
-    a2 = xp.transpose(a, free_a + list(axes_a)).reshape(-1, k)
-    b2 = xp.transpose(b, list(axes_b) + free_b).reshape(k, -1)
+    a2 = _operand(xp, a, (), free_a, list(axes_a))
+    b2 = _operand(xp, b, (), list(axes_b), free_b)
     return matmul(xp, a2, b2).reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
+
+
+def _merges(shape: tuple, strides: tuple, groups: list) -> bool:
+    """Whether the axes of each group (consecutive, in order) merge into one strided axis: a view.
+
+    >>> _merges((2, 3, 4), (96, 32, 8), [[0], [1, 2]]), _merges((3, 2), (8, 24), [[0, 1]])
+    (True, False)
+    """
+    for group in groups:
+        dims = [i for i in group if shape[i] != 1]
+        for i, j in zip(dims, dims[1:]):
+            if strides[i] != strides[j] * shape[j]:
+                return False
+    return True
+
+
+def _operand(xp, a, batch, rows, cols):
+    """`a`'s axes `batch`, `rows`, `cols` as a [batch..., rows, cols] stack of matrices for a GEMM,
+    as a view where the strides allow: directly, or as the transpose of a [batch..., cols, rows]
+    view (BLAS and cuBLAS read it with a transpose flag). Else a copy, counted in the profile
+    (`"copies"`). Arrays without strides (JAX) are reshaped; XLA lays them out itself.
+
+    >>> x = np.arange(24.0).reshape(2, 3, 4)
+    >>> m = _operand(np, x, (), [2], [0, 1])   # [4, 6]: the transpose of x's [6, 4] view
+    >>> m.shape, np.shares_memory(m, x), bool((m == x.reshape(6, 4).T).all())
+    ((4, 6), True, True)
+    """
+    lead = tuple(a.shape[i] for i in batch)
+    r, c = math.prod(a.shape[i] for i in rows), math.prod(a.shape[i] for i in cols)
+    strides = getattr(a, "strides", None)
+    if strides is not None:
+        groups = [[i] for i in batch]
+        if _merges(a.shape, strides, groups + [list(rows), list(cols)]):
+            return xp.transpose(a, list(batch) + list(rows) + list(cols)).reshape(lead + (r, c))
+        if _merges(a.shape, strides, groups + [list(cols), list(rows)]):
+            return xp.swapaxes(xp.transpose(a, list(batch) + list(cols) + list(rows)).reshape(lead + (c, r)), -1, -2)
+        counters.record("copies", (), a.size, a.nbytes)
+    return xp.transpose(a, list(batch) + list(rows) + list(cols)).reshape(lead + (r, c))
 
 
 def _einsum_grad(op, dy):
