@@ -111,9 +111,18 @@ class DryMesh(AbstractMesh):
         return dict.fromkeys(self.shape.names, 0)
 
     @property
+    def coords_key(self) -> tuple:
+        """`coords` as a tuple of pairs (see `Mesh.coords_key`)."""
+        return tuple(self.coords.items())
+
+    @property
     def xp(self):
         import jax.numpy as jnp
         return jnp
+
+    def run(self, name: str, lower, arrays: list, n_out: int) -> tuple:
+        """The kernel's outputs as shapes and dtypes, its collectives counted (`evaluate`)."""
+        return evaluate(self, name, lower, arrays)
 
     @property
     def collectives(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Optional
 
+import numpy as np
 from mpi4py import MPI
 
 from . import abort, threads
@@ -36,6 +37,9 @@ def _mesh_shape(shape: ShapeLike) -> Shape:
         raise MeshError(f"mesh {shape}: every mesh dim needs size >= 1, but {', '.join(small)} "
                         f"{'has' if len(small) == 1 else 'have'} size 0")
     return shape
+
+
+_SCALARS = (np.generic, int, float, complex)  # what a kernel may give where `local` must be an array
 
 
 class AbstractMesh:
@@ -159,6 +163,7 @@ class Mesh(AbstractMesh):
             self._cart = comm.Dup()
             self._coords = {}
         self._rank = self._cart.Get_rank()
+        self._coords_key = tuple(self._coords.items())
         self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
         self._watch = Watch(self._guard_comm)  # who is still in the job (exit notices, process ids)
         self._subcomms: dict[tuple, MPI.Comm] = {}
@@ -199,6 +204,11 @@ class Mesh(AbstractMesh):
         """`{mesh_dim: coordinate}` of this rank."""
         return self._coords
 
+    @property
+    def coords_key(self) -> tuple:
+        """`coords` as a tuple of `(mesh_dim, coordinate)` pairs: a key for caches of plans."""
+        return self._coords_key
+
     def comm_for(self, mesh_dims: Iterable[str]) -> MPI.Comm:
         """The sub-communicator over `mesh_dims`: ranks whose coordinates differ only there (cached).
 
@@ -226,6 +236,18 @@ class Mesh(AbstractMesh):
     def has_comm(self, mesh_dims: Iterable[str]) -> bool:
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
+
+    def run(self, name: str, lower, arrays: list, n_out: int) -> tuple:
+        """Run op `name`'s kernel on this rank's blocks `arrays`: its `n_out` local outputs, each an
+        array (a kernel reducing to a scalar may give a numpy scalar; `local` is always an array).
+        `dispatch` calls it; a `dryrun.DryMesh` runs kernels on shapes instead."""
+        coll = self._collectives
+        result = lower(self.collectives if coll is None else coll, *arrays)
+        if n_out == 1:
+            return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)
+        if not isinstance(result, tuple):  # one array where several were declared: dispatch says so
+            return (result,)
+        return tuple(self.xp.asarray(r) if isinstance(r, _SCALARS) else r for r in result)
 
     def barrier(self) -> None:
         """Wait for every rank of the mesh (polled like a collective: under the time-out, and raising

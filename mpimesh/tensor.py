@@ -16,12 +16,13 @@ from .backend import as_dtype, check_dtype, to_host
 from .errors import DTypeError, MpimeshError, ShapeError
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
-from .trace import dispatch
+from .trace import dispatch, tensor_type
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
 
 
+@tensor_type
 class DistTensor:
     """A tensor with named dims whose data is split over a mesh; each rank holds `local`."""
 
@@ -96,31 +97,6 @@ class DistTensor:
         return float(self.to_numpy().reshape(()))
 
 
-def _binop(name: str, swap: bool = False):
-    def method(self, other):
-        from .ops import elementwise
-        fn = getattr(elementwise, name)
-        return fn(other, self) if swap else fn(self, other)
-    method.__name__ = name
-    return method
-
-
-for _name, _op in [("__add__", "add"), ("__sub__", "subtract"), ("__mul__", "multiply"),
-                   ("__truediv__", "divide"), ("__pow__", "power"), ("__lt__", "less"),
-                   ("__le__", "less_equal"), ("__gt__", "greater"), ("__ge__", "greater_equal"),
-                   ("__eq__", "equal"), ("__ne__", "not_equal")]:
-    setattr(DistTensor, _name, _binop(_op))
-for _name, _op in [("__radd__", "add"), ("__rsub__", "subtract"), ("__rmul__", "multiply"),
-                   ("__rtruediv__", "divide"), ("__rpow__", "power")]:
-    setattr(DistTensor, _name, _binop(_op, swap=True))
-
-
-def _neg(self):
-    from .ops.elementwise import negative
-    return negative(self)
-
-
-DistTensor.__neg__ = _neg  # type: ignore[assignment]
 DistTensor.__hash__ = object.__hash__  # type: ignore[assignment]
 
 

@@ -144,6 +144,17 @@ def current_trace() -> Optional[Trace]:
     return _open_traces[-1] if _open_traces else None
 
 
+_tensor: list = [None]  # the tensor class dispatch makes (`mpimesh.tensor` registers `DistTensor`)
+_checked: set = set()  # output specs (shape, layout) already found valid on a mesh shape
+
+
+def tensor_type(cls):
+    """Register `cls` as the tensor type `dispatch` makes (a class decorator: `DistTensor` sits
+    above this module, which never imports it)."""
+    _tensor[0] = cls
+    return cls
+
+
 def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
              params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
              mesh=None) -> list:
@@ -162,31 +173,28 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
     Returns:
       The output DistTensors.
     """
-    from .tensor import DistTensor
-
     if inputs:
         mesh = inputs[0].mesh
     elif mesh is None:
         raise MpimeshError(f"op {name!r} has no inputs: dispatch needs its mesh (mesh=...)")
-    for shape, layout in out_specs:
-        _check_spec(name, shape, layout, mesh)
-    if getattr(mesh, "dry", False):  # a `dryrun.DryMesh`: shapes, dtypes and counted collectives only
-        from .dryrun import evaluate
-        result = evaluate(mesh, name, lower, [t.local for t in inputs])
+    make = _tensor[0]
+    for spec in out_specs:
+        key = (spec, mesh.shape)
+        if key not in _checked:
+            _check_spec(name, spec[0], spec[1], mesh)
+            _checked.add(key)
+    # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
+    result = mesh.run(name, lower, [t.local for t in inputs], len(out_specs))
+    if len(result) != len(out_specs):
+        raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
+    if len(out_specs) == 1:
+        outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0])]
     else:
-        result = lower(mesh.collectives, *[t.local for t in inputs])
-        if len(out_specs) == 1:
-            result = (result,)
-        # asarray: a kernel reducing to a scalar may return a numpy scalar; `local` is always an array
-        result = tuple(mesh.xp.asarray(r) for r in result) if isinstance(result, tuple) else result
-    if not isinstance(result, tuple) or len(result) != len(out_specs):
-        raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned "
-                           f"{len(result) if isinstance(result, tuple) else 1}")
-    outputs = [DistTensor(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]
+        outputs = [make(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]
     if _debug["on"]:
         for i, t in enumerate(outputs):
             _check_local(name, i, t)
-    if flops and counters.active():
+    if flops and counters._open:
         counters.record_flops(flops)
     if _open_traces:
         rec = OpRecord(name, tuple(inputs), tuple(outputs), params or {}, lower, grad, mesh.layout)

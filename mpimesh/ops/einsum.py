@@ -21,7 +21,7 @@ import string
 import warnings
 from collections import Counter
 from functools import lru_cache
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import opt_einsum
@@ -30,8 +30,9 @@ from ..backend import accumulation_dtype, is_low_precision, name, result_type
 from ..buckets import claim, partial_for
 from ..collectives import counters
 from ..errors import MeshError, ShapeError
-from ..layout import TensorLayout, local_sizes
+from ..layout import TensorLayout, local_sizes, plan_layout
 from ..shape import Shape, ShapeLike, dim_names, union_shape
+from ..tensor import DistTensor
 from ..trace import dispatch
 from ..widen import tf32_math, widening_matmul
 from .elementwise import contiguous
@@ -218,40 +219,128 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
       reduced_dims: alternatively, the dims to sum away (all others are kept).
       reduced_dim: the old spelling of `reduced_dims` (a FutureWarning; goes in the next release).
     """
-    reduced_dims = renamed_reduced_dims("einsum", reduced_dims, reduced_dim)
+    if reduced_dim is not None:
+        reduced_dims = renamed_reduced_dims("einsum", reduced_dims, reduced_dim)
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("einsum: give output_shape or reduced_dims, not both")
     xs = list(xs)
     if not xs:
         raise ShapeError("einsum needs at least one input")
+    mesh = getattr(xs[0], "mesh", None)
     for i, x in enumerate(xs):
-        if not hasattr(x, "tensor_layout"):
+        if type(x) is not DistTensor and not hasattr(x, "tensor_layout"):
             raise TypeError(f"einsum: input {i} is a {type(x).__name__}, not a DistTensor")
-    mesh = xs[0].mesh
-    if any(x.mesh is not mesh for x in xs):
-        raise MeshError(f"einsum: inputs live on different meshes ({', '.join(str(x.mesh.shape) for x in xs)})")
-    in_shapes = tuple(x.shape for x in xs)
+        if x.mesh is not mesh:
+            raise MeshError(f"einsum: inputs live on different meshes ({', '.join(str(x.mesh.shape) for x in xs)})")
+    out_spec = output_shape if output_shape is None or isinstance(output_shape, (str, Shape)) else Shape(output_shape)
+    reduced = tuple(reduced_dims) if isinstance(reduced_dims, list) else reduced_dims
+    if len(xs) == 2:  # the common case, without generators: this is per-op time
+        a, b = xs
+        shapes, layouts, dtypes = (a.shape, b.shape), (a.tensor_layout, b.tensor_layout), (a.local.dtype, b.local.dtype)
+    else:
+        shapes, layouts = tuple(x.shape for x in xs), tuple(x.tensor_layout for x in xs)
+        dtypes = tuple(x.local.dtype for x in xs)
+    mesh_shape, coords = mesh.shape, mesh.coords_key
+    out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape, mesh.layout, coords,
+                                                dtypes)
+    bucket = claim()  # a gradient's sum over mesh dims that may wait in a bucket (`mpimesh.buckets`)
+    if bucket is not None and reduce_mesh:
+        plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True)
+    else:
+        bucket = None
+    if layouts != plan.targets:
+        xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
+    (y,) = dispatch("einsum", xs, [(out, out_layout)], plan.lower,
+                    {"subscripts": plan.subscripts, "reduce_mesh_dims": plan.summed}, _einsum_grad, plan.flops)
+    return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
+
+
+@lru_cache(maxsize=4096)
+def _front(in_shapes: tuple, in_layouts: tuple, output_shape, reduced_dims, mesh_shape: Shape, rules,
+           coords: tuple, dtypes: tuple) -> tuple:
+    """`(output shape, its layout, mesh dims to sum, _plan)` of an einsum call, from its arguments."""
     if output_shape is None:
         reduced = None if reduced_dims is None else dim_names(reduced_dims, union_shape(in_shapes, "einsum"), "einsum")
         out = default_output(in_shapes, reduced)
     else:
         out = Shape(output_shape)
-    out_layout = mesh.plan(out)
-    targets, reduce_mesh = contraction_plan(in_shapes, tuple(x.tensor_layout for x in xs), out, out_layout,
-                                            mesh.shape)
-    xs = [to_layout(x, t) for x, t in zip(xs, targets)]
+    out_layout = plan_layout(out, mesh_shape, rules)
+    reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape)[1]
+    return out, out_layout, reduce_mesh, _plan(in_shapes, in_layouts, out, out_layout, mesh_shape, coords, dtypes,
+                                               False)
+
+
+class _Plan(NamedTuple):
+    targets: tuple
+    subscripts: str
+    flops: int
+    summed: tuple
+    out_dtype: Optional[object]
+    lower: Callable
+
+
+@lru_cache(maxsize=4096)
+def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLayout, mesh_shape: Shape,
+          coords: tuple, dtypes: tuple, bucketed: bool) -> _Plan:
+    """Everything an einsum decides from its operands' shapes, layouts and dtypes, once: the inputs'
+    layouts, the subscripts and flops, the mesh dims summed here (none where a bucket sums them),
+    the 16-bit result dtype, and the lowered kernel (`_lowering`)."""
+    targets, reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape)
     subs = _subscripts(tuple(s.names for s in in_shapes), out.names)
-    expr, flops = _expression(subs, tuple(local_sizes(x.shape, mesh.shape, x.tensor_layout, mesh.coords) for x in xs))
-
+    where = dict(coords)
+    local = tuple(local_sizes(s, mesh_shape, t, where) for s, t in zip(in_shapes, targets))
+    expr, flops = _expression(subs, local)
     pair = pair_plan(subs)
-    bmm = None if pair is not None else batched_plan(subs, tuple(x.local.shape for x in xs))
-    low = any(is_low_precision(x.dtype) for x in xs)
-    out_dtype = result_type(*[x.dtype for x in xs]) if low else None
-    bucket = claim()  # a gradient's sum over mesh dims that may wait in a bucket (`mpimesh.buckets`)
-    bucket = bucket if reduce_mesh else None
-    summed = () if bucket else reduce_mesh
-    rounded = low and not bucket  # a bucket sums the float32 partials, then rounds to out_dtype
+    bmm = None if pair is not None else batched_plan(subs, local)
+    low = any(is_low_precision(d) for d in dtypes)
+    out_dtype = result_type(*dtypes) if low else None
+    summed = () if bucketed else reduce_mesh
+    rounded = low and not bucketed  # a bucket sums the float32 partials, then rounds to out_dtype
+    lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded)
+    if pair is not None and pair[1] and not low and not summed:
+        lower = _pair_lowering(pair, local, dtypes, lower)
+    return _Plan(targets, subs, flops, summed, out_dtype, lower)
 
+
+def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) -> Callable:
+    """A two-operand contraction's kernel with its operands' views planned ahead for C-contiguous
+    blocks of the recorded shapes (the common case: no per-call planning); anything else takes
+    `general`."""
+    swap, axes_a, axes_b = pair
+    (sa, sb), (da, db) = (local[::-1], dtypes[::-1]) if swap else (local, dtypes)
+    free_a, free_b = _free(len(sa), axes_a), _free(len(sb), axes_b)
+    va = _view_plan(sa, _c_strides(sa, np.dtype(da).itemsize), (), free_a, axes_a)
+    vb = _view_plan(sb, _c_strides(sb, np.dtype(db).itemsize), (), axes_b, free_b)
+    if va[3] or vb[3]:
+        return general
+    out_shape = tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b)
+
+    def view(x, plan):
+        perm, shape, turn, _ = plan
+        m = (x if perm is None else x.transpose(perm)).reshape(shape)
+        return m.swapaxes(-1, -2) if turn else m
+
+    def lower(ctx, a, b):
+        if swap:
+            a, b = b, a
+        if a.shape != sa or b.shape != sb or not (getattr(a, "flags", None) and a.flags.c_contiguous
+                                                  and b.flags.c_contiguous):
+            return general(ctx, *((b, a) if swap else (a, b)))
+        return _matmul(ctx.xp, view(a, va), view(b, vb)).reshape(out_shape)
+    return lower
+
+
+def _c_strides(shape: tuple, itemsize: int) -> tuple:
+    """The strides of a C-contiguous array of `shape`."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: bool) -> Callable:
+    """The einsum's kernel: `lower(ctx, *arrays)`."""
     def lower(ctx, *arrays):
         xp = ctx.xp
         # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
@@ -292,14 +381,14 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
             return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
         return y.astype(out_dtype) if rounded else y
-    (y,) = dispatch("einsum", xs, [(out, out_layout)], lower,
-                    {"subscripts": subs, "reduce_mesh_dims": summed}, _einsum_grad, flops)
-    return bucket.partial(y, reduce_mesh, out_dtype) if bucket else y
+    return lower
 
 
 def _matmul(xp, a, b):
     """`a @ b`. A batched float32 one on CuPy goes through `mpimesh.widen`'s cuBLAS call, in the matmul
     precision: CuPy's batched matmul ignores TF32 (its dot, tensordot and 2-D matmul follow it)."""
+    if xp is np:
+        return np.matmul(a, b)
     if a.ndim > 2 and name(xp) == "cupy" and a.dtype == b.dtype == np.float32:
         return widening_matmul(xp, a, b)
     return xp.matmul(a, b)
@@ -307,11 +396,16 @@ def _matmul(xp, a, b):
 
 def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple):
     """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D views (`_operand`)."""
-    free_a = [i for i in range(a.ndim) if i not in axes_a]
-    free_b = [i for i in range(b.ndim) if i not in axes_b]
-    a2 = _operand(xp, a, (), free_a, list(axes_a))
-    b2 = _operand(xp, b, (), list(axes_b), free_b)
+    free_a, free_b = _free(a.ndim, axes_a), _free(b.ndim, axes_b)
+    a2 = _operand(xp, a, (), free_a, axes_a)
+    b2 = _operand(xp, b, (), axes_b, free_b)
     return matmul(xp, a2, b2).reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
+
+
+@lru_cache(maxsize=1024)
+def _free(ndim: int, axes: tuple) -> tuple:
+    """The axes of an `ndim`-array not in `axes`, in order."""
+    return tuple(i for i in range(ndim) if i not in axes)
 
 
 def _merges(shape: tuple, strides: tuple, groups: list) -> bool:
@@ -339,17 +433,31 @@ def _operand(xp, a, batch, rows, cols):
     >>> m.shape, np.shares_memory(m, x), bool((m == x.reshape(6, 4).T).all())
     ((4, 6), True, True)
     """
-    lead = tuple(a.shape[i] for i in batch)
-    r, c = math.prod(a.shape[i] for i in rows), math.prod(a.shape[i] for i in cols)
-    strides = getattr(a, "strides", None)
-    if strides is not None:
-        groups = [[i] for i in batch]
-        if _merges(a.shape, strides, groups + [list(rows), list(cols)]):
-            return xp.transpose(a, list(batch) + list(rows) + list(cols)).reshape(lead + (r, c))
-        if _merges(a.shape, strides, groups + [list(cols), list(rows)]):
-            return xp.swapaxes(xp.transpose(a, list(batch) + list(cols) + list(rows)).reshape(lead + (c, r)), -1, -2)
+    perm, shape, swap, copied = _view_plan(a.shape, getattr(a, "strides", None), tuple(batch), tuple(rows),
+                                           tuple(cols))
+    if copied:
         counters.record("copies", (), a.size, a.nbytes)
-    return xp.transpose(a, list(batch) + list(rows) + list(cols)).reshape(lead + (r, c))
+    m = (a if perm is None else a.transpose(perm)).reshape(shape)
+    return m.swapaxes(-1, -2) if swap else m
+
+
+@lru_cache(maxsize=4096)
+def _view_plan(shape: tuple, strides: Optional[tuple], batch: tuple, rows: tuple, cols: tuple) -> tuple:
+    """`(perm, new shape, swap, copied)` for `_operand`: transpose by `perm` (None: as is) and reshape,
+    then swap the last two axes if `swap`; `copied` where no view can serve (the reshape copies)."""
+    lead = tuple(shape[i] for i in batch)
+    r, c = math.prod(shape[i] for i in rows), math.prod(shape[i] for i in cols)
+    direct = batch + rows + cols
+    plain = (None if direct == tuple(range(len(shape))) else direct), lead + (r, c), False
+    if strides is None:
+        return (*plain, False)
+    groups = [[i] for i in batch]
+    if _merges(shape, strides, groups + [list(rows), list(cols)]):
+        return (*plain, False)
+    if _merges(shape, strides, groups + [list(cols), list(rows)]):
+        turned = batch + cols + rows
+        return (None if turned == tuple(range(len(shape))) else turned), lead + (c, r), True, False
+    return (*plain, True)
 
 
 def _einsum_grad(op, dy):

@@ -22,14 +22,15 @@ import numpy as np
 from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision  # noqa: F401 (einsum imports contiguous from here)
 from ..buckets import partial_for
 from ..errors import DTypeError, MeshError, ShapeError
-from ..layout import local_sizes
+from ..layout import local_sizes, plan_layout
 from ..shape import Shape, union_shape
+from ..tensor import DistTensor
 from ..trace import dispatch
 from .relayout import to_layout
 
 
 def _is_tensor(x) -> bool:
-    return hasattr(x, "tensor_layout")
+    return isinstance(x, DistTensor) or hasattr(x, "tensor_layout")
 
 
 _COMPARISONS = ("less", "less_equal", "greater", "greater_equal", "equal", "not_equal")  # numpy compares any int
@@ -65,12 +66,20 @@ def _scalar(v, what: str, dtype=None):
 
 
 @lru_cache(maxsize=4096)
-def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str) -> tuple:
-    from ..layout import plan_layout
+def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kernel: Callable) -> tuple:
+    """`(output shape, its layout, x's layout, y's layout, the lowered kernel)` of a binary op: planned
+    once per shapes, mesh shape and rules (the kernel aligns the operands' axes only where needed)."""
     out = union_shape([xs, ys], name)
     out_layout = plan_layout(out, mesh_shape, rules)
+    xd, yd, od = xs.names, ys.names, out.names
+    if xd == od and yd == od:
+        def lower(ctx, a, b):
+            return kernel(ctx.xp, a, b)
+    else:
+        def lower(ctx, a, b):
+            return kernel(ctx.xp, align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
-            tuple(out_layout[out.index(n)] for n in ys.names))
+            tuple(out_layout[out.index(n)] for n in ys.names), lower)
 
 
 def _layout_for(x, out_shape: Shape, out_layout):
@@ -145,16 +154,16 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
             (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
                             {"scalar": x, "side": "left"}, rule)
             return z
-        if x.mesh is not y.mesh:
+        mesh = x.mesh
+        if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
                             f"or two meshes of one shape)")
-        out, out_layout, x_layout, y_layout = _binary_plan(x.shape, y.shape, x.mesh.shape, x.mesh.layout, name)
-        x = to_layout(x, x_layout)
-        y = to_layout(y, y_layout)
-        xd, yd, od = x.shape.names, y.shape.names, out.names
-
-        def lower(ctx, a, b):
-            return kernel(ctx.xp, align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
+        out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name,
+                                                                  kernel)
+        if x.tensor_layout != x_layout:
+            x = to_layout(x, x_layout)
+        if y.tensor_layout != y_layout:
+            y = to_layout(y, y_layout)
         (z,) = dispatch(name, [x, y], [(out, out_layout)], lower, None, rule)
         return z
     op.__name__ = op.__qualname__ = name
@@ -366,3 +375,24 @@ def stop_gradient(x):
     x = to_layout(x, x.mesh.plan(x.shape))
     (y,) = dispatch("stop_gradient", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: a)
     return y
+
+
+def _bind_operators() -> None:
+    """DistTensor's operators are these ops (bound here: the tensor module sits below the ops)."""
+    for name, fn in [("__add__", add), ("__sub__", subtract), ("__mul__", multiply), ("__truediv__", divide),
+                     ("__pow__", power), ("__lt__", less), ("__le__", less_equal), ("__gt__", greater),
+                     ("__ge__", greater_equal), ("__eq__", equal), ("__ne__", not_equal), ("__neg__", negative)]:
+        setattr(DistTensor, name, fn)
+    for name, fn in [("__radd__", add), ("__rsub__", subtract), ("__rmul__", multiply), ("__rtruediv__", divide),
+                     ("__rpow__", power)]:
+        setattr(DistTensor, name, _swapped(fn))
+
+
+def _swapped(fn):
+    def method(self, other):
+        return fn(other, self)
+    method.__name__ = method.__qualname__ = f"r{fn.__name__}"
+    return method
+
+
+_bind_operators()

@@ -13,7 +13,8 @@ numpy and JAX.
 
 `softmax_cross_entropy(logits, targets, vocab)`: `logsumexp(logits) - logits[target]` for integer
 targets, in one op (the max, the sum and the target's logit each one allreduce where vocab is
-split), its gradient `dy * (softmax(logits) - one_hot(target))` in one op.
+split; the log-partition is kept as the op's second output), its gradient
+`dy * (exp(logits - logsumexp) - one_hot(target))` in one op, with no communication.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -248,34 +249,29 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
         gold = xp.sum(xp.where(hit(ctx, t), a, xp.zeros((), a.dtype)), axis=axis)
         if mdims:
             s, gold = ctx.allreduce(s, mdims, "sum"), ctx.allreduce(gold, mdims, "sum")
-        return xp.log(s) + xp.squeeze(m, axis=axis) - gold
+        lse = xp.log(s) + xp.squeeze(m, axis=axis)
+        return lse - gold, lse
 
-    def rule(op, dy):
-        return [_cross_entropy_grad(op.inputs[0], op.inputs[1], dy, axis, mdims, hit, out_shape), None]
-    (loss,) = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)], lower,
+    def rule(op, dy, _):  # the log-partition, kept for the gradient, gets none
+        return [_cross_entropy_grad(op, dy, axis, hit), None]
+    loss, _ = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)] * 2, lower,
                        {"vocab": v, "mesh_dims": mdims}, rule if is_float(logits.dtype) else None)
     return loss
 
 
-def _cross_entropy_grad(logits, targets, dy, axis, mdims, hit, out_shape):
-    """`dy * (softmax(logits) - one_hot(target))` in logits' dtype, as one op."""
-    dy = to_layout(dy, tuple(m for i, m in enumerate(logits.tensor_layout) if i != axis))
+def _cross_entropy_grad(op, dy, axis, hit):
+    """`dy * (softmax(logits) - one_hot(target))` in logits' dtype, as one op: the softmax from the
+    forward's log-partition (its second output), so with no communication."""
+    (logits, targets), lse = op.inputs, op.outputs[1]
+    dy = to_layout(dy, lse.tensor_layout)
     dt, acc = logits.dtype, accumulation_dtype(logits.dtype)
 
-    def lower(ctx, a, t, g):
+    def lower(ctx, a, t, z, g):
         xp = ctx.xp
         a = a.astype(acc) if a.dtype != acc else a
-        m = local_extreme(xp, a, (axis,), keepdims=True)
-        if mdims:
-            m = ctx.allreduce(m, mdims, "max")
-        m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
-        e = xp.exp(a - m)
-        s = xp.sum(e, axis=axis, keepdims=True)
-        if mdims:
-            s = ctx.allreduce(s, mdims, "sum")
-        p = e / s - xp.where(hit(ctx, t), xp.ones((), acc), xp.zeros((), acc))
+        p = xp.exp(a - xp.expand_dims(z, axis)) - xp.where(hit(ctx, t), xp.ones((), acc), xp.zeros((), acc))
         dx = p * xp.expand_dims(g.astype(acc) if g.dtype != acc else g, axis)
         return dx.astype(dt) if dx.dtype != dt else dx
-    (dx,) = dispatch("softmax_cross_entropy_grad", [logits, targets, dy], [(logits.shape, logits.tensor_layout)],
-                     lower, {"mesh_dims": mdims})
+    (dx,) = dispatch("softmax_cross_entropy_grad", [logits, targets, lse, dy],
+                     [(logits.shape, logits.tensor_layout)], lower, {"mesh_dims": op.params["mesh_dims"]})
     return dx

@@ -5,10 +5,12 @@ the statistics over `dims` (split or not: each is a local sum and, where a dim i
 allreduce over its mesh dims), a 16-bit float x normalised in float32 and rounded once. The same
 arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add).
 
-The gradient: one op `layer_norm_grad` gives dx (from x, dy and scale, the statistics computed
-again: nothing is kept from the forward pass) and the normalised x; the gradients of scale and
-bias are then an einsum and a reduction over the other dims, so that a data-parallel sum of them
-waits in a gradient bucket as any parameter's does (`mpimesh.buckets`).
+The op's outputs are y, then the mean and 1/std (x's dims without `dims`: small), which the
+gradient reads instead of summing them again. The gradient: one op `layer_norm_grad` gives dx
+(from x, dy, scale and those statistics: the two sums of the backward pass, one allreduce each
+where a dim is split, as the unfused ops) and the normalised x; the gradients of scale and bias
+are then an einsum and a reduction over the other dims, so that a data-parallel sum of them waits
+in a gradient bucket as any parameter's does (`mpimesh.buckets`).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -46,22 +48,28 @@ def _plan(x, dims: tuple, what: str):
 
 
 def _stats(ctx, a, plan, epsilon):
-    """`(centred, 1 / sqrt(var + epsilon))` of local block `a` (as the unfused ops compute them;
-    a JAX replay's padding of an uneven block is kept out of the variance)."""
+    """`(centred, 1 / sqrt(var + epsilon), mean)` of local block `a`, the statistics with keepdims
+    (as the unfused ops compute them; a JAX replay's padding is kept out of the variance)."""
     xp = ctx.xp
     _, axes, mdims, count, splits = plan
     s = xp.sum(a, axis=axes, keepdims=True)
     if mdims:
         s = ctx.allreduce(s, mdims)
-    c = a - s * (1.0 / count)
-    for axis, size, m in splits:
-        real = ctx.real(size, m)
-        if real is not None:
-            c = xp.where(real.reshape((-1,) + (1,) * (a.ndim - axis - 1)), c, xp.zeros((), c.dtype))
+    mean = s * (1.0 / count)
+    c = _unpadded(ctx, a - mean, splits)
     q = xp.sum(c * c, axis=axes, keepdims=True)
     if mdims:
         q = ctx.allreduce(q, mdims)
-    return c, 1 / xp.sqrt(q * (1.0 / count) + epsilon)
+    return c, 1 / xp.sqrt(q * (1.0 / count) + epsilon), mean
+
+
+def _unpadded(ctx, c, splits):
+    """`c` with zeros in a JAX replay's padding of the split normalised axes (as is elsewhere)."""
+    for axis, size, m in splits:
+        real = ctx.real(size, m)
+        if real is not None:
+            c = ctx.xp.where(real.reshape((-1,) + (1,) * (c.ndim - axis - 1)), c, ctx.xp.zeros((), c.dtype))
+    return c
 
 
 def _param(t, x, layout):
@@ -88,40 +96,45 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     has = (scale is not None, bias is not None)
     xd = x.shape.names
 
+    axes = plan[1]
+    stats = (x.shape.without(dims), tuple(m for i, m in enumerate(layout) if i not in axes))
+
     def lower(ctx, a, *sb):
         xp = ctx.xp
         a = a.astype(acc) if acc != dt else a
-        c, r = _stats(ctx, a, plan, epsilon)
+        c, r, mean = _stats(ctx, a, plan, epsilon)
         y = c * r
         if has[0]:  # the parameters in y's dtype, as `mm.layers.like` casts them
             y = y * align(xp, _as(sb[0], y.dtype), names[0], xd)
         if has[1]:
             y = y + align(xp, _as(sb[-1], y.dtype), names[-1], xd)
-        return _as(y, dt)
+        return _as(y, dt), xp.squeeze(mean, axis=axes), xp.squeeze(r, axis=axes)
 
-    def rule(op, dy):
-        return _layer_norm_grad(op, dy, dims, epsilon, has)
-    (y,) = dispatch("layer_norm", [x, *params], [(x.shape, layout)], lower,
-                    {"dims": dims, "epsilon": epsilon}, rule)
+    def rule(op, dy, *_):  # (the statistics' outputs get no gradient)
+        return _layer_norm_grad(op, dy, dims, has)
+    y, _, _ = dispatch("layer_norm", [x, *params], [(x.shape, layout), stats, stats], lower,
+                       {"dims": dims, "epsilon": epsilon}, rule)
     return y
 
 
-def _layer_norm_grad(op, dy, dims, epsilon, has):
-    x = op.inputs[0]
+def _layer_norm_grad(op, dy, dims, has):
+    """dx in one op, from x, dy, scale and the forward's mean and 1/std (kept as its outputs, so no
+    statistic is summed again); the parameters' gradients are einsums (see the module)."""
+    x, (_, mean, rstd) = op.inputs[0], op.outputs
     scale = op.inputs[1] if has[0] else None
     bias = op.inputs[-1] if has[1] else None
     need = op.needs or (True,) * len(op.inputs)
     plan = _plan(x, dims, "layer_norm_grad")
-    layout, axes, mdims, count, _ = plan
+    layout, axes, mdims, count, splits = plan
     dt, acc = x.dtype, accumulation_dtype(x.dtype)
     dy = to_layout(dy, layout)
     xd, sd = x.shape.names, None if scale is None else scale.shape.names
 
-    def lower(ctx, a, g, *s):
+    def lower(ctx, a, g, mu, r, *s):
         xp = ctx.xp
         a, g = _as(a, acc), _as(g, acc)
-        c, r = _stats(ctx, a, plan, epsilon)
-        yhat = c * r
+        mu, r = xp.expand_dims(mu, axes), xp.expand_dims(r, axes)
+        yhat = _unpadded(ctx, a - mu, splits) * r
         if s:
             g = g * align(xp, _as(s[0], acc), sd, xd)
         m1 = xp.sum(g, axis=axes, keepdims=True)
@@ -130,8 +143,8 @@ def _layer_norm_grad(op, dy, dims, epsilon, has):
             m1, m2 = ctx.allreduce(m1, mdims), ctx.allreduce(m2, mdims)
         dx = r * (g - m1 * (1.0 / count) - yhat * (m2 * (1.0 / count)))
         return _as(dx, dt), yhat
-    (dx, yhat) = dispatch("layer_norm_grad", [x, dy, *([scale] if scale is not None else [])],
-                          [(x.shape, layout), (x.shape, layout)], lower, {"dims": dims, "epsilon": epsilon})
+    (dx, yhat) = dispatch("layer_norm_grad", [x, dy, mean, rstd, *([scale] if scale is not None else [])],
+                          [(x.shape, layout), (x.shape, layout)], lower, {"dims": dims})
     grads = [dx if need[0] else None]
     dy_acc = cast(dy, acc) if dy.dtype != acc else dy
     if scale is not None:
