@@ -29,7 +29,8 @@ from .ops.elementwise import (abs, add, axpy, cast, cos, divide, equal, exp, gel
                               relu, rsqrt, sigmoid, sin, sqrt, square, subtract, tanh, where)
 from .ops.reduce import reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from .ops.relayout import relayout
-from .ops.reshape import broadcast, rename_dimension, reshape, transpose
+from .ops.einsum import broadcast
+from .ops.reshape import rename_dimension, reshape, transpose
 from .ops.shift import halo_exchange, shift
 from .ops.conv import conv1d, conv2d
 from .ops.slicing import concat, pad, slice, split

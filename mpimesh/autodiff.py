@@ -22,25 +22,25 @@ import sys
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
-from .buckets import Bucketer
-from .errors import MpimeshError
+from .buckets import Bucketer, _checked, bucket_bytes
+from .errors import DTypeError, MeshError, MpimeshError, ShapeError
+from .mesh import layout_scope
+from .ops.elementwise import add
+from .ops.relayout import to_layout
+from .tensor import full
 from .trace import Trace, current_trace
 
 
 def _ones_like(t):
-    from .tensor import full
     return full(t.mesh, t.shape, 1, t.dtype, t.tensor_layout)
 
 
 def _zeros_like(t):
-    from .tensor import full
     return full(t.mesh, t.shape, 0, t.dtype, t.tensor_layout)
 
 
 def _cotangents(ys: list, grad_ys: list) -> list:
     """`grad_ys` checked against `ys` (one each, same mesh, shape and dtype), laid out like them."""
-    from .errors import DTypeError, MeshError, ShapeError
-    from .ops.relayout import to_layout
     if len(grad_ys) != len(ys):
         raise MpimeshError(f"mm.gradients: {len(grad_ys)} grad_ys for {len(ys)} ys: give one per y")
     out = []
@@ -63,7 +63,6 @@ def _rules_of(op):
     mesh = op.inputs[0].mesh if op.inputs else None
     if op.rules is None or mesh is None or mesh.layout == op.rules:
         return nullcontext()
-    from .mesh import layout_scope
     return layout_scope(mesh, op.rules)
 
 
@@ -92,8 +91,6 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     summed on the spot), and a full bucket is summed by one non-blocking allreduce while the
     backward pass goes on. The values are the same as without buckets.
     """
-    from .ops.elementwise import add
-    from .ops.relayout import to_layout
 
     tr = tr if tr is not None else current_trace()
     if tr is None:
@@ -170,7 +167,6 @@ def _total(terms: dict, t_id: int):
     """A bucketed leaf's gradient: its terms added in the order, and by the ops, of the unbucketed
     walk (a module function, not a closure: a closure calling itself would hold the walk's tensors
     in a reference cycle until the garbage collector runs)."""
-    from .ops.elementwise import add
     gs = [_through_grad(g, terms) if isinstance(g, tuple) else g for g in terms[t_id]]
     g = gs[0]
     for h in gs[1:]:
@@ -187,7 +183,6 @@ def _through_grad(placed: tuple, terms: dict):
 
 
 def _bucket_limit(n: Optional[int]) -> int:
-    from .buckets import _checked, bucket_bytes
     return bucket_bytes() if n is None else _checked(n)
 
 
@@ -289,3 +284,11 @@ _OWN_REFS = _refcount({0: object()}, 0)  # the count of a dict value nothing els
 def _only_in_records(tensors: dict, t_id: int, record_refs: int) -> bool:
     """Whether the tensor `tensors[t_id]` is held by nothing but `record_refs` places in trace records."""
     return _refcount(tensors, t_id) - _OWN_REFS == record_refs
+
+
+def _trace_gradients(self: Trace, ys, xs) -> list:
+    """Gradients of the sum of `ys` with respect to each of `xs` (see `mm.gradients`)."""
+    return gradients(ys, xs, self)
+
+
+Trace.gradients = _trace_gradients  # type: ignore[attr-defined]

@@ -3,8 +3,8 @@
 In a data-parallel step each rank's gradient of a parameter is a partial sum: it still awaits a sum
 over the mesh dims the batch is split over (Mesh-TensorFlow's `LazyAllreduceSum`, DTensor's
 `Partial()`). Inside `mm.gradients`, the gradient rule that makes a leaf's gradient (a tensor the
-trace did not produce, e.g. a parameter) marks its einsum with `partial_for(leaf)`: the einsum then
-skips its allreduce, and the gradient joins the bucket of gradients that need the same allreduce
+trace did not produce, e.g. a parameter) marks its einsum with `partial_for(leaf)` (`mpimesh.partials`,
+below the ops): the einsum then skips its allreduce, and the gradient joins the bucket of gradients that need the same allreduce
 (mesh dims, dtype). A bucket that reaches the bucket size starts one non-blocking allreduce of its
 flattened concatenation (`Collectives.iallreduce`) while the backward pass goes on; `mm.gradients`
 starts the rest, waits for every bucket and unpacks. An elementwise sum of a concatenation is the
@@ -42,10 +42,13 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
-from typing import Iterator, Optional
 
+from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
+from .ops.elementwise import cast
+from .partials import active
+from .tensor import DistTensor
+from .trace import OpRecord, _open_traces
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -80,30 +83,6 @@ def bucket_bytes() -> int:
     return _settings["bytes"]
 
 
-_active: list = []  # the Bucketer of each `mm.gradients` walk in progress, innermost last
-_claims: list = []  # per `partial_for` block: the Bucketer its einsum may defer to, or None
-
-
-@contextmanager
-def partial_for(x) -> Iterator[None]:
-    """Around a gradient rule's one einsum whose result is `x`'s gradient itself: where `x` is a leaf
-    of a bucketed `mm.gradients` walk, that einsum's sum over mesh dims is left to a bucket."""
-    b = _active[-1] if _active else None
-    _claims.append(b if b is not None and x is not None and id(x) in b.leaves else None)
-    try:
-        yield
-    finally:
-        _claims.pop()
-
-
-def claim() -> Optional["Bucketer"]:
-    """For an einsum: the Bucketer its allreduce may be left to (once per `partial_for` block), or None."""
-    if not _claims or _claims[-1] is None:
-        return None
-    b, _claims[-1] = _claims[-1], None
-    return b
-
-
 class Unreduced:
     """The local array of a gradient whose sum is still in flight: reading it is an error."""
 
@@ -132,19 +111,17 @@ class Bucketer:
         self.started: list = []  # buckets in flight, in start order
 
     def __enter__(self) -> "Bucketer":
-        _active.append(self)
+        active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _active.remove(self)
+        active.remove(self)
 
     def partial(self, y, dims: tuple, dtype=None):
         """`y` (an einsum's local sums, replicated over `dims` in its layout but not yet summed there)
         as a gradient awaiting that sum: recorded as a `"psum"` op, its values arriving at `finish`.
         `dtype` (a 16-bit float, where `y` holds float32 partials of 16-bit inputs): the sum is
         rounded to it once, as an unbucketed einsum rounds its float32 allreduce."""
-        from .tensor import DistTensor
-        from .trace import OpRecord, _open_traces
         dtype = None if dtype is None or dtype == y.dtype else dtype
         out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
         if _open_traces:
@@ -194,7 +171,6 @@ class _Bucket:
 
     def start(self) -> None:
         if getattr(self.mesh, "dry", False):  # a dry run: count the one allreduce, values never come
-            from .dryrun import count_bucket
             self.request = count_bucket(self.mesh, self.arrays, self.dims)
             self.arrays = []
             return
@@ -210,7 +186,6 @@ class _Bucket:
         for t in self.tensors:
             n, dtype = math.prod(t.local.shape), t.local.dtype
             if total is None:  # a dry run's bucket: shapes and dtypes only
-                from .dryrun import shaped
                 t.local = shaped(t.local.shape, dtype)
                 continue
             block = total[at:at + n].reshape(t.local.shape)
@@ -235,5 +210,4 @@ def _psum_kernel(dims: tuple, dtype=None):
 def _psum_grad(op, dy):
     if dy.dtype == op.inputs[0].dtype:
         return [dy]
-    from .ops.elementwise import cast
     return [cast(dy, op.inputs[0].dtype)]

@@ -19,7 +19,9 @@ from mpi4py import MPI
 
 from . import abort, threads
 from .backend import array_module, resolve_backend
+from .collectives import make
 from .collectives.liveness import Watch
+from .collectives.placement import choose
 from .errors import MeshError, ShapeError
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
                      plan_layout)
@@ -154,7 +156,6 @@ class Mesh(AbstractMesh):
         self._backend = resolve_backend(backend)
         self.xp = array_module(self._backend)
         """The array module of this mesh's backend, that every `.local` belongs to: `numpy`, or `cupy`."""
-        from .collectives.placement import choose
         self._device, self._transport = choose(comm, self._backend, device, transport)
         if self.shape.rank:
             self._cart = comm.Create_cart(list(self.shape.sizes), [True] * self.shape.rank, reorder=False)
@@ -175,7 +176,6 @@ class Mesh(AbstractMesh):
     def collectives(self):
         """This mesh's collectives (the transport for its backend), made on first use."""
         if self._collectives is None:
-            from .collectives import make
             self._collectives = make(self)
         return self._collectives
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from .backend import as_dtype, check_dtype, to_host
+from .collectives.counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
@@ -72,7 +73,6 @@ class DistTensor:
         [[1. 1. 1.]
          [1. 1. 1.]]
         """
-        from .collectives.counters import paused
         layout = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
         head = f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, mesh {self.mesh.shape}"
         if getattr(self.mesh, "dry", False):

@@ -86,7 +86,8 @@ class Released:
 
 class Trace:
     """The ops recorded while the trace was open, in order; tensors used but not produced
-    inside it are its `inputs`."""
+    inside it are its `inputs`. `tr.gradients(ys, xs)` is `mm.gradients(ys, xs, tr)` (bound by
+    `mpimesh.autodiff`, which sits above this module)."""
 
     def __init__(self):
         self.ops: list[OpRecord] = []
@@ -115,11 +116,6 @@ class Trace:
         for tr in _open_traces + [self]:  # its id may be reused by a new tensor from now on
             tr._produced.discard(id(t))
             tr._seen.discard(id(t))
-
-    def gradients(self, ys, xs) -> list:
-        """Gradients of the sum of `ys` with respect to each of `xs` (see `mm.gradients`)."""
-        from .autodiff import gradients
-        return gradients(ys, xs, self)
 
     def __repr__(self) -> str:
         return "Trace(\n" + "\n".join(f"  {r!r}" for r in self.ops) + "\n)"

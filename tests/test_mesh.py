@@ -259,11 +259,14 @@ PACKAGE = Path(mm.__file__).resolve().parent
 
 
 def _module_imports(name: str) -> set[str]:
-    """The mpimesh modules that module `name` imports, at the top or inside functions (lazily)."""
+    """The mpimesh modules that module `name` imports, at the top or inside functions (lazily).
+    `from pkg import sub` of a submodule is an import of `pkg.sub` alone (pkg/__init__ runs first,
+    but what the module uses is the submodule); `from pkg import thing` is an import of pkg."""
     path = PACKAGE.joinpath(*name.split(".")[1:])
     is_pkg = path.is_dir()
     path = path / "__init__.py" if is_pkg else path.with_suffix(".py")
     package = name if is_pkg else name.rsplit(".", 1)[0]
+    known = _all_modules()
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -273,8 +276,10 @@ def _module_imports(name: str) -> set[str]:
             if node.level:
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{a.name}" for a in node.names)  # `from . import creation`
+            subs = {f"{base}.{a.name}" for a in node.names} & known  # `from . import creation`
+            if len(subs) < len(node.names):
+                out.add(base)
+            out.update(subs)
     return {m for m in out if m == "mpimesh" or m.startswith("mpimesh.")}
 
 
@@ -303,9 +308,9 @@ def module_closure(name: str) -> set[str]:
 
 
 def test_module_closure_sees_lazy_imports() -> None:
-    """The scan is not vacuous: it finds tensor.py's lazy import of the elementwise ops, and the
-    creation module's of the random ops."""
-    assert "mpimesh.ops.elementwise" in module_closure("mpimesh.tensor")
+    """The scan is not vacuous: it finds the collectives' function-local import of a transport,
+    and the creation module's imports of the random ops."""
+    assert "mpimesh.collectives.mpi" in module_closure("mpimesh.collectives")
     assert {"mpimesh.mesh", "mpimesh.ops.random", "mpimesh.tensor"} <= module_closure("mpimesh.creation")
 
 
@@ -319,3 +324,58 @@ def test_mesh_module_sits_below_the_op_layer() -> None:
     assert {"mpimesh.layout", "mpimesh.shape", "mpimesh.collectives"} <= closure
     for method in ("from_numpy", "zeros", "ones", "full", "random_normal", "random_uniform"):
         assert callable(getattr(mm.Mesh, method)) and getattr(mm.Mesh, method).__qualname__ == f"Mesh.{method}"
+
+
+def import_loops() -> list[list[str]]:
+    """The import loops of the package (strongly connected groups of modules, each module's
+    function-local imports included), the package's own `__init__` left out: it imports the
+    public API, and nothing inside imports it."""
+    mods = _all_modules() - {"mpimesh"}
+    graph = {m: _module_imports(m) & mods for m in mods}
+    order, low, on, stack, loops = {}, {}, set(), [], []
+
+    def visit(v):  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v] - {v}:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                loops.append(sorted(group))
+    for v in sorted(mods):
+        if v not in order:
+            visit(v)
+    return loops
+
+
+def test_the_package_has_no_import_loop() -> None:
+    """Layers import only downward, function-local imports included: the op record and dispatch,
+    then tensors, then the ops, then autodiff with its buckets, then optimizers and layers."""
+    assert import_loops() == []
+    below = {"mpimesh.trace": {"mpimesh.tensor", "mpimesh.autodiff", "mpimesh.buckets", "mpimesh.dryrun"},
+             "mpimesh.tensor": {"mpimesh.autodiff", "mpimesh.buckets", "mpimesh.ops.elementwise"},
+             "mpimesh.ops.einsum": {"mpimesh.autodiff", "mpimesh.buckets", "mpimesh.optim", "mpimesh.layers"},
+             "mpimesh.ops.elementwise": {"mpimesh.autodiff", "mpimesh.buckets", "mpimesh.ops.reduce"},
+             "mpimesh.autodiff": {"mpimesh.optim", "mpimesh.layers", "mpimesh.cost"}}
+    for module, above in below.items():
+        assert not module_closure(module) & above, (module, sorted(module_closure(module) & above))
+
+
+def test_the_loop_check_finds_a_loop(monkeypatch) -> None:
+    """The check is not vacuous: a function-local import of autodiff from trace is a loop."""
+    real = _module_imports
+    monkeypatch.setitem(globals(), "_module_imports",
+                        lambda name: real(name) | ({"mpimesh.autodiff"} if name == "mpimesh.trace" else set()))
+    assert any({"mpimesh.trace", "mpimesh.autodiff"} <= set(loop) for loop in import_loops())

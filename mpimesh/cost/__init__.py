@@ -1,7 +1,8 @@
 """Cost model and automatic layouts: price a step's op trace on a machine, search layout rules.
 
 - `Machine(flops, latency, bandwidth, memory, ...)`: hardware per rank; published ones `TPUV2`,
-  `TPUV3`, `H100_NVLINK` (sources in `mpimesh/cost/machine.py`); `calibrate(mesh)` measures one.
+  `TPUV3`, `H100_NVLINK` (sources in `mpimesh/cost/machine.py`); `calibrate(mesh)` measures one
+  (`mpimesh/cost/calibrate.py`).
 - `record(fn, args, mesh, rules)`: the step run dry (shapes only, `mpimesh.dryrun`), a `Recording`
   that can run itself again under other rules or mesh shapes.
 - `estimate(trace, rules, mesh_shape, machine)`: seconds (compute, communication) and bytes per rank.
@@ -16,7 +17,8 @@
 >>> e["collectives"], e["bytes_per_rank"] == 4096 * 64 * 4 * 2 + 4
 ({'allreduce/rows': {'calls': 1, 'elements': 1, 'bytes': 4}}, True)
 """
-from .machine import H100_NVLINK, TPUV2, TPUV3, Machine, calibrate, with_links
+from .calibrate import calibrate
+from .machine import H100_NVLINK, TPUV2, TPUV3, Machine, with_links
 from .model import ArgSpec, OpCost, Recording, collective_seconds, estimate, from_trace, op_seconds, record
 from .search import LayoutPlan, auto_layout
 

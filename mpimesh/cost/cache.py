@@ -27,7 +27,8 @@ from typing import Optional
 
 import numpy as np
 
-from .machine import Machine, calibrate
+from .calibrate import calibrate
+from .machine import Machine
 
 FORMAT = 1  # bump when what `calibrate` measures changes: older files are then ignored
 

@@ -16,10 +16,11 @@ import math
 from typing import Optional
 
 from ..backend import align
-from ..buckets import partial_for
 from ..errors import ShapeError
+from ..partials import partial_for
 from ..trace import dispatch
-from .elementwise import _gelu, _keeping, sum_to
+from .einsum import sum_to
+from .elementwise import _gelu, _keeping
 from .relayout import to_layout
 
 _C = math.sqrt(2.0 / math.pi)

@@ -26,16 +26,15 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import numpy as np
 import opt_einsum
 
-from ..backend import accumulation_dtype, is_low_precision, name, result_type
-from ..buckets import claim, partial_for
+from ..backend import accumulation_dtype, align, contiguous, is_low_precision, name, result_type
 from ..collectives import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
+from ..partials import claim, partial_for
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch
 from ..widen import tf32_math, widening_matmul
-from .elementwise import contiguous
 from .relayout import to_layout
 
 _LETTERS = string.ascii_letters
@@ -462,7 +461,6 @@ def _view_plan(shape: tuple, strides: Optional[tuple], batch: tuple, rows: tuple
 
 def _einsum_grad(op, dy):
     """d/dx_i is the einsum of dy with the other inputs, broadcast over dims only x_i had."""
-    from .reshape import broadcast
     grads = []
     for i, x in enumerate(op.inputs):
         if op.needs is not None and not op.needs[i]:
@@ -475,3 +473,35 @@ def _einsum_grad(op, dy):
             g = einsum([dy] + others, output_shape=keep)
         grads.append(g if keep == x.shape else broadcast(g, x.shape))
     return grads
+
+
+def sum_to(g, shape: Shape):
+    """The gradient `g` of a broadcast output summed back to an input's `shape` (an einsum).
+
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> sum_to(mesh.ones("a:2;b:3"), mm.Shape("b:3")).to_numpy().tolist()
+    [2.0, 2.0, 2.0]
+    """
+    if g is None or g.shape == shape:
+        return g
+    return einsum([g], output_shape=shape)
+
+
+def broadcast(x, new_shape: ShapeLike):
+    """x repeated along the dims of `new_shape` it lacks (and reordered as `new_shape`)."""
+    new = Shape(new_shape)
+    union_shape([new, x.shape], "broadcast")
+    missing = [n for n in x.shape.names if n not in new]
+    if missing:
+        raise ShapeError(f"broadcast: dims {missing} of {x.shape} are not in the target shape {new}")
+    dst = x.mesh.plan(new)
+    x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
+    sizes = local_sizes(new, x.mesh.shape, dst, x.mesh.coords)
+    xd, nd = x.shape.names, new.names
+
+    def lower(ctx, a):
+        return contiguous(ctx.xp, ctx.xp.broadcast_to(align(ctx.xp, a, xd, nd), sizes))
+    (y,) = dispatch("broadcast", [x], [(new, dst)], lower, {"shape": new},
+                    lambda op, dy: [sum_to(dy, op.inputs[0].shape)])
+    return y

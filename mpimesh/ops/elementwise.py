@@ -19,14 +19,16 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision  # noqa: F401 (einsum imports contiguous from here)
-from ..buckets import partial_for
+from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes, plan_layout
+from ..partials import partial_for
 from ..shape import Shape, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch
+from .einsum import sum_to
 from .relayout import to_layout
+from .reshape import transpose
 
 
 def _is_tensor(x) -> bool:
@@ -84,14 +86,6 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
 
 def _layout_for(x, out_shape: Shape, out_layout):
     return tuple(out_layout[out_shape.index(n)] for n in x.shape.names)
-
-
-def sum_to(g, shape: Shape):
-    """The gradient `g` of a broadcast output summed back to an input's `shape`."""
-    if g is None or g.shape == shape:
-        return g
-    from .reduce import reduce_sum
-    return reduce_sum(g, output_shape=shape)
 
 
 def _keeping(kernel: Callable, dtype) -> Callable:
@@ -285,12 +279,10 @@ def axpy(alpha, x, y):
     def rule(op, dz):
         need = op.needs or (True,) * len(op.inputs)
         yt = op.inputs[-1]
-        from .reshape import transpose
         gy = (dz if yt.shape == dz.shape else transpose(dz, yt.shape)) if need[-1] else None
         if scaled:
-            from .reduce import reduce_sum
             a, xt, _ = op.inputs
-            return [reduce_sum(dz * xt) if need[0] else None, dz * a if need[1] else None, gy]
+            return [sum_to(dz * xt, Shape(())) if need[0] else None, dz * a if need[1] else None, gy]
         return [dz * op.params["alpha"] if need[0] else None, gy]
     (z,) = dispatch("axpy", [alpha, x, y] if scaled else [x, y], [(x.shape, layout)], lower,
                     {} if scaled else {"alpha": alpha}, rule)

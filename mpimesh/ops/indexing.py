@@ -23,9 +23,10 @@ from functools import lru_cache
 import numpy as np
 
 from ..backend import as_dtype, is_float, name
-from ..buckets import partial_for
 from ..errors import MpimeshError, ShapeError
 from ..layout import TensorLayout, block_sizes, splitting
+from ..mesh import layout_scope
+from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
 from ..trace import dispatch
@@ -189,7 +190,6 @@ def _scatter_hot(indices, dim: Dimension, dtype):
     on a mesh dim that one of the indices dims takes too (a tensor uses a mesh dim once, e.g.
     "batch:all;vocab:all"); then `dim` stays whole in the one_hot and the einsum after it splits
     the result."""
-    from ..mesh import layout_scope
     mesh = indices.mesh
     rules = mesh.layout
     m = rules.mesh_dim(dim.name)

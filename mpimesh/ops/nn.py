@@ -29,11 +29,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import accumulation_dtype, align, finfo, is_float
-from ..buckets import partial_for
 from ..errors import ShapeError
 from ..layout import splitting
+from ..partials import partial_for
 from ..shape import dim_names
 from ..trace import dispatch
+from .einsum import sum_to
 from .relayout import to_layout
 
 MASK_VALUE = -1e9
@@ -145,7 +146,6 @@ def _normalize(name: str, log: bool, doc: str):
             dx = _normalize_grad(op.outputs[0], dy, axes, mdims, log, name)
             if len(op.inputs) == 1:
                 return [dx]
-            from .elementwise import sum_to
             with partial_for(op.inputs[1]):
                 db = sum_to(dx, op.inputs[1].shape) if (op.needs or (True, True))[1] else None
             return [dx, db]
@@ -181,15 +181,19 @@ def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
 
     def lower(ctx, out, g):
         xp = ctx.xp
+        if acc != dt:  # 16-bit floats: in float32 (the sums across ranks too), rounded once
+            out, g = out.astype(acc), g.astype(acc)
         if log:  # dy - exp(y) * sum(dy)
             s = xp.sum(g, axis=axes, keepdims=True)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
-            return g - xp.exp(out) * s
-        s = xp.sum(g * out, axis=axes, keepdims=True)  # y * (dy - sum(dy * y))
-        if mdims:
-            s = ctx.allreduce(s, mdims, "sum")
-        return out * (g - s)
+            dx = g - xp.exp(out) * s
+        else:
+            s = xp.sum(g * out, axis=axes, keepdims=True)  # y * (dy - sum(dy * y))
+            if mdims:
+                s = ctx.allreduce(s, mdims, "sum")
+            dx = out * (g - s)
+        return dx.astype(dt) if dx.dtype != dt else dx
     (dx,) = dispatch(f"{name}_grad", [y, dy], [(y.shape, y.tensor_layout)], lower, {"mesh_dims": mdims})
     return dx
 
@@ -225,7 +229,7 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
     out_layout = tuple(m for i, m in enumerate(layout) if i != axis)
     targets = to_layout(targets, tuple(layout[logits.shape.index(n)] for n in targets.shape.names))
     mdims = _mesh_dims(layout, (axis,), mesh.shape)
-    ld, td, shape = logits.shape.names, targets.shape.names, logits.shape
+    td, shape = targets.shape.names, logits.shape
     acc = accumulation_dtype(logits.dtype)
     od = out_shape.names
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 from ..backend import accumulation_dtype, align
-from ..buckets import partial_for
 from ..errors import ShapeError
 from ..layout import splitting
+from ..partials import partial_for
 from ..trace import dispatch
 from .einsum import einsum
 from .elementwise import cast

@@ -23,6 +23,7 @@ from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..trace import dispatch
 from .einsum import contraction_plan, einsum, renamed_reduced_dims
+from .elementwise import cast, equal, exp
 from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
 from .relayout import to_layout
 
@@ -58,7 +59,6 @@ def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, 
     out = output_shape_of(x, output_shape, reduced_dims)
     count = math.prod(d.size for d in x.shape if d.name not in out)
     if accumulation_dtype(x.dtype) != x.dtype:
-        from .elementwise import cast
         return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * (1.0 / count), x.dtype)
     return einsum([x], out) * (1.0 / count)
 
@@ -107,14 +107,12 @@ def _logsumexp(ctx, a, axes, mesh_dims):
 
 def _extreme_grad(op, dy):
     """Ties share the gradient equally."""
-    from .elementwise import cast, equal
     x, y = op.inputs[0], op.outputs[0]
     mask = cast(equal(x, y), dy.dtype)
     return [mask * (dy / reduce_sum(mask, output_shape=y.shape))]
 
 
 def _logsumexp_grad(op, dy):
-    from .elementwise import exp
     return [exp(op.inputs[0] - op.outputs[0]) * dy]
 
 

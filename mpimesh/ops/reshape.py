@@ -1,4 +1,4 @@
-"""Reshape, rename, transpose and broadcast.
+"""Reshape, rename and transpose (broadcast, the adjoint of a sum, is with einsum).
 
 A reshape that merges or splits dims moves no data when every split dim leads its group of
 merged/split dims and keeps its mesh dim, and its blocks hold the same elements before and after
@@ -18,12 +18,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from ..backend import align, contiguous
 from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
-from ..shape import Dimension, Shape, ShapeLike, union_shape
+from ..shape import Dimension, Shape, ShapeLike
 from ..trace import dispatch
-from .elementwise import sum_to
 from .relayout import to_layout
 
 
@@ -129,22 +127,4 @@ def transpose(x, new_shape: ShapeLike):
                     lambda op, dy: [transpose(dy, op.inputs[0].shape)])
     return y
 
-
-def broadcast(x, new_shape: ShapeLike):
-    """x repeated along the dims of `new_shape` it lacks (and reordered as `new_shape`)."""
-    new = Shape(new_shape)
-    union_shape([new, x.shape], "broadcast")
-    missing = [n for n in x.shape.names if n not in new]
-    if missing:
-        raise ShapeError(f"broadcast: dims {missing} of {x.shape} are not in the target shape {new}")
-    dst = x.mesh.plan(new)
-    x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
-    sizes = local_sizes(new, x.mesh.shape, dst, x.mesh.coords)
-    xd, nd = x.shape.names, new.names
-
-    def lower(ctx, a):
-        return contiguous(ctx.xp, ctx.xp.broadcast_to(align(ctx.xp, a, xd, nd), sizes))
-    (y,) = dispatch("broadcast", [x], [(new, dst)], lower, {"shape": new},
-                    lambda op, dy: [sum_to(dy, op.inputs[0].shape)])
-    return y
 

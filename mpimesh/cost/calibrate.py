@@ -1,0 +1,217 @@
+"""`calibrate(mesh)`: measure this mesh's `Machine` (see its docstring), in a few seconds.
+
+>>> import mpimesh as mm
+>>> m = calibrate(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF), seconds=0.3)
+>>> m.flops > 0 and m.op_overhead >= 0
+True
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from ..errors import MpimeshError
+from .machine import Machine
+from .model import estimate, record
+
+
+def _median(fn, reps: int, sync=lambda: None) -> float:
+    """The median seconds of `reps` calls of `fn`, after a warm-up call (the median, not the least:
+    on a node with more ranks than cores, a step runs at the shared rate, and so should this)."""
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
+    """Measure this mesh's `Machine` in a few seconds; every rank returns the same one.
+
+    Each rank times, on replicated tensors: a dense layer's `mm.einsum` ([2048, 256] x [256, 256]:
+    FLOP/s, beyond its fixed cost), a tiny `mm.einsum` (the fixed cost of an einsum), a tiny
+    training step (forward, `mm.gradients`, update: the fixed cost of any other op), a product
+    over a 16 MiB array with the mesh's array module (memory bandwidth: bytes in and out over the
+    time), a mid-size MLP training step ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
+    of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
+    call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
+    cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
+    2(k-1)/k of its bytes in the time beyond α). The ranks agree on the slowest rank's figure for
+    each (an allreduce max over the mesh). The MLP step is then priced with the compute figures,
+    and all of them are scaled by its measured time over that price (clipped to 0.5 to 4: what
+    the parts miss, e.g. the load of a shared node). `memory` is the host's (or the GPU's) free
+    memory over the ranks on it, at most.
+
+    Robustness: one untimed pass first (warm caches, allocators, sub-communicators), then `rounds`
+    timed passes of medians, each figure the median over the rounds; `seconds` bounds the whole,
+    roughly. The load is checked while it runs (processes running on this node besides the mesh's
+    ranks, from /proc/stat); a busy node is said in the machine's `name`, since its figures then
+    describe that load.
+
+    Collectives made here are not counted by an open `mm.profile`.
+    """
+    from ..collectives import counters
+    if not hasattr(mesh, "collectives") or getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
+        raise MpimeshError(f"calibrate needs a Mesh with processors, got {mesh!r} (give a Machine by hand instead)")
+    reps = max(3, int(seconds * 5 / max(1, rounds)))  # about seconds / 3 in all on one core
+    with counters.paused():
+        probe = _Probe(mesh)
+        probe.measure(1)  # the warm-up pass
+        busy = [_others_running(mesh)]
+        passes = []
+        for _ in range(max(1, rounds)):
+            passes.append(probe.measure(reps))
+            busy.append(_others_running(mesh))
+        values = np.median(np.asarray(passes), axis=0)
+        memory = _free_memory(mesh)
+    t_big, t_mem, t_op, t_einsum, t_ref = values[:5]
+    flops = 2 * math.prod(probe.big) / max(t_big - t_einsum, 1e-9)
+    mem_bw = 2 * probe.x.nbytes / t_mem
+    links = []
+    for i, d in enumerate(probe.dims):
+        alpha, t_large = max(values[5 + 2 * i], 1e-7), values[6 + 2 * i]
+        k = mesh.shape[d].size
+        moved = 2 * (k - 1) / k * 4 * (1 << 20)
+        links.append((d, alpha, moved / max(t_large - alpha, 1e-9)))
+    latency = max((a for _, a, _ in links), default=1e-6)
+    bandwidth = min((b for _, _, b in links), default=1e12)
+    parts = Machine(flops=flops, latency=latency, bandwidth=bandwidth, memory=memory, memory_bandwidth=mem_bw,
+                    op_overhead=t_op, einsum_overhead=t_einsum, links=tuple(links))
+    ref, ref_args = probe.ref
+    scale = min(4.0, max(0.5, t_ref / estimate(record(ref, ref_args, mesh.shape, ""), None, None, parts)["seconds"]))
+    others = float(np.median(busy))
+    load = f"; the node was busy: {others:.1f} other processes running" if others >= 1 else ""
+    return replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
+                   einsum_overhead=t_einsum * scale,
+                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, median of {len(passes)} "
+                        f"rounds; compute x{scale:.2f} from a reference step{load})")
+
+
+class _Probe:
+    """The tensors and timings of one calibration (see `calibrate`); `measure(reps)` is one pass."""
+
+    def __init__(self, mesh):
+        xp = mesh.xp
+        self.mesh, self.sync = mesh, _sync(xp)
+        self.big = (2048, 256, 256)  # a dense layer's matmul: [batch, d_in] x [d_in, d_out]
+        self.a = mesh.ones(f"calib_a:{self.big[0]};calib_b:{self.big[1]}", layout="")
+        self.b = mesh.ones(f"calib_b:{self.big[1]};calib_c:{self.big[2]}", layout="")
+        self.x = xp.ones(4 << 20, np.float32)
+        self.u, self.v = mesh.ones("calib_a:2;calib_b:3", layout=""), mesh.ones("calib_b:3;calib_c:2", layout="")
+        self.ref = _reference_step(mesh)
+        self.dims = [d.name for d in mesh.shape if d.size > 1]
+        self.p = mesh.ones("calib_a:512;calib_b:256", layout="")
+        self.q = mesh.ones("calib_b:256;calib_c:256", layout="")
+        self.one, self.many = xp.ones(1, np.float32), xp.ones(1 << 20, np.float32)
+
+    def measure(self, reps: int) -> np.ndarray:
+        """One pass: [t_big, t_mem, t_op, t_einsum, t_ref, (α time, β time) per mesh dim], the slowest
+        rank's each."""
+        from ..ops.einsum import einsum
+        mesh, sync, xp = self.mesh, self.sync, self.mesh.xp
+        t_big = _median(lambda: einsum([self.a, self.b]), reps, sync)
+        t_mem = _median(lambda: self.x * np.float32(1.5), reps, sync)
+        t_einsum = _median(lambda: einsum([self.u, self.v]), 20 * reps)
+        t_op = _tiny_step_overhead(self.u, self.v, t_einsum, 5 * reps)
+        ref, ref_args = self.ref
+        t_ref = _median(lambda: ref(*ref_args), reps, sync)
+        values = [t_big, t_mem, t_op, t_einsum, t_ref]
+        for d in self.dims:  # α: an allreduce after a burst of compute (ranks arrive as in a step), less the burst
+            burst = _median(lambda: einsum([self.p, self.q]), 2 * reps, sync)
+            values.append(max(0.0, _median(lambda: (einsum([self.p, self.q]),
+                                                    mesh.collectives.allreduce(self.one, [d])), 2 * reps, sync) - burst))
+            values.append(_median(lambda: mesh.collectives.allreduce(self.many, [d]), reps))
+        values = np.asarray(values, np.float64)
+        if mesh.size > 1:  # the slowest rank's figures, the same on every rank
+            values = np.asarray(_to_host(mesh.collectives.allreduce(xp.asarray(values), list(mesh.shape.names), "max")))
+        return values
+
+
+def _others_running(mesh) -> float:
+    """Processes running on this node now besides the mesh's ranks on it (`procs_running` of
+    /proc/stat, which counts this rank too), the most over the mesh's ranks; 0 where /proc is missing."""
+    try:
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+    except (OSError, StopIteration, ValueError):
+        running = 0
+    from .. import threads
+    others = max(0.0, running - (threads.settings()["local_ranks"] or 1)) if running else 0.0
+    if mesh.size > 1:
+        others = float(_to_host(mesh.collectives.allreduce(np.array([others]), list(mesh.shape.names), "max"))[0])
+    return others
+
+
+def _reference_step(mesh):
+    """A replicated two-layer MLP training step of mid-size tensors: `(step, args)`."""
+    from ..autodiff import gradients
+    from ..ops.einsum import einsum
+    from ..ops.elementwise import relu, square, subtract
+    from ..ops.reduce import reduce_sum
+    from ..trace import trace
+
+    def step(x, w1, w2):
+        with trace():
+            y = einsum([relu(einsum([x, w1])), w2])
+            g1, g2 = gradients([reduce_sum(square(y - x))], [w1, w2])
+            return subtract(w1, g1 * 0.01), subtract(w2, g2 * 0.01)
+    return step, (mesh.ones("calib_a:512;calib_b:256", layout=""), mesh.ones("calib_b:256;calib_c:512", layout=""),
+                  mesh.ones("calib_c:512;calib_b:256", layout=""))
+
+
+def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:
+    """Seconds per op other than einsum of a tiny training step (forward, `mm.gradients`, update):
+    the fixed cost of an op in a step, autodiff's bookkeeping and the trace included."""
+    from ..autodiff import gradients
+    from ..ops.einsum import einsum
+    from ..ops.elementwise import subtract, tanh
+    from ..ops.reduce import reduce_sum
+    from ..trace import trace
+
+    def step():
+        with trace() as tr:
+            y = tanh(einsum([x, w]))
+            loss = reduce_sum(y * y)
+            (g,) = gradients([loss], [w])
+            subtract(w, g * 0.1)
+        return tr
+    ops = step().ops
+    n_einsum = sum(op.name == "einsum" for op in ops)
+    return max(0.0, (_median(step, reps) - n_einsum * t_einsum) / max(1, len(ops) - n_einsum))
+
+
+def _sync(xp):
+    if xp.__name__.split(".")[0] == "cupy":
+        return lambda: xp.cuda.Stream.null.synchronize()
+    return lambda: None
+
+
+def _to_host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def _free_memory(mesh) -> float:
+    """Bytes each rank may use: the GPU's free memory, else the host's available memory over the
+    ranks of this node (`MemAvailable`; 16 GiB where /proc is missing). The minimum over ranks."""
+    from mpi4py import MPI
+    if mesh.backend == "cupy":
+        free = float(mesh.xp.cuda.runtime.memGetInfo()[0])
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+        except (OSError, StopIteration):
+            avail = 16 * 2**30
+        node = mesh.comm_for(mesh.shape.names).Split_type(MPI.COMM_TYPE_SHARED) if mesh.size > 1 else None
+        free = avail / (node.Get_size() if node is not None else 1)
+        if node is not None:
+            node.Free()
+    comm = mesh.comm_for(mesh.shape.names)
+    return float(comm.allreduce(free, op=MPI.MIN))

@@ -1,0 +1,38 @@
+"""Which einsum may leave its sum over mesh dims to a gradient bucket: the hook between the ops and
+`mpimesh.buckets` (which sits above them).
+
+A gradient rule wraps the one einsum that makes a leaf's gradient in `partial_for(leaf)`; the
+einsum asks `claim()`: a `Bucketer` (an `mm.gradients` walk in progress that buckets that leaf) to
+hand its local sums to, or None. Buckets register their walk with `active`.
+
+>>> with partial_for(None):
+...     claim() is None
+True
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+active: list = []  # the Bucketer of each `mm.gradients` walk in progress, innermost last
+_claims: list = []  # per `partial_for` block: the Bucketer its einsum may defer to, or None
+
+
+@contextmanager
+def partial_for(x) -> Iterator[None]:
+    """Around a gradient rule's one einsum whose result is `x`'s gradient itself: where `x` is a leaf
+    of a bucketed `mm.gradients` walk, that einsum's sum over mesh dims is left to a bucket."""
+    b = active[-1] if active else None
+    _claims.append(b if b is not None and x is not None and id(x) in b.leaves else None)
+    try:
+        yield
+    finally:
+        _claims.pop()
+
+
+def claim() -> Optional[object]:
+    """For an einsum: the Bucketer its allreduce may be left to (once per `partial_for` block), or None."""
+    if not _claims or _claims[-1] is None:
+        return None
+    b, _claims[-1] = _claims[-1], None
+    return b
