@@ -245,7 +245,7 @@ def main(argv=None) -> None:
         f"{1 - tv.mean():.4f})")
     with mm.profile() as prof:
         train_step(params, opt, state, x, t)
-    comm = {k: v for k, v in prof.counters.items() if k != "flops"}
+    comm = prof.transfers
     say(f"step time median {np.median(times[1:] or times) * 1e3:.1f} ms; one step on rank 0: "
         f"{prof.counters.get('flops', {}).get('flops', 0) / 1e9:.2f} GFLOP, "
         + ", ".join(f"{k} {v['calls']} calls {v['bytes']} B" for k, v in sorted(comm.items())))

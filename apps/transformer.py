@@ -695,7 +695,7 @@ def main(argv=None) -> None:
             with mm.profile() as prof:
                 params, opt_state, loss = train_step(params, opt_state, batch, layers.subseed(args.seed, f"step{step}"))
                 loss_value = float(loss)
-            sent = sum(v["bytes"] for k, v in prof.counters.items() if k != "flops")
+            sent = sum(v["bytes"] for v in prof.transfers.values())
             acc += [time.perf_counter() - t0, timer.seconds - c0, sent, loss_value, 1]
             step_times.append(time.perf_counter() - t0)
             if predicted and len(step_times) == min(20, args.steps - start):

@@ -84,7 +84,7 @@ def main() -> None:
     print("\nhost time per op on tiny tensors, 1 rank (best of 7 loops)")
     print(table(("op", "numpy us", "mpimesh us", "traced us", "mpimesh / numpy"), rows))
     ops = step_ops()
-    print(f"\nops per Transformer training step (benchmarks/gpu.py's configuration, Adam): "
+    print("\nops per Transformer training step (benchmarks/gpu.py's configuration, Adam): "
           + ", ".join(f"{n} in {d}" for d, n in ops.items()))
     verdicts.append(verdict("ops per step at most 700", max(ops.values()) <= 700, str(ops)))
     print("\n".join(verdicts))

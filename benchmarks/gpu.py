@@ -19,8 +19,10 @@ activations over float32 parameters, PyTorch's `torch.autocast`; TF32 on, which 
 values exactly wherever mpimesh contracts them as float32). Step times: medians of `--steps`,
 the two sides interleaved, the GPU synchronised after each. MFU: benchmarks/transformer.py's
 `model_flops` / step time / the best n^3 matmul rate of CuPy and PyTorch (PyTorch's alone in bf16)
-in the same precision and process. Peak memory of one step: CuPy's pool (`mm.profile().peak_bytes
-["gpu"]`, cached blocks included) against `torch.cuda.max_memory_allocated()`. Bars on one H100: step time at most 1.0x
+in the same precision and process. Peak memory of one step: the most bytes CuPy's pool handed out
+(`mm.profile().peak_bytes["gpu"]`, parameters and optimiser state included, cached blocks not)
+against `torch.cuda.max_memory_allocated()`; the pools' totals, cached blocks included
+(`peak_bytes["gpu_cached"]`, `torch.cuda.max_memory_reserved()`), are printed beside. Bars on one H100: step time at most 1.0x
 PyTorch's in fp32, 1.3x in tf32 and bf16; peak memory at most 1.2x in fp32 and tf32.
 `--attention sdpa` gives PyTorch its fused attention instead of mpimesh's written-out one.
 `--device cpu` (`--size tiny`; the default without a GPU) runs the same checks, steps and table on
@@ -254,8 +256,9 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
         torch_peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     mm_peak = prof.peak_bytes["gpu" if gpu else "arrays"]
     say(f"step (median of {args.steps}): mpimesh {times['mpimesh'][1] * 1e3:.1f} ms, torch "
-        f"{times['torch'][1] * 1e3:.1f} ms; peak memory mpimesh {mib(mm_peak)}, torch "
-        + (f"{mib(torch_peak)} allocated, {mib(reserved)} reserved" if gpu else "n/a"))
+        f"{times['torch'][1] * 1e3:.1f} ms; peak memory mpimesh {mib(mm_peak)}"
+        + (f" allocated, {mib(prof.peak_bytes['gpu_cached'])} in its pool; torch {mib(torch_peak)} "
+           f"allocated, {mib(reserved)} reserved" if gpu else ", torch n/a"))
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
             "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
             "profile": profile_step(mm_issue, syncs["mpimesh"], gpu) if args.profile else None}

@@ -525,7 +525,7 @@ def run_case(case: Case, mesh: mm.Mesh, repeat: int, warmup: int) -> dict:
             t_min, t_med = timeit(step, repeat=repeat, warmup=warmup, comm=mesh.comm_for(mesh.shape.names))
     finally:
         mm.set_bucket_bytes(saved)
-    comm = {k: v for k, v in prof.counters.items() if k != "flops"}
+    comm = prof.transfers
     measured = mesh.comm_for(mesh.shape.names).allreduce(sum(v["bytes"] for v in comm.values()), op=mm.MPI.MAX)
     formula = wl.formula(mesh, case.rules, case.sizes)
     return {"workload": case.workload, "mode": case.mode, "layout": case.layout, "rules": case.rules or "[]",

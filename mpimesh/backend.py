@@ -165,6 +165,37 @@ def use_device(index: int) -> None:
     importlib.import_module("cupy").cuda.Device(index).use()
 
 
+_pool_caps: dict = {}  # device index -> the cap this module put on its CuPy pool
+
+
+def cap_gpu_pool(device: int, sharing: int) -> Optional[int]:
+    """Cap this process's CuPy memory pool on GPU `device` at `MPIMESH_GPU_MEMORY_FRACTION` (default
+    0.9) of the GPU's memory, split evenly among the `sharing` ranks that drive it (the mesh counts
+    them). Past the cap CuPy frees the pool's cached blocks before it asks CUDA for more (and only
+    then raises OutOfMemoryError), so a long job's cache cannot crowd out a rank sharing its GPU.
+    A cap the user set (`pool.set_limit`) is kept, and so is the first cap of each device; `0` or
+    `off`: no cap. Returns the cap in bytes, None for none."""
+    raw = os.environ.get("MPIMESH_GPU_MEMORY_FRACTION", "0.9").strip().lower()
+    try:
+        fraction = 0.0 if raw in ("off", "none") else float(raw)
+    except ValueError:
+        fraction = -1.0
+    if not 0.0 <= fraction <= 1.0:
+        raise MpimeshError(f"MPIMESH_GPU_MEMORY_FRACTION={raw!r}: give a fraction of the GPU's memory in "
+                           f"(0, 1], or 0 / off for no cap")
+    if device in _pool_caps or fraction == 0.0:
+        return _pool_caps.get(device)
+    cp = importlib.import_module("cupy")
+    pool = cp.get_default_memory_pool()
+    with cp.cuda.Device(device):  # the pool's limit and the memory are the current device's
+        if pool.get_limit():
+            return int(pool.get_limit())  # the user's own
+        _, total = cp.cuda.runtime.memGetInfo()
+        cap = _pool_caps[device] = int(total * fraction / max(1, sharing))
+        pool.set_limit(size=cap)
+    return cap
+
+
 def to_host(array) -> np.ndarray:
     """A numpy copy-or-view of an array of any backend (a GPU array's copy counts as `"d2h"`)."""
     if isinstance(array, np.ndarray):
@@ -266,67 +297,6 @@ def as_dtype(dtype) -> np.dtype:
     except (TypeError, ValueError, SyntaxError) as e:  # SyntaxError: numpy's parser of comma strings
         raise DTypeError(f"cannot read {dtype!r} as a dtype ({e}): give a dtype such as 'float32'") from None
     return check_dtype(dt, f"dtype {dtype!r}").newbyteorder("=")  # '>i2' is int16: kernels compute natively
-
-
-def memory_mark(arrays: bool = False) -> dict:
-    """Start measuring peak memory; returns the marks for `memory_peak`. Host: the process's
-    resident-set high-water mark (`VmHWM`), reset through `/proc/self/clear_refs` where Linux allows
-    it (the allocator may keep freed memory, so this can stay high). `arrays`: also the peak of
-    live Python allocations, numpy's arrays included, by `tracemalloc` (exact, but it slows
-    allocation while it runs). GPU (once CuPy is in use): the default memory pool, emptied of cached
-    blocks, whose size then grows to the block's high-water mark."""
-    marks = {"host": _host_peak(reset=True)}
-    if arrays:
-        import tracemalloc
-        if not tracemalloc.is_tracing():
-            tracemalloc.start()
-            marks["started"] = True
-        tracemalloc.reset_peak()
-        marks["arrays"] = 0
-    cp = _cupy_in_use()
-    if cp is not None:
-        pool = cp.get_default_memory_pool()
-        pool.free_all_blocks()
-        marks["gpu"] = pool.total_bytes()
-    return marks
-
-
-def memory_peak(marks: dict) -> dict:
-    """`{"host": bytes[, "gpu": bytes]}`: the peaks since `memory_mark`."""
-    out = {"host": _host_peak(reset=False)}
-    if "arrays" in marks:
-        import tracemalloc
-        out["arrays"] = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
-    cp = _cupy_in_use()
-    if cp is not None and "gpu" in marks:
-        out["gpu"] = int(cp.get_default_memory_pool().total_bytes())
-    return out
-
-
-def memory_done(marks: dict) -> None:
-    """Stop what `memory_mark` started."""
-    if marks.get("started"):
-        import tracemalloc
-        tracemalloc.stop()
-
-
-def _cupy_in_use():
-    import sys
-    return sys.modules.get("cupy")
-
-
-def _host_peak(reset: bool) -> int:
-    """The resident-set high-water mark in bytes (after resetting it, when asked and allowed)."""
-    try:
-        if reset:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError):
-        import resource
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def contiguous(xp, a):

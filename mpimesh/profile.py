@@ -9,6 +9,9 @@
 """
 from __future__ import annotations
 
+import resource
+import sys
+import tracemalloc
 from contextlib import contextmanager
 from itertools import product
 from typing import Iterator
@@ -24,8 +27,9 @@ class Profile:
     `counters["d2h"]` and `["h2d"]` count copies between GPU and host made by ops (a staged
     transport's copies are `"d2h/<mesh dims>"`, `"h2d/<mesh dims>"`). `peak_bytes` is this rank's
     peak memory during the block, once it has ended: `{"host": ...}` (resident set), `"arrays"`
-    (live allocations, numpy's included; with `profile(memory=True)`), and `"gpu"` (CuPy's memory
-    pool) where CuPy is in use.
+    (live allocations, numpy's included; with `profile(memory=True)`), and where CuPy is in use
+    `"gpu"` (the high-water mark of the bytes its memory pool handed out: used, not cached) and
+    `"gpu_cached"` (the pool's total, cached blocks included).
 
     `overlap` sums the non-blocking collectives that completed in the block (the buckets of
     `mm.gradients`): `{"requests", "seconds", "exposed", "hidden"}`, where seconds is the time from
@@ -39,6 +43,12 @@ class Profile:
         self.counters = data
         self.overlap: dict = getattr(data, "overlap", {"requests": 0, "seconds": 0.0, "exposed": 0.0, "hidden": 0.0})
         self.peak_bytes: dict = {}
+
+    @property
+    def transfers(self) -> dict:
+        """The counters of transfers only (collectives, host-device copies): not `"flops"`, nor
+        `"copies"` (arrays copied on a rank to change their memory order)."""
+        return counters.traffic(self.counters)
 
     def elements(self, kind: str = "allreduce") -> int:
         """Total elements this rank fed to collectives of `kind`."""
@@ -75,14 +85,105 @@ def _human(n: int) -> str:
 _open_peaks: list[dict] = []  # the running peaks of the profiles open now, outermost first
 
 
+def _memory_mark(arrays: bool = False) -> dict:
+    """Start measuring peak memory; returns the marks for `_memory_peak`. Host: the process's
+    resident-set high-water mark (`VmHWM`), reset through `/proc/self/clear_refs` where Linux allows
+    it (the allocator may keep freed memory, so this can stay high). `arrays`: also the peak of
+    live Python allocations, numpy's arrays included, by `tracemalloc` (exact, but it slows
+    allocation while it runs). GPU (once CuPy is in use): the high-water mark of the bytes CuPy's
+    memory pool hands out (`_UsedPeak`, a CuPy memory hook; comparable to PyTorch's
+    `max_memory_allocated`), and the pool's total, cached blocks included."""
+    marks = {"host": _host_peak(reset=True)}
+    if arrays:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+            marks["started"] = True
+        tracemalloc.reset_peak()
+        marks["arrays"] = 0
+    cp = sys.modules.get("cupy")
+    if cp is not None:
+        marks["gpu"] = _UsedPeak.start(cp)
+    return marks
+
+
+def _memory_peak(marks: dict) -> dict:
+    """`{"host": bytes[, "arrays": bytes][, "gpu": used bytes, "gpu_cached": pool bytes]}`: the
+    peaks since `_memory_mark`."""
+    out = {"host": _host_peak(reset=False)}
+    if "arrays" in marks:
+        out["arrays"] = tracemalloc.get_traced_memory()[1] if tracemalloc.is_tracing() else 0
+    if "gpu" in marks:
+        out["gpu"] = marks["gpu"].peak
+        out["gpu_cached"] = int(marks["gpu"].pool.total_bytes())
+    return out
+
+
+def _memory_done(marks: dict) -> None:
+    """Stop what `_memory_mark` started."""
+    if marks.get("started"):
+        tracemalloc.stop()
+    if "gpu" in marks:
+        marks["gpu"].stop()
+
+
+class _UsedPeak:
+    """The high-water mark of the bytes CuPy's default memory pool hands out while it is on: a
+    memory hook (`cupy.cuda.MemoryHook`) adding each allocation's size and taking each free's off,
+    from the pool's `used_bytes` when it starts. Made by `start`, which builds the hook class once
+    (CuPy is imported only where it is already in use). CuPy's hooks are per thread and by name:
+    each mark has its own name, so profiles nest; allocations by other threads are not seen."""
+
+    _hook_class = None
+
+    @classmethod
+    def start(cls, cp) -> "_UsedPeak":
+        if cls._hook_class is None:
+            class Hook(cp.cuda.MemoryHook):
+                def __init__(self, used: int):
+                    self.name = f"mpimesh_used_peak_{id(self)}"
+                    self.used = self.peak = used
+
+                def malloc_postprocess(self, **kw):
+                    self.used += kw["mem_size"]
+                    self.peak = max(self.peak, self.used)
+
+                def free_postprocess(self, **kw):
+                    self.used -= kw["mem_size"]
+            cls._hook_class = Hook
+        mark = cls()
+        mark.pool = cp.get_default_memory_pool()
+        mark.hook = cls._hook_class(int(mark.pool.used_bytes()))
+        mark.hook.__enter__()
+        return mark
+
+    @property
+    def peak(self) -> int:
+        return int(self.hook.peak)
+
+    def stop(self) -> None:
+        self.hook.__exit__(None, None, None)
+
+
+def _host_peak(reset: bool) -> int:
+    """The resident-set high-water mark in bytes (after resetting it, when asked and allowed)."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 @contextmanager
 def profile(memory: bool = False) -> Iterator[Profile]:
     """Count the collectives and local compute this rank runs inside the block, and its peak memory
     (`memory=True`: also the exact peak of live arrays, at some cost in speed)."""
-    from .backend import memory_done, memory_mark, memory_peak
     for running in _open_peaks:  # an inner profile resets the high-water marks: fold them in first
-        _fold(running, memory_peak(running["marks"]))
-    running = {"marks": memory_mark(memory or any("arrays" in r["marks"] for r in _open_peaks)), "peak": {}}
+        _fold(running, _memory_peak(running["marks"]))
+    running = {"marks": _memory_mark(memory or any("arrays" in r["marks"] for r in _open_peaks)), "peak": {}}
     _open_peaks.append(running)
     prof = None
     try:
@@ -91,8 +192,8 @@ def profile(memory: bool = False) -> Iterator[Profile]:
             yield prof
     finally:
         _open_peaks.remove(running)
-        _fold(running, memory_peak(running["marks"]))
-        memory_done(running["marks"])
+        _fold(running, _memory_peak(running["marks"]))
+        _memory_done(running["marks"])
         if prof is not None:
             prof.peak_bytes = running["peak"]
 

@@ -128,7 +128,7 @@ def local_size(mesh: mm.Mesh, sizes: dict, layout: dict) -> int:
 
 def collectives(prof) -> dict:
     """The profile's collective counters (everything but flops and copies)."""
-    return {k: v for k, v in prof.counters.items() if k not in ("flops", "copies")}
+    return prof.transfers
 
 
 class Errors(list):

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import TRANSPORT_MODES, mesh_shapes, transport_mesh  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.collectives import counters  # noqa: E402
 from mpimesh.errors import MpimeshError  # noqa: E402
 from mpimesh.layout import block_sizes  # noqa: E402
 
@@ -55,7 +56,7 @@ def counted(run) -> tuple:
     """`run()`'s result and the profile's collective counters."""
     with mm.profile() as prof:
         got = run()
-    return got, {k: v for k, v in prof.counters.items() if k != "flops"}
+    return got, counters.traffic(prof.counters)
 
 
 def check_into(out, run_out, run_plain, want, x=None) -> None:

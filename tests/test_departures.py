@@ -8,7 +8,6 @@ job prints is one paragraph per rank, not a traceback.
 """
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

@@ -53,28 +53,36 @@ OPTIMIZERS = {
 }
 
 
+def both_ways(mesh, which: str, dtype: str, steps: int = 3):
+    """Optimizer `which` over SHAPES' parameters, fused and op by op from the same start, for
+    `steps` steps: yields `(step, slot names, (params, state) fused, (params, state) op by op, the
+    fused step's trace)`."""
+    fused = OPTIMIZERS[which]()
+    plain = unfused(fused)
+    p1, _ = params_and_grads(mesh, dtype, 0)
+    p2 = dict(p1)
+    s1, s2 = fused.init(p1), plain.init(p2)
+    for step in range(steps):
+        _, grads = params_and_grads(mesh, dtype, step + 1)
+        with mm.trace() as tr:
+            p1, s1 = fused.update(p1, grads, s1)
+        p2, s2 = plain.update(p2, grads, s2)
+        yield step, fused.slot_names, (p1, s1), (p2, s2), tr
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
 @pytest.mark.parametrize("which", sorted(OPTIMIZERS))
 def test_fused_update_equals_the_unfused_composition(shape, dtype, which):
     mesh = get_mesh(shape)
-    fused = OPTIMIZERS[which]()
-    plain = unfused(fused)
-    p1, _ = params_and_grads(mesh, dtype, 0)
-    p2 = dict(p1)
-    s1, s2 = fused.init(p1), plain.init(p2)
-    for step in range(3):
-        _, grads = params_and_grads(mesh, dtype, step + 1)
-        with mm.trace() as tr:
-            p1, s1 = fused.update(p1, grads, s1)
-        p2, s2 = plain.update(p2, grads, s2)
+    for step, slot_names, (p1, s1), (p2, s2), tr in both_ways(mesh, which, dtype):
         assert sum(op.name.endswith("_update") for op in tr.ops) == 1  # one op for every parameter
         for name in SHAPES:
             a, b = p1[name], p2[name]
             assert a.dtype == b.dtype and a.tensor_layout == b.tensor_layout
             assert a.local.tobytes() == b.local.tobytes(), (which, dtype, name, step)
-            for slot in fused.slot_names:
+            for slot in slot_names:
                 x, y = s1[slot][name], s2[slot][name]
                 assert x.dtype == y.dtype and x.tensor_layout == y.tensor_layout
                 assert x.local.tobytes() == y.local.tobytes(), (which, dtype, name, slot, step)

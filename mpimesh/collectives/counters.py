@@ -59,6 +59,16 @@ def reduction_bytes(elements: int, itemsize: int, result_itemsize: int) -> int:
     return elements * (itemsize + result_itemsize) // 2
 
 
+def traffic(counts) -> dict:
+    """The entries of `counts` that are transfers (collectives, host-device copies): all but
+    `"flops"` and `"copies"` (arrays copied on this rank to change memory order).
+
+    >>> traffic({"allreduce/x": {"calls": 1}, "flops": {"calls": 2}, "copies": {"calls": 3}})
+    {'allreduce/x': {'calls': 1}}
+    """
+    return {k: v for k, v in counts.items() if k not in ("flops", "copies")}
+
+
 def record_flops(flops: int) -> None:
     """Count one local compute kernel of `flops` floating-point operations."""
     for counters in _open:

@@ -1,7 +1,8 @@
 """Which GPU a rank drives and which transport a mesh uses, decided the same way on every rank.
 
 - device: this rank's index among the ranks on its node (`Split_type(COMM_TYPE_SHARED)`), modulo
-  the GPUs it can see, unless given.
+  the GPUs it can see, unless given; its CuPy memory pool is capped at a share of that GPU
+  (`backend.cap_gpu_pool`: 0.9 of its memory split among the mesh's ranks that drive it).
 - transport (`None`: automatic): `"nccl"` when every rank of the mesh has a GPU of its own and CuPy
   has NCCL; else `"mpi"` when the MPI library says it reads GPU memory (`MPIX_Query_cuda_support`,
   or `MPIMESH_CUDA_AWARE_MPI=1` to force it, `=0` to deny it); else `"staged"`. The numpy backend
@@ -66,7 +67,7 @@ def choose(comm: MPI.Comm, backend: str, device: Optional[int], transport: Optio
         if device is not None:
             raise MeshError(f"device={device!r} needs backend='cupy'")
         return None, transport or "mpi"
-    from ..backend import device_count, use_device
+    from ..backend import cap_gpu_pool, device_count, use_device
     count = device_count()
     index, _ = node_rank(comm)
     if device is None:
@@ -76,6 +77,7 @@ def choose(comm: MPI.Comm, backend: str, device: Optional[int], transport: Optio
     use_device(int(device))
     placed = comm.allgather((socket.gethostname(), int(device)))
     shared = len(set(placed)) < len(placed)
+    cap_gpu_pool(int(device), placed.count(placed[comm.Get_rank()]))
     if transport in (None, "nccl"):
         try:
             from .nccl import nccl_module

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..backend import is_low_precision
+from ..collectives import counters
 from ..errors import MpimeshError
 from ..layout import LayoutRules
 from ..shape import Shape
@@ -322,7 +323,6 @@ def record(fn, args, mesh, rules=None) -> Recording:
     >>> [op.name for op in rec.ops], rec.collectives["allreduce/rows"]["calls"], rec.state_bytes
     (['einsum', 'tanh', 'einsum'], 1, 96)
     """
-    from ..collectives import counters
     from ..dryrun import DryMesh, placeholder
     from ..mesh import layout_scope
     from ..trace import _open_traces
@@ -350,7 +350,7 @@ def record(fn, args, mesh, rules=None) -> Recording:
         finally:
             _open_traces.remove(tr)
     rec.activation_bytes = tr.finish(out)
-    rec.collectives = {k: dict(v) for k, v in counts.items() if k != "flops"}
+    rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
 
 
@@ -360,7 +360,6 @@ def from_trace(trace) -> Recording:
     collectives; FLOPs of einsums from their subscripts (other ops' FLOPs are not known here);
     outputs held by the trace to its end, those autodiff released to their last use. Bucketed
     gradient sums count as one allreduce each (their "psum" ops), not one per bucket."""
-    from ..collectives import counters
     from ..dryrun import DryMesh, evaluate, shaped
     from ..trace import Released
     if not trace.ops:
@@ -399,7 +398,7 @@ def from_trace(trace) -> Recording:
         if not isinstance(held.get(t_id), Released):
             life.spans[j][1] = len(trace.ops) - 1
     rec.activation_bytes = life.peak(len(trace.ops))
-    rec.collectives = {k: dict(v) for k, v in counts.items() if k != "flops"}
+    rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
 
 

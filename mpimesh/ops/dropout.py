@@ -4,6 +4,10 @@ Whether element i of the global tensor is kept is a hash of (seed, i) (the count
 `ops/random.py`), so for the same seed and shape the mask is the same on 1 rank or 8, under any
 layout, and each rank computes only its own slice of it: no communication.
 
+On CuPy the op is one kernel (`DROPOUT_SOURCE`, float16/32/64): each element's global index from
+its local one, the hash, the mask and the scale, with nothing written but the output; elsewhere
+(and for bfloat16) the numpy expressions below.
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> y = mm.dropout(mesh.ones("a:1000"), 0.25, seed=3).to_numpy()
@@ -14,12 +18,43 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+
+from ..backend import name
 from ..errors import MpimeshError
 from ..trace import dispatch
-from .random import check_seed, global_index, uniform01
+from .random import check_seed, global_index, hash_key, index_terms, uniform01
 from .relayout import to_layout
 
 _STREAM = 0x44524F50  # "DROP": a stream of the hash that random_uniform/random_normal do not use
+
+DROPOUT_SOURCE = """
+    unsigned long long rest = i, g = 0;
+    for (int a = rank - 1; a >= 0; --a) {       // the global flat index, from the local one
+        unsigned long long c = rest % sizes[a];
+        rest /= sizes[a];
+        g += (c + starts[a]) * strides[a];
+    }
+    unsigned long long z = g * 0x9E3779B97F4A7C15ULL + key;   // ops/random.py's uniform01
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    y = (double)(z >> 11) * (1.0 / 9007199254740992.0) >= rate ? (T)(x * scale) : (T)0;
+"""
+"""The CuPy kernel of `dropout`: the numpy lowering's hash, mask and scale in one pass."""
+DROPOUT_PARAMS = ("T x, raw uint64 sizes, raw uint64 starts, raw uint64 strides, int32 rank, uint64 key, "
+                  "float64 rate, T scale", "T y")
+_KERNEL_DTYPES = ("float16", "float32", "float64")
+_cuda: dict = {}
+
+
+def _masked(xp, a, rate: float, scale: float, seed: int, starts: list, strides: list):
+    """`DROPOUT_SOURCE` on the local block `a` (compiled on first use; its index terms are tiny
+    device arrays)."""
+    if "kernel" not in _cuda:
+        _cuda["kernel"] = xp.ElementwiseKernel(*DROPOUT_PARAMS, DROPOUT_SOURCE, "mpimesh_dropout")
+    terms = [xp.asarray(np.asarray(v, dtype=np.uint64)) for v in (a.shape, starts, strides)]
+    return _cuda["kernel"](a, *terms, np.int32(a.ndim), hash_key(seed, _STREAM), rate, a.dtype.type(scale))
 
 
 def dropout(x, rate: float, seed: int):
@@ -42,7 +77,10 @@ def dropout(x, rate: float, seed: int):
 
     def lower(ctx, a):
         xp = ctx.xp
-        index = global_index(xp, shape, mesh_shape, layout, {m: ctx.coord(m) for m in split}, a.shape)
+        coords = {m: ctx.coord(m) for m in split}
+        if name(xp) == "cupy" and a.dtype.name in _KERNEL_DTYPES:
+            return _masked(xp, a, rate, scale, seed, *index_terms(shape, mesh_shape, layout, coords))
+        index = global_index(xp, shape, mesh_shape, layout, coords, a.shape)
         keep = uniform01(xp, index, seed, _STREAM) >= rate
         return xp.where(keep, a * scale, xp.zeros((), dtype=a.dtype)).astype(a.dtype)
 

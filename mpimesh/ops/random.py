@@ -40,7 +40,8 @@ def _mix(z):
     return z ^ (z >> np.uint64(31))
 
 
-def _key(seed: int, stream: int) -> np.uint64:
+def hash_key(seed: int, stream: int) -> np.uint64:
+    """The hash's key for `seed` and `stream` (added to each scaled index before mixing)."""
     z = np.array([(seed * 0xD1B54A32D192ED03 + stream * _GOLDEN + 0x632BE59BD9B4E019) & _MASK], np.uint64)
     return _mix(z)[0]
 
@@ -52,22 +53,36 @@ def global_index(xp, shape: Shape, mesh_shape: Shape, layout, coords, sizes: tup
     >>> global_index(np, Shape("a:2;b:5"), Shape("x:3"), (None, "x"), {"x": 2}, (2, 1)).tolist()
     [[4], [9]]
     """
-    bounds = slice_bounds(shape, mesh_shape, layout, coords)
+    starts, strides = index_terms(shape, mesh_shape, layout, coords)
     idx = xp.zeros((1,) * shape.rank, dtype=np.uint64)
-    stride = 1
     for axis in reversed(range(shape.rank)):
         # arange(size) + start, not arange(start, stop): under a JAX replay `start` is traced
-        start = xp.asarray(bounds[axis].start, dtype=np.uint64)
-        ar = (xp.arange(sizes[axis], dtype=np.uint64) + start) * np.uint64(stride)
+        start = xp.asarray(starts[axis], dtype=np.uint64)
+        ar = (xp.arange(sizes[axis], dtype=np.uint64) + start) * np.uint64(strides[axis])
         idx = idx + ar.reshape((1,) * axis + (-1,) + (1,) * (shape.rank - axis - 1))
-        stride *= shape.sizes[axis]
     return idx
+
+
+def index_terms(shape: Shape, mesh_shape: Shape, layout, coords) -> tuple[list, list]:
+    """`(starts, strides)`: where the slice at `coords` starts along each axis of the global tensor,
+    and the global row-major stride of each axis; an element's global flat index is the sum over
+    axes of (its local index + start) * stride.
+
+    >>> index_terms(Shape("a:2;b:5"), Shape("x:3"), (None, "x"), {"x": 2})
+    ([0, 4], [5, 1])
+    """
+    bounds = slice_bounds(shape, mesh_shape, layout, coords)
+    strides, stride = [0] * shape.rank, 1
+    for axis in reversed(range(shape.rank)):
+        strides[axis] = stride
+        stride *= shape.sizes[axis]
+    return [b.start for b in bounds], strides
 
 
 def uniform01(xp, index, seed: int, stream: int = 0):
     """Float64 uniforms in [0, 1) for each global index."""
     with np.errstate(over="ignore"):  # wrapping arithmetic (see _mix)
-        bits = _mix(index * np.uint64(_GOLDEN) + _key(seed, stream))
+        bits = _mix(index * np.uint64(_GOLDEN) + hash_key(seed, stream))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -33,19 +33,23 @@ from ..trace import dispatch
 from .relayout import to_layout
 
 ADAM_SOURCE = """
-    T m_ = b1 * m;  m1 = g * (T)(1.0 - (double)b1) + m_;        // axpy(1 - b1, g, b1 * m)
-    T v_ = b2 * v;  v1 = (g * g) * (T)(1.0 - (double)b2) + v_;  // axpy(1 - b2, g * g, b2 * v)
+    T m_ = b1 * m;  m1 = g * one_b1 + m_;                        // axpy(1 - b1, g, b1 * m)
+    T v_ = b2 * v;  v1 = (g * g) * one_b2 + v_;                  // axpy(1 - b2, g * g, b2 * v)
     T u = (m1 / c1) / (sqrt(v1 / c2) + eps);
     T q = u * neg_lr + p;                                        // axpy(-lr, u, p)
     p1 = decay ? p * neg_lr_wd + q : q;                          // axpy(-lr * wd, p, ...)
 """
-"""The CuPy kernel of `adam_update` for one parameter (float32 or float64 `T`)."""
+"""The CuPy kernel of `adam_update` for one parameter (float32 or float64 `T`). `one_b1` is
+`1 - b1` computed in double and rounded to T once, as numpy's `g * (1.0 - b1)` rounds it."""
+ADAM_PARAMS = ("T p, T g, T m, T v, T c1, T c2, T neg_lr, T neg_lr_wd, T b1, T b2, T one_b1, T one_b2, T eps, "
+               "bool decay", "T p1, T m1, T v1")
 
 SGD_SOURCE = """
     v1 = momentum ? v * mom + g : g;                             // axpy(momentum, v, g)
     p1 = v1 * neg_lr + p;                                        // axpy(-lr, v, p)
 """
 """The CuPy kernel of `sgd_update` for one parameter."""
+SGD_PARAMS = ("T p, T g, T v, T neg_lr, T mom, bool momentum", "T p1, T v1")
 
 _cuda: dict = {}
 
@@ -53,13 +57,8 @@ _cuda: dict = {}
 def _kernel(xp, which: str):
     """The CuPy ElementwiseKernel `which` ("adam" or "sgd"), compiled on first use."""
     if which not in _cuda:
-        if which == "adam":
-            _cuda[which] = xp.ElementwiseKernel(
-                "T p, T g, T m, T v, T c1, T c2, T neg_lr, T neg_lr_wd, T b1, T b2, T eps, bool decay",
-                "T p1, T m1, T v1", ADAM_SOURCE, "mpimesh_adam")
-        else:
-            _cuda[which] = xp.ElementwiseKernel("T p, T g, T v, T neg_lr, T mom, bool momentum",
-                                                "T p1, T v1", SGD_SOURCE, "mpimesh_sgd")
+        params, source = (ADAM_PARAMS, ADAM_SOURCE) if which == "adam" else (SGD_PARAMS, SGD_SOURCE)
+        _cuda[which] = xp.ElementwiseKernel(*params, source, f"mpimesh_{which}")
     return _cuda[which]
 
 
@@ -172,7 +171,8 @@ def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsi
         neg_lr = -lr_
         neg_lr_wd = -(lr_ * wd)
         if name(xp) == "cupy":
-            p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, bool(wd))
+            p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, 1.0 - b1, 1.0 - b2,
+                                             eps, bool(wd))
         else:
             m1 = _axpy(xp, 1.0 - b1, g, b1 * m)
             v1 = _axpy(xp, 1.0 - b2, g * g, b2 * v)

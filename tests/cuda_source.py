@@ -1,0 +1,105 @@
+"""Run a CuPy `ElementwiseKernel`'s source on the CPU: the body compiled by the host's C++ compiler
+inside a loop over the elements, so that the CUDA sources mpimesh ships are checked against its
+numpy lowerings on machines without a GPU.
+
+`elementwise(in_params, out_params, body)` returns `f(*inputs) -> output(s)`, called as a CuPy
+`ElementwiseKernel` is: a plain parameter is one element (arrays broadcast to the output's shape),
+a `raw` parameter the whole array, indexed by hand; `i` is the element's C-order index; `T` is the
+dtype of the arrays given for T parameters, and numbers are cast to their parameter's type. Compiled with `-ffp-contract=off`, so a
+multiply-add stays two roundings, as numpy does it (nvcc may fuse them: a GPU may differ from this
+in the last bit). `compiler()` is None where no C++ compiler is installed (tests then skip).
+
+>>> f = elementwise("T x, T a", "T y", "y = a * x + (T)i;")
+>>> f(np.array([1.0, 2.0]), 3.0).tolist()
+[3.0, 7.0]
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+_C_TYPES = {"bool": "bool", "float32": "float", "float64": "double", "int32": "int", "int64": "long long",
+            "uint32": "unsigned int", "uint64": "unsigned long long"}
+_BUILT: dict = {}
+
+
+def compiler():
+    """The C++ compiler's path, or None."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
+def _params(spec: str) -> list[tuple[bool, str, str]]:
+    """`"T x, raw uint64 s"` -> [(raw, type, name), ...]."""
+    out = []
+    for part in spec.split(","):
+        words = part.split()
+        raw = words[0] == "raw"
+        if raw:
+            words = words[1:]
+        out.append((raw, words[0], words[1]))
+    return out
+
+
+def elementwise(in_params: str, out_params: str, body: str):
+    """The kernel `body` as a Python function (see the module's docstring); `T` is the dtype of the
+    arrays given for T parameters (they must agree, as CuPy requires), numbers are cast to it."""
+    ins, outs = _params(in_params), _params(out_params)
+
+    def call(*inputs):
+        if len(inputs) != len(ins):
+            raise TypeError(f"{len(ins)} inputs expected, got {len(inputs)}")
+        given = {np.asarray(x).dtype.name for (_, t, _), x in zip(ins, inputs)
+                 if t == "T" and isinstance(x, (np.ndarray, np.generic))}
+        if len(given) != 1:
+            raise TypeError(f"the arrays for T have dtypes {sorted(given)}: CuPy needs exactly one")
+        dtype = given.pop()
+        plain = [np.asarray(x) for (raw, _, _), x in zip(ins, inputs) if not raw]
+        shape = np.broadcast_shapes(*(x.shape for x in plain)) if plain else ()
+        arrays = []
+        for (raw, t, _), x in zip(ins, inputs):
+            dt = np.dtype(dtype if t == "T" else t)
+            a = np.asarray(x, dtype=dt) if raw else np.broadcast_to(np.asarray(x, dtype=dt), shape)
+            arrays.append(np.ascontiguousarray(a))
+        results = [np.zeros(shape, dtype=np.dtype(dtype if t == "T" else t)) for _, t, _ in outs]
+        lib = _build(_source(ins, outs, body, dtype))
+        lib.run(ctypes.c_longlong(int(np.prod(shape))),
+                *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays + results))
+        return tuple(results) if len(results) > 1 else results[0]
+    return call
+
+
+def _source(ins: list, outs: list, body: str, dtype: str) -> str:
+    """The C++ of the loop: each element's plain inputs loaded, the body run, the outputs stored."""
+    def ctype(t):
+        return _C_TYPES[dtype if t == "T" else t]
+    args, loads, decls, stores = ["long long n"], [], [], []
+    for raw, t, name in ins:
+        args.append(f"const {ctype(t)}* {name}_p")
+        loads.append(f"const {ctype(t)}* {name} = {name}_p;" if raw else f"const {ctype(t)} {name} = {name}_p[i];")
+    for _, t, name in outs:
+        args.append(f"{ctype(t)}* {name}_p")
+        decls.append(f"{ctype(t)} {name} = 0;")
+        stores.append(f"{name}_p[i] = {name};")
+    return (f"#include <cmath>\n#include <cstdint>\nusing namespace std;\ntypedef {ctype('T')} T;\n"
+            f"extern \"C\" void run({', '.join(args)}) {{\n"
+            f"  for (long long i = 0; i < n; ++i) {{\n    {' '.join(loads)}\n    {' '.join(decls)}\n"
+            f"    {{\n{body}\n    }}\n    {' '.join(stores)}\n  }}\n}}\n")
+
+
+def _build(source: str):
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    if key not in _BUILT:
+        where = tempfile.mkdtemp(prefix="mpimesh-cuda-source-")
+        path = os.path.join(where, f"k{key}.so")
+        proc = subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-x", "c++",
+                               "-", "-o", path], input=source, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"the kernel does not compile:\n{proc.stderr}\n{source}")
+        _BUILT[key] = ctypes.CDLL(path)
+    return _BUILT[key]

@@ -1,0 +1,84 @@
+"""The CUDA sources of mpimesh's CuPy kernels (the multi-tensor Adam and SGD updates, dropout), run
+on the CPU: each source compiled by the host's C++ compiler (tests/cuda_source.py) stands in for
+CuPy's `ElementwiseKernel`, and the op is made to take its CuPy branch, so the arguments it passes
+are checked too (their order, their dtypes: CuPy refuses T arrays of two dtypes). Each must give
+bitwise the values of the unfused numpy composition, on split and uneven layouts (compiled without
+multiply-add contraction: nvcc's FMAs may change the last bit on a GPU, which this cannot see).
+Skipped where no C++ compiler is installed."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cuda_source  # noqa: E402
+from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
+from test_updates import OPTIMIZERS, SHAPES, both_ways  # noqa: E402
+
+import mpimesh as mm  # noqa: E402
+
+updates = importlib.import_module("mpimesh.ops.updates")
+dropout_op = importlib.import_module("mpimesh.ops.dropout")
+
+pytestmark = [pytest.mark.mpi,
+              pytest.mark.skipif(cuda_source.compiler() is None, reason="no C++ compiler to run the kernels' sources")]
+
+KERNELS = {"adam": (*updates.ADAM_PARAMS, updates.ADAM_SOURCE), "sgd": (*updates.SGD_PARAMS, updates.SGD_SOURCE)}
+
+
+def take_cupy_branch(monkeypatch):
+    """From now on the ops take their CuPy branch, with the kernels' sources compiled for the CPU."""
+    compiled = {k: cuda_source.elementwise(*spec) for k, spec in KERNELS.items()}
+    monkeypatch.setattr(updates, "name", lambda xp: "cupy")
+    monkeypatch.setattr(updates, "_kernel", lambda xp, which: compiled[which])
+    monkeypatch.setattr(dropout_op, "name", lambda xp: "cupy")
+    monkeypatch.setitem(dropout_op._cuda, "kernel",
+                        cuda_source.elementwise(*dropout_op.DROPOUT_PARAMS, dropout_op.DROPOUT_SOURCE))
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+def test_update_kernels_equal_the_unfused_composition(shape, dtype, which, monkeypatch):
+    take_cupy_branch(monkeypatch)
+    errs = Errors()  # asserted after the last collective, so that a rank's failure hangs none
+    for step, slot_names, (p1, s1), (p2, s2), _ in both_ways(get_mesh(shape), which, dtype):
+        for name in SHAPES:
+            errs.expect(p1[name].local.tobytes() == p2[name].local.tobytes(), f"{name} step {step}")
+            for slot in slot_names:
+                errs.expect(s1[slot][name].local.tobytes() == s2[slot][name].local.tobytes(),
+                            f"{name} slot {slot} step {step}")
+    errs.check()
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dims", ["a:1000", "a:7;b:5", "a:3;b:2;c:5", ""])
+def test_dropout_kernel_equals_the_numpy_lowering(shape, dtype, dims, monkeypatch):
+    mesh = get_mesh(shape)
+    x = np.random.default_rng(1).standard_normal(mm.Shape(dims).sizes).astype(dtype)
+    lays = layouts(mesh, mm.Shape(dims).names, limit=5)
+    assert len(lays) > 1 or mesh.size == 1 or not dims  # split layouts, uneven and empty blocks among them
+    t = mesh.from_numpy(x, dims)
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay):
+                out.append(mm.dropout(t, 0.3, seed=5))
+        return out
+    want = run()
+    take_cupy_branch(monkeypatch)
+    errs = Errors()
+    for lay, a, b in zip(lays, run(), want):
+        errs.expect(a.tensor_layout == b.tensor_layout and a.dtype == b.dtype, f"{lay}: layout or dtype")
+        errs.expect(a.local.tobytes() == b.local.tobytes(), f"{lay}: the kernel's values differ")
+    y = want[-1].to_numpy()
+    errs.check()
+    if dims == "a:1000":  # and not vacuously: about 70% kept, each scaled by 1/0.7
+        assert 0.6 < np.mean(y != 0) < 0.8
+        np.testing.assert_array_equal(y[y != 0], (x * x.dtype.type(1 / 0.7))[y != 0])
