@@ -1,10 +1,11 @@
-"""The CUDA sources of mpimesh's CuPy kernels (the multi-tensor Adam and SGD updates, dropout), run
-on the CPU: each source compiled by the host's C++ compiler (tests/cuda_source.py) stands in for
-CuPy's `ElementwiseKernel`, and the op is made to take its CuPy branch, so the arguments it passes
-are checked too (their order, their dtypes: CuPy refuses T arrays of two dtypes). Each must give
-bitwise the values of the unfused numpy composition, on split and uneven layouts (compiled without
-multiply-add contraction: nvcc's FMAs may change the last bit on a GPU, which this cannot see).
-Skipped where no C++ compiler is installed."""
+"""The CUDA sources of mpimesh's CuPy kernels (the multi-tensor Adam and SGD updates, dropout, bias
+plus activation and its gradient), run on the CPU: each source compiled by the host's C++ compiler
+(tests/cuda_source.py) stands in for CuPy's `ElementwiseKernel`, and the op is made to take its
+CuPy branch, so the arguments it passes are checked too (their order, their dtypes: CuPy refuses
+T arrays of two dtypes). Each must give bitwise the values of the numpy composition (within a few
+units in the last place where the host's tanh may round differently from numpy's), on split and
+uneven layouts (compiled without multiply-add contraction: nvcc's FMAs may change the last bit on
+a GPU, which this cannot see). Skipped where no C++ compiler is installed."""
 from __future__ import annotations
 
 import importlib
@@ -23,6 +24,7 @@ import mpimesh as mm  # noqa: E402
 
 updates = importlib.import_module("mpimesh.ops.updates")
 dropout_op = importlib.import_module("mpimesh.ops.dropout")
+act_mod = importlib.import_module("mpimesh.ops.activation")
 
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(cuda_source.compiler() is None, reason="no C++ compiler to run the kernels' sources")]
@@ -82,3 +84,44 @@ def test_dropout_kernel_equals_the_numpy_lowering(shape, dtype, dims, monkeypatc
     if dims == "a:1000":  # and not vacuously: about 70% kept, each scaled by 1/0.7
         assert 0.6 < np.mean(y != 0) < 0.8
         np.testing.assert_array_equal(y[y != 0], (x * x.dtype.type(1 / 0.7))[y != 0])
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "tanh", None])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bias_activation_kernels_equal_the_numpy_lowering(shape, dtype, activation, with_bias, monkeypatch):
+    """Values and gradients (dx, and the bias's, summed from dx): bitwise for relu and the bare sum;
+    to 16 epsilons of the largest value where the host's tanh may round differently from numpy's."""
+    mesh = get_mesh(shape)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 7)).astype(dtype)
+    x[0, :3] = [0.0, -0.0, 1e-30]  # relu's edges: +0, -0 (numpy's maximum gives +0), a tiny positive
+    w = rng.standard_normal((5, 7))
+    lays = layouts(mesh, ["n", "h"], limit=4)
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay), mm.trace():
+                xt = mesh.from_numpy(x, "n:5;h:7")
+                bt = mesh.from_numpy(np.linspace(-1, 1, 7).astype(dtype), "h:7") if with_bias else None
+                y = act_mod.bias_activation(xt, bt, activation)
+                grads = mm.gradients([mm.reduce_sum(y * mesh.from_numpy(w.astype(dtype), "n:5;h:7"))],
+                                     [xt] + ([bt] if with_bias else []))
+                out.append([y.to_numpy(), *(g.to_numpy() for g in grads)])
+        return out
+    want = run()
+    take_cupy_branch(monkeypatch)
+    for key in [(a, g, b) for a in act_mod.SOURCES for g in (False, True) for b in (False, True)]:
+        monkeypatch.setitem(act_mod._cuda, key, cuda_source.elementwise(*act_mod.kernel_params(*key)))
+    monkeypatch.setattr(act_mod, "name", lambda xp: "cupy")
+    got = run()
+    exact = activation in ("relu", None)
+    eps = 16 * np.finfo(dtype).eps  # glibc's tanh and numpy's differ by up to 3 units in the last place
+    for lay, g_arrays, w_arrays in zip(lays, got, want):
+        for what, a, b in zip(("y", "dx", "dbias"), g_arrays, w_arrays):
+            if exact:
+                assert a.tobytes() == b.tobytes(), (lay, what)
+            else:  # relative to the largest value: 1 + tanh cancels where the input is very negative
+                np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")

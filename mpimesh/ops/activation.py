@@ -2,7 +2,8 @@
 `relu(x + bias)` (also "gelu", tanh approximation, "tanh", and None: the sum alone), with the arithmetic of
 the unfused ops (`add`, `mm.relu`, `mm.gelu`). The gradient recomputes `x + bias` (nothing else is
 kept) and gives dx in one op; the bias's gradient is dx summed to its dims, an einsum that a
-data-parallel sum can take into a gradient bucket (`mpimesh.buckets`).
+data-parallel sum can take into a gradient bucket (`mpimesh.buckets`). On CuPy (float32, float64)
+the op and its gradient are one `ElementwiseKernel` each (`SOURCES`), the bias broadcast in.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..backend import align
+from ..backend import align, name
 from ..errors import ShapeError
 from ..partials import partial_for
 from ..trace import dispatch
@@ -48,6 +49,36 @@ ACTIVATIONS = {"relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad), "tanh":
                None: (lambda xp, a: a, lambda xp, a, g: g)}
 """name -> (forward kernel, gradient kernel `(xp, pre-activation, dy) -> dx`)."""
 
+_GELU_T = "T t = tanh((T)0.7978845608028654 * (a + (T)0.044715 * a * a * a));"  # sqrt(2/pi)
+SOURCES = {
+    "relu": ("y = (a > (T)0 || a != a) ? a : (T)0;",  # numpy's maximum(a, 0): NaN kept, -0 -> +0
+             "dx = g * (T)(a > (T)0);"),
+    "gelu": (_GELU_T + " y = (T)0.5 * a * ((T)1.0 + t);",
+             _GELU_T + " dx = g * ((T)0.5 * ((T)1.0 + t) + (T)0.5 * a * ((T)1.0 - t * t) * (T)0.7978845608028654"
+                       " * ((T)1.0 + (T)(3 * 0.044715) * a * a));"),
+    "tanh": ("y = tanh(a);", "T t = tanh(a); dx = g * ((T)1.0 - t * t);"),
+    None: ("y = a;", "dx = g;"),
+}
+"""name -> (forward, gradient) bodies of the CuPy kernels, the arithmetic of the numpy kernels
+above in the same order: `a` is the pre-activation (x + bias), `g` the output's gradient."""
+_KERNEL_DTYPES = ("float32", "float64")
+_cuda: dict = {}
+
+
+def kernel_params(activation: Optional[str], grad: bool, bias: bool) -> tuple[str, str, str]:
+    """`(inputs, outputs, body)` of the CuPy kernel of `bias_<activation>` (`grad`: its gradient)."""
+    inputs = "T x" + (", T g" if grad else "") + (", T b" if bias else "")
+    return inputs, "T dx" if grad else "T y", ("T a = x + b; " if bias else "T a = x; ") + SOURCES[activation][grad]
+
+
+def _fused(xp, activation: Optional[str], grad: bool, arrays: tuple):
+    """The CuPy kernel, compiled on first use, applied to `arrays` (x[, dy][, bias aligned to x])."""
+    key = (activation, grad, len(arrays) == 2 + grad)
+    if key not in _cuda:
+        _cuda[key] = xp.ElementwiseKernel(*kernel_params(*key), f"mpimesh_bias_{activation or 'add'}"
+                                          + ("_grad" if grad else ""))
+    return _cuda[key](*arrays)
+
 
 def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
     """`activation(x + bias)` in one op, named `bias_<activation>` (`bias_add` without one; `bias`
@@ -64,13 +95,19 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
         inputs.append(to_layout(bias, tuple(layout[x.shape.index(n)] for n in bias.shape.names)))
     xd, bd = x.shape.names, None if bias is None else bias.shape.names
     forward, backward = ACTIVATIONS[activation]
-    name = f"bias_{activation or 'add'}"
+    op_name = f"bias_{activation or 'add'}"
     act = _keeping(forward, x.dtype)  # a 16-bit float stays one, as the unfused op keeps it
 
     def pre(xp, a, b):
         return a + align(xp, b[0], bd, xd) if b else a
 
+    def fits(xp, *arrays) -> bool:  # the CuPy kernel takes them
+        return name(xp) == "cupy" and arrays[0].dtype.name in _KERNEL_DTYPES and all(
+            v.dtype == arrays[0].dtype for v in arrays)
+
     def lower(ctx, a, *b):
+        if fits(ctx.xp, a, *b):
+            return _fused(ctx.xp, activation, False, (a, *(align(ctx.xp, b[0], bd, xd) for _ in b)))
         return act(ctx.xp, pre(ctx.xp, a, b))
 
     def rule(op, dy):
@@ -78,13 +115,15 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
         dy = to_layout(dy, layout)
 
         def grad(ctx, a, g, *b):
+            if fits(ctx.xp, a, g, *b):
+                return _fused(ctx.xp, activation, True, (a, g, *(align(ctx.xp, b[0], bd, xd) for _ in b)))
             d = backward(ctx.xp, pre(ctx.xp, a, b), g)
             return d.astype(g.dtype) if d.dtype != g.dtype else d
-        (dx,) = dispatch(f"{name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(x.shape, layout)], grad)
+        (dx,) = dispatch(f"{op_name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(x.shape, layout)], grad)
         if len(op.inputs) == 1:
             return [dx]
         with partial_for(op.inputs[1]):
             db = sum_to(dx, op.inputs[1].shape) if need[1] else None
         return [dx if need[0] else None, db]
-    (y,) = dispatch(name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
+    (y,) = dispatch(op_name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
     return y
