@@ -17,6 +17,11 @@ Files whose path hash falls in the last `--heldout` fraction are held out (one f
 Every rank reads the same bytes and builds the same global batch from `(seed, step)`;
 `from_numpy` keeps each rank's slice, so training is deterministic and resumable.
 
+The training step is compiled (`mm.compile`): the first step runs op by op and is recorded, every
+later one replays the recorded kernels and collectives without per-op Python, with the same values
+bitwise; `--eager` runs every step op by op. Each step's seed is a seed tensor (`step_seed`), so
+the MoE layers' random choices are new in every replayed step.
+
 Rank 0 prints the corpus, the unigram baseline (entropy of the training bytes' frequencies, in bits
 per byte), a progress line every `--log-every` steps (loss, tokens/s, step time, the fraction of
 the step spent inside collectives, bytes sent), held-out loss and bits per byte every
@@ -219,10 +224,16 @@ def make_optimizer(cfg: Config):
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: choose adafactor or adam")
 
 
+def step_seed(mesh: mm.Mesh, seed: int, step: int):
+    """The seed of training step `step` as a seed tensor (a 0-d int64 tensor): a compiled step
+    replays with each step's own value, drawing new numbers (`mm.compile`)."""
+    return mesh.from_numpy(np.array(layers.subseed(seed, f"step{step}"), np.int64), ())
+
+
 def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
-    `seed` draws the MoE layers' random second-expert choices. `release`: autodiff gives each
+    `seed` (an int, or a seed tensor: `step_seed`) draws the MoE layers' random second-expert choices. `release`: autodiff gives each
     activation back as soon as the backward pass is done with it (a lower peak). With float16
     activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`): a step whose
     gradients overflow is skipped on every rank."""
@@ -562,6 +573,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-json", default=None, metavar="FILE", help='rank 0 writes one line {"step": S, "loss": L} '
                     "per training step")
     ap.add_argument("--profile", action="store_true", help="print the comm/compute counters of every step")
+    ap.add_argument("--eager", action="store_true", help="run every step op by op (default: the step is recorded "
+                    "once and replayed without per-op Python, mm.compile; the same values)")
     ap.add_argument("--samples", type=int, default=3, help="sampled lines at the end")
     ap.add_argument("--sample-bytes", type=int, default=120, help="bytes per sampled line")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
@@ -678,6 +691,8 @@ def main(argv=None) -> None:
             f"{time.perf_counter() - t0:.1f} s")
     else:
         timer = CommTimer(mesh)
+        if not args.eager:
+            train_step = mm.compile(train_step)
     log = open(args.log_json, "w") if args.log_json and mesh.rank == 0 else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
@@ -693,7 +708,7 @@ def main(argv=None) -> None:
             batch = make_batch(mesh, train, cfg, offsets)
             c0, t0 = timer.seconds, time.perf_counter()
             with mm.profile() as prof:
-                params, opt_state, loss = train_step(params, opt_state, batch, layers.subseed(args.seed, f"step{step}"))
+                params, opt_state, loss = train_step(params, opt_state, batch, step_seed(mesh, args.seed, step))
                 loss_value = float(loss)
             sent = sum(v["bytes"] for v in prof.transfers.values())
             acc += [time.perf_counter() - t0, timer.seconds - c0, sent, loss_value, 1]

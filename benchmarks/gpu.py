@@ -23,7 +23,10 @@ in the same precision and process. Peak memory of one step: the most bytes CuPy'
 (`mm.profile().peak_bytes["gpu"]`, parameters and optimiser state included, cached blocks not)
 against `torch.cuda.max_memory_allocated()`; the pools' totals, cached blocks included
 (`peak_bytes["gpu_cached"]`, `torch.cuda.max_memory_reserved()`), are printed beside. Bars on one H100: step time at most 1.0x
-PyTorch's in fp32, 1.3x in tf32 and bf16; peak memory at most 1.2x in fp32 and tf32.
+PyTorch's in fp32, 1.3x in tf32 and bf16; peak memory at most 1.2x in fp32 and tf32. The step also
+runs compiled (`mm.compile`: recorded once, replayed without per-op Python), timed interleaved with
+the others: bars 0.95x PyTorch eager in fp32, 0.8x in tf32 and bf16 on a GPU, 1.0x for the CPU's tiny
+model in fp32 (the one bar judged on the CPU).
 `--attention sdpa` gives PyTorch its fused attention instead of mpimesh's written-out one.
 `--device cpu` (`--size tiny`; the default without a GPU) runs the same checks, steps and table on
 numpy and PyTorch's CPU build, one thread each, and judges no bar.
@@ -70,6 +73,8 @@ SIZES = {"full": {"d_model": 1024, "heads": 16, "d_kv": 64, "d_ff": 4096, "layer
 DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16"}  # mpimesh's activations per precision
 TF32 = ("tf32", "bf16")  # bf16 too: TF32 holds bfloat16 values exactly where mpimesh contracts them as float32
 TIME_BARS = {"fp32": 1.0, "tf32": 1.3, "bf16": 1.3}  # mpimesh step / PyTorch step, at most
+COMPILED_BARS = {"fp32": 0.95, "tf32": 0.8, "bf16": 0.8}  # mpimesh compiled step / PyTorch eager step, at most
+CPU_COMPILED_BAR = 1.0  # --device cpu, tiny: the compiled step / PyTorch CPU eager, at most
 MEMORY_BARS = {"fp32": 1.2, "tf32": 1.2}  # mpimesh peak / PyTorch peak, at most
 SAME_MODEL = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 3e-2}  # |relative loss difference| on the same weights and batch
 GEMM_N = {"gpu": 8192, "cpu": 1024}
@@ -210,6 +215,12 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
         mm_issue()
         syncs["mpimesh"]()
 
+    compiled_step = mm.compile(train_step)
+
+    def compiled() -> None:
+        state[0], state[1], _ = compiled_step(state[0], state[1], batch)
+        syncs["mpimesh"]()
+
     def torch_step() -> None:
         torch_opt.zero_grad()
         with autocast():
@@ -243,8 +254,8 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
     rates = gemm_rates(torch, mesh.xp, precision, args.device, syncs)
     say(f"{GEMM_N[args.device]}^3 matmul on {torch.cuda.get_device_name() if gpu else 'cpu'}: "
         + ", ".join(f"{k} {r / 1e12:.2f} TFLOP/s" if r else f"{k} n/a" for k, r in rates.items()))
-    times = compare({"mpimesh": mm_step, "torch": torch_step}, repeat=args.steps, warmup=args.warmup,
-                    comm=mm.MPI.COMM_SELF)
+    times = compare({"mpimesh": mm_step, "compiled": compiled, "torch": torch_step}, repeat=args.steps,
+                    warmup=args.warmup, comm=mm.MPI.COMM_SELF)
 
     with mm.profile(memory=not gpu) as prof:  # CPU: tracemalloc's peak of the step's own allocations
         mm_step()
@@ -255,12 +266,13 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
         torch_step()
         torch_peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     mm_peak = prof.peak_bytes["gpu" if gpu else "arrays"]
-    say(f"step (median of {args.steps}): mpimesh {times['mpimesh'][1] * 1e3:.1f} ms, torch "
+    say(f"step (median of {args.steps}): mpimesh {times['mpimesh'][1] * 1e3:.1f} ms eager, "
+        f"{times['compiled'][1] * 1e3:.1f} ms compiled, torch "
         f"{times['torch'][1] * 1e3:.1f} ms; peak memory mpimesh {mib(mm_peak)}"
         + (f" allocated, {mib(prof.peak_bytes['gpu_cached'])} in its pool; torch {mib(torch_peak)} "
            f"allocated, {mib(reserved)} reserved" if gpu else ", torch n/a"))
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
-            "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
+            "compiled_s": times["compiled"][1], "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
             "profile": profile_step(mm_issue, syncs["mpimesh"], gpu) if args.profile else None}
 
 
@@ -329,7 +341,13 @@ def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
     judged = (lambda met: "-" if met is None or not gpu else "MET" if met else "MISSED")
     rows = []
     for p, r in results.items():
-        ratio = r["mm_s"] / r["torch_s"]
+        ratio, compiled_ratio = r["mm_s"] / r["torch_s"], r["compiled_s"] / r["torch_s"]
+        compiled_bar = COMPILED_BARS[p] if gpu else CPU_COMPILED_BAR
+        compiled_met = compiled_ratio <= compiled_bar if gpu or (args.size == "tiny" and p == "fp32") else None
+        if compiled_met is not None:
+            print(verdict(f"{p} compiled step <= {compiled_bar}x PyTorch eager{'' if gpu else ' (CPU, tiny)'}",
+                          compiled_met, f"{r['compiled_s'] * 1e3:.1f} ms vs {r['torch_s'] * 1e3:.1f} ms, "
+                          f"{compiled_ratio:.2f}x"))
         mem_ratio = r["mm_bytes"] / r["torch_bytes"] if r["torch_bytes"] else None
         time_met = ratio <= TIME_BARS[p]
         mem_met = mem_ratio <= MEMORY_BARS[p] if mem_ratio is not None and p in MEMORY_BARS else None
@@ -340,7 +358,8 @@ def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
                 print(verdict(f"{p} peak GPU memory <= {MEMORY_BARS[p]}x PyTorch's", mem_met,
                               f"{mib(r['mm_bytes'])} vs {mib(r['torch_bytes'])}, {mem_ratio:.2f}x"))
         rows.append((p, f"{r['mm_s'] * 1e3:.1f}", f"{r['torch_s'] * 1e3:.1f}", f"{ratio:.2f}", f"<= {TIME_BARS[p]}",
-                     judged(time_met), f"{100 * r['flops'] / r['mm_s'] / r['peak_rate']:.1f}%",
+                     judged(time_met), f"{r['compiled_s'] * 1e3:.1f}", f"{compiled_ratio:.2f}", f"<= {compiled_bar}",
+                     "-" if compiled_met is None else "MET" if compiled_met else "MISSED", f"{100 * r['flops'] / r['mm_s'] / r['peak_rate']:.1f}%",
                      f"{100 * r['flops'] / r['torch_s'] / r['peak_rate']:.1f}%", f"{r['mm_bytes'] / 2**20:.0f}",
                      f"{r['torch_bytes'] / 2**20:.0f}" if r["torch_bytes"] else "n/a",
                      f"{mem_ratio:.2f}" if mem_ratio else "-", f"<= {MEMORY_BARS[p]}" if p in MEMORY_BARS else "-",
@@ -349,8 +368,10 @@ def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
     print(f"\nmodel ({args.size}): d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, {cfg['heads']}x{cfg['d_kv']} heads, "
           f"{cfg['layers']} layers, batch {cfg['batch']} x length {cfg['length']}; Adam; PyTorch attention "
           f"{args.attention}; MFU against the best matmul rate of each precision; memory in MiB"
-          + ("" if gpu else "\ncpu smoke run: the bars are for one H100 GPU and are not judged here"))
-    print(table(("precision", "mpimesh ms", "torch ms", "ratio", "bar", "time", "MFU mpimesh", "MFU torch",
+          + ("" if gpu else "\ncpu smoke run: the bars are for one H100 GPU and are not judged here, but the compiled "
+             "fp32 step's (numpy has no bfloat16 GEMM: mpimesh widens, PyTorch does not)"))
+    print(table(("precision", "eager ms", "torch ms", "ratio", "bar", "time", "compiled ms", "ratio", "bar", "time",
+                 "MFU eager", "MFU torch",
                  "mpimesh MiB", "torch MiB", "mem ratio", "mem bar", "memory", "loss diff"), rows), flush=True)
     if args.profile:
         report_profile({p: r["profile"] for p, r in results.items()}, gpu)

@@ -17,6 +17,7 @@ from .autodiff import gradients
 from .backend import matmul_precision, set_matmul_precision
 from .buckets import set_bucket_bytes
 from .checkpoint import load, save
+from .compiled import CompileError, compile
 from .collectives.guard import set_collective_timeout, set_spmd_check
 from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, DTypeError, LayoutError, MeshError,
                      MissingDependencyError, MpimeshError, ShapeError)
@@ -73,7 +74,7 @@ __all__ = [
     # autodiff, checkpoints, measurement, safety nets
     "trace", "gradients", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
     # speed
-    "set_matmul_precision", "matmul_precision",
+    "set_matmul_precision", "matmul_precision", "compile", "CompileError",
     # automatic layouts
     "auto_layout", "LayoutPlan",
     # subpackages

@@ -28,7 +28,7 @@ from .mesh import layout_scope
 from .ops.elementwise import add
 from .ops.relayout import to_layout
 from .tensor import full
-from .trace import Trace, current_trace
+from .trace import Released, Trace, current_trace, release_unneeded, take_over
 
 
 def _ones_like(t):
@@ -78,11 +78,14 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     of `y * grad_y` over the ys, without computing that product (e.g. a loss's gradient dy, fed
     back through the layers that made y). Default: ones.
 
-    With `release=True` (a training step's memory), each intermediate tensor that nothing but the
-    trace holds gives its values back as soon as no remaining gradient rule needs them: the trace
-    keeps only its shape and layout (`trace.Released`), which is all a replay needs. Differentiating
-    the same ops again (second-order gradients) then fails with a clear error, as in PyTorch
-    without `retain_graph`; the default keeps every value until the trace is dropped.
+    An open trace keeps, of the tensors nothing else holds, only those some gradient rule reads
+    (`trace.saving`); the others' arrays are freed during the forward pass already. With
+    `release=True` (a training step's memory), each intermediate tensor that nothing but the trace
+    holds also gives its values back as soon as no remaining gradient rule of this walk needs them:
+    the trace keeps only its shape and layout (`trace.Released`), which is all a replay needs.
+    Differentiating the same ops again (second-order gradients) then fails with a clear error, as
+    in PyTorch without `retain_graph`; the default keeps what the rules read until the trace is
+    dropped.
 
     Data-parallel sums of gradients go in buckets (`mpimesh.buckets`): the gradient of an x that
     the trace did not produce (a parameter, also through a relayout or a cast, as a float32 master
@@ -96,6 +99,7 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     if tr is None:
         raise MpimeshError("mm.gradients needs an open trace: run the forward pass inside `with mm.trace():`")
     ys, xs = list(ys), list(xs)
+    release_unneeded()  # what the forward pass left that no rule reads goes before the backward allocates
     ops = list(tr.ops)  # the backward ops are appended to the trace as they run
     seeds = [_ones_like(y) for y in ys] if grad_ys is None else _cotangents(ys, list(grad_ys))
     reach = {id(x) for x in xs}
@@ -241,8 +245,11 @@ class _Release:
 
     def _index(self, rec) -> None:
         for t in rec.inputs + rec.outputs:
+            if isinstance(t, Released):
+                continue
             i = id(t)
             if i not in self.tensors:
+                take_over(i)  # this walk releases it from now on
                 self.tensors[i] = t
                 self.holders[i] = []
                 self.refs[i] = 0
@@ -260,7 +267,7 @@ class _Release:
         for rec in self.tr.ops[self.seen:]:  # the backward ops recorded meanwhile
             self._index(rec)
             self.pending.update(id(t) for t in rec.inputs + rec.outputs
-                                if id(t) not in self.keep and id(t) not in self.waiting)
+                                if id(t) not in self.keep and id(t) not in self.waiting and id(t) in self.tensors)
         self.seen = len(self.tr.ops)
         self._sweep()
 

@@ -27,7 +27,9 @@ rounding, then the cast's rule back to float32, the unbucketed path step for ste
 
 In the trace, the einsum is recorded without its allreduce and followed by a `"psum"` op whose
 kernel is `ctx.allreduce(a, mesh_dims)` (then the rounding to `dtype`, where it has one): a JAX
-replay runs it as `psum`.
+replay runs it as `psum`. Its `params["bucket"]` is `(bucket serial, position, members)`: a
+compiled step (`mpimesh.compiled`) sums each bucket's members in one non-blocking allreduce, as
+the eager walk did.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -40,6 +42,7 @@ replay runs it as `psum`.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -48,7 +51,7 @@ from .errors import MpimeshError
 from .ops.elementwise import cast
 from .partials import active
 from .tensor import DistTensor
-from .trace import OpRecord, _open_traces
+from .trace import OpRecord, _open_traces, saving
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -124,6 +127,7 @@ class Bucketer:
         rounded to it once, as an unbucketed einsum rounds its float32 allreduce."""
         dtype = None if dtype is None or dtype == y.dtype else dtype
         out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
+        rec = None
         if _open_traces:
             params = {"mesh_dims": dims} if dtype is None else {"mesh_dims": dims, "dtype": dtype}
             rec = OpRecord("psum", (y,), (out,), params, _psum_kernel(dims, dtype), _psum_grad, y.mesh.layout)
@@ -133,7 +137,7 @@ class Bucketer:
         bucket = self.open.get(key)
         if bucket is None:
             bucket = self.open[key] = _Bucket(y.mesh, dims)
-        bucket.add(out, y.local, _nominal_bytes(y))
+        bucket.add(out, y.local, _nominal_bytes(y), rec)
         if bucket.bytes >= self.limit:
             self._start(key)
         return out
@@ -157,19 +161,28 @@ class Bucketer:
         self.started = []
 
 
+_serials = itertools.count()
+
+
 class _Bucket:
-    __slots__ = ("mesh", "dims", "tensors", "arrays", "bytes", "request")
+    __slots__ = ("mesh", "dims", "tensors", "arrays", "bytes", "request", "records")
 
     def __init__(self, mesh, dims: tuple):
         self.mesh, self.dims = mesh, dims
-        self.tensors, self.arrays, self.bytes, self.request = [], [], 0, None
+        self.tensors, self.arrays, self.bytes, self.request, self.records = [], [], 0, None, []
 
-    def add(self, t, local, nbytes: int) -> None:
+    def add(self, t, local, nbytes: int, rec=None) -> None:
         self.tensors.append(t)
         self.arrays.append(local)
         self.bytes += nbytes
+        if rec is not None:
+            self.records.append(rec)
 
     def start(self) -> None:
+        serial = next(_serials)  # the trace's psum records learn their bucket: a replay sums them alike
+        for k, rec in enumerate(self.records):
+            rec.params["bucket"] = (serial, k, len(self.records))
+        self.records = []
         if getattr(self.mesh, "dry", False):  # a dry run: count the one allreduce, values never come
             self.request = count_bucket(self.mesh, self.arrays, self.dims)
             self.arrays = []
@@ -211,3 +224,6 @@ def _psum_grad(op, dy):
     if dy.dtype == op.inputs[0].dtype:
         return [dy]
     return [cast(dy, op.inputs[0].dtype)]
+
+
+saving(_psum_grad)

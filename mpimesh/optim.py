@@ -45,6 +45,7 @@ from .ops.einsum import einsum
 from .ops.elementwise import axpy, cast, maximum, minimum, rsqrt, sqrt, square
 from .ops.reduce import reduce_mean
 from .ops.relayout import to_layout
+from .ops.adafactor import adafactor_update
 from .ops.updates import adam_update, sgd_update
 from .shape import Dimension, Shape
 from .tensor import DistTensor, full
@@ -152,6 +153,7 @@ class Optimizer:
         """`update` through `_update_all`: parameters grouped by the dtype they update in."""
         new_params: dict = {}
         new_state: dict = {"step": step, **{s: dict(state.get(s, {})) for s in self.slot_names}}
+        slots = {n: list(self._slot_shapes(p)) for n, p in params.items()}  # each parameter's, in order
         groups: dict = {}
         for name, p in params.items():
             if grads[name] is None:
@@ -160,10 +162,10 @@ class Optimizer:
                 groups.setdefault(accumulation_dtype(p.dtype), []).append(name)
         for work, names in groups.items():
             t = cast(step, work)
-            tensors = [(params[n], grads[n], *(state[s][n] for s in self.slot_names)) for n in names]
-            for n, (new_p, *slots) in zip(names, self._update_all(tensors, t, work)):
+            tensors = [(params[n], grads[n], *(state[s][n] for s in slots[n])) for n in names]
+            for n, (new_p, *values) in zip(names, self._update_all(tensors, t, work)):
                 new_params[n] = new_p
-                for s, v in zip(self.slot_names, slots):
+                for s, v in zip(slots[n], values):
                     new_state[s][n] = v
         return {n: new_params[n] for n in params}, new_state
 
@@ -379,6 +381,13 @@ class Adafactor(Optimizer):
             d = self.beta1 * slots["m"] + (1.0 - self.beta1) * d
             new["m"] = d
         return p - d, new
+
+    def _update_all(self, groups, t, work):
+        lr, decay = self._rates(t)
+        dims = [self.factored_dims(g[0].shape) for g in groups]
+        return adafactor_update(groups, [d and (d[0].name, d[1].name) for d in dims], lr, decay, self.beta1,
+                                self.clipping_threshold, self.multiply_by_parameter_scale, self.epsilon1,
+                                self.epsilon2, work)
 
 
 class DynamicLossScale:

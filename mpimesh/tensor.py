@@ -22,6 +22,8 @@ from .trace import dispatch, tensor_type
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
 
+host_reads: list = []  # while `mm.compile` records a step: its hook, told of every read of values on the host
+
 
 @tensor_type
 class DistTensor:
@@ -55,6 +57,8 @@ class DistTensor:
         if getattr(self.mesh, "dry", False):
             raise MpimeshError(f"this [{self.shape}] {self.dtype} tensor is on {self.mesh!r}: a dry run's "
                                f"tensors have shapes and layouts, no values")
+        if host_reads:
+            host_reads[-1](self, "to_numpy()")
         x = self.local
         coll = self.mesh.collectives
         for axis, m in enumerate(self.tensor_layout):
@@ -94,6 +98,8 @@ class DistTensor:
     def __float__(self) -> float:
         if self.shape.size != 1:
             raise ShapeError(f"float() needs a one-element tensor, got shape {self.shape}")
+        if host_reads:
+            host_reads[-1](self, "float()")
         return float(self.to_numpy().reshape(()))
 
 

@@ -18,6 +18,7 @@ ops) have no inputs and name their mesh.
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -56,12 +57,14 @@ class OpRecord:
     While autodiff runs its gradient rule, `needs[i]` says whether input i wants a gradient, so
     a rule may skip (return None for) inputs nothing differentiates."""
 
-    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs")
+    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops")
 
-    def __init__(self, name, inputs, outputs, params, lower, grad, rules=None):
+    def __init__(self, name, inputs, outputs, params, lower, grad, rules=None, flops=0):
         self.name, self.inputs, self.outputs = name, inputs, outputs
         self.params, self.lower, self.grad, self.rules = params, lower, grad, rules
         self.needs = None
+        self.flops = flops
+        """The local floating-point operations its kernel does on this rank (for the profile)."""
 
     def __repr__(self) -> str:
         ins = ", ".join(str(t.shape) for t in self.inputs)
@@ -73,15 +76,35 @@ class Released:
     """What a trace keeps of a tensor once nothing needs its values: shape, layout, dtype and mesh
     (enough to replay or print the trace), never the array."""
 
-    __slots__ = ("mesh", "shape", "tensor_layout", "dtype")
+    __slots__ = ("mesh", "shape", "tensor_layout", "dtype", "local_shape")
 
     def __init__(self, t):
         self.mesh, self.shape, self.tensor_layout, self.dtype = t.mesh, t.shape, t.tensor_layout, t.dtype
+        self.local_shape = tuple(t.local.shape)
+        """The shape its array had on this rank."""
+
+    @property
+    def layout(self) -> dict:
+        """`{tensor_dim_name: mesh_dim_name}` for the split dims, as `DistTensor.layout`."""
+        return {d.name: m for d, m in zip(self.shape, self.tensor_layout) if m is not None}
 
     @property
     def local(self):
-        raise MpimeshError(f"the values of this [{self.shape}] {self.dtype} tensor were released by "
-                           f"autodiff: nothing held it but the trace")
+        raise MpimeshError(f"the values of this {self.shape} {self.dtype} tensor were released: nothing "
+                           f"held it but the trace, and no gradient rule reads it")
+
+
+def _release(t, records) -> None:
+    """Replace `t` by one `Released` stand-in in `records` (every record that refers to it)."""
+    stub = Released(t)
+    for rec in records:
+        rec.inputs = tuple(stub if x is t else x for x in rec.inputs)
+        rec.outputs = tuple(stub if x is t else x for x in rec.outputs)
+    i = id(t)
+    for tr in _open_traces:  # its id may be reused by a new tensor from now on
+        tr._produced.discard(i)
+        tr._seen.discard(i)
+    _kept.forget(i)
 
 
 class Trace:
@@ -109,13 +132,9 @@ class Trace:
 
     def release(self, t, records) -> None:
         """Replace `t` by a `Released` stand-in in `records` (those of this trace that refer to it)."""
-        stub = Released(t)
-        for rec in records:
-            rec.inputs = tuple(stub if x is t else x for x in rec.inputs)
-            rec.outputs = tuple(stub if x is t else x for x in rec.outputs)
-        for tr in _open_traces + [self]:  # its id may be reused by a new tensor from now on
-            tr._produced.discard(id(t))
-            tr._seen.discard(id(t))
+        self._produced.discard(id(t))
+        self._seen.discard(id(t))
+        _release(t, records)
 
     def __repr__(self) -> str:
         return "Trace(\n" + "\n".join(f"  {r!r}" for r in self.ops) + "\n)"
@@ -124,15 +143,137 @@ class Trace:
 _open_traces: list[Trace] = []
 
 
+def saving(rule: Callable, inputs=(), outputs=()) -> Callable:
+    """Declare that gradient rule `rule` reads the values of only these inputs and outputs of its
+    op (by position, or "all"; shapes, layouts and dtypes it may always read). While a trace is open, the
+    array of a tensor that no recorded rule reads is freed as soon as nothing but the trace holds
+    it (the trace keeps a `Released` stand-in), so a forward pass keeps only what its backward
+    pass needs. A rule without a declaration keeps all of its op's tensors; an op without a rule
+    keeps none.
+
+    >>> rule = saving(lambda op, dz: [dz, dz])
+    >>> rule.saves
+    ((), ())
+    """
+    rule.saves = tuple(_ALL if v == "all" else tuple(v) for v in (inputs, outputs))
+    return rule
+
+
+class _All:
+    def __contains__(self, i) -> bool:
+        return True
+
+
+_ALL = _All()
+
+
+class _Kept:
+    """While `trace()` blocks are open: which recorded tensors some gradient rule reads (`needed`),
+    and the others (`held`: id -> [tensor, the records holding it, how many places]), each released
+    once only those places hold it. An op's unread tensors are checked two ops later (a temporary
+    is gone by then: the op after it took it as an argument and returned); survivors (a name still
+    holds them, a function's local until it returns) again every as many ops as there are of them:
+    one check per op on average."""
+
+    def __init__(self):
+        self.depth = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.needed: set = set()
+        self.held: dict = {}
+        self.recent: list = [[], []]  # the ids of the last two ops, the older first
+        self.old: list = []
+        self.since = 0  # ops since `old` was checked
+
+    def note(self, rec, grad) -> None:
+        saves = getattr(grad, "saves", None) if grad is not None else ((), ())
+        ids = []
+        for group, keep in ((rec.inputs, saves and saves[0]), (rec.outputs, saves and saves[1])):
+            for j, t in enumerate(group):
+                i = id(t)
+                if group is rec.inputs and i not in self.held and i not in self.needed:
+                    self.needed.add(i)  # an input of the trace (no noted op made it): the trace holds it
+                elif saves is None or j in keep:
+                    if i not in self.needed:
+                        self.needed.add(i)
+                        self.held.pop(i, None)
+                elif i not in self.needed:
+                    entry = self.held.get(i)
+                    if entry is None:
+                        self.held[i] = [t, [rec], 1]
+                    else:
+                        if entry[1][-1] is not rec:
+                            entry[1].append(rec)
+                        entry[2] += 1
+                    ids.append(i)
+        due = self.recent[0]
+        self.recent = [self.recent[1], ids]
+        if due:
+            self._check(due)
+        self.since += 1
+        if self.since >= max(4, len(self.old)):  # every len(old) ops: one check per op on average
+            old, self.old, self.since = self.old, [], 0
+            self._check(old)
+
+    def sweep(self) -> None:
+        """Check every tensor not yet released."""
+        ids = self.recent[0] + self.recent[1] + self.old
+        self.recent, self.old = [[], []], []
+        self._check(ids)
+
+    def _check(self, ids: list) -> None:
+        """Release those of `ids` that only records hold; keep the others in `old`."""
+        for i in dict.fromkeys(ids):
+            entry = self.held.get(i)
+            if entry is None:
+                continue
+            if _refs(entry) - _OWN_REFS == entry[2]:
+                _release(entry[0], entry[1])
+            else:
+                self.old.append(i)
+
+    def forget(self, i: int) -> None:
+        self.needed.discard(i)
+        self.held.pop(i, None)
+
+
+def _refs(entry: list) -> int:
+    return sys.getrefcount(entry[0])
+
+
+_OWN_REFS = _refs([object()])  # the count of a tensor that only its entry holds
+_kept = _Kept()
+
+
+def take_over(i: int) -> None:
+    """The tensor of id `i` is released by its caller from now on (autodiff's `release=True` walk,
+    which holds it meanwhile), no longer by the open traces."""
+    if _kept.depth:
+        _kept.held.pop(i, None)
+        _kept.needed.add(i)
+
+
+def release_unneeded() -> None:
+    """Free now every array of the open traces that nothing but them holds and no gradient rule
+    reads (`mm.gradients` calls it before its backward pass)."""
+    if _kept.depth:
+        _kept.sweep()
+
+
 @contextmanager
 def trace() -> Iterator[Trace]:
     """Record every op run inside the block."""
     tr = Trace()
     _open_traces.append(tr)
+    _kept.depth += 1
     try:
         yield tr
     finally:
         _open_traces.remove(tr)
+        _kept.depth -= 1
+        if not _kept.depth:
+            _kept.reset()
 
 
 def current_trace() -> Optional[Trace]:
@@ -193,9 +334,11 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
     if flops and counters._open:
         counters.record_flops(flops)
     if _open_traces:
-        rec = OpRecord(name, tuple(inputs), tuple(outputs), params or {}, lower, grad, mesh.layout)
+        rec = OpRecord(name, tuple(inputs), tuple(outputs), params or {}, lower, grad, mesh.layout, flops)
         for tr in _open_traces:
             tr._append(rec)
+        if _kept.depth:
+            _kept.note(rec, grad)
     return outputs
 
 

@@ -56,9 +56,10 @@ pytest_summary() {  # rank 0's pytest summary ("412 passed, 20 skipped in 130.2s
 }
 key_suite-1rank() { pytest_summary "$1"; }
 key_suite-2ranks() { pytest_summary "$1"; }
-key_benchmark() {  # each precision's step time, mpimesh / PyTorch
-    awk '$1 == "precision" && $2 == "mpimesh" { t = 1; next }
-         t && NF > 10 { s = s sep $1 " " $2 "/" $3 " ms (" $4 "x)"; sep = "; " } END { print s }' "$1"
+key_benchmark() {  # each precision's step time, mpimesh eager / PyTorch, and compiled
+    awk '$1 == "precision" && $2 == "eager" { t = 1; next }
+         t && NF > 10 { s = s sep $1 " " $2 "/" $3 " ms (" $4 "x), compiled " $8 " ms (" $9 "x)"; sep = "; " }
+         END { print s }' "$1"
 }
 key_profile() {  # each precision's kernel time of its wall time, ops and kernels per step
     awk '$1 == "precision" && $2 == "wall" { t = 1; next } t && NF < 7 { t = 0 }

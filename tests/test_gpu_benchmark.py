@@ -99,8 +99,12 @@ def test_cpu_smoke_run_prints_the_table():
                           env=job_env(MPIMESH_BENCH_LOCK=""), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["precision", "mpimesh", "ms"])
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["precision", "eager", "ms"])
     rows = {line.split()[0]: line.split() for line in lines[header + 1:]}
     assert sorted(rows) == ["bf16", "fp32"] and header + 3 == len(lines), proc.stdout[-3000:]
     assert float(rows["fp32"][-1]) <= 1e-5  # the loss difference on the same weights and batch
+    # eager, torch, ratio; then compiled and its ratio, judged for fp32 only (a verdict line printed)
+    fp32, bf16 = rows["fp32"], rows["bf16"]
+    assert float(fp32[7]) / float(fp32[2]) == pytest.approx(float(fp32[8]), rel=0.02) and fp32[11] in ("MET", "MISSED")
+    assert bf16[11] == "-" and len(re.findall(r"^VERDICT fp32 compiled step", proc.stdout, re.M)) == 1
     assert len(re.findall(r"same model: .*: ok\)", proc.stdout)) == 2

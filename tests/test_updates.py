@@ -1,7 +1,9 @@
-"""The multi-tensor optimizer updates (`mpimesh.ops.updates`): one op for all parameters of a dtype,
-bitwise equal to the unfused composition (the same optimizer updating op by op), in float64 and
-float32, with bfloat16 parameters updated in float32, a scheduled learning rate, parameters split
-unevenly over 1-D/2-D/3-D meshes, over several steps; and the trace holds one update op."""
+"""The multi-tensor optimizer updates (`mpimesh.ops.updates`, `mpimesh.ops.adafactor`): one op for
+all parameters of a dtype, equal to the unfused composition (the same optimizer updating op by op):
+bitwise for SGD and Adam, to rounding for Adafactor (its sums are `xp.sum`s, not einsums), in
+float64 and float32, with bfloat16 parameters updated in float32, a scheduled learning rate,
+parameters split unevenly over 1-D/2-D/3-D meshes, over several steps; and the trace holds one
+update op."""
 from __future__ import annotations
 
 import os
@@ -51,13 +53,20 @@ OPTIMIZERS = {
     "adamw": lambda: mm.optim.Adam(1e-2, beta1=0.8, beta2=0.99, epsilon=1e-6, weight_decay=0.1),
     "adam scheduled": lambda: mm.optim.Adam(lambda t: 3e-3 * mm.minimum(t / 2.0, 1.0)),
 }
+ADAFACTORS = {  # w, u factored (min_dim_size_to_factor 4), b and s not
+    "adafactor": lambda: mm.optim.Adafactor(min_dim_size_to_factor=4),
+    "adafactor beta1": lambda: mm.optim.Adafactor(min_dim_size_to_factor=4, beta1=0.5, clipping_threshold=0.5),
+    "adafactor plain": lambda: mm.optim.Adafactor(learning_rate=0.05, decay_rate=0.9, clipping_threshold=None,
+                                                  multiply_by_parameter_scale=False, min_dim_size_to_factor=4),
+    "adafactor unfactored": lambda: mm.optim.Adafactor(factored=False, beta1=0.9),
+}
 
 
 def both_ways(mesh, which: str, dtype: str, steps: int = 3):
     """Optimizer `which` over SHAPES' parameters, fused and op by op from the same start, for
     `steps` steps: yields `(step, slot names, (params, state) fused, (params, state) op by op, the
     fused step's trace)`."""
-    fused = OPTIMIZERS[which]()
+    fused = {**OPTIMIZERS, **ADAFACTORS}[which]()
     plain = unfused(fused)
     p1, _ = params_and_grads(mesh, dtype, 0)
     p2 = dict(p1)
@@ -70,35 +79,53 @@ def both_ways(mesh, which: str, dtype: str, steps: int = 3):
         yield step, fused.slot_names, (p1, s1), (p2, s2), tr
 
 
+TOLERANCES = {"float64": 1e-12, "float32": 2e-5, "bfloat16": 2e-5}  # Adafactor's; bfloat16: its float32 slots
+
+
+def _agree(which: str, dtype: str, a, b, what) -> None:
+    """SGD and Adam: bitwise. Adafactor: to rounding (judged against the tensor's largest value too:
+    m holds differences); a bfloat16 parameter to one ulp (the same float32 value rounded)."""
+    assert a.dtype == b.dtype and a.tensor_layout == b.tensor_layout, what
+    if which in OPTIMIZERS:
+        assert a.local.tobytes() == b.local.tobytes(), what
+        return
+    x, y = a.to_numpy().astype(np.float64), b.to_numpy().astype(np.float64)
+    if a.dtype.itemsize == 2:
+        np.testing.assert_allclose(x, y, rtol=2.0 ** -7, atol=0, err_msg=str(what))
+    else:
+        rtol = TOLERANCES[dtype]
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * np.abs(y).max(), err_msg=str(what))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-@pytest.mark.parametrize("which", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("which", sorted(OPTIMIZERS) + sorted(ADAFACTORS))
 def test_fused_update_equals_the_unfused_composition(shape, dtype, which):
     mesh = get_mesh(shape)
-    for step, slot_names, (p1, s1), (p2, s2), tr in both_ways(mesh, which, dtype):
+    for step, _, (p1, s1), (p2, s2), tr in both_ways(mesh, which, dtype):
         assert sum(op.name.endswith("_update") for op in tr.ops) == 1  # one op for every parameter
+        assert not any(op.name == "einsum" for op in tr.ops)  # (Adafactor: no per-parameter statistics ops)
         for name in SHAPES:
-            a, b = p1[name], p2[name]
-            assert a.dtype == b.dtype and a.tensor_layout == b.tensor_layout
-            assert a.local.tobytes() == b.local.tobytes(), (which, dtype, name, step)
-            for slot in slot_names:
-                x, y = s1[slot][name], s2[slot][name]
-                assert x.dtype == y.dtype and x.tensor_layout == y.tensor_layout
-                assert x.local.tobytes() == y.local.tobytes(), (which, dtype, name, slot, step)
+            _agree(which, dtype, p1[name], p2[name], (which, dtype, name, step))
+            for slot, t in ((k, v[name]) for k, v in s1.items() if k != "step" and name in v):
+                _agree(which, dtype, t, s2[slot][name], (which, dtype, name, slot, step))
     assert int(s1["step"].to_numpy()) == int(s2["step"].to_numpy()) == 3
 
 
 def test_ops_per_update():
-    """An Adam step over 40 parameters: one update op (and the step's cast), not ~15 per parameter."""
+    """An Adam or Adafactor step over 40 parameters: one update op (and the step's cast and rates),
+    not a dozen or more per parameter."""
     mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
     params = {f"w{i}": mesh.ones(f"a{i}:3;b:2") for i in range(40)}
     grads = {k: v * 0.5 for k, v in params.items()}
-    opt = mm.optim.Adam(1e-3)
-    state = opt.init(params)
-    with mm.trace() as fused_tr:
-        opt.update(params, grads, state)
-    with mm.trace() as plain_tr:
-        unfused(opt).update(params, grads, state)
-    assert [op.name for op in fused_tr.ops].count("adam_update") == 1
-    assert len(fused_tr.ops) <= 4 and len(plain_tr.ops) >= 40 * 10
+    # Adam: ~15 ops per parameter op by op; Adafactor (a{i} 3 and b 2 factored): ~20, and its rates
+    for opt, name, most, fewest in ((mm.optim.Adam(1e-3), "adam_update", 4, 40 * 10),
+                                    (mm.optim.Adafactor(min_dim_size_to_factor=2), "adafactor_update", 8, 40 * 15)):
+        state = opt.init(params)
+        with mm.trace() as fused_tr:
+            opt.update(params, grads, state)
+        with mm.trace() as plain_tr:
+            unfused(opt).update(params, grads, state)
+        assert [op.name for op in fused_tr.ops].count(name) == 1
+        assert len(fused_tr.ops) <= most and len(plain_tr.ops) >= fewest, (name, len(fused_tr.ops), len(plain_tr.ops))

@@ -31,6 +31,7 @@ from ..ops.einsum import einsum
 from ..ops.elementwise import cast, gelu, relu, tanh
 from ..ops.indexing import gather
 from ..ops.norm import layer_norm as normalize
+from ..ops.random import derive_seed
 from ..shape import Dimension, Shape, ShapeLike, dim_names, union_shape
 
 Params = dict
@@ -39,12 +40,16 @@ DimLike = Union[Dimension, str, tuple]
 ACTIVATIONS: dict[str, Callable] = {"relu": relu, "gelu": gelu, "tanh": tanh}
 
 
-def subseed(seed: int, name: str) -> int:
-    """A seed for the parameter `name` of a layer seeded with `seed` (deterministic, 31 bits).
+def subseed(seed, name: str):
+    """A seed for the parameter `name` of a layer seeded with `seed` (deterministic, 31 bits): an
+    int from an int; from a seed tensor (a 0-d integer tensor), a seed tensor made by an op
+    (`ops.random.derive_seed`), so that a compiled step derives new seeds from each seed it is given.
 
     >>> subseed(0, "kernel") == subseed(0, "kernel") != subseed(1, "kernel")
     True
     """
+    if hasattr(seed, "tensor_layout"):
+        return derive_seed(seed, name)
     return zlib.crc32(f"{int(seed)}/{name}".encode()) & 0x7FFFFFFF
 
 

@@ -19,7 +19,7 @@ from typing import Optional
 from ..backend import align, name
 from ..errors import ShapeError
 from ..partials import partial_for
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .einsum import sum_to
 from .elementwise import _gelu, _keeping
 from .relayout import to_layout
@@ -125,5 +125,6 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
         with partial_for(op.inputs[1]):
             db = sum_to(dx, op.inputs[1].shape) if need[1] else None
         return [dx if need[0] else None, db]
+    saving(rule, "all")
     (y,) = dispatch(op_name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
     return y

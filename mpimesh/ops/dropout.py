@@ -22,8 +22,8 @@ import numpy as np
 
 from ..backend import name
 from ..errors import MpimeshError
-from ..trace import dispatch
-from .random import check_seed, global_index, hash_key, index_terms, uniform01
+from ..trace import dispatch, saving
+from .random import check_seed, global_index, index_terms, key, seed_inputs, uniform01
 from .relayout import to_layout
 
 _STREAM = 0x44524F50  # "DROP": a stream of the hash that random_uniform/random_normal do not use
@@ -48,20 +48,20 @@ _KERNEL_DTYPES = ("float16", "float32", "float64")
 _cuda: dict = {}
 
 
-def _masked(xp, a, rate: float, scale: float, seed: int, starts: list, strides: list):
+def _masked(xp, a, rate: float, scale: float, seed, starts: list, strides: list):
     """`DROPOUT_SOURCE` on the local block `a` (compiled on first use; its index terms are tiny
     device arrays)."""
     if "kernel" not in _cuda:
         _cuda["kernel"] = xp.ElementwiseKernel(*DROPOUT_PARAMS, DROPOUT_SOURCE, "mpimesh_dropout")
     terms = [xp.asarray(np.asarray(v, dtype=np.uint64)) for v in (a.shape, starts, strides)]
-    return _cuda["kernel"](a, *terms, np.int32(a.ndim), hash_key(seed, _STREAM), rate, a.dtype.type(scale))
+    return _cuda["kernel"](a, *terms, np.int32(a.ndim), key(xp, seed, _STREAM), rate, a.dtype.type(scale))
 
 
-def dropout(x, rate: float, seed: int):
+def dropout(x, rate: float, seed):
     """x with each element zeroed with probability `rate` and the kept ones scaled by 1/(1-rate).
 
-    The mask depends only on `seed` and x's shape. `rate` 0 returns x. Gradient: dy through the
-    same mask and scale.
+    The mask depends only on `seed` (an int, or a seed tensor: `mpimesh.ops.random.check_seed`) and
+    x's shape. `rate` 0 returns x. Gradient: dy through the same mask and scale.
     """
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0.0 <= rate < 1.0:
         raise MpimeshError(f"dropout rate must be a number in [0, 1), got {rate!r}")
@@ -75,15 +75,20 @@ def dropout(x, rate: float, seed: int):
     split = tuple(m for m in layout if m)
     scale = 1.0 / (1.0 - rate)
 
-    def lower(ctx, a):
+    def lower(ctx, a, *s):
         xp = ctx.xp
         coords = {m: ctx.coord(m) for m in split}
+        sd = s[0] if s else seed
         if name(xp) == "cupy" and a.dtype.name in _KERNEL_DTYPES:
-            return _masked(xp, a, rate, scale, seed, *index_terms(shape, mesh_shape, layout, coords))
+            return _masked(xp, a, rate, scale, sd, *index_terms(shape, mesh_shape, layout, coords))
         index = global_index(xp, shape, mesh_shape, layout, coords, a.shape)
-        keep = uniform01(xp, index, seed, _STREAM) >= rate
+        keep = uniform01(xp, index, sd, _STREAM) >= rate
         return xp.where(keep, a * scale, xp.zeros((), dtype=a.dtype)).astype(a.dtype)
 
-    (y,) = dispatch("dropout", [x], [(x.shape, layout)], lower, {"rate": rate, "seed": seed},
-                    lambda op, dy: [dropout(dy, op.params["rate"], op.params["seed"])])
+    def rule(op, dy):
+        sd = op.inputs[1] if len(op.inputs) > 1 else op.params["seed"]
+        return [dropout(dy, op.params["rate"], sd)] + [None] * (len(op.inputs) - 1)
+    extra = seed_inputs(seed, x.mesh, "dropout")
+    (y,) = dispatch("dropout", [x, *extra], [(x.shape, layout)], lower,
+                    {"rate": rate, "seed": None if extra else seed}, saving(rule, (1,)))
     return y

@@ -33,7 +33,7 @@ from ..layout import TensorLayout, local_sizes, plan_layout
 from ..partials import claim, partial_for
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from ..widen import tf32_math, widening_matmul
 from .relayout import to_layout
 
@@ -475,6 +475,9 @@ def _einsum_grad(op, dy):
     return grads
 
 
+saving(_einsum_grad, "all")
+
+
 def sum_to(g, shape: Shape):
     """The gradient `g` of a broadcast output summed back to an input's `shape` (an einsum).
 
@@ -503,5 +506,5 @@ def broadcast(x, new_shape: ShapeLike):
     def lower(ctx, a):
         return contiguous(ctx.xp, ctx.xp.broadcast_to(align(ctx.xp, a, xd, nd), sizes))
     (y,) = dispatch("broadcast", [x], [(new, dst)], lower, {"shape": new},
-                    lambda op, dy: [sum_to(dy, op.inputs[0].shape)])
+                    saving(lambda op, dy: [sum_to(dy, op.inputs[0].shape)]))
     return y

@@ -25,7 +25,7 @@ from ..layout import local_sizes, plan_layout
 from ..partials import partial_for
 from ..shape import Shape, union_shape
 from ..tensor import DistTensor
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .einsum import sum_to
 from .relayout import to_layout
 from .reshape import transpose
@@ -100,8 +100,10 @@ def _round_to(y, dtype):
     return y.astype(dtype) if is_float(y.dtype) and y.dtype != dtype else y
 
 
-def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None):
-    rule = None if grad is None else (lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)])
+def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: str = "x"):
+    """`grad(x, y, dy)` reads the values of the input x, the output y, or neither (`reads`: "x", "y", "")."""
+    rule = None if grad is None else saving(lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)],
+                                            (0,) if "x" in reads else (), (0,) if "y" in reads else ())
 
     def op(x):
         x = to_layout(x, x.mesh.plan(x.shape))
@@ -113,9 +115,10 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None):
     return op
 
 
-def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
+def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: tuple = ("xyz", "xyz")):
     """`grad(x, y, z, dz)` returns two functions of no argument, giving x's and y's gradient: only
-    those of the inputs that need one run (nothing is computed for a constant side)."""
+    those of the inputs that need one run (nothing is computed for a constant side). `reads`: the
+    values (of x, y, the output z) each of the two reads."""
     def rule(op, dz):
         if len(op.inputs) == 2:
             x, y = op.inputs
@@ -129,7 +132,13 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
         if op.params["side"] == "right":
             return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]()]
         return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]()]
-    rule = None if grad is None else rule
+    rules = (None,) * 3
+    if grad is not None:  # one rule per case, each keeping what its side(s) read
+        both = reads[0] + reads[1]
+        rules = (saving(lambda op, dz: rule(op, dz), [i for i, v in enumerate("xy") if v in both],
+                        (0,) if "z" in both else ()),
+                 saving(lambda op, dz: rule(op, dz), (0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ()),
+                 saving(lambda op, dz: rule(op, dz), (0,) if "y" in reads[1] else (), (0,) if "z" in reads[1] else ()))
 
     def op(x, y):
         if not _is_tensor(x) and not _is_tensor(y):
@@ -139,14 +148,14 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
             x = to_layout(x, x.mesh.plan(x.shape))
             k = _keeping(kernel, x.dtype) if _weak(y) else kernel
             (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a, y),
-                            {"scalar": y, "side": "right"}, rule)
+                            {"scalar": y, "side": "right"}, rules[1])
             return z
         if not _is_tensor(x):
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
             y = to_layout(y, y.mesh.plan(y.shape))
             k = _keeping(kernel, y.dtype) if _weak(x) else kernel
             (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
-                            {"scalar": x, "side": "left"}, rule)
+                            {"scalar": x, "side": "left"}, rules[2])
             return z
         mesh = x.mesh
         if mesh is not y.mesh:
@@ -158,7 +167,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None):
             x = to_layout(x, x_layout)
         if y.tensor_layout != y_layout:
             y = to_layout(y, y_layout)
-        (z,) = dispatch(name, [x, y], [(out, out_layout)], lower, None, rule)
+        (z,) = dispatch(name, [x, y], [(out, out_layout)], lower, None, rules[0])
         return z
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
@@ -189,18 +198,18 @@ def _sign(x):
 
 relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * greater(x, 0))
 gelu = _unary("gelu", _gelu, "GELU, tanh approximation (as Mesh-TensorFlow and jax.nn.gelu).", _gelu_grad)
-exp = _unary("exp", lambda xp, a: xp.exp(a), "e**x.", lambda x, y, dy: dy * y)
+exp = _unary("exp", lambda xp, a: xp.exp(a), "e**x.", lambda x, y, dy: dy * y, "y")
 log = _unary("log", lambda xp, a: xp.log(a), "Natural logarithm.", lambda x, y, dy: dy / x)
-sqrt = _unary("sqrt", lambda xp, a: xp.sqrt(a), "Square root.", lambda x, y, dy: dy * 0.5 / y)
-rsqrt = _unary("rsqrt", lambda xp, a: 1 / xp.sqrt(a), "1 / sqrt(x).", lambda x, y, dy: dy * -0.5 * y * y * y)
-tanh = _unary("tanh", lambda xp, a: xp.tanh(a), "Hyperbolic tangent.", lambda x, y, dy: dy * (1.0 - y * y))
+sqrt = _unary("sqrt", lambda xp, a: xp.sqrt(a), "Square root.", lambda x, y, dy: dy * 0.5 / y, "y")
+rsqrt = _unary("rsqrt", lambda xp, a: 1 / xp.sqrt(a), "1 / sqrt(x).", lambda x, y, dy: dy * -0.5 * y * y * y, "y")
+tanh = _unary("tanh", lambda xp, a: xp.tanh(a), "Hyperbolic tangent.", lambda x, y, dy: dy * (1.0 - y * y), "y")
 sigmoid = _unary("sigmoid", lambda xp, a: 0.5 * (1 + xp.tanh(0.5 * a)), "1 / (1 + e**-x), overflow-free.",
-                 lambda x, y, dy: dy * y * (1.0 - y))
+                 lambda x, y, dy: dy * y * (1.0 - y), "y")
 square = _unary("square", lambda xp, a: a * a, "x * x.", lambda x, y, dy: dy * 2.0 * x)
 abs = _unary("abs", lambda xp, a: xp.abs(a), "|x|.", lambda x, y, dy: dy * _sign(x))  # noqa: A001 - the API's name
 sin = _unary("sin", lambda xp, a: xp.sin(a), "Sine.", lambda x, y, dy: dy * cos(x))
 cos = _unary("cos", lambda xp, a: xp.cos(a), "Cosine.", lambda x, y, dy: -(dy * sin(x)))
-negative = _unary("negative", lambda xp, a: -a, "-x.", lambda x, y, dy: -dy)
+negative = _unary("negative", lambda xp, a: -a, "-x.", lambda x, y, dy: -dy, "")
 
 
 def _min_max_grad(pick_x):
@@ -219,12 +228,13 @@ def _pow_grad(x, y, z, dz):
     return (lambda: dz * y * power(x, y - 1)), (lambda: dz * z * (log(x) if _is_tensor(x) else math.log(x)))
 
 
-add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: ((lambda: dz), (lambda: dz)))
-subtract = _binary("subtract", lambda xp, a, b: a - b, "x - y.", lambda x, y, z, dz: ((lambda: dz), (lambda: -dz)))
+add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: ((lambda: dz), (lambda: dz)), ("", ""))
+subtract = _binary("subtract", lambda xp, a, b: a - b, "x - y.", lambda x, y, z, dz: ((lambda: dz), (lambda: -dz)),
+                   ("", ""))
 multiply = _binary("multiply", lambda xp, a, b: a * b, "x * y.",
-                   lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)))
+                   lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)), ("y", "x"))
 divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
-                 lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)))
+                 lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"))
 power = _binary("power", lambda xp, a, b: a ** b, "x ** y.", _pow_grad)
 minimum = _binary("minimum", lambda xp, a, b: xp.minimum(a, b), "Elementwise minimum.",
                   _min_max_grad(lambda x, y: less_equal(x, y)))
@@ -284,6 +294,7 @@ def axpy(alpha, x, y):
             a, xt, _ = op.inputs
             return [sum_to(dz * xt, Shape(())) if need[0] else None, dz * a if need[1] else None, gy]
         return [dz * op.params["alpha"] if need[0] else None, gy]
+    saving(rule, (0, 1) if scaled else ())
     (z,) = dispatch("axpy", [alpha, x, y] if scaled else [x, y], [(x.shape, layout)], lower,
                     {} if scaled else {"alpha": alpha}, rule)
     return z
@@ -303,7 +314,7 @@ def cast(x, dtype):
         return x
     differentiable = is_float(dt) and is_float(x.dtype)
     (y,) = dispatch("cast", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: a.astype(dt), {"dtype": dt},
-                    (lambda op, dy: [cast(dy, op.inputs[0].dtype)]) if differentiable else None)
+                    saving(lambda op, dy: [cast(dy, op.inputs[0].dtype)]) if differentiable else None)
     return y
 
 
@@ -353,7 +364,7 @@ def where(cond, x, y):
                 keep = c if i == 1 else equal(c, False)
                 grads.append(sum_to(where(keep, dz, 0.0), t.shape))
         return grads
-    (z,) = dispatch("where", ins, [(out, out_layout)], lower, None, rule)
+    (z,) = dispatch("where", ins, [(out, out_layout)], lower, None, saving(rule, (0,)))
     return z
 
 

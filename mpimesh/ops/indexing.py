@@ -29,7 +29,7 @@ from ..mesh import layout_scope
 from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .einsum import contraction_plan, einsum
 from .elementwise import cast
 from .relayout import to_layout
@@ -207,6 +207,9 @@ def _gather_grad(op, dy):
     hot = _scatter_hot(indices, op.params["dim"], dy.dtype)
     with partial_for(weights):  # an embedding's gradient summed over the batch may wait in a bucket
         return [einsum([hot, dy], output_shape=weights.shape), None]
+
+
+saving(_gather_grad, (1,))
 
 
 # -------------------------------------------------------------------------------- top_k, argmax

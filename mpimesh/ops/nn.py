@@ -33,7 +33,7 @@ from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
 from ..shape import dim_names
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .einsum import sum_to
 from .relayout import to_layout
 
@@ -149,6 +149,7 @@ def _normalize(name: str, log: bool, doc: str):
             with partial_for(op.inputs[1]):
                 db = sum_to(dx, op.inputs[1].shape) if (op.needs or (True, True))[1] else None
             return [dx, db]
+        saving(rule, (), (0,))
         (y,) = dispatch(name, inputs, [(x.shape, layout)], lower,
                         {"reduced_dims": names, "mesh_dims": mdims, "causal": causal},
                         rule if is_float(x.dtype) else None)
@@ -258,6 +259,7 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
 
     def rule(op, dy, _):  # the log-partition, kept for the gradient, gets none
         return [_cross_entropy_grad(op, dy, axis, hit), None]
+    saving(rule, (0, 1), (1,))  # logits, targets and the log-partition
     loss, _ = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)] * 2, lower,
                        {"vocab": v, "mesh_dims": mdims}, rule if is_float(logits.dtype) else None)
     return loss

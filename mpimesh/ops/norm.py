@@ -26,7 +26,7 @@ from ..backend import accumulation_dtype, align
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import to_layout
@@ -112,6 +112,7 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
 
     def rule(op, dy, *_):  # (the statistics' outputs get no gradient)
         return _layer_norm_grad(op, dy, dims, has)
+    saving(rule, (0, 1) if has[0] else (0,), (1, 2))  # x, scale, mean and 1/std
     y, _, _ = dispatch("layer_norm", [x, *params], [(x.shape, layout), stats, stats], lower,
                        {"dims": dims, "epsilon": epsilon}, rule)
     return y

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import zlib
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
 from ..tensor import _layout, block_sizes
 from ..trace import dispatch
+from .relayout import to_layout
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -79,18 +81,66 @@ def index_terms(shape: Shape, mesh_shape: Shape, layout, coords) -> tuple[list, 
     return [b.start for b in bounds], strides
 
 
-def uniform01(xp, index, seed: int, stream: int = 0):
-    """Float64 uniforms in [0, 1) for each global index."""
+def key(xp, seed, stream: int):
+    """`hash_key(seed, stream)` for an int seed, or computed by `xp` from a seed tensor's 0-d array
+    (the same uint64 for the same value, so a seed tensor draws what its value as an int draws)."""
+    if isinstance(seed, int):
+        return hash_key(seed, stream)
+    with np.errstate(over="ignore"):
+        z = xp.asarray(seed).astype(np.uint64) * np.uint64(0xD1B54A32D192ED03) \
+            + np.uint64((stream * _GOLDEN + 0x632BE59BD9B4E019) & _MASK)
+        return _mix(z)
+
+
+def uniform01(xp, index, seed, stream: int = 0):
+    """Float64 uniforms in [0, 1) for each global index; `seed` an int or a seed tensor's array."""
     with np.errstate(over="ignore"):  # wrapping arithmetic (see _mix)
-        bits = _mix(index * np.uint64(_GOLDEN) + hash_key(seed, stream))
+        bits = _mix(index * np.uint64(_GOLDEN) + key(xp, seed, stream))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def check_seed(seed, what: str) -> int:
-    """`seed` as an int (numpy's ints too); an MpimeshError for anything else."""
+def check_seed(seed, what: str):
+    """`seed` as an int (numpy's ints too), or a seed tensor (a 0-d integer DistTensor, replicated:
+    its value is read by the op's kernel, so a compiled step draws new numbers from a new value); an
+    MpimeshError for anything else."""
+    if hasattr(seed, "tensor_layout"):
+        if seed.shape.rank or seed.dtype.kind not in "iu":
+            raise MpimeshError(f"{what}: a seed tensor must be a 0-d integer tensor, got shape {seed.shape} "
+                               f"and dtype {seed.dtype}")
+        return seed
     if isinstance(seed, bool) or not hasattr(seed, "__index__"):
-        raise MpimeshError(f"{what}: the seed must be an integer, got {seed!r}")
+        raise MpimeshError(f"{what}: the seed must be an integer or a 0-d integer tensor, got {seed!r}")
     return operator.index(seed)
+
+
+def seed_inputs(seed, mesh, what: str) -> list:
+    """The op's inputs for `seed`: none for an int, the seed tensor (replicated) for a tensor."""
+    if isinstance(seed, int):
+        return []
+    if seed.mesh is not mesh:
+        raise MpimeshError(f"{what}: the seed tensor lives on another mesh than the op's")
+    return [to_layout(seed, ())]
+
+
+def derive_seed(seed, name: str):
+    """A seed tensor for `name` from seed tensor `seed` (a hash of both, 31 bits; `layers.subseed`
+    for seed tensors): an op, so a compiled step derives it anew from each seed it is given.
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> s = mesh.from_numpy(np.array(5), ())
+    >>> a, b = derive_seed(s, "kernel").to_numpy(), derive_seed(s, "bias").to_numpy()
+    >>> int(a) != int(b), a.dtype
+    (True, dtype('int64'))
+    """
+    seed = check_seed(seed, "derive_seed")
+    salt = zlib.crc32(name.encode())
+
+    def lower(ctx, s):
+        return (key(ctx.xp, s, salt) & np.uint64(0x7FFFFFFF)).astype(np.int64)
+    (t,) = dispatch("derive_seed", seed_inputs(seed, seed.mesh, "derive_seed"), [(Shape(()), ())], lower,
+                    {"name": name})
+    return t
 
 
 def _real(value, what: str) -> float:
@@ -106,46 +156,51 @@ def _real(value, what: str) -> float:
     return f
 
 
-def _random(name: str, mesh, shape: ShapeLike, layout, params: dict, fill):
-    """The op `name` (no inputs): each rank fills its block from the global indices it holds."""
+def _random(name: str, mesh, shape: ShapeLike, layout, seed, params: dict, fill):
+    """The op `name` (no inputs, or the seed tensor): each rank fills its block from the global
+    indices it holds, `fill(xp, index, seed)` (an int, or the seed tensor's array)."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
     mesh_shape, split = mesh.shape, tuple(m for m in tl if m)
 
-    def lower(ctx):
+    def lower(ctx, *s):
         coords = {m: ctx.coord(m) for m in split}
-        return fill(ctx.xp, global_index(ctx.xp, shape, mesh_shape, tl, coords, block_sizes(ctx, shape, tl)))
-    (t,) = dispatch(name, [], [(shape, tl)], lower, {"shape": shape, **params}, mesh=mesh)
+        index = global_index(ctx.xp, shape, mesh_shape, tl, coords, block_sizes(ctx, shape, tl))
+        return fill(ctx.xp, index, s[0] if s else seed)
+    inputs = seed_inputs(seed, mesh, name)
+    (t,) = dispatch(name, inputs, [(shape, tl)], lower,
+                    {"shape": shape, **params, "seed": None if inputs else seed}, mesh=mesh)
     return t
 
 
-def random_uniform(mesh, shape: ShapeLike, seed: int, minval=0.0, maxval=1.0, dtype="float32", layout=None):
-    """Uniform values in [minval, maxval) that depend only on `seed` and `shape`."""
+def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="float32", layout=None):
+    """Uniform values in [minval, maxval) that depend only on `seed` (an int, or a seed tensor: see
+    `check_seed`) and `shape`."""
     dt = as_dtype(dtype)
     seed = check_seed(seed, "random_uniform")
     minval, maxval = _real(minval, "random_uniform: minval"), _real(maxval, "random_uniform: maxval")
 
-    def fill(xp, i):
+    def fill(xp, i, seed):
         y = (minval + (maxval - minval) * uniform01(xp, i, seed)).astype(dt)
         if is_float(dt) and maxval > minval:  # rounding to dt may reach maxval: clamp below it
             top = dt.type(maxval)
             top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
             y = xp.minimum(y, top)
         return y
-    return _random("random_uniform", mesh, shape, layout,
-                   {"seed": seed, "minval": minval, "maxval": maxval, "dtype": dt}, fill)
+    return _random("random_uniform", mesh, shape, layout, seed,
+                   {"minval": minval, "maxval": maxval, "dtype": dt}, fill)
 
 
-def random_normal(mesh, shape: ShapeLike, seed: int, mean=0.0, stddev=1.0, dtype="float32", layout=None):
-    """Normal values (Box-Muller) that depend only on `seed` and `shape`."""
+def random_normal(mesh, shape: ShapeLike, seed, mean=0.0, stddev=1.0, dtype="float32", layout=None):
+    """Normal values (Box-Muller) that depend only on `seed` (an int or a seed tensor) and `shape`."""
     dt = as_dtype(dtype)
     seed = check_seed(seed, "random_normal")
     mean, stddev = _real(mean, "random_normal: mean"), _real(stddev, "random_normal: stddev")
 
-    def fill(xp, i):
+    def fill(xp, i, seed):
         u1 = 1.0 - uniform01(xp, i, seed, 0)  # in (0, 1]: log is finite
         u2 = uniform01(xp, i, seed, 1)
         z = xp.sqrt(-2.0 * xp.log(u1)) * xp.cos(2.0 * math.pi * u2)
         return (mean + stddev * z).astype(dt)
-    return _random("random_normal", mesh, shape, layout,
-                   {"seed": seed, "mean": mean, "stddev": stddev, "dtype": dt}, fill)
+    return _random("random_normal", mesh, shape, layout, seed,
+                   {"mean": mean, "stddev": stddev, "dtype": dt}, fill)

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from ..layout import TensorLayout, layout_from_spec, splitting
 from ..shape import Shape
-from ..trace import dispatch
+from ..trace import dispatch, saving
 
 
 @lru_cache(maxsize=4096)
@@ -73,6 +73,8 @@ def _run_steps(steps, shape: Shape):
 def _relayout_grad(op, dy):
     return [to_layout(dy, op.inputs[0].tensor_layout)]
 
+
+saving(_relayout_grad)
 
 def to_layout(x, tensor_layout: TensorLayout):
     """`x` with the given tensor layout (a tuple with one mesh dim or None per dim)."""

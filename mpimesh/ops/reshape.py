@@ -21,7 +21,7 @@ from functools import lru_cache
 from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .relayout import to_layout
 
 
@@ -90,6 +90,8 @@ def _reshape_grad(op, dy):
     return [reshape(dy, op.inputs[0].shape)]
 
 
+saving(_reshape_grad)
+
 def reshape(x, new_shape: ShapeLike):
     """The same elements (row-major order) under `new_shape`."""
     new = Shape(new_shape)
@@ -124,7 +126,7 @@ def transpose(x, new_shape: ShapeLike):
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
     perm = tuple(x.shape.index(n) for n in new.names)
     (y,) = dispatch("transpose", [x], [(new, dst)], lambda ctx, a: ctx.xp.transpose(a, perm), {"perm": perm},
-                    lambda op, dy: [transpose(dy, op.inputs[0].shape)])
+                    saving(lambda op, dy: [transpose(dy, op.inputs[0].shape)]))
     return y
 
 

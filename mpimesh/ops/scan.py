@@ -22,7 +22,7 @@ from typing import Union
 
 from ..layout import splitting
 from ..shape import Dimension
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .relayout import to_layout
 from .slicing import _dim_name
 
@@ -70,3 +70,6 @@ def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool
 def _cumsum_grad(op, dy):
     p = op.params
     return [cumsum(dy, p["dim"], p["exclusive"], not p["reverse"])]
+
+
+saving(_cumsum_grad)

@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import MpimeshError, ShapeError
 from ..layout import block, block_sizes, splitting
 from ..shape import Dimension, Shape
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .relayout import to_layout
 
 
@@ -331,6 +331,8 @@ def _shift_grad(op, dy):
     p = op.params
     return [shift(dy, -p["offset"], p["dim"], p["wrap"])]
 
+
+saving(_shift_grad)
 
 def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
     """Each slice of x along `dim` widened by `halo` elements from its neighbours on both sides.

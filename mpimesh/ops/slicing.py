@@ -38,7 +38,7 @@ from typing import Optional, Sequence, Union
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, block, block_sizes, splitting
 from ..shape import Dimension, Shape
-from ..trace import dispatch
+from ..trace import dispatch, saving
 from .relayout import to_layout
 
 _slice = builtins.slice  # this module defines its own `slice`
@@ -228,6 +228,8 @@ def _slice_grad(op, dy):
     return [pad(dy, [p["begin"], n - p["begin"] - p["size"]], p["dim"])]
 
 
+saving(_slice_grad)
+
 def pad(x, paddings: Sequence[int], dim_name: str):
     """x with `paddings = [before, after]` zeros added along dim `dim_name` (same name, new size).
 
@@ -250,6 +252,8 @@ def _pad_grad(op, dy):
     p = op.params
     return [slice(dy, p["paddings"][0], op.inputs[0].shape[p["dim"]].size, p["dim"])]
 
+
+saving(_pad_grad)
 
 def concat(xs: Sequence, dim_name: str):
     """The tensors `xs` joined along dim `dim_name`; all other dims must agree (ShapeError).
@@ -285,6 +289,8 @@ def _concat_grad(op, dy):
     return split(dy, op.params["dim"], list(op.params["sizes"]))
 
 
+saving(_concat_grad)
+
 def split(x, dim: Union[str, Dimension], num_or_sizes: Union[int, Sequence[int]]) -> list:
     """x cut along `dim` into `num_or_sizes` equal pieces, or pieces of the listed sizes.
 
@@ -309,3 +315,6 @@ def split(x, dim: Union[str, Dimension], num_or_sizes: Union[int, Sequence[int]]
 
 def _split_grad(op, *dys):
     return [concat(list(dys), op.params["dim"])]
+
+
+saving(_split_grad)

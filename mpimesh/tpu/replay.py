@@ -51,7 +51,9 @@ from ..backend import is_float, matmul_precision, to_host
 from ..errors import LayoutError, MeshError, MpimeshError, ShapeError
 from ..extras import require
 from ..layout import LayoutRules, block_sizes, local_sizes, plan_layout, splitting
+from ..program import Program, ProgramError
 from ..shape import Shape
+from ..trace import Released
 from .collectives import JaxCollectives, pad_blocks, unpad_blocks
 
 MODES = ("shard_map", "gspmd")
@@ -59,7 +61,7 @@ MODES = ("shard_map", "gspmd")
 whose collectives XLA's SPMD partitioner places (see the module docs)."""
 
 
-class ReplayError(MpimeshError):
+class ReplayError(ProgramError):
     """A trace that cannot be replayed as asked: an op without a kernel, an input that is not
     one of the trace's inputs, an output the trace does not produce, or a kernel that fails
     under JAX."""
@@ -85,6 +87,7 @@ _PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast
               "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
               "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal",
               "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad", "adam_update", "sgd_update",
+              "adafactor_update",
               *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad")), *_FILLS}
 
 
@@ -122,57 +125,21 @@ def _whole_here(t) -> bool:
 
 
 class _Plan:
-    """What to replay: the mesh, the needed op records in order, inputs, constants, outputs."""
+    """What to replay: the program (`mpimesh.program.Program`: the needed op records in order,
+    inputs, outputs) and its constants as host arrays, each the whole tensor."""
 
     def __init__(self, trace, inputs: Sequence, outputs: Sequence):
-        inputs, outputs = list(inputs), list(outputs)
-        if not outputs:
-            raise ReplayError("replay needs at least one output tensor")
-        ref = trace.ops[0].outputs[0] if trace.ops else (inputs or outputs)[0]  # an op may have no inputs
-        self.mesh = ref.mesh
-        trace_inputs = {id(t) for t in trace.inputs}
-        given: dict[int, int] = {}
-        for i, t in enumerate(inputs):
-            if not hasattr(t, "tensor_layout"):
-                raise ReplayError(f"replay input {i} is a {type(t).__name__}, not a DistTensor")
-            if id(t) not in trace_inputs:
-                raise ReplayError(f"replay input {i}, a {_describe(t)}, is not an input of the trace "
-                                  f"(the trace never reads it, or produces it itself)")
-            if id(t) in given:
-                raise ReplayError(f"replay input {i}, a {_describe(t)}, is listed twice (also as input {given[id(t)]})")
-            given[id(t)] = i
-        for t in inputs + outputs:
-            if getattr(t, "mesh", None) is not self.mesh:
-                raise ReplayError(f"replay: a {_describe(t)} lives on another mesh than the trace's {self.mesh}")
-        # Only the ops the outputs depend on, walking back from them.
-        need = {id(t) for t in outputs}
-        keep = []
-        for rec in reversed(trace.ops):
-            if any(id(t) in need for t in rec.outputs):
-                keep.append(rec)
-                need.update(id(t) for t in rec.inputs)
-        self.ops = keep[::-1]
-        for rec in self.ops:
-            if not callable(rec.lower):
-                raise ReplayError(f"op {rec.name!r} ({rec!r}) has no kernel (lower={rec.lower!r}): it cannot "
-                                  f"be replayed")
-        produced = {id(t) for rec in self.ops for t in rec.outputs}
+        program = Program(trace, inputs, outputs, ReplayError)
+        self.mesh, self.ops = program.mesh, program.ops
+        self.inputs, self.outputs, self.input_ids = program.inputs, program.outputs, program.input_ids
         self.constants: dict[int, np.ndarray] = {}
-        readers = [(t, rec) for rec in self.ops for t in rec.inputs] + [(t, None) for t in outputs]
-        for t, rec in readers:
-            i = id(t)
-            if i in produced or i in given or i in self.constants:
-                continue
-            if i not in trace_inputs:
-                raise ReplayError(f"replay output {_describe(t)} is neither produced by the trace nor one of "
-                                  f"its inputs")
+        for i, t in program.constants.items():
             if not _whole_here(t):
+                rec = program.readers[i]
                 by = f"op {rec!r}" if rec is not None else "the outputs"
                 raise ReplayError(f"the trace reads a {_describe(t)} (by {by}) that is split over the mesh "
                                   f"and not among the replay inputs: list it in `inputs`")
             self.constants[i] = np.array(to_host(t.local), copy=True)
-        self.inputs, self.outputs = inputs, outputs
-        self.input_ids = [id(t) for t in inputs]
         self._padding()
 
     def _padding(self) -> None:
@@ -192,7 +159,7 @@ class _Plan:
                                   f"JAX replay holds such blocks padded to the largest, and this op cannot run on "
                                   f"padded blocks yet: lay that dim out evenly (or not at all) in the trace")
         for i, t in tensors.items():
-            if self.uneven[i] and tuple(t.local.shape) != self.local_shapes[i]:
+            if self.uneven[i] and not isinstance(t, Released) and tuple(t.local.shape) != self.local_shapes[i]:
                 raise ReplayError(f"this rank holds a {_describe(t)} block of shape {tuple(t.local.shape)}, not "
                                   f"the largest, {self.local_shapes[i]}: the trace's kernels keep the recording "
                                   f"rank's block sizes, so build a replay of uneven blocks on rank 0")

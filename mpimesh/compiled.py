@@ -1,0 +1,333 @@
+"""`mm.compile(fn)`: record a step once, then run its kernels again without the per-op Python.
+
+The first call with a signature runs `fn` eagerly inside a trace and keeps the program of its
+outputs (`mpimesh.program.Program`): the op records in order, each with its own local kernel and
+collectives. A later call with the same signature runs that program on the new arguments' blocks
+(`_Engine`): a flat list of kernels bound to slots, each array freed after its last reader, with
+none of dispatch's layout planning, checks, tensor objects or autodiff bookkeeping. The values are
+eager's, bitwise: the same kernels on the same blocks, in the same order.
+
+The signature: each tensor argument's mesh, shape, layout and dtype; every other argument by
+value (numbers, strings, seeds: a new value records again, as `jax.jit`'s static arguments); the
+mesh's layout rules, the bucket size and the matmul precision in force. A bounded cache keeps the
+`cache_size` most recently used programs. Arguments and results may be nested tuples, lists and
+dicts of tensors and other values.
+
+`fn` may not read values on the host while it records (`to_numpy()`, `float(t)`, a branch on a
+value): a compiled step runs no Python, so it would read them once and never again. That raises
+`CompileError` naming the file and line. Called inside an open `mm.trace()`, the step runs
+eagerly (its ops recorded there, for gradients through it).
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> step = mm.compile(lambda x, w: mm.einsum([x, w], output_shape="b:2") * 2.0)
+>>> w = mesh.from_numpy(np.array([1.0, 2.0]), "d:2")
+>>> step(mesh.ones("b:2;d:2"), w).to_numpy().tolist(), step(mesh.ones("b:2;d:2") * 3.0, w).to_numpy().tolist()
+([6.0, 6.0], [18.0, 18.0])
+>>> step.recordings, step.replays
+(1, 1)
+"""
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from collections import OrderedDict
+from typing import Any, Callable
+
+from .backend import matmul_precision
+from .buckets import bucket_bytes
+from .collectives import counters
+from .errors import MpimeshError
+from .program import Program, ProgramError
+from .tensor import DistTensor, host_reads
+from .trace import current_trace, trace
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+class CompileError(ProgramError):
+    """A step `mm.compile` cannot record: it reads values on the host, or returns something other
+    than tensors (in tuples, lists and dicts)."""
+
+
+def compile(fn: Callable, cache_size: int = 8) -> "Compiled":  # noqa: A001 - the API's name
+    """`fn` recorded once per signature and replayed without per-op Python (see the module)."""
+    if not callable(fn):
+        raise TypeError(f"mm.compile needs a function, got {type(fn).__name__}")
+    if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+        raise MpimeshError(f"mm.compile: cache_size must be a whole number >= 1, got {cache_size!r}")
+    return Compiled(fn, cache_size)
+
+
+class Compiled:
+    """A compiled step: call it as `fn`. `recordings` and `replays` count the calls of each kind;
+    `signatures()` lists the signatures held, most recent last."""
+
+    def __init__(self, fn: Callable, cache_size: int):
+        self.fn, self.cache_size = fn, cache_size
+        self.cache: OrderedDict = OrderedDict()
+        self.recordings = self.replays = 0
+        self.__name__ = getattr(fn, "__name__", "step")
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def signatures(self) -> list:
+        """The signatures of the programs held, least recently used first."""
+        return list(self.cache)
+
+    def __call__(self, *args, **kwargs):
+        if current_trace() is not None:  # inside a user's trace: eager, so its ops are recorded there
+            return self.fn(*args, **kwargs)
+        leaves, tree = _flatten((args, kwargs))
+        key = (tree, _settings(leaves), tuple(_signature(v) for v in leaves))
+        entry = self.cache.get(key)
+        if entry is None:
+            out, entry = self._record(args, kwargs, leaves)
+            self.cache[key] = entry
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+            self.recordings += 1
+            return out
+        self.cache.move_to_end(key)
+        self.replays += 1
+        return entry.run(leaves)
+
+    def _record(self, args, kwargs, leaves) -> tuple:
+        host_reads.append(self._host_read)
+        try:
+            with trace() as tr:
+                out = self.fn(*args, **kwargs)
+        finally:
+            host_reads.pop()
+        out_leaves, out_tree = _flatten(out)
+        for v in out_leaves:
+            if v is not None and not isinstance(v, DistTensor):
+                raise CompileError(f"mm.compile({self.__name__}): the step returns a {type(v).__name__}; a "
+                                   f"compiled step returns tensors (in tuples, lists and dicts) and None")
+        return out, _Entry(tr, leaves, out_leaves, out_tree)
+
+    def _host_read(self, t, what: str) -> None:
+        where = _user_frame()
+        raise CompileError(f"mm.compile({self.__name__}): the step reads the values of a {t.shape} {t.dtype} "
+                           f"tensor on the host ({what}) at {where}. A compiled step runs its kernels again "
+                           f"without running Python, so it cannot read or branch on values: return the "
+                           f"tensor and read it after the step, or call the function without mm.compile")
+
+
+class _Entry:
+    """One signature's program and how to map arguments onto it and results back."""
+
+    def __init__(self, tr, leaves: list, out_leaves: list, out_tree):
+        arg_ids = {}
+        for i, v in enumerate(leaves):
+            if isinstance(v, DistTensor):
+                arg_ids.setdefault(id(v), i)
+        read = {id(t) for t in tr.inputs}
+        inputs = [leaves[i] for i in arg_ids.values() if leaves[i] is not None and id(leaves[i]) in read]
+        self.input_leaves = [i for t_id, i in arg_ids.items() if t_id in read]
+        made = [t for t in out_leaves if t is not None and id(t) not in arg_ids]
+        self.out_tree = out_tree
+        # per result leaf: ("arg", leaf index) passed through, ("out", k) the program's k-th output, None
+        self.outs, seen = [], {}
+        for t in out_leaves:
+            if t is None:
+                self.outs.append(None)
+            elif id(t) in arg_ids:
+                self.outs.append(("arg", arg_ids[id(t)]))
+            else:
+                self.outs.append(("out", seen.setdefault(id(t), len(seen))))
+        unique = list({id(t): t for t in made}.values())
+        if not unique:
+            self.engine, self.metas = None, []
+            return
+        try:
+            program = Program(tr, inputs, unique, CompileError, "mm.compile")
+        except ProgramError as e:
+            raise CompileError(str(e)) from None
+        self.engine = _Engine(program)
+        self.metas = [(t.mesh, t.shape, t.tensor_layout) for t in unique]
+
+    def run(self, leaves: list):
+        results = []
+        if self.engine is not None:
+            arrays = self.engine.run([leaves[i].local for i in self.input_leaves])
+            results = [DistTensor(mesh, shape, layout, a) for (mesh, shape, layout), a in zip(self.metas, arrays)]
+        flat = [None if o is None else leaves[o[1]] if o[0] == "arg" else results[o[1]] for o in self.outs]
+        return _unflatten(self.out_tree, iter(flat))
+
+
+class _Engine:
+    """The program as a flat list of steps over a list of arrays (the inputs' slots first, then the
+    constants', then each op's outputs'): `("op", name, kernel, input slots, output slots, slots to
+    free, flops)`; a gradient bucket's members (psum records of one `mpimesh.buckets` bucket) as
+    `("start", bucket)` where its last member was recorded (one non-blocking allreduce of their
+    concatenation, as eager) and `("wait", bucket)` before the first op that reads one of them.
+    `run(arrays)` gives the outputs' arrays."""
+
+    def __init__(self, program: Program):
+        self.mesh = program.mesh
+        slots: dict[int, int] = {}
+
+        def slot(i: int) -> int:
+            return slots.setdefault(i, len(slots))
+        for i in program.input_ids:
+            slot(i)
+        self.constants = [(slot(i), t.local) for i, t in program.constants.items()]
+        last: dict[int, int] = {}
+        for k, rec in enumerate(program.ops):
+            for t in rec.inputs:
+                last[slot(id(t))] = k
+            for t in rec.outputs:
+                slot(id(t))
+        keep = {slots[i] for i in program.input_ids + program.output_ids} | {s for s, _ in self.constants}
+        frees: dict[int, list] = {}
+        for s, k in last.items():
+            if s not in keep:
+                frees.setdefault(k, []).append(s)
+        buckets = _buckets(program.ops, slots)
+        starts = {b.start_at: b for b in buckets}
+        waits: dict[int, list] = {}
+        for b in buckets:
+            waits.setdefault(b.wait_at, []).append(b)
+        members = {k for b in buckets for k in b.members}
+        self.steps: list = []
+        for k, rec in enumerate(program.ops):
+            for b in waits.get(k, ()):
+                self.steps.append(("wait", b))
+            if k not in members:
+                self.steps.append(("op", rec.name, rec.lower, [slots[id(t)] for t in rec.inputs],
+                                   [slots[id(t)] for t in rec.outputs], frees.get(k, []), rec.flops))
+            if k in starts:
+                self.steps.append(("start", starts[k]))
+        self.steps += [("wait", b) for b in waits.get(len(program.ops), ())]
+        self.n_slots = len(slots)
+        self.n_inputs = len(program.input_ids)
+        self.outputs = [slots[i] for i in program.output_ids]
+
+    def run(self, arrays: list) -> list:
+        env: list[Any] = [None] * self.n_slots
+        env[:self.n_inputs] = arrays
+        for s, a in self.constants:
+            env[s] = a
+        run = self.mesh.run
+        counting = counters._open
+        flying: dict = {}
+        for step in self.steps:
+            if step[0] == "op":
+                _, name, lower, ins, outs, frees, flops = step
+                result = run(name, lower, [env[s] for s in ins], len(outs))
+                for s, r in zip(outs, result):
+                    env[s] = r
+                for s in frees:
+                    env[s] = None
+                if flops and counting:
+                    counters.record_flops(flops)
+                for request in flying.values():  # MPI moves data only inside its calls
+                    request.test()
+            elif step[0] == "start":
+                flying[id(step[1])] = step[1].start(self.mesh, env)
+            else:
+                step[1].finish(flying.pop(id(step[1])), env)
+        return [env[s] for s in self.outputs]
+
+
+class _ReplayBucket:
+    """The psum records of one gradient bucket, in the order eager concatenated them: started
+    after the last of them (`start_at`, a program index), waited for before the first op that
+    reads one of their outputs (`wait_at`; the program's length: only at the end)."""
+
+    def __init__(self, records: list, slots: dict, ops: list):
+        self.dims = records[0].params["mesh_dims"]
+        self.ins = [slots[id(rec.inputs[0])] for rec in records]
+        self.outs = [slots[id(rec.outputs[0])] for rec in records]
+        self.dtypes = [rec.params.get("dtype") for rec in records]
+        self.shapes = [t.local_shape if hasattr(t, "local_shape") else tuple(t.local.shape)
+                       for t in (rec.outputs[0] for rec in records)]
+        index = {id(rec): k for k, rec in enumerate(ops)}
+        self.members = [index[id(rec)] for rec in records]  # program indices (no record is kept)
+        self.start_at = max(self.members)
+        outs = set(self.outs)
+        self.wait_at = next((k for k in range(self.start_at + 1, len(ops))
+                             if any(slots[id(t)] in outs for t in ops[k].inputs)), len(ops))
+
+    def start(self, mesh, env: list):
+        xp = mesh.xp
+        flat = [env[s].reshape(-1) for s in self.ins]
+        send = flat[0] if len(flat) == 1 else xp.concatenate(flat)
+        for s in self.ins:
+            env[s] = None  # the request owns `send` now
+        return mesh.collectives.iallreduce(send, self.dims, out=send if len(flat) > 1 else None)
+
+    def finish(self, request, env: list) -> None:
+        total, at = request.wait(), 0
+        for shape, s, dtype in zip(self.shapes, self.outs, self.dtypes):
+            n = math.prod(shape)
+            block = total[at:at + n].reshape(shape)
+            env[s] = block if dtype is None else block.astype(dtype)
+            at += n
+
+
+def _buckets(ops: list, slots: dict) -> list:
+    """The program's gradient buckets (psum records with a `bucket` param, all members present)."""
+    groups: dict = {}
+    for rec in ops:
+        tag = rec.params.get("bucket") if rec.name == "psum" else None
+        if tag is not None:
+            groups.setdefault(tag[0], []).append((tag[1], tag[2], rec))
+    out = []
+    for members in groups.values():
+        members.sort(key=lambda m: m[0])
+        if len(members) == members[0][1]:  # else some were pruned: each psum runs on its own
+            out.append(_ReplayBucket([m[2] for m in members], slots, ops))
+    return out
+
+
+def _settings(leaves: list) -> tuple:
+    """What else fixes a recording: each mesh's layout rules, the bucket size, the matmul precision."""
+    meshes = {id(v.mesh): v.mesh for v in leaves if isinstance(v, DistTensor)}
+    return tuple(str(m.layout) for m in meshes.values()), bucket_bytes(), matmul_precision()
+
+
+def _signature(v) -> tuple:
+    if isinstance(v, DistTensor):
+        return ("tensor", id(v.mesh), v.shape, v.tensor_layout, str(v.dtype))
+    try:
+        hash(v)
+    except TypeError:
+        raise CompileError(f"mm.compile: an argument of type {type(v).__name__} is neither a tensor nor "
+                           f"hashable: pass tensors, numbers, strings, and tuples, lists or dicts of them") from None
+    return ("value", type(v).__name__, v)
+
+
+def _flatten(tree) -> tuple:
+    """`(leaves, structure)` of nested tuples (named ones too), lists and dicts (keys kept in order)."""
+    leaves: list = []
+
+    def walk(x):
+        if isinstance(x, (tuple, list)):
+            return (type(x), tuple(walk(v) for v in x))
+        if isinstance(x, dict):
+            return (dict, tuple((k, walk(v)) for k, v in x.items()))
+        leaves.append(x)
+        return None
+    return leaves, walk(tree)
+
+
+def _unflatten(structure, leaves):
+    if structure is None:
+        return next(leaves)
+    kind, items = structure
+    if kind is dict:
+        return {k: _unflatten(s, leaves) for k, s in items}
+    values = [_unflatten(s, leaves) for s in items]
+    if hasattr(kind, "_fields"):  # a namedtuple
+        return kind(*values)
+    return kind(values)
+
+
+def _user_frame() -> str:
+    """`file:line` of the innermost caller outside the mpimesh package."""
+    for frame in reversed(traceback.extract_stack()):
+        if not os.path.abspath(frame.filename).startswith(_PACKAGE + os.sep):
+            return f"{frame.filename}:{frame.lineno}"
+    return "an unknown place"

@@ -1,0 +1,96 @@
+"""A recorded step as a program: the op records that given outputs need, in trace order, and which
+tensors are its inputs, outputs and constants. The engines that run a step again without the
+eager machinery read it: `mm.compile`'s (`mpimesh.compile`: each op's own kernel on this rank's
+blocks, bound to slots) and the JAX replay (`mpimesh.tpu.replay`: the same kernels under
+`shard_map`).
+
+A tensor is known by its identity in the trace's records (`id`), so a tensor whose array an open
+trace released (`trace.Released`, all a program needs of it: shape, layout, dtype) still links
+the op that made it to the ops that read it.
+
+>>> import mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> x = mesh.ones("a:2")
+>>> with mm.trace() as tr:
+...     y = mm.exp(x) * 2.0
+...     unused = mm.sin(x)
+>>> p = Program(tr, [x], [y])
+>>> [op.name for op in p.ops], p.constants
+(['exp', 'multiply'], {})
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .errors import MpimeshError
+
+
+class ProgramError(MpimeshError):
+    """A trace, inputs and outputs that make no program (the message names the tensor and why)."""
+
+
+def describe(t) -> str:
+    """`[a:2, b:3] float32 tensor laid out {a: rows}`: how messages name a tensor of a trace."""
+    layout = ", ".join(f"{d.name}: {m}" for d, m in zip(t.shape, t.tensor_layout) if m)
+    return f"[{t.shape}] {t.dtype} tensor laid out {{{layout}}}"
+
+
+class Program:
+    """The ops of `trace` that `outputs` depend on, in order (`ops`); `inputs` given by the caller
+    (each an input of the trace: read by it, not produced); `constants`: the other tensors of the
+    trace that the ops read but do not produce, `{id: tensor}` (their values are fixed at the
+    recording). `error`: the exception class to raise (a replay's own), `what`: its name in messages.
+    """
+
+    def __init__(self, trace, inputs: Sequence, outputs: Sequence, error=ProgramError, what: str = "replay"):
+        inputs, outputs = list(inputs), list(outputs)
+        if not outputs:
+            raise error(f"{what} needs at least one output tensor")
+        ref = trace.ops[0].outputs[0] if trace.ops else (inputs or outputs)[0]  # an op may have no inputs
+        self.mesh = ref.mesh
+        trace_inputs = {id(t) for t in trace.inputs}
+        given: dict[int, int] = {}
+        for i, t in enumerate(inputs):
+            if not hasattr(t, "tensor_layout"):
+                raise error(f"{what} input {i} is a {type(t).__name__}, not a DistTensor")
+            if id(t) not in trace_inputs:
+                raise error(f"{what} input {i}, a {describe(t)}, is not an input of the trace "
+                            f"(the trace never reads it, or produces it itself)")
+            if id(t) in given:
+                raise error(f"{what} input {i}, a {describe(t)}, is listed twice (also as input {given[id(t)]})")
+            given[id(t)] = i
+        for t in inputs + outputs:
+            if getattr(t, "mesh", None) is not self.mesh:
+                raise error(f"{what}: a {describe(t)} lives on another mesh than the trace's {self.mesh}")
+        need = {id(t) for t in outputs}  # only the ops the outputs depend on, walking back from them
+        keep = []
+        for rec in reversed(trace.ops):
+            if any(id(t) in need for t in rec.outputs):
+                keep.append(rec)
+                need.update(id(t) for t in rec.inputs)
+        self.ops = keep[::-1]
+        for rec in self.ops:
+            if not callable(rec.lower):
+                raise error(f"op {rec.name!r} ({rec!r}) has no kernel (lower={rec.lower!r}): it cannot be "
+                            f"run again")
+        produced = {id(t) for rec in self.ops for t in rec.outputs}
+        self.constants: dict[int, object] = {}
+        self.readers: dict[int, object] = {}  # a constant's first reader (an op record, or None: the outputs)
+        for t, rec in [(t, rec) for rec in self.ops for t in rec.inputs] + [(t, None) for t in outputs]:
+            i = id(t)
+            if i in produced or i in given or i in self.constants:
+                continue
+            if i not in trace_inputs:
+                raise error(f"{what} output {describe(t)} is neither produced by the trace nor one of its inputs")
+            self.constants[i] = t
+            self.readers[i] = rec
+        self.inputs, self.outputs = inputs, outputs
+        self.input_ids = [id(t) for t in inputs]
+        self.output_ids = [id(t) for t in outputs]
+
+    def tensors(self) -> dict:
+        """`{id: tensor}` of every tensor the program names (inputs, constants, ops' inputs and outputs)."""
+        out = {id(t): t for t in self.inputs + self.outputs}
+        for rec in self.ops:
+            out.update((id(t), t) for t in rec.inputs + rec.outputs)
+        return out

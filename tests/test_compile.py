@@ -1,0 +1,274 @@
+"""`mm.compile`: a step recorded once and replayed without per-op Python gives eager's values
+bitwise (losses, parameters, optimizer state) over 10 steps: the MLP with SGD and Adam, the
+Transformer (dense and MoE, Adafactor and Adam) on 1-D/2-D/3-D meshes with uneven blocks; a new
+signature records again, the cache is bounded, a host read while recording names its file and
+line, and a replay's profile counters are eager's."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
+
+import mpimesh as mm  # noqa: E402
+from mpimesh.collectives import counters  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
+import transformer as T  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+STEPS = 10
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+
+
+def _same(a, b, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tensor_layout == b.tensor_layout, what
+    assert a.local.tobytes() == b.local.tobytes(), what
+
+
+def _same_tree(a, b, what: str) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b), what
+        for k in a:
+            _same_tree(a[k], b[k], f"{what}[{k!r}]")
+    elif isinstance(a, (tuple, list)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tree(x, y, f"{what}[{i}]")
+    else:
+        _same(a, b, what)
+
+
+def _mlp_step(opt):
+    def step(params, state, x, y):
+        with mm.trace():
+            h = mm.relu(mm.einsum([x, params["w1"]], output_shape="batch:12;hidden:10") + params["b1"])
+            out = mm.einsum([h, params["w2"]], output_shape="batch:12;io:6")
+            loss = mm.reduce_mean(mm.square(out - y))
+            names = sorted(params)
+            grads = dict(zip(names, mm.gradients([loss], [params[n] for n in names])))
+            params, state = opt.update(params, grads, state)
+        return params, state, loss
+    return step
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_mlp_compiled_equals_eager_bitwise(shape, dtype, optimizer):
+    mesh = get_mesh(shape)
+    dims = big(mesh)
+    rules = ";".join(f"{d}:{m}" for d, m in zip(("batch", "hidden", "io"), dims))  # 12, 10, 6: uneven on 8
+    opt = mm.optim.SGD(0.05, momentum=0.9) if optimizer == "sgd" else mm.optim.Adam(1e-2)
+    with mm.layout_scope(mesh, rules):
+        params = {n: mm.cast(mesh.from_numpy(global_array(s, i, np.float64), s), dtype)
+                  for i, (n, s) in enumerate([("w1", "io:6;hidden:10"), ("b1", "hidden:10"),
+                                              ("w2", "hidden:10;io:6")])}
+        state = opt.init(params)
+        eager, compiled = (params, state), (params, state)
+        step = mm.compile(_mlp_step(opt))
+        plain = _mlp_step(opt)
+        for k in range(STEPS):
+            x = mm.cast(mesh.from_numpy(global_array("batch:12;io:6", 10 + k, np.float64), "batch:12;io:6"), dtype)
+            y = mm.cast(mesh.from_numpy(global_array("batch:12;io:6", 50 + k, np.float64), "batch:12;io:6"), dtype)
+            *eager, eager_loss = plain(*eager, x, y)
+            *compiled, compiled_loss = step(*compiled, x, y)
+            _same(eager_loss, compiled_loss, f"loss at step {k}")
+            _same_tree(eager, compiled, f"params and state at step {k}")
+    assert (step.recordings, step.replays) == (1, STEPS - 1)
+
+
+def _corpus() -> np.ndarray:
+    with open(CORPUS, "rb") as f:
+        return np.frombuffer(f.read(), np.uint8)
+
+
+TRANSFORMERS = {
+    "dense adafactor": dict(optimizer="adafactor"),
+    "dense adam": dict(optimizer="adam", lr=3e-3, warmup=4),
+    "moe": dict(optimizer="adam", lr=3e-3, warmup=4, moe_every=1, experts=4),
+}
+
+
+@pytest.mark.parametrize("which", sorted(TRANSFORMERS))
+@pytest.mark.parametrize("layout", ["paper", "3d"])
+def test_transformer_compiled_equals_eager_bitwise(which, layout):
+    n = MPI.COMM_WORLD.Get_size()
+    cfg = T.Config(d_model=16, heads=6, d_kv=4, d_ff=36, layers=1, vocab=256, length=8, batch=12,
+                   **TRANSFORMERS[which])  # heads 6, d_ff 36, batch 12: uneven on 4 and 8 ranks
+    if layout == "paper":
+        mesh_shape, rules = T.default_mesh(n), T.PAPER_LAYOUT
+    else:
+        mesh_shape, rules = mesh_shapes(n)[2], "batch:rows;heads:cols;d_ff:cols;vocab:cols;d_model:planes"
+    mesh = get_mesh(mesh_shape, T.moe_layout(rules, cfg.moe_every))
+    data = _corpus()
+    opt = T.make_optimizer(cfg)
+    params = T.init_params(mesh, cfg, seed=3)
+    state = opt.init(params)
+    plain = T.make_train_step(cfg, opt)
+    step = mm.compile(plain)
+    eager = compiled = (params, state)
+    for k in range(STEPS):
+        batch = T.make_batch(mesh, data, cfg, T.train_offsets(data, cfg, 5, k))
+        *eager, eager_loss = plain(*eager, batch, 7)
+        *compiled, compiled_loss = step(*compiled, batch, 7)
+        _same(eager_loss, compiled_loss, f"loss at step {k}")
+        _same_tree(eager, compiled, f"params and state at step {k}")
+    assert (step.recordings, step.replays) == (1, STEPS - 1)
+
+
+def test_a_new_signature_records_again_and_the_cache_is_bounded():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    step = mm.compile(lambda x, scale: mm.reduce_sum(x * scale, output_shape=x.shape[:1]), cache_size=2)
+    a = mesh.from_numpy(np.arange(6.0).reshape(2, 3), "b:2;d:3")
+    b = mesh.from_numpy(np.arange(8.0).reshape(2, 4), "b:2;d:4")  # another shape
+    assert step(a, 2.0).to_numpy().tolist() == [6.0, 24.0]
+    assert step(a + 1.0, 2.0).to_numpy().tolist() == [12.0, 30.0]  # replayed on new values
+    assert step(b, 2.0).to_numpy().tolist() == [12.0, 44.0]  # recorded
+    assert step(a, 3.0).to_numpy().tolist() == [9.0, 36.0]  # a new static value: recorded
+    assert (step.recordings, step.replays) == (3, 1)
+    assert len(step.signatures()) == 2  # the first signature was evicted
+    assert step(mm.cast(a, "float32"), 2.0).dtype == np.float32  # a new dtype: recorded
+    assert step.recordings == 4
+
+
+def test_reading_values_on_the_host_while_recording_names_the_line():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+
+    def branches(x):
+        if float(mm.reduce_sum(x)) > 0:  # a branch on a value
+            return x * 2.0
+        return x
+
+    def reads(x):
+        print(x.to_numpy())
+        return x
+    x = mesh.ones("a:3")
+    with pytest.raises(mm.CompileError, match=r"\(float\(\)\) at .*test_compile\.py:\d+"):
+        mm.compile(branches)(x)
+    with pytest.raises(mm.CompileError, match=r"\(to_numpy\(\)\) at .*test_compile\.py:\d+"):
+        mm.compile(reads)(x)
+    with pytest.raises(mm.CompileError, match="returns a str"):
+        mm.compile(lambda x: "done")(x)
+
+
+def test_tensors_that_are_not_arguments_are_constants_and_arguments_pass_through():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    w = mesh.from_numpy(np.array([1.0, 2.0]), "a:2")
+    step = mm.compile(lambda x: {"y": x * w, "x": x, "none": None})
+    first = step(mesh.ones("a:2"))
+    x = mesh.from_numpy(np.array([3.0, 4.0]), "a:2")
+    second = step(x)
+    assert first["y"].to_numpy().tolist() == [1.0, 2.0] and second["y"].to_numpy().tolist() == [3.0, 8.0]
+    assert second["x"] is x and second["none"] is None
+
+
+def test_a_replay_counts_what_eager_counts():
+    mesh = get_mesh(mesh_shapes()[0])
+    rules = f"batch:{mesh.shape.names[0]}"
+    opt = mm.optim.Adam(1e-2)
+    with mm.layout_scope(mesh, rules):
+        params = {n: mesh.from_numpy(global_array(s, i, np.float64), s)
+                  for i, (n, s) in enumerate([("w1", "io:6;hidden:10"), ("b1", "hidden:10"),
+                                              ("w2", "hidden:10;io:6")])}
+        state = opt.init(params)
+        x = mesh.from_numpy(global_array("batch:12;io:6", 1, np.float64), "batch:12;io:6")
+        step = mm.compile(_mlp_step(opt))
+        with counters.counting() as eager:
+            step(params, state, x, x)  # recorded: runs eagerly
+        with counters.counting() as replay:
+            step(params, state, x, x)
+    assert step.replays == 1
+    assert counters.traffic(replay) == counters.traffic(eager) and replay["flops"] == eager["flops"]
+    if mesh.size > 1:
+        assert any(k.startswith("allreduce") for k in counters.traffic(eager))
+
+
+def test_inside_a_trace_the_step_runs_eagerly_so_gradients_flow_through_it():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    step = mm.compile(lambda x: mm.exp(x) * 2.0)
+    x = mesh.from_numpy(np.array([0.0, 1.0]), "a:2")
+    step(x)
+    with mm.trace():
+        (g,) = mm.gradients([mm.reduce_sum(step(x))], [x])
+    np.testing.assert_allclose(g.to_numpy(), 2.0 * np.exp([0.0, 1.0]), rtol=1e-15)
+    assert step.replays == 0
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_random_ops_draw_fresh_numbers_in_every_replay_from_seed_tensors(shape):
+    """A seed tensor is an argument like any other: each replay draws from its value, the numbers
+    eager draws from it, which are those of the same seed given as an int."""
+    mesh = get_mesh(shape)
+    dims = big(mesh)
+    rules = ";".join(f"{d}:{m}" for d, m in zip(("b", "d"), dims))  # 5 and 7: uneven
+    with mm.layout_scope(mesh, rules):
+        x = mesh.from_numpy(global_array("b:5;d:7", 0, np.float64), "b:5;d:7")
+
+        def step(x, seed):
+            noise = mesh.random_normal("b:5;d:7", mm.layers.subseed(seed, "noise"), dtype="float64")
+            return mm.dropout(x + noise, 0.5, seed), mesh.random_uniform("d:7", seed, dtype="float64")
+        compiled = mm.compile(step)
+        masks = set()
+        for k in range(4):
+            seed = mesh.from_numpy(np.array(100 + k, np.int64), ())
+            (a, u), (b, v) = compiled(x, seed), step(x, seed)
+            _same(a, b, f"dropout at step {k}")
+            _same(u, v, f"uniforms at step {k}")
+            assert v.to_numpy().tolist() == mesh.random_uniform("d:7", 100 + k, dtype="float64").to_numpy().tolist()
+            masks.add(tuple((a.to_numpy() == 0).ravel()))
+    assert len(masks) == 4 and compiled.replays == 3
+
+
+def test_a_seed_must_be_an_integer_or_a_0d_integer_tensor():
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    with pytest.raises(mm.MpimeshError, match=r"0-d integer tensor, got shape \[a:2\] and dtype int64"):
+        mesh.random_uniform("a:2", mesh.from_numpy(np.array([1, 2]), "a:2"))
+    with pytest.raises(mm.MpimeshError, match="dtype float32"):
+        mm.dropout(mesh.ones("a:2"), 0.5, mesh.ones(()))
+
+
+def test_a_replays_collectives_are_guarded_by_the_spmd_check():
+    """Rank 0 replays a step while the others record another one (a static argument differs): the
+    first collective where they part is a DivergenceError on every rank, as in eager code."""
+    mesh = get_mesh(mesh_shapes()[0])
+    if mesh.size == 1:
+        pytest.skip("needs 2 ranks or more")
+    x = mesh.from_numpy(np.arange(16.0), "a:16", layout={"a": mesh.shape.names[0]})
+    step = mm.compile(lambda x, k: mm.reduce_sum(x if k == 1 else mm.cast(x, "float32")))
+    assert float(step(x, 1)) == 120.0
+    mm.set_spmd_check(True)
+    try:
+        with pytest.raises(mm.DivergenceError):
+            step(x, 1 if mesh.rank == 0 else 2)
+        assert float(step(x, 1)) == 120.0  # no data moved: the mesh is still usable, and the replay runs
+    finally:
+        mm.set_spmd_check(False)
+    assert step.replays == (2 if mesh.rank == 0 else 1)  # the others recorded their second call
+
+
+def test_the_conv_app_compiled_equals_eager_bitwise():
+    """apps/segment.py's step (3x3 convolutions with halo exchanges over a 2-D mesh, sizes 13 and 11
+    split unevenly, Adam): compiled and eager from the same start, 10 steps."""
+    import segment as S
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = get_mesh(S.balanced_2d(n), "height:rows;width:cols")
+    params = S.init_params(mesh, 1, depth=2, width=4)
+    opt = mm.optim.Adam(1e-2)
+    state = opt.init(params)
+    step = mm.compile(S.train_step)
+    eager = compiled = (params, state)
+    xs, ts = S.image_shape(2, (13, 11))
+    for k in range(STEPS):
+        x, t = S.make_batch(k, 2, (13, 11))
+        x, t = mesh.from_numpy(x, xs), mesh.from_numpy(t, ts)
+        *eager, loss_e, acc_e = S.train_step(eager[0], opt, eager[1], x, t)
+        *compiled, loss_c, acc_c = step(compiled[0], opt, compiled[1], x, t)
+        _same(loss_e, loss_c, f"loss at step {k}")
+        _same(acc_e, acc_c, f"accuracy at step {k}")
+        _same_tree(eager, compiled, f"params and state at step {k}")
+    assert (step.recordings, step.replays) == (1, STEPS - 1)
