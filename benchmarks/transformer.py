@@ -18,6 +18,9 @@ and without (`mm.set_bucket_bytes(0)`: every gradient allreduced on the spot, bl
 step the allreduce calls and the exposed communication seconds: time in blocking collectives plus
 time blocked waiting for non-blocking ones (`mm.profile().overlap["exposed"]`), beside the seconds
 the buckets' allreduces ran hidden behind the backward pass (medians over `--steps`).
+
+Each layout's step also runs compiled (`mm.compile`, recorded once and replayed without per-op
+Python), interleaved with the eager one: "compiled ms" and "MFU compiled" beside them.
 """
 from __future__ import annotations
 
@@ -130,16 +133,20 @@ def main() -> None:
 
         def run():
             box["p"], box["s"], _ = step(box["p"], box["s"], batch)
+        compiled = mm.compile(step)
+
+        def run_compiled():
+            box["p"], box["s"], _ = compiled(box["p"], box["s"], batch)
         # the peak's matmul interleaved with the steps, run by run: other jobs on the machine slow both alike
-        times = compare({"step": run, "peak": peak_matmul()}, repeat=args.steps, warmup=1)
-        t_min, t_med = times["step"]
+        times = compare({"step": run, "compiled": run_compiled, "peak": peak_matmul()}, repeat=args.steps, warmup=1)
+        t_med, c_med = times["step"][1], times["compiled"][1]
         peak_here = 2 * PEAK_N ** 3 * n / times["peak"][1]
         timer = app.CommTimer(mesh)
         with mm.profile() as prof:
             t0 = time.perf_counter()
             run()
             total = time.perf_counter() - t0
-        results.append((name, rules, t_med, timer.seconds / total, peak_here))
+        results.append((name, rules, t_med, c_med, timer.seconds / total, peak_here))
         rank0_print(f"\n{name} ({rules}) on {n} rank(s), rank 0's profile of one step:\n{prof.report()}")
         peaks = {}
         for release in (False, True):  # one step each, activations kept vs released during backward
@@ -150,11 +157,13 @@ def main() -> None:
         memory.append((name, peaks[False], peaks[True]))
     peak = max(peak, peak_flops())  # measured again after the steps: the higher (warmer) reading counts
     rows = [(name, rules, f"{t * 1e3:.0f}", f"{flops / t / 1e9:.1f}", f"{100 * flops / t / here:.1f}%",
-             f"{100 * flops / t / peak:.1f}%", f"{100 * comm:.0f}%") for name, rules, t, comm, here in results]
+             f"{100 * flops / t / peak:.1f}%", f"{100 * comm:.0f}%", f"{c * 1e3:.0f}", f"{100 * flops / c / here:.1f}%")
+            for name, rules, t, c, comm, here in results]
     rank0_print(f"\nmodel: d_model {cfg.d_model}, d_ff {cfg.d_ff}, {cfg.heads}x{cfg.d_kv} heads, {cfg.layers} layers, "
                 f"batch {cfg.batch} x length {cfg.length}; {flops / 1e9:.1f} model GFLOP per step; "
                 f"measured peak {peak / 1e9:.1f} GFLOP/s on {n} rank(s)")
-    rank0_print(table(("layout", "rules", "step ms", "GFLOP/s", "MFU", "(of best peak)", "comm"), rows))
+    rank0_print(table(("layout", "rules", "step ms", "GFLOP/s", "MFU", "(of best peak)", "comm", "compiled ms",
+                       "MFU compiled"), rows))
     rank0_print("\npeak memory of live arrays in one step on rank 0 (activations kept until the step ends vs "
                 "released as the backward pass goes):")
     rank0_print(table(("layout", "kept MiB", "released MiB", "ratio"),

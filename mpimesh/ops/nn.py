@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import accumulation_dtype, align, finfo, is_float
+from ..backend import accumulation_dtype, align, finfo, is_eager, is_float
+from ..backend import name as backend_name
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
@@ -125,21 +126,35 @@ def _normalize(name: str, log: bool, doc: str):
 
         def lower(ctx, a, *b):
             xp = ctx.xp
+            eager = is_eager(xp)  # numpy, CuPy: the same steps in place (fewer arrays, the same values)
+            fresh = bool(b) or low  # whether `a` is this kernel's own array
             if b:  # x + bias, in x's dtype as the add op computes it
                 a = a + align(xp, b[0], bd, xd)
             a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
             if q_axis is not None:
-                a = xp.where(_future(ctx, shape, layout, q_axis, axes[0]), a + masked, a)
+                future = _future(ctx, shape, layout, q_axis, axes[0])
+                if backend_name(xp) == "numpy":  # where(future, a + masked, a), without the a + masked array
+                    a = a if fresh else a.copy()
+                    xp.add(a, a.dtype.type(masked), out=a, where=future)
+                    fresh = True
+                else:
+                    a = xp.where(future, a + masked, a)
             m = local_extreme(xp, a, axes, keepdims=True)
             if mdims:
                 m = ctx.allreduce(m, mdims, "max")
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows of -inf: no inf - inf
-            z = a - m
-            e = xp.exp(z)
-            s = xp.sum(e, axis=axes, keepdims=True)
+            z = xp.subtract(a, m, out=a) if eager and fresh else a - m
+            if log:
+                s = xp.sum(xp.exp(z), axis=axes, keepdims=True)
+            else:  # e = exp(z) in z's place: z is not needed again
+                e = xp.exp(z, out=z) if eager else xp.exp(z)
+                s = xp.sum(e, axis=axes, keepdims=True)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
-            y = z - xp.log(s) if log else e / s
+            if log:
+                y = xp.subtract(z, xp.log(s), out=z) if eager else z - xp.log(s)
+            else:
+                y = xp.divide(e, s, out=e) if eager else e / s
             return y.astype(dt) if low else y
 
         def rule(op, dy):
