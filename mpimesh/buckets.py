@@ -187,24 +187,39 @@ class _Bucket:
             self.request = count_bucket(self.mesh, self.arrays, self.dims)
             self.arrays = []
             return
-        xp = self.mesh.xp
-        flat = [a.reshape(-1) for a in self.arrays]
-        send = flat[0] if len(flat) == 1 else xp.concatenate(flat)
-        self.arrays = []  # the request owns `send` now: the partial sums can go
-        # a concatenation is the bucket's own buffer: reduce it in place
-        self.request = self.mesh.collectives.iallreduce(send, self.dims, out=send if len(flat) > 1 else None)
+        self.request = start_sum(self.mesh, self.arrays, self.dims)
+        self.arrays = []  # the request owns their concatenation now: the partial sums can go
 
     def finish(self) -> None:
-        total, at = self.request.wait(), 0
-        for t in self.tensors:
-            n, dtype = math.prod(t.local.shape), t.local.dtype
-            if total is None:  # a dry run's bucket: shapes and dtypes only
-                t.local = shaped(t.local.shape, dtype)
-                continue
-            block = total[at:at + n].reshape(t.local.shape)
-            t.local = block if block.dtype == dtype else block.astype(dtype)
-            at += n
+        total = self.request.wait()
+        shapes = [t.local.shape for t in self.tensors]
+        dtypes = [t.local.dtype for t in self.tensors]
+        if total is None:  # a dry run's bucket: shapes and dtypes only
+            blocks = [shaped(s, d) for s, d in zip(shapes, dtypes)]
+        else:
+            blocks = split_sum(total, shapes, dtypes)
+        for t, block in zip(self.tensors, blocks):
+            t.local = block
         self.tensors = []
+
+
+def start_sum(mesh, arrays: list, dims: tuple):
+    """One non-blocking allreduce over `dims` of the arrays' flat concatenation, reduced in place in
+    it (the bucket's own buffer; a single array is not written): its `Request`."""
+    flat = [a.reshape(-1) for a in arrays]
+    send = flat[0] if len(flat) == 1 else mesh.xp.concatenate(flat)
+    return mesh.collectives.iallreduce(send, dims, out=send if len(flat) > 1 else None)
+
+
+def split_sum(total, shapes: list, dtypes: list) -> list:
+    """The summed concatenation `total` cut back into blocks of `shapes`, each in its dtype."""
+    blocks, at = [], 0
+    for shape, dtype in zip(shapes, dtypes):
+        n = math.prod(shape)
+        block = total[at:at + n].reshape(shape)
+        blocks.append(block if block.dtype == dtype else block.astype(dtype))
+        at += n
+    return blocks
 
 
 def _nominal_bytes(t) -> int:

@@ -29,14 +29,13 @@ eagerly (its ops recorded there, for gradients through it).
 """
 from __future__ import annotations
 
-import math
 import os
 import traceback
 from collections import OrderedDict
 from typing import Any, Callable
 
 from .backend import matmul_precision
-from .buckets import bucket_bytes
+from .buckets import bucket_bytes, split_sum, start_sum
 from .collectives import counters
 from .errors import MpimeshError
 from .program import Program, ProgramError
@@ -240,7 +239,7 @@ class _ReplayBucket:
         self.dims = records[0].params["mesh_dims"]
         self.ins = [slots[id(rec.inputs[0])] for rec in records]
         self.outs = [slots[id(rec.outputs[0])] for rec in records]
-        self.dtypes = [rec.params.get("dtype") for rec in records]
+        self.dtypes = [rec.outputs[0].dtype for rec in records]
         self.shapes = [t.local_shape if hasattr(t, "local_shape") else tuple(t.local.shape)
                        for t in (rec.outputs[0] for rec in records)]
         index = {id(rec): k for k, rec in enumerate(ops)}
@@ -251,20 +250,14 @@ class _ReplayBucket:
                              if any(slots[id(t)] in outs for t in ops[k].inputs)), len(ops))
 
     def start(self, mesh, env: list):
-        xp = mesh.xp
-        flat = [env[s].reshape(-1) for s in self.ins]
-        send = flat[0] if len(flat) == 1 else xp.concatenate(flat)
+        request = start_sum(mesh, [env[s] for s in self.ins], self.dims)
         for s in self.ins:
-            env[s] = None  # the request owns `send` now
-        return mesh.collectives.iallreduce(send, self.dims, out=send if len(flat) > 1 else None)
+            env[s] = None  # the request owns their concatenation now
+        return request
 
     def finish(self, request, env: list) -> None:
-        total, at = request.wait(), 0
-        for shape, s, dtype in zip(self.shapes, self.outs, self.dtypes):
-            n = math.prod(shape)
-            block = total[at:at + n].reshape(shape)
-            env[s] = block if dtype is None else block.astype(dtype)
-            at += n
+        for s, block in zip(self.outs, split_sum(request.wait(), self.shapes, self.dtypes)):
+            env[s] = block
 
 
 def _buckets(ops: list, slots: dict) -> list:

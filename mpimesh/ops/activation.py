@@ -22,7 +22,7 @@ from ..partials import partial_for
 from ..trace import dispatch, saving
 from .einsum import sum_to
 from .elementwise import _gelu, _keeping
-from .relayout import to_layout
+from .relayout import laid_out_within, to_layout
 
 _C = math.sqrt(2.0 / math.pi)
 
@@ -89,10 +89,7 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
     x = to_layout(x, layout)
     inputs = [x]
     if bias is not None:
-        for d in bias.shape:
-            if d not in x.shape:
-                raise ShapeError(f"bias_activation: bias dim {d.name}:{d.size} is not in the input shape {x.shape}")
-        inputs.append(to_layout(bias, tuple(layout[x.shape.index(n)] for n in bias.shape.names)))
+        inputs.append(laid_out_within(bias, x, "bias_activation", "bias"))
     xd, bd = x.shape.names, None if bias is None else bias.shape.names
     forward, backward = ACTIVATIONS[activation]
     op_name = f"bias_{activation or 'add'}"

@@ -36,7 +36,7 @@ from ..partials import partial_for
 from ..shape import dim_names
 from ..trace import dispatch, saving
 from .einsum import sum_to
-from .relayout import to_layout
+from .relayout import laid_out_within, to_layout
 
 MASK_VALUE = -1e9
 """What a masked entry gets added before a softmax (a dtype that cannot hold it, float16, gets its
@@ -114,10 +114,7 @@ def _normalize(name: str, log: bool, doc: str):
         q_axis = _causal_axis(x, names, causal, name)
         inputs = [x]
         if bias is not None:
-            for d in bias.shape:
-                if d not in x.shape:
-                    raise ShapeError(f"{name}: bias dim {d.name}:{d.size} is not in the input shape {x.shape}")
-            inputs.append(to_layout(bias, tuple(layout[x.shape.index(n)] for n in bias.shape.names)))
+            inputs.append(laid_out_within(bias, x, name, "bias"))
         xd, bd = x.shape.names, None if bias is None else bias.shape.names
         shape = x.shape
         dt, acc = x.dtype, accumulation_dtype(x.dtype)

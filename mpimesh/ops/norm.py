@@ -29,7 +29,7 @@ from ..partials import partial_for
 from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
-from .relayout import to_layout
+from .relayout import laid_out_within, to_layout
 
 
 def _plan(x, dims: tuple, what: str):
@@ -72,16 +72,6 @@ def _unpadded(ctx, c, splits):
     return c
 
 
-def _param(t, x, layout):
-    """Parameter `t` (dims a subset of x's) in the layout x's layout gives those dims."""
-    if t is None:
-        return None
-    for d in t.shape:
-        if d not in x.shape:
-            raise ShapeError(f"layer_norm: parameter dim {d.name}:{d.size} is not in the input shape {x.shape}")
-    return to_layout(t, tuple(layout[x.shape.index(n)] for n in t.shape.names))
-
-
 def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     """Normalise `x` over `dims`, then `* scale + bias` (each None, or a tensor whose dims are a
     subset of x's); see the module docstring."""
@@ -90,7 +80,7 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     layout = plan[0]
     x = to_layout(x, layout)
     dt, acc = x.dtype, accumulation_dtype(x.dtype)
-    scale, bias = _param(scale, x, layout), _param(bias, x, layout)
+    scale, bias = (None if t is None else laid_out_within(t, x, "layer_norm", "parameter") for t in (scale, bias))
     params = [t for t in (scale, bias) if t is not None]
     names = [t.shape.names for t in params]
     has = (scale is not None, bias is not None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
 from ..shape import Shape
 from ..trace import dispatch, saving
@@ -84,6 +85,15 @@ def to_layout(x, tensor_layout: TensorLayout):
     (y,) = dispatch("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps, x.shape),
                     {"layout": tensor_layout, "steps": steps}, _relayout_grad)
     return y
+
+
+def laid_out_within(t, x, what: str, role: str):
+    """`t`, whose dims must be a subset of `x`'s (ShapeError naming the dim otherwise: `"{what}: {role}
+    dim ..."`), in the layout `x`'s layout gives those dims: a bias or scale beside its input."""
+    for d in t.shape:
+        if d not in x.shape:
+            raise ShapeError(f"{what}: {role} dim {d.name}:{d.size} is not in the input shape {x.shape}")
+    return to_layout(t, tuple(x.tensor_layout[x.shape.index(n)] for n in t.shape.names))
 
 
 def relayout(x, layout):

@@ -132,6 +132,7 @@ class _Plan:
         program = Program(trace, inputs, outputs, ReplayError)
         self.mesh, self.ops = program.mesh, program.ops
         self.inputs, self.outputs, self.input_ids = program.inputs, program.outputs, program.input_ids
+        self.tensors = program.tensors()
         self.constants: dict[int, np.ndarray] = {}
         for i, t in program.constants.items():
             if not _whole_here(t):
@@ -146,9 +147,7 @@ class _Plan:
         """Each tensor's uneven axes (`uneven`) and padded local shape (`local_shapes`: coordinate
         0's block, the largest); ReplayError for an op that cannot run on padded blocks."""
         ms = self.mesh.shape
-        tensors = {id(t): t for t in self.inputs + self.outputs}
-        for rec in self.ops:
-            tensors.update((id(t), t) for t in rec.inputs + rec.outputs)
+        tensors = self.tensors
         self.uneven = {i: _uneven_axes(t.shape, t.tensor_layout, ms) for i, t in tensors.items()}
         self.local_shapes = {i: local_sizes(t.shape, ms, t.tensor_layout, dict.fromkeys(ms.names, 0))
                              for i, t in tensors.items()}
