@@ -122,8 +122,8 @@ class _Entry:
             if isinstance(v, DistTensor):
                 arg_ids.setdefault(id(v), i)
         read = {id(t) for t in tr.inputs}
-        inputs = [leaves[i] for i in arg_ids.values() if leaves[i] is not None and id(leaves[i]) in read]
-        self.input_leaves = [i for t_id, i in arg_ids.items() if t_id in read]
+        self.input_leaves = [i for t_id, i in arg_ids.items() if t_id in read]  # the arguments the step reads
+        inputs = [leaves[i] for i in self.input_leaves]
         made = [t for t in out_leaves if t is not None and id(t) not in arg_ids]
         self.out_tree = out_tree
         # per result leaf: ("arg", leaf index) passed through, ("out", k) the program's k-th output, None
