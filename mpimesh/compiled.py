@@ -6,6 +6,7 @@ collectives. A later call with the same signature runs that program on the new a
 (`_Engine`): a flat list of kernels bound to slots, each array freed after its last reader, with
 none of dispatch's layout planning, checks, tensor objects or autodiff bookkeeping. The values are
 eager's, bitwise: the same kernels on the same blocks, in the same order.
+On CuPy that engine runs as CUDA graphs between the steps that need the host (`mpimesh.graphs`).
 
 The signature: each tensor argument's mesh, shape, layout and dtype; every other argument by
 value (numbers, strings, seeds: a new value records again, as `jax.jit`'s static arguments); the
@@ -38,6 +39,7 @@ from .backend import matmul_precision
 from .buckets import bucket_bytes, split_sum, start_sum
 from .collectives import counters
 from .errors import MpimeshError
+from .graphs import for_engine
 from .program import Program, ProgramError
 from .tensor import DistTensor, host_reads
 from .trace import current_trace, trace
@@ -73,6 +75,11 @@ class Compiled:
     def signatures(self) -> list:
         """The signatures of the programs held, least recently used first."""
         return list(self.cache)
+
+    def programs(self) -> list:
+        """The programs held (`mpimesh.program.Program`, shapes only), least recently used first:
+        what `mm.cost.estimate(step, machine=...)` prices (the last)."""
+        return [e.program for e in self.cache.values() if e.program is not None]
 
     def __call__(self, *args, **kwargs):
         if current_trace() is not None:  # inside a user's trace: eager, so its ops are recorded there
@@ -137,13 +144,14 @@ class _Entry:
                 self.outs.append(("out", seen.setdefault(id(t), len(seen))))
         unique = list({id(t): t for t in made}.values())
         if not unique:
-            self.engine, self.metas = None, []
+            self.engine, self.metas, self.program = None, [], None
             return
         try:
             program = Program(tr, inputs, unique, CompileError, "mm.compile")
         except ProgramError as e:
             raise CompileError(str(e)) from None
-        self.engine = _Engine(program)
+        self.engine = for_engine(_Engine(program))
+        self.program = program.strip()  # the engine has its constants' arrays
         self.metas = [(t.mesh, t.shape, t.tensor_layout) for t in unique]
 
     def run(self, leaves: list):
@@ -204,17 +212,27 @@ class _Engine:
         self.outputs = [slots[i] for i in program.output_ids]
 
     def run(self, arrays: list) -> list:
+        env = self.start_env(arrays)
+        self.run_steps(self.steps, env, {})
+        return [env[s] for s in self.outputs]
+
+    def start_env(self, arrays: list) -> list:
+        """The slots of one run: the inputs' arrays, the constants', the rest empty."""
         env: list[Any] = [None] * self.n_slots
         env[:self.n_inputs] = arrays
         for s, a in self.constants:
             env[s] = a
+        return env
+
+    def run_steps(self, steps, env: list, flying: dict, ctx=None, count: bool = True) -> None:
+        """Run `steps` over `env`; `flying`: the bucket allreduces under way, by bucket; `ctx`: the
+        collectives the kernels see (None: the mesh's); `count`: FLOPs into the open profile."""
         run = self.mesh.run
-        counting = counters._open
-        flying: dict = {}
-        for step in self.steps:
+        counting = count and counters._open
+        for step in steps:
             if step[0] == "op":
                 _, name, lower, ins, outs, frees, flops = step
-                result = run(name, lower, [env[s] for s in ins], len(outs))
+                result = run(name, lower, [env[s] for s in ins], len(outs), ctx)
                 for s, r in zip(outs, result):
                     env[s] = r
                 for s in frees:
@@ -227,7 +245,6 @@ class _Engine:
                 flying[id(step[1])] = step[1].start(self.mesh, env)
             else:
                 step[1].finish(flying.pop(id(step[1])), env)
-        return [env[s] for s in self.outputs]
 
 
 class _ReplayBucket:

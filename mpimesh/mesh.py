@@ -237,11 +237,12 @@ class Mesh(AbstractMesh):
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
-    def run(self, name: str, lower, arrays: list, n_out: int) -> tuple:
+    def run(self, name: str, lower, arrays: list, n_out: int, ctx=None) -> tuple:
         """Run op `name`'s kernel on this rank's blocks `arrays`: its `n_out` local outputs, each an
         array (a kernel reducing to a scalar may give a numpy scalar; `local` is always an array).
-        `dispatch` calls it; a `dryrun.DryMesh` runs kernels on shapes instead."""
-        coll = self._collectives
+        `dispatch` calls it; a `dryrun.DryMesh` runs kernels on shapes instead. `ctx`: the
+        collectives the kernel is handed (None: the mesh's own)."""
+        coll = self._collectives if ctx is None else ctx
         result = lower(self.collectives if coll is None else coll, *arrays)
         if n_out == 1:
             return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)

@@ -88,6 +88,22 @@ class Program:
         self.input_ids = [id(t) for t in inputs]
         self.output_ids = [id(t) for t in outputs]
 
+    def strip(self) -> "Program":
+        """Keep only what describes each tensor (`trace.Released` stand-ins: shape, layout, dtype,
+        local shape), none of their arrays, so a program kept for pricing holds no memory."""
+        from .trace import Released
+        stub = {i: t if isinstance(t, Released) else Released(t) for i, t in self.tensors().items()}
+        for rec in self.ops:
+            rec.inputs = tuple(stub[id(t)] for t in rec.inputs)
+            rec.outputs = tuple(stub[id(t)] for t in rec.outputs)
+        self.inputs = [stub[i] for i in self.input_ids]
+        self.outputs = [stub[i] for i in self.output_ids]
+        self.constants = {id(stub[i]): stub[i] for i in self.constants}
+        self.readers = {id(stub[i]): rec for i, rec in self.readers.items()}
+        self.input_ids = [id(t) for t in self.inputs]
+        self.output_ids = [id(t) for t in self.outputs]
+        return self
+
     def tensors(self) -> dict:
         """`{id: tensor}` of every tensor the program names (inputs, constants, ops' inputs and outputs)."""
         out = {id(t): t for t in self.inputs + self.outputs}

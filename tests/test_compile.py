@@ -188,6 +188,36 @@ def test_a_replay_counts_what_eager_counts():
         assert any(k.startswith("allreduce") for k in counters.traffic(eager))
 
 
+def test_the_cost_model_prices_a_compiled_step_as_its_replay_runs():
+    """`mm.cost.estimate(step)` dry-runs the compiled step's program: the bytes each collective
+    moves are those the replay's profile counts, the state is the arguments' largest blocks."""
+    mesh = get_mesh(mesh_shapes()[0])
+    opt = mm.optim.Adam(1e-2)
+    machine = mm.cost.Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
+    step = mm.compile(_mlp_step(opt))
+    with pytest.raises(mm.MpimeshError, match="has not run yet"):
+        mm.cost.estimate(step, machine=machine)
+    with mm.layout_scope(mesh, f"batch:{mesh.shape.names[0]}"):
+        params = {n: mesh.from_numpy(global_array(s, i, np.float64), s)
+                  for i, (n, s) in enumerate([("w1", "io:6;hidden:10"), ("b1", "hidden:10"),
+                                              ("w2", "hidden:10;io:6")])}
+        state = opt.init(params)
+        x = mesh.from_numpy(global_array("batch:12;io:6", 1, np.float64), "batch:12;io:6")
+        step(params, state, x, x)
+        with counters.counting() as replay:
+            step(params, state, x, x)
+    e = mm.cost.estimate(step, machine=machine)
+    measured = counters.traffic(replay)
+    assert {k: c["bytes"] for k, c in e["collectives"].items()} == {k: c["bytes"] for k, c in measured.items()}
+    leaves = list(params.values()) + [t for v in state.values() for t in (v.values() if isinstance(v, dict) else [v])
+                                      if isinstance(t, mm.DistTensor)] + [x]
+    largest = sum(MPI.COMM_WORLD.allreduce(t.local.nbytes, op=MPI.MAX) for t in leaves)
+    assert e["state_bytes"] == largest
+    assert e["ops"] == len(step.programs()[-1].ops) and 0 < e["activation_bytes"]
+    from mpimesh.trace import Released
+    assert all(isinstance(t, Released) for op in step.programs()[-1].ops for t in op.inputs + op.outputs)
+
+
 def test_inside_a_trace_the_step_runs_eagerly_so_gradients_flow_through_it():
     mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
     step = mm.compile(lambda x: mm.exp(x) * 2.0)

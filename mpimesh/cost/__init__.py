@@ -19,9 +19,10 @@
 """
 from .calibrate import calibrate
 from .machine import H100_NVLINK, TPUV2, TPUV3, Machine, with_links
-from .model import ArgSpec, OpCost, Recording, collective_seconds, estimate, from_trace, op_seconds, record
+from .model import (ArgSpec, OpCost, Recording, collective_seconds, estimate, from_program, from_trace,
+                    op_seconds, record)
 from .search import LayoutPlan, auto_layout
 
 __all__ = ["Machine", "TPUV2", "TPUV3", "H100_NVLINK", "calibrate", "with_links", "ArgSpec", "Recording",
-           "OpCost", "record", "from_trace", "estimate", "collective_seconds", "op_seconds", "LayoutPlan",
+           "OpCost", "record", "from_trace", "from_program", "estimate", "collective_seconds", "op_seconds", "LayoutPlan",
            "auto_layout"]

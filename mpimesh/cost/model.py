@@ -360,22 +360,47 @@ def from_trace(trace) -> Recording:
     collectives; FLOPs of einsums from their subscripts (other ops' FLOPs are not known here);
     outputs held by the trace to its end, those autodiff released to their last use. Bucketed
     gradient sums count as one allreduce each (their "psum" ops), not one per bucket."""
-    from ..dryrun import DryMesh, evaluate, shaped
     from ..trace import Released
     if not trace.ops:
         raise MpimeshError("estimate: the trace holds no ops")
-    mesh = trace.ops[0].outputs[0].mesh
-    rules = trace.ops[0].rules if trace.ops[0].rules is not None else LayoutRules("")
+    return _priced(trace.ops, trace.inputs, lambda t: not isinstance(t, Released))
+
+
+def from_program(program) -> Recording:
+    """A compiled step's program (`mpimesh.program.Program`) as a `Recording` priced as
+    `mm.compile`'s engine runs it: only the ops its outputs need, each output from its op to its
+    last reader (the outputs to the end), the inputs and constants for the whole step.
+
+    >>> import mpimesh as mm
+    >>> from mpimesh.program import Program
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> x = mesh.ones("a:1000")
+    >>> with mm.trace() as tr:
+    ...     y = mm.exp(mm.exp(x)) * 2.0
+    >>> rec = from_program(Program(tr, [x], [y]))
+    >>> [op.name for op in rec.ops], rec.state_bytes, rec.activation_bytes  # two 4000-byte blocks at once
+    (['exp', 'exp', 'multiply'], 4000, 8000)
+    """
+    outputs = set(program.output_ids)
+    return _priced(program.ops, program.inputs + list(program.constants.values()), lambda t: id(t) in outputs)
+
+
+def _priced(ops, inputs, to_end) -> Recording:
+    """The `Recording` of `ops` as they ran on their mesh (see `from_trace`); `inputs`: the tensors
+    held for the whole step; `to_end(t)`: whether output `t` lives to the end, not its last use."""
+    from ..dryrun import DryMesh, evaluate, shaped
+    mesh = ops[0].outputs[0].mesh
+    rules = ops[0].rules if ops[0].rules is not None else LayoutRules("")
     rec = Recording(None, None, mesh.shape, rules)
     dry = DryMesh(mesh.shape, rules)
     life, held = _Lifetimes(), {}
 
     def local(t):
         return shaped(mesh.block_shape(t.shape, t.tensor_layout), t.dtype)
-    inputs = {id(t) for t in trace.inputs}
-    rec.state_bytes = sum(math.prod(local(t).shape) * np.dtype(t.dtype).itemsize for t in trace.inputs)
+    state = {id(t) for t in inputs}
+    rec.state_bytes = sum(math.prod(local(t).shape) * np.dtype(t.dtype).itemsize for t in inputs)
     with counters.counting() as counts:
-        for i, op in enumerate(trace.ops):
+        for i, op in enumerate(ops):
             ins = [local(t) for t in op.inputs]
             evaluate(dry, op.name, op.lower, ins)
             nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ins)
@@ -391,13 +416,13 @@ def from_trace(trace) -> Recording:
                 for d in t.shape:
                     rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
             for t in op.inputs:
-                if id(t) not in inputs:
+                if id(t) not in state:
                     life.use(t, i)
             rec.ops.append(OpCost(op.name, _einsum_flops(op, ins), nbytes))
-    for t_id, j in life.live.items():  # the trace holds what autodiff did not release, to its end
-        if not isinstance(held.get(t_id), Released):
-            life.spans[j][1] = len(trace.ops) - 1
-    rec.activation_bytes = life.peak(len(trace.ops))
+    for t_id, j in life.live.items():
+        if to_end(held[t_id]):
+            life.spans[j][1] = len(ops) - 1
+    rec.activation_bytes = life.peak(len(ops))
     rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
 
@@ -422,8 +447,9 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     `activation_bytes`, `ops`.
 
     `trace`: a `Recording` (from `record`, or `mm.auto_layout`'s `plan.recording`), run again dry
-    on `mesh_shape` under `rules` where they differ from its own (None: its own); or a plain
-    `mm.trace()`, priced as it ran (other rules: a clear error).
+    on `mesh_shape` under `rules` where they differ from its own (None: its own); or, priced as it
+    ran (other rules: a clear error), a plain `mm.trace()`, a compiled step (`mm.compile`: its most
+    recently used program, as its engine runs it) or a `mpimesh.program.Program`.
 
     >>> import mpimesh as mm
     >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
@@ -432,11 +458,18 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     >>> e["collectives"], round(e["comm_seconds"] * 1e6, 2)  # α + 2·3/4 · 4 B / β
     ({'allreduce/rows': {'calls': 1, 'elements': 1, 'bytes': 4}}, 10.06)
     """
+    from ..program import Program
     from ..trace import Trace
     if not isinstance(machine, Machine):
         raise MpimeshError(f"estimate needs a mm.cost.Machine (calibrate(mesh), or TPUV2, ...), got {machine!r}")
-    if isinstance(trace, Trace):
-        rec = from_trace(trace)
+    if hasattr(trace, "programs") and callable(trace.programs):  # a compiled step: its latest program
+        programs = trace.programs()
+        if not programs:
+            raise MpimeshError(f"estimate: the compiled step {trace.__name__!r} has not run yet (nothing "
+                               f"recorded to price): call it once first")
+        trace = programs[-1]
+    if isinstance(trace, (Trace, Program)):
+        rec = from_trace(trace) if isinstance(trace, Trace) else from_program(trace)
         mesh_shape = None if mesh_shape is None else Shape(mesh_shape)
         if (rules is not None and LayoutRules(rules) != rec.rules) or \
                 (mesh_shape is not None and mesh_shape != rec.mesh_shape):
@@ -444,8 +477,8 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     elif isinstance(trace, Recording):
         rec = trace.rerun(rules, mesh_shape)
     else:
-        raise MpimeshError(f"estimate prices a mm.cost.Recording (mm.cost.record) or a mm.trace(), "
-                           f"got {type(trace).__name__}")
+        raise MpimeshError(f"estimate prices a mm.cost.Recording (mm.cost.record), a mm.trace(), a "
+                           f"compiled step (mm.compile) or its Program, got {type(trace).__name__}")
     compute = sum(op_seconds(op, machine) for op in rec.ops)
     comm = 0.0
     for key, c in rec.collectives.items():

@@ -1,0 +1,242 @@
+"""CUDA graphs for a compiled step on CuPy: the kernels between two host collectives captured once,
+then launched as one graph each (`mm.compile`'s engine on a GPU).
+
+`GraphEngine` wraps a compiled step's flat engine (`mpimesh.compiled._Engine`). Its first replay
+runs the steps on its own stream (a warm-up: cuBLAS workspaces, kernels compiled). The second
+captures: from each step on, as many steps as capture cleanly become one graph segment. A step
+whose kernel calls a collective (the SPMD check, the time-out and staged transfers run on the
+host) or syncs with the host (a CUDA error while capturing) ends the segment and runs on the host,
+as do the gradient buckets' allreduces: the step becomes graph, host, graph, ... Every later
+replay launches the graphs and runs only the host steps in Python.
+
+As PyTorch's CUDA graphs: what a segment reads from outside the graphs (the step's arguments, a
+host step's results) is copied into static buffers before its launch; what it makes for later
+steps stays in the buffers it was captured with (the step's results are copied out at the end);
+its allocations come from a private memory pool kept with the graphs, so nothing else reuses them.
+Values are eager's, bitwise: the same kernels on the same values, in the same order.
+
+`MPIMESH_CUDA_GRAPHS=0` keeps the flat engine on CuPy. On numpy `for_engine` gives the engine back.
+
+A kernel sees a probe while its op is captured: the local helpers are the mesh's, a transfer
+says the op must run on the host.
+
+>>> import types
+>>> probe = _Probe(types.SimpleNamespace(coord=lambda mesh_dim: 0))
+>>> probe.coord("rows")
+0
+>>> try:
+...     probe.allreduce
+... except _NeedsHost as e:
+...     print("a host step:", e)
+a host step: allreduce
+"""
+from __future__ import annotations
+
+import os
+
+from .backend import name as backend_name
+from .collectives import counters
+
+_TRANSFERS = frozenset({"allreduce", "iallreduce", "allgather", "alltoall", "reduce_scatter", "permute",
+                        "exscan", "any_rank", "guard"})
+
+
+class _NeedsHost(Exception):
+    """A kernel asked for a collective while its op was being captured."""
+
+
+class _Probe:
+    """The collectives a kernel is handed while its op is captured: the local helpers (`coord`,
+    `span`, `block`, ...) are the mesh's, a transfer raises `_NeedsHost`."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        if name in _TRANSFERS:
+            raise _NeedsHost(name)
+        return getattr(self._inner, name)
+
+
+class CudaCapture:
+    """Stream capture on CuPy: a stream of the step's own and a private memory pool."""
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream()  # blocking: ordered with the legacy default stream's work
+        self.pool = cupy.cuda.MemoryPool()
+
+    def scope(self):
+        """The block in which the step's work is issued (the stream made current)."""
+        return self.stream
+
+    def static(self, a):
+        """A buffer like `a`, from the private pool, holding a copy of it."""
+        with self.cupy.cuda.using_allocator(self.pool.malloc):
+            return a.copy()
+
+    def copy(self, dst, src) -> None:
+        self.cupy.copyto(dst, src)
+
+    def capture(self, body, env: list, writes: list):
+        """`body()`'s work as a graph, its allocations from the private pool (`env` and `writes`:
+        the slots it binds and those read after it, for an engine that must emulate capture)."""
+        with self.cupy.cuda.using_allocator(self.pool.malloc):
+            self.stream.begin_capture()
+            try:
+                body()
+            except BaseException:
+                try:
+                    self.stream.end_capture()
+                except Exception:  # an invalidated capture also says so when it ends
+                    pass
+                raise
+            return self.stream.end_capture()
+
+    def launch(self, graph) -> None:
+        graph.launch(stream=self.stream)
+
+    def failed(self, error: BaseException) -> bool:
+        """Whether `error`, raised while capturing, means the step must run on the host."""
+        return isinstance(error, _NeedsHost) or type(error).__name__ == "CUDARuntimeError"
+
+
+def for_engine(engine):
+    """The engine to run a compiled step with: `GraphEngine` over it on CuPy (unless
+    `MPIMESH_CUDA_GRAPHS=0`, or this CuPy has no graph capture), else `engine` itself."""
+    if backend_name(engine.mesh.xp) != "cupy" or os.environ.get("MPIMESH_CUDA_GRAPHS", "1") == "0":
+        return engine
+    cupy = engine.mesh.xp
+    if not hasattr(cupy.cuda, "Graph") or not hasattr(cupy.cuda.Stream, "begin_capture"):
+        return engine
+    return GraphEngine(engine, CudaCapture(cupy))
+
+
+class GraphEngine:
+    """A flat engine's steps as graph segments and host steps (see the module). `segments` and
+    `host_steps` count them once captured; `plan` lists them in order, `("graph", ...)` and
+    `("host", step, why)`; `cap` is the capturer (`CudaCapture`)."""
+
+    def __init__(self, engine, capture):
+        self.engine, self.cap = engine, capture
+        self.mesh = engine.mesh
+        self.runs = 0
+        self.plan: list = []
+        self.held: dict = {}  # slot -> the array a graph writes, kept for the graphs' life
+        self.segments = self.host_steps = 0
+        produced: dict = {}
+        for k, step in enumerate(engine.steps):
+            if step[0] == "op":
+                for s in step[4]:
+                    produced[s] = k
+        self._produced = produced
+
+    def run(self, arrays: list) -> list:
+        self.runs += 1
+        if self.runs == 1:  # warm-up on the capture stream
+            with self.cap.scope():
+                return self._copied_out(self.engine.run(arrays))
+        if self.runs == 2:
+            return self._capture(arrays)
+        return self._replay(arrays)
+
+    def _copied_out(self, outs: list) -> list:
+        held = {id(a) for a in self.held.values()}
+        return [a.copy() if id(a) in held else a for a in outs]
+
+    def _capture(self, arrays: list) -> list:
+        engine, cap = self.engine, self.cap
+        env = engine.start_env(arrays)
+        steps, flying, probe = engine.steps, {}, _Probe(self.mesh.collectives)
+        constant = {s for s, _ in engine.constants}
+        graph_made: set = set()
+        with cap.scope():
+            i = 0
+            while i < len(steps):
+                j = i
+                while j < len(steps) and steps[j][0] == "op":
+                    j += 1  # bucket steps run on the host
+                end, why = self._capture_from(i, j, env, graph_made, constant, probe) if j > i else (i, "bucket")
+                if end == i:  # its first step cannot be captured: the host runs it
+                    engine.run_steps([steps[i]], env, flying)
+                    self.plan.append(("host", steps[i], why))
+                    self.host_steps += 1
+                    end = i + 1
+                i = end
+        return self._copied_out([env[s] for s in engine.outputs])
+
+    def _capture_from(self, i: int, j: int, env: list, graph_made: set, constant: set, probe) -> tuple:
+        """Capture steps i..j-1, or the longest run of them from i that captures; launch it and
+        return where it ended (i: not even step i captures) and why the step there could not be."""
+        why = None
+        engine, cap = self.engine, self.cap
+        while j > i:
+            ops = engine.steps[i:j]
+            made = {s for step in ops for s in step[4]}
+            reads = sorted({s for step in ops for s in step[3]} - made)
+            copies = [(s, env[s]) for s in reads if s not in graph_made and s not in constant]
+            statics = [(s, cap.static(a)) for s, a in copies]
+            saved = list(env)
+            for s, buf in statics:
+                env[s] = buf
+            later = self._read_after(j)
+            writes = [s for s in sorted(made) if s in later]
+            done = [0]
+
+            def body():
+                for step in ops:
+                    engine.run_steps([step], env, {}, probe, count=False)
+                    done[0] += 1
+            try:
+                graph = cap.capture(body, env, writes)
+            except Exception as e:
+                if not cap.failed(e):
+                    raise
+                env[:] = saved
+                j, why = i + done[0], f"{type(e).__name__}: {e}"  # the steps before the one that failed
+                continue
+            cap.launch(graph)
+            held = [(s, env[s]) for s in writes]
+            self.held.update(held)
+            graph_made.update(s for s, _ in held)
+            frees = [s for step in ops for s in step[5]]
+            flops = sum(step[6] for step in ops)
+            if flops and counters._open:
+                counters.record_flops(flops)
+            self.plan.append(("graph", graph, statics, held, frees, flops))
+            self.segments += 1
+            return j, why
+        return i, why
+
+    def _read_after(self, j: int) -> set:
+        """Slots read by the steps from j on, or returned."""
+        out = set(self.engine.outputs)
+        for step in self.engine.steps[j:]:
+            if step[0] == "op":
+                out.update(step[3])
+            else:
+                out.update(step[1].ins)
+        return out
+
+    def _replay(self, arrays: list) -> list:
+        engine, cap = self.engine, self.cap
+        env = engine.start_env(arrays)
+        flying: dict = {}
+        with cap.scope():
+            for entry in self.plan:
+                if entry[0] == "host":
+                    engine.run_steps([entry[1]], env, flying)
+                    continue
+                _, graph, statics, held, frees, flops = entry
+                for s, buf in statics:
+                    cap.copy(buf, env[s])
+                cap.launch(graph)
+                for s in frees:
+                    env[s] = None
+                for s, a in held:
+                    env[s] = a
+                if flops and counters._open:
+                    counters.record_flops(flops)
+                for request in flying.values():
+                    request.test()
+        return self._copied_out([env[s] for s in engine.outputs])

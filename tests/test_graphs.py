@@ -1,0 +1,131 @@
+"""The CUDA-graph engine of `mm.compile` (`mpimesh.graphs`), run on numpy through a capturer that
+behaves as CUDA stream capture does: a captured graph, launched, runs its kernels again on the
+buffers they were captured with and writes the buffers they made in place, so a value read from
+anywhere but those buffers, or a static buffer not refreshed, shows as a wrong value. Over 10
+steps the values equal eager's bitwise (MLP with Adam and buckets, the Transformer dense and MoE,
+uneven blocks, 1-D/2-D/3-D meshes), and only the steps that need the host run outside graphs."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from meshes import get_mesh, mesh_shapes  # noqa: E402
+from test_compile import STEPS, _mlp_step, _same, _same_tree  # noqa: E402
+from test_compile import test_random_ops_draw_fresh_numbers_in_every_replay_from_seed_tensors as random_ops  # noqa: E402
+from test_compile import test_transformer_compiled_equals_eager_bitwise as transformer  # noqa: E402
+
+import mpimesh as mm  # noqa: E402
+import mpimesh.compiled as compiled  # noqa: E402
+from mpimesh.graphs import GraphEngine, _NeedsHost  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+
+class _Graph:
+    def __init__(self, body, env, before, made):
+        self.body, self.env, self.before, self.made = body, env, before, made
+        self.launches = 0
+
+    def launch(self):
+        """The captured kernels again, on the captured buffers, into the captured outputs."""
+        self.launches += 1
+        now = list(self.env)
+        self.env[:] = self.before
+        self.body()
+        fresh = {s: self.env[s] for s in self.made}
+        self.env[:] = now
+        for s, buf in self.made.items():
+            if buf.flags.writeable:  # a read-only view: its base is written
+                np.copyto(buf, fresh[s])
+
+
+class _Capture:
+    """`mpimesh.graphs.CudaCapture`'s interface on numpy (see the module)."""
+
+    def __init__(self):
+        self.graphs: list = []
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def static(self, a):
+        return np.array(a, copy=True)
+
+    def copy(self, dst, src):
+        np.copyto(dst, src)
+
+    def capture(self, body, env, writes):
+        before = list(env)
+        body()
+        self.graphs.append(_Graph(body, env, before, {s: env[s] for s in writes}))
+        return self.graphs[-1]
+
+    def launch(self, graph):
+        graph.launch()
+
+    def failed(self, error):
+        return isinstance(error, _NeedsHost)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Every compiled step's engine a `GraphEngine` with the numpy capturer; yields the engines."""
+    made = []
+
+    def engine(flat):
+        made.append(GraphEngine(flat, _Capture()))
+        return made[-1]
+    monkeypatch.setattr(compiled, "for_engine", engine)
+    return made
+
+
+def _check_plan(engine: GraphEngine) -> None:
+    """Graphs were made and launched in every replay after the capture; each host step needs the
+    host (a bucket's allreduce, or an op whose kernel asked for a collective); graphs hold the rest."""
+    assert engine.segments >= 1 and all(g.launches == engine.runs - 1 for g in engine.cap.graphs)
+    host = [e for e in engine.plan if e[0] == "host"]
+    for _, step, why in host:
+        assert why == "bucket" if step[0] != "op" else why.startswith("_NeedsHost: "), (step[:2], why)
+    ops = sum(1 for step in engine.engine.steps if step[0] == "op")
+    assert sum(1 for _, step, _ in host if step[0] == "op") < ops
+    assert engine.host_steps == len(host) and engine.segments == len(engine.plan) - len(host)
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_mlp_in_graphs_equals_eager_bitwise(graphs, shape):
+    mesh = get_mesh(shape)
+    opt = mm.optim.Adam(1e-2)
+    with mm.layout_scope(mesh, "batch:" + mesh.shape.names[0]):  # data-parallel: bucketed gradients
+        rng = np.random.default_rng(0)
+        params = {n: mesh.from_numpy(rng.standard_normal(size), s)
+                  for n, s, size in [("w1", "io:6;hidden:10", (6, 10)), ("b1", "hidden:10", (10,)),
+                                     ("w2", "hidden:10;io:6", (10, 6))]}
+        state = opt.init(params)
+        step, plain = mm.compile(_mlp_step(opt)), _mlp_step(opt)
+        eager = ours = (params, state)
+        for k in range(STEPS):
+            x = mesh.from_numpy(rng.standard_normal((12, 6)), "batch:12;io:6")
+            y = mesh.from_numpy(rng.standard_normal((12, 6)), "batch:12;io:6")
+            *eager, eager_loss = plain(*eager, x, y)
+            *ours, loss = step(*ours, x, y)
+            _same(eager_loss, loss, f"loss at step {k}")
+            _same_tree(eager, ours, f"params and state at step {k}")
+    assert len(graphs) == 1 and graphs[0].runs == STEPS - 1
+    _check_plan(graphs[0])
+
+
+@pytest.mark.parametrize("which", ["dense adam", "moe"])
+def test_transformer_in_graphs_equals_eager_bitwise(graphs, which):
+    transformer(which, "paper")  # 10 steps, uneven blocks on 4 and 8 ranks
+    _check_plan(graphs[0])
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_random_ops_in_graphs_draw_fresh_numbers_from_seed_tensors(graphs, shape):
+    random_ops(shape)  # eager's numbers in every replay, a new mask each step
+    _check_plan(graphs[0])
