@@ -22,8 +22,8 @@ replicated parameters and optimizer state, that the plan shards the parameters a
 parameters and optimizer state, and the peak of live arrays during a step, measured with the
 transport's buffer pool emptied first, so that tracemalloc sees the pooled collective outputs).
 
-Writes benchmarks/results/cost_model_n{N}.csv for this rank count, then merges every rank count's
-CSV into benchmarks/results/cost_model.csv and draws benchmarks/results/cost_model.png (predicted
+Writes benchmarks/results/cost_model_n{N}.csv for this rank count (`--out DIR`: elsewhere), then
+merges every rank count's CSV into cost_model.csv and draws cost_model.png there (predicted
 vs measured, log-log, one colour per rank count). The machine may be shared: the load average is
 printed, and a loaded machine slows measured steps that the calibration did not see.
 """
@@ -368,12 +368,12 @@ def read_csv(path: str) -> list:
                 for r in csv.DictReader(f)]
 
 
-def merge_and_plot() -> None:
-    """Merge every rank count's CSV into cost_model.csv and draw cost_model.png."""
+def merge_and_plot(out: str) -> None:
+    """Merge every rank count's CSV in `out` into cost_model.csv and draw cost_model.png there."""
     rows = []
-    for path in sorted(glob.glob(os.path.join(RESULTS, "cost_model_n*.csv"))):
+    for path in sorted(glob.glob(os.path.join(out, "cost_model_n*.csv"))):
         rows += read_csv(path)
-    write_csv(os.path.join(RESULTS, "cost_model.csv"), rows)
+    write_csv(os.path.join(out, "cost_model.csv"), rows)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -398,13 +398,14 @@ def merge_and_plot() -> None:
            ylabel="measured step (ms)", title="mpimesh cost model: predicted vs measured step time")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "cost_model.png"), dpi=120)
+    fig.savefig(os.path.join(out, "cost_model.png"), dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per case (the median is kept)")
     ap.add_argument("--no-auto", action="store_true", help="skip the auto_layout and memory checks")
+    ap.add_argument("--out", default=RESULTS, help="folder of the CSVs and the plot (default benchmarks/results)")
     args = ap.parse_args()
     n = WORLD.Get_size()
     rank0_print(kernel_report())
@@ -447,10 +448,10 @@ def main() -> None:
         rank0_print(verdict(f"cost model median error <= {ERROR_TARGET:.0%} on {n} ranks", err <= ERROR_TARGET,
                             f"{100 * err:.0f}%"))
     if WORLD.Get_rank() == 0:
-        os.makedirs(RESULTS, exist_ok=True)
-        write_csv(os.path.join(RESULTS, f"cost_model_n{n}.csv"), rows)
-        rank0_print("\nall rank counts so far (benchmarks/results/cost_model.csv, cost_model.png):")
-        merge_and_plot()
+        os.makedirs(args.out, exist_ok=True)
+        write_csv(os.path.join(args.out, f"cost_model_n{n}.csv"), rows)
+        rank0_print(f"\nall rank counts so far ({os.path.relpath(args.out)}/cost_model.csv, cost_model.png):")
+        merge_and_plot(args.out)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ departed rank, divergence) prints only its message, one paragraph that already n
 rank was: the traceback through mpimesh's internals would say nothing more. Set
 `MPIMESH_NO_ABORT=1` to keep Python's own hook (a debugger's post-mortem, say).
 
+`MPI_Abort` asks the launcher to end the job; a rank on a node cut off from it (a failed link)
+would wait there forever, holding its GPU and memory. So a watchdog process is started first: if
+the rank is still alive `ABORT_WATCHDOG` seconds later, it says so on the rank's stderr and kills it.
+
 >>> install()  # idempotent; a no-op on one rank
 >>> getattr(sys.excepthook, "_mpimesh", False) == (MPI.COMM_WORLD.Get_size() > 1)
 True
@@ -24,6 +28,7 @@ from mpi4py import MPI
 from .errors import CollectiveTimeoutError, DivergenceError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
+ABORT_WATCHDOG = 5.0  # seconds MPI_Abort has to end this process before the watchdog does
 
 
 def install() -> None:
@@ -45,8 +50,23 @@ def install() -> None:
             sys.stderr.flush()
             time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
         finally:
+            end_self_after(ABORT_WATCHDOG, MPI.COMM_WORLD.Get_rank())
             MPI.COMM_WORLD.Abort(1)
 
     hook._mpimesh = True  # type: ignore[attr-defined]
     hook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def end_self_after(seconds: float, rank: int) -> None:
+    """Start a watchdog process that, if this process still lives `seconds` from now, writes one
+    line on its stderr and kills it (SIGKILL): `MPI_Abort` hangs where the launcher cannot be
+    reached. A separate process, since this one may be stuck inside MPI, holding the GIL."""
+    pid = os.getpid()
+    line = (f"mpimesh: rank {rank}: MPI_Abort did not end this process within {seconds:g} s (its launcher "
+            f"cannot be reached: a node cut off?); ending it\n")
+    script = f'trap "" PIPE; sleep {seconds:g}; kill -0 {pid} 2>/dev/null || exit 0; printf "%s" "$0" >&2; kill -9 {pid}'
+    try:
+        os.posix_spawn("/bin/sh", ["sh", "-c", script, line], os.environ)
+    except OSError as e:  # no /bin/sh: MPI_Abort alone, as before
+        sys.stderr.write(f"mpimesh: rank {rank}: no abort watchdog ({e})\n")

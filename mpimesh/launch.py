@@ -6,11 +6,18 @@ Example::
 
 runs ``mpiexec -n 4 <this python> apps/transformer.py --steps 10`` with ``MPIEXEC_TIMEOUT=300``.
 The launcher beside ``sys.executable`` (where ``pip install mpich`` puts it) wins over one on PATH.
+
+Across machines, ``--hostfile FILE`` (one host per line, ``host`` or ``host:slots`` as MPICH writes
+it, ``host slots=N`` as Open MPI does) is handed to the launcher in its own spelling (MPICH's
+``-f``, Open MPI's ``--hostfile``); ``--launcher-args "..."`` adds options of its own (MPICH's
+``-launcher ssh -launcher-exec PROGRAM``, ``-iface eth0``). See launch/README.md.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -31,6 +38,45 @@ def find_mpiexec() -> str:
     return found
 
 
+def read_hostfile(path: str) -> List[tuple]:
+    r"""`[(host, slots), ...]` of a hostfile (`host`, `host:slots` or `host slots=N` lines; `#`
+    comments), or a ValueError naming the file and line.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".hosts", delete=False) as f:
+    ...     _ = f.write("# two nodes\nnode01:8\nnode02 slots=4\nnode03\n")
+    >>> read_hostfile(f.name)
+    [('node01', 8), ('node02', 4), ('node03', 1)]
+    """
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"hostfile {path!r} cannot be read: {e.strerror}") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([\w.\-]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?(?:\s+.*)?", line)
+        if m is None or (m.group(2) or m.group(3) or "1") == "0":
+            raise ValueError(f"hostfile {path!r} line {number}: {line!r} is not `host`, `host:slots` or "
+                             f"`host slots=N` (slots at least 1)")
+        hosts.append((m.group(1), int(m.group(2) or m.group(3) or 1)))
+    if not hosts:
+        raise ValueError(f"hostfile {path!r} lists no hosts")
+    return hosts
+
+
+def hostfile_args(mpiexec: str, path: str) -> List[str]:
+    """The launcher's options for hostfile `path`: Open MPI's `--hostfile`, else MPICH's `-f`."""
+    try:
+        version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        version = ""
+    return ["--hostfile", path] if "Open MPI" in version or "OpenRTE" in version else ["-f", path]
+
+
 def job_env(**extra: str) -> Dict[str, str]:
     """This process's environment minus the enclosing MPI job's variables (PMI_*, PMIX_*, HYDRA*,
     MPIR*), plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end).
@@ -49,12 +95,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser("python -m mpimesh.launch", description=__doc__.split("\n")[0])
     parser.add_argument("-n", "--np", type=int, default=1, metavar="N", help="number of ranks")
     parser.add_argument("--timeout", type=int, metavar="SECONDS", help="kill the job after this long")
+    parser.add_argument("--hostfile", metavar="FILE", help="the machines to run on (host, host:slots or "
+                        "host slots=N per line)")
+    parser.add_argument("--launcher-args", default="", metavar="ARGS",
+                        help="more options for mpiexec, e.g. \"-launcher ssh -iface eth0\"")
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
     try:
-        cmd = [find_mpiexec(), "-n", str(ns.np), sys.executable, ns.script, *ns.args]
-    except FileNotFoundError as e:
+        mpiexec = find_mpiexec()
+        hosts = hostfile_args(mpiexec, ns.hostfile) if ns.hostfile and read_hostfile(ns.hostfile) else []
+        cmd = [mpiexec, *hosts, *shlex.split(ns.launcher_args), "-n", str(ns.np), sys.executable, ns.script, *ns.args]
+    except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"error: {e}\n")
     env = dict(os.environ, **({} if ns.timeout is None else {"MPIEXEC_TIMEOUT": str(ns.timeout)}))
     mpi = sys.modules.get("mpi4py.MPI")  # imported by mpimesh/__init__ before this module runs

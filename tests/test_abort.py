@@ -75,3 +75,13 @@ def test_opt_out_keeps_pythons_hook(tmp_path):
         assert not getattr(sys.excepthook, "_mpimesh", False)
     """)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_rank_whose_abort_hangs_ends_itself_and_says_so():
+    """`mpimesh.abort.end_self_after`: the watchdog kills a process that outlives its grace."""
+    code = "import time; from mpimesh.abort import end_self_after; end_self_after(0.5, 7); time.sleep(60)"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], env=job_env(PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == -9 and time.monotonic() - t0 < 10, (r.returncode, r.stderr)
+    assert "mpimesh: rank 7: MPI_Abort did not end this process within 0.5 s" in r.stderr

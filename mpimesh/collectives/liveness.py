@@ -147,7 +147,8 @@ def _cancel(request: MPI.Request) -> None:
 
 @atexit.register
 def _notify_all() -> None:
-    """At interpreter exit: every live mesh's exit notice, given a second to leave."""
+    """At interpreter exit: every live mesh's exit notice, given a second to leave, and the other
+    ranks' notices taken in within that second."""
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     requests = []
@@ -159,6 +160,11 @@ def _notify_all() -> None:
     deadline = time.monotonic() + 1.0
     while requests and not MPI.Request.Testall(requests) and time.monotonic() < deadline:
         time.sleep(1e-3)
+    for watch in list(_watches):  # the others' notices, where they all end now: none is left unreceived
+        size = watch.comm.Get_size()  # at MPI_Finalize (UCX warns of each), in the second at most
+        while len(watch.left) < size - 1 and time.monotonic() < deadline:
+            if not watch.poll():
+                time.sleep(1e-3)
     for watch in list(_watches):  # no receive left posted when MPI finalizes
         if watch._recv is not None:
             _cancel(watch._recv)

@@ -1,0 +1,277 @@
+"""A cluster on one machine: hosts as Linux network namespaces on a bridge, MPI between them over TCP.
+
+`Cluster(hosts=2, slots=2)` makes, as root with iproute2:
+- a switch namespace holding a bridge, and one namespace per host (`<prefix>-h0`, ...), each with
+  one veth interface `eth0` on the bridge and an address in 10.77.0.0/24: a network that exists
+  only inside these namespaces (no default route, nothing in the machine's own namespace);
+- a hostfile (`hostfile`: one `address:slots` line per host) and a launcher program (`launcher`),
+  which runs a command inside a host's namespace, with the host's own hostname (`h0`, ...), as ssh
+  runs it on a node: MPICH's `mpiexec -f <hostfile> -launcher ssh -launcher-exec <launcher>`
+  (`mpiexec_argv`). The launched command dies with its launcher's parent (a lost ssh session);
+- `mpiexec(n, argv)` runs a job from host 0, so hydra's proxies reach it over the bridge.
+
+UCX is told `UCX_TLS=tcp,self`, so ranks on different hosts talk TCP (not shared memory, which
+the namespaces share). `link(host, up)` takes a host's link down or up, `shape(host, rate)` limits
+its bandwidth (`tc tbf`; `netem_available()` says whether delays can be added too), `bytes(host)`
+counts what crossed its link, `pids(host)` lists its processes and `kill(host)` ends them.
+
+`close()` (also at the end of a `with` block) kills every process in the namespaces and deletes
+them. A run killed before it could (SIGKILL) leaves namespaces named with its process id:
+`cleanup_leftovers()` (called by every new `Cluster`) deletes those of processes no longer alive.
+`unavailable()` says why no cluster can be made here (not root, no iproute2), or None.
+
+>>> unavailable() is None or isinstance(unavailable(), str)
+True
+>>> Cluster.addresses(3)
+['10.77.0.1', '10.77.0.2', '10.77.0.3']
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from ..launch import find_mpiexec, job_env
+
+PREFIX = "mpimesh"
+_NAME = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def unavailable() -> Optional[str]:
+    """Why namespaced hosts cannot be made here (one line), or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux only"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    for tool in ("ip", "tc", "unshare", "setpriv"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is missing (Debian: apt-get install iproute2 util-linux)"
+    return None
+
+
+def _namespaces() -> list:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _kill_in(ns: str) -> None:
+    pids = _ip("netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_leftovers() -> list:
+    """Delete the namespaces (and end their processes) that clusters of dead processes left; the
+    names deleted."""
+    gone = []
+    for ns in _namespaces():
+        m = _NAME.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _kill_in(ns)
+            _ip("netns", "del", ns, check=False)
+            gone.append(ns)
+    return gone
+
+
+_LAUNCHER = """#!/bin/sh
+# mpimesh.testing.cluster's launcher: `launcher [-options] HOST COMMAND...` runs COMMAND inside HOST's
+# network namespace with HOST's hostname, as ssh would on a node; it dies when its parent (mpiexec) does.
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host=$1; shift
+case $host in
+{cases}
+  *) echo "launcher: no host $host in this cluster" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" setpriv --pdeathsig KILL unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$name" "$*"
+"""
+
+
+class Cluster:
+    """`hosts` namespaced hosts with `slots` ranks each (see the module); a context manager."""
+
+    _serial = 0
+
+    def __init__(self, hosts: int = 2, slots: int = 2):
+        why = unavailable()
+        if why is not None:
+            raise RuntimeError(f"no namespaced cluster here: {why}")
+        if not 1 <= hosts <= 8:
+            raise ValueError(f"hosts must be 1..8, got {hosts}")
+        cleanup_leftovers()
+        Cluster._serial += 1
+        self.prefix = f"{PREFIX}-{os.getpid()}-{Cluster._serial}"
+        self.switch = f"{self.prefix}-sw"
+        self.hosts = [f"{self.prefix}-h{i}" for i in range(hosts)]
+        self.names = [f"h{i}" for i in range(hosts)]
+        self.address = self.addresses(hosts)
+        self.slots = slots
+        self.dir = tempfile.mkdtemp(prefix="mpimesh-cluster-")
+        self._made: list = []
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        self.hostfile = os.path.join(self.dir, "hostfile")
+        with open(self.hostfile, "w") as f:
+            f.writelines(f"{a}:{slots}\n" for a in self.address)
+        self.launcher = os.path.join(self.dir, "launcher")
+        cases = "\n".join(f"  {a}) ns={ns}; name={name} ;;" for a, ns, name in zip(self.address, self.hosts, self.names))
+        with open(self.launcher, "w") as f:
+            f.write(_LAUNCHER.format(cases=cases))
+        os.chmod(self.launcher, 0o755)
+
+    @staticmethod
+    def addresses(hosts: int) -> list:
+        """The hosts' addresses, in 10.77.0.0/24."""
+        return [f"10.77.0.{i + 1}" for i in range(hosts)]
+
+    def _make(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        for i, (ns, addr) in enumerate(zip(self.hosts, self.address)):
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}", "netns", self.switch)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
+
+    def env(self, **extra: str) -> dict:
+        """The environment of a job on the cluster: this one's minus any enclosing MPI job's, with
+        UCX on TCP only, and `extra`."""
+        return job_env(UCX_TLS="tcp,self", **extra)
+
+    def host_argv(self, host: int, argv: Sequence[str]) -> list:
+        """`argv` run on host `host`: inside its namespace, with its hostname."""
+        return ["ip", "netns", "exec", self.hosts[host], "unshare", "--uts", "sh", "-c",
+                f'hostname {self.names[host]} && exec "$@"', "sh", *argv]
+
+    def launcher_args(self) -> list:
+        """MPICH's options that start each host's ranks through the cluster's launcher program."""
+        return ["-launcher", "ssh", "-launcher-exec", self.launcher]
+
+    def mpiexec_argv(self, n: int, argv: Sequence[str], hosts: Optional[int] = None) -> list:
+        """`mpiexec` over the first `hosts` hosts (all by default), `n` ranks, run from host 0."""
+        hostfile = self.hostfile
+        if hosts is not None and hosts != len(self.hosts):
+            hostfile = os.path.join(self.dir, f"hostfile-{hosts}")
+            with open(hostfile, "w") as f:
+                f.writelines(f"{a}:{self.slots}\n" for a in self.address[:hosts])
+        return self.host_argv(0, [find_mpiexec(), "-f", hostfile, *self.launcher_args(), "-n", str(n), *argv])
+
+    def mpiexec(self, n: int, argv: Sequence[str], hosts: Optional[int] = None, env: Optional[dict] = None,
+                **popen) -> subprocess.Popen:
+        """Start `argv` on `n` ranks over the cluster (see `mpiexec_argv`); the `Popen`."""
+        return subprocess.Popen(self.mpiexec_argv(n, argv, hosts), env=env or self.env(),
+                                start_new_session=True, **popen)
+
+    def link(self, host: int, up: bool) -> None:
+        """Take host `host`'s link up or down."""
+        _ip("-n", self.hosts[host], "link", "set", "eth0", "up" if up else "down")
+
+    def shape(self, host: int, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
+        """Limit host `host`'s outgoing bandwidth to `rate` (tc's units, e.g. "1gbit") with a token
+        bucket filter."""
+        subprocess.run(["ip", "netns", "exec", self.hosts[host], "tc", "qdisc", "replace", "dev", "eth0", "root",
+                        "tbf", "rate", rate, "burst", burst, "latency", latency], check=True, capture_output=True)
+
+    def netem_available(self) -> bool:
+        """Whether this kernel can add delays (`tc ... netem`, often a missing module)."""
+        r = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", "br0", "root", "netem",
+                            "delay", "1ms"], capture_output=True)
+        if r.returncode == 0:
+            subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", "br0", "root"],
+                           capture_output=True)
+        return r.returncode == 0
+
+    def bytes(self, host: int) -> tuple:
+        """(received, sent) bytes on host `host`'s link so far."""
+        out = subprocess.run(["ip", "netns", "exec", self.hosts[host], "cat", "/proc/net/dev"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            name, _, rest = line.partition(":")
+            if name.strip() == "eth0":
+                fields = rest.split()
+                return int(fields[0]), int(fields[8])
+        raise RuntimeError(f"no eth0 in {self.hosts[host]}")
+
+    def pids(self, host: Optional[int] = None) -> list:
+        """The processes living in host `host`'s namespace (every host's when None)."""
+        names = self.hosts if host is None else [self.hosts[host]]
+        return [int(p) for ns in names for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+
+    def kill(self, host: int, sig: int = signal.SIGKILL) -> list:
+        """Send `sig` to every process of host `host`; their pids."""
+        pids = self.pids(host)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def wait_empty(self, timeout: float) -> list:
+        """Wait until no process lives in any host, at most `timeout` seconds; those still there."""
+        end = time.monotonic() + timeout
+        while True:
+            left = self.pids()
+            if not left or time.monotonic() > end:
+                return left
+            time.sleep(0.2)
+
+    def describe(self, pids: Sequence[int]) -> str:
+        """`pid: command line` of each process, for messages."""
+        out = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    out.append(f"{pid}: {shlex.join(f.read().decode(errors='replace').split(chr(0)))[:200]}")
+            except OSError:
+                out.append(f"{pid}: (gone)")
+        return "; ".join(out)
+
+    def close(self) -> None:
+        """Kill every process in the namespaces and delete them (idempotent)."""
+        for ns in self._made:
+            _kill_in(ns)
+        for ns in reversed(self._made):
+            _ip("netns", "del", ns, check=False)
+        self._made = []
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cluster({len(self.hosts)} hosts x {self.slots} slots, {self.prefix})"
