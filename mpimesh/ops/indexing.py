@@ -95,6 +95,14 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     def lower(ctx, a):
         xp = ctx.xp
         start, n = ctx.span(dim.size, m)
+        if xp is np:  # `off` everywhere, then `on` written at each index in range: no comparison array
+            out = np.full(a.shape + (n,), off, dt)
+            if out.size == 0:
+                return out
+            i = np.asarray(a, np.int64).reshape(-1) - start
+            rows = np.flatnonzero((i >= 0) & (i < n))
+            out.reshape(-1, n)[rows, i[rows]] = on
+            return out
         pos = xp.arange(n) + start  # this rank's global index range (in a JAX replay, run on into the padding)
         return xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
     (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
@@ -171,8 +179,12 @@ def gather(weights, indices, dim, dtype=None):
         if nv:  # a padded block (JAX replay) looks up zeros past its end: the next block's rows are the next's
             i = i - ctx.span(vdim.size, mv)[0]  # position inside this rank's block
             valid = (i >= 0) & (i < nv)
-            g = w[xp.where(valid, i, 0), xp.arange(sflat)]
-            g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
+            if xp is np and sflat == 1:  # a plain lookup: `take`, the same rows as the fancy index
+                g = np.expand_dims(np.take(w[:, 0], np.where(valid, i, 0)[..., 0], axis=0), i.ndim - 1)
+            else:
+                g = w[xp.where(valid, i, 0), xp.arange(sflat)]
+            if xp is not np or not valid.all():  # (on numpy, looked at: no pass when all are in range)
+                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
         else:  # an empty block of the looked-up dim: nothing to look up here
             g = xp.zeros(i.shape + w.shape[2:], w.dtype)
         g = xp.transpose(g.reshape(gshape), p["operm"])

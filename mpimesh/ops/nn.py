@@ -37,6 +37,7 @@ from ..shape import dim_names
 from ..trace import dispatch, saving
 from .einsum import sum_to
 from .relayout import laid_out_within, to_layout
+from .rowwise import row_dot, row_sum
 
 MASK_VALUE = -1e9
 """What a masked entry gets added before a softmax (a dtype that cannot hold it, float16, gets its
@@ -130,9 +131,9 @@ def _normalize(name: str, log: bool, doc: str):
             a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
             if q_axis is not None:
                 future = _future(ctx, shape, layout, q_axis, axes[0])
-                if backend_name(xp) == "numpy":  # where(future, a + masked, a), without the a + masked array
-                    a = a if fresh else a.copy()
-                    xp.add(a, a.dtype.type(masked), out=a, where=future)
+                if backend_name(xp) == "numpy":  # where(future, a + masked, a) as a + (masked or 0): one pass
+                    bias = np.where(future, a.dtype.type(masked), a.dtype.type(0))
+                    a = xp.add(a, bias, out=a) if fresh else a + bias
                     fresh = True
                 else:
                     a = xp.where(future, a + masked, a)
@@ -142,10 +143,10 @@ def _normalize(name: str, log: bool, doc: str):
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows of -inf: no inf - inf
             z = xp.subtract(a, m, out=a) if eager and fresh else a - m
             if log:
-                s = xp.sum(xp.exp(z), axis=axes, keepdims=True)
+                s = row_sum(xp, xp.exp(z), axes)
             else:  # e = exp(z) in z's place: z is not needed again
                 e = xp.exp(z, out=z) if eager else xp.exp(z)
-                s = xp.sum(e, axis=axes, keepdims=True)
+                s = row_sum(xp, e, axes)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
             if log:
@@ -197,12 +198,12 @@ def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
         if acc != dt:  # 16-bit floats: in float32 (the sums across ranks too), rounded once
             out, g = out.astype(acc), g.astype(acc)
         if log:  # dy - exp(y) * sum(dy)
-            s = xp.sum(g, axis=axes, keepdims=True)
+            s = row_sum(xp, g, axes)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
             dx = g - xp.exp(out) * s
         else:
-            s = xp.sum(g * out, axis=axes, keepdims=True)  # y * (dy - sum(dy * y))
+            s = row_dot(xp, g, out, axes)  # y * (dy - sum(dy * y))
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
             dx = out * (g - s)
@@ -255,6 +256,17 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
         real = ctx.real(shape[axis].size, layout[axis])
         return found if real is None else found & real.reshape((-1,) + (1,) * (shape.rank - axis - 1))
 
+    def target_index(ctx, a, t):
+        """On numpy with the whole vocabulary here: `(index, valid)` of each target along `axis`
+        (an id outside the vocabulary: index 0, not valid), shaped as `a` with 1 there; else None."""
+        if mdims or ctx.xp is not np:
+            return None
+        at = np.expand_dims(align(np, t, td, od), axis)
+        if at.shape != a.shape[:axis] + (1,) + a.shape[axis + 1:]:
+            return None
+        valid = (at >= 0) & (at < a.shape[axis])
+        return np.where(valid, at, 0), valid
+
     def lower(ctx, a, t):
         xp = ctx.xp
         a = a.astype(acc) if a.dtype != acc else a
@@ -262,22 +274,27 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
         if mdims:
             m = ctx.allreduce(m, mdims, "max")
         m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
-        s = xp.sum(xp.exp(a - m), axis=axis)
-        gold = xp.sum(xp.where(hit(ctx, t), a, xp.zeros((), a.dtype)), axis=axis)
+        s = xp.squeeze(row_sum(xp, xp.exp(a - m), (axis,)), axis=axis)
+        found = target_index(ctx, a, t)
+        if found is None:
+            gold = xp.sum(xp.where(hit(ctx, t), a, xp.zeros((), a.dtype)), axis=axis)
+        else:  # the target's logit picked, not summed with zeros (the same value)
+            index, valid = found
+            gold = np.squeeze(np.where(valid, np.take_along_axis(a, index, axis), a.dtype.type(0)), axis=axis)
         if mdims:
             s, gold = ctx.allreduce(s, mdims, "sum"), ctx.allreduce(gold, mdims, "sum")
         lse = xp.log(s) + xp.squeeze(m, axis=axis)
         return lse - gold, lse
 
     def rule(op, dy, _):  # the log-partition, kept for the gradient, gets none
-        return [_cross_entropy_grad(op, dy, axis, hit), None]
+        return [_cross_entropy_grad(op, dy, axis, hit, target_index), None]
     saving(rule, (0, 1), (1,))  # logits, targets and the log-partition
     loss, _ = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)] * 2, lower,
                        {"vocab": v, "mesh_dims": mdims}, rule if is_float(logits.dtype) else None)
     return loss
 
 
-def _cross_entropy_grad(op, dy, axis, hit):
+def _cross_entropy_grad(op, dy, axis, hit, target_index):
     """`dy * (softmax(logits) - one_hot(target))` in logits' dtype, as one op: the softmax from the
     forward's log-partition (its second output), so with no communication."""
     (logits, targets), lse = op.inputs, op.outputs[1]
@@ -287,8 +304,17 @@ def _cross_entropy_grad(op, dy, axis, hit):
     def lower(ctx, a, t, z, g):
         xp = ctx.xp
         a = a.astype(acc) if a.dtype != acc else a
-        p = xp.exp(a - xp.expand_dims(z, axis)) - xp.where(hit(ctx, t), xp.ones((), acc), xp.zeros((), acc))
-        dx = p * xp.expand_dims(g.astype(acc) if g.dtype != acc else g, axis)
+        found = target_index(ctx, a, t)
+        if found is None:
+            p = xp.exp(a - xp.expand_dims(z, axis)) - xp.where(hit(ctx, t), xp.ones((), acc), xp.zeros((), acc))
+        else:  # 1 taken from the target's probability alone (x - 0 elsewhere: the same values)
+            index, valid = found
+            p = np.subtract(a, np.expand_dims(z, axis))
+            p = np.exp(p, out=p)
+            picked = np.take_along_axis(p, index, axis)
+            np.put_along_axis(p, index, np.where(valid, picked - acc.type(1), picked), axis)
+        g = xp.expand_dims(g.astype(acc) if g.dtype != acc else g, axis)
+        dx = p * g if found is None else np.multiply(p, g, out=p)
         return dx.astype(dt) if dx.dtype != dt else dx
     (dx,) = dispatch("softmax_cross_entropy_grad", [logits, targets, lse, dy],
                      [(logits.shape, logits.tensor_layout)], lower, {"mesh_dims": op.params["mesh_dims"]})

@@ -3,7 +3,8 @@
 `layer_norm(x, dims, scale, bias, epsilon)`: `(x - mean) / sqrt(var + epsilon) * scale + bias`,
 the statistics over `dims` (split or not: each is a local sum and, where a dim is split, one
 allreduce over its mesh dims), a 16-bit float x normalised in float32 and rounded once. The same
-arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add).
+arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add),
+but for the order of the terms in its sums (`mpimesh.ops.rowwise`), and in place on numpy and CuPy.
 
 The op's outputs are y, then the mean and 1/std (x's dims without `dims`: small), which the
 gradient reads instead of summing them again. The gradient: one op `layer_norm_grad` gives dx
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from ..backend import accumulation_dtype, align
+from ..backend import accumulation_dtype, align, is_eager
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
@@ -30,6 +31,7 @@ from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
+from .rowwise import row_dot, row_sum
 
 
 def _plan(x, dims: tuple, what: str):
@@ -52,12 +54,12 @@ def _stats(ctx, a, plan, epsilon):
     (as the unfused ops compute them; a JAX replay's padding is kept out of the variance)."""
     xp = ctx.xp
     _, axes, mdims, count, splits = plan
-    s = xp.sum(a, axis=axes, keepdims=True)
+    s = row_sum(xp, a, axes)
     if mdims:
         s = ctx.allreduce(s, mdims)
     mean = s * (1.0 / count)
     c = _unpadded(ctx, a - mean, splits)
-    q = xp.sum(c * c, axis=axes, keepdims=True)
+    q = row_dot(xp, c, c, axes)
     if mdims:
         q = ctx.allreduce(q, mdims)
     return c, 1 / xp.sqrt(q * (1.0 / count) + epsilon), mean
@@ -93,11 +95,12 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
         xp = ctx.xp
         a = a.astype(acc) if acc != dt else a
         c, r, mean = _stats(ctx, a, plan, epsilon)
-        y = c * r
+        mul, add = _in_place(xp)  # c is the kernel's own array: y is made in its place
+        y = mul(c, r)
         if has[0]:  # the parameters in y's dtype, as `mm.layers.like` casts them
-            y = y * align(xp, _as(sb[0], y.dtype), names[0], xd)
+            y = mul(y, align(xp, _as(sb[0], y.dtype), names[0], xd))
         if has[1]:
-            y = y + align(xp, _as(sb[-1], y.dtype), names[-1], xd)
+            y = add(y, align(xp, _as(sb[-1], y.dtype), names[-1], xd))
         return _as(y, dt), xp.squeeze(mean, axis=axes), xp.squeeze(r, axis=axes)
 
     def rule(op, dy, *_):  # (the statistics' outputs get no gradient)
@@ -125,15 +128,17 @@ def _layer_norm_grad(op, dy, dims, has):
         xp = ctx.xp
         a, g = _as(a, acc), _as(g, acc)
         mu, r = xp.expand_dims(mu, axes), xp.expand_dims(r, axes)
-        yhat = _unpadded(ctx, a - mu, splits) * r
+        mul, _ = _in_place(xp)
+        yhat = mul(_unpadded(ctx, a - mu, splits), r)
         if s:
             g = g * align(xp, _as(s[0], acc), sd, xd)
-        m1 = xp.sum(g, axis=axes, keepdims=True)
-        m2 = xp.sum(g * yhat, axis=axes, keepdims=True)
+        m1 = row_sum(xp, g, axes)
+        m2 = row_dot(xp, g, yhat, axes)
         if mdims:
             m1, m2 = ctx.allreduce(m1, mdims), ctx.allreduce(m2, mdims)
-        dx = r * (g - m1 * (1.0 / count) - yhat * (m2 * (1.0 / count)))
-        return _as(dx, dt), yhat
+        d = yhat * (m2 * (1.0 / count))  # r * (g - m1 / count - yhat * m2 / count), in d's array
+        d = xp.subtract(g - m1 * (1.0 / count), d, out=d) if is_eager(xp) else g - m1 * (1.0 / count) - d
+        return _as(mul(d, r), dt), yhat
     (dx, yhat) = dispatch("layer_norm_grad", [x, dy, mean, rstd, *([scale] if scale is not None else [])],
                           [(x.shape, layout), (x.shape, layout)], lower, {"dims": dims})
     grads = [dx if need[0] else None]
@@ -147,6 +152,14 @@ def _layer_norm_grad(op, dy, dims, has):
             db = einsum([dy_acc], output_shape=bias.shape) if need[-1] else None
         grads.append(None if db is None else cast(db, bias.dtype))
     return grads
+
+
+def _in_place(xp):
+    """`(multiply, add)` of a kernel's own array by another, into the first on numpy and CuPy (the
+    same values, one array fewer), plain on JAX."""
+    if is_eager(xp):
+        return (lambda a, b: xp.multiply(a, b, out=a)), (lambda a, b: xp.add(a, b, out=a))
+    return (lambda a, b: a * b), (lambda a, b: a + b)
 
 
 def _as(a, dtype):
