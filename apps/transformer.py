@@ -73,14 +73,17 @@ predicted step time beside the measured one:
 
     mpiexec -n 4 python apps/transformer.py --layout auto
 
-`--backend jax` runs as ONE process (no mpiexec): the step is recorded once with mpimesh on a
-1-rank mesh with --mesh's dim names, each of size 1 (an MPI mesh of the `--mesh` shape would need that many ranks); the recorded global
-program, each op's own kernel under `jax.numpy`, is jitted with the `--layout` rules as shardings
-on a JAX mesh with the `--mesh` dims and sizes (XLA's SPMD partitioner places the collectives;
-on CPU, `--xla_force_host_platform_device_count` host devices). Held-out evaluation, checkpoints
-and samples run in mpimesh on the parameters brought back with `from_numpy` (apps/transformer_jax.py):
+`--backend jax` replays the step through JAX: recorded once with mpimesh on a 1-rank mesh with
+--mesh's dim names, each of size 1 (the global program), each op's own kernel under `jax.numpy`,
+jitted with the `--layout` rules as shardings on a JAX mesh with the `--mesh` dims and sizes (XLA's
+SPMD partitioner places the collectives). As one process (host devices on CPU), or one process
+per rank under mpiexec, joined by `jax.distributed`, the leading mesh dims across processes (CPU
+collectives through gloo). Held-out evaluation, checkpoints (the MPI format: a run moves between
+the backends) and samples run in mpimesh on the parameters brought back (apps/transformer_jax.py);
+compiled programs are kept in JAX's persistent cache (`--compile-cache`):
 
     python apps/transformer.py --backend jax --mesh "rows:2;cols:2"
+    mpiexec -n 2 python apps/transformer.py --backend jax --mesh "rows:2;cols:2"
 """
 from __future__ import annotations
 
@@ -544,9 +547,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mesh", default=None, help="e.g. 'rows:2;cols:2' (default: the squarest rows x cols; with "
                     "--backend jax: rows:2;cols:2)")
     ap.add_argument("--backend", default="mpi", choices=["mpi", "jax"],
-                    help="jax: ONE process (no mpiexec); the train step is recorded once with mpimesh on 1 rank "
-                         "and replayed by JAX for the loop on a jax mesh named and sized like --mesh (host "
-                         "devices on CPU), sharded by --layout; see apps/transformer_jax.py")
+                    help="jax: the train step is recorded once with mpimesh on 1 rank and replayed by JAX for the "
+                         "loop on a jax mesh named and sized like --mesh (host devices on CPU; under mpiexec, "
+                         "one JAX process per rank), sharded by --layout; see apps/transformer_jax.py")
+    ap.add_argument("--compile-cache", dest="compile_cache",
+                    default=os.path.join(os.path.expanduser("~"), ".cache", "mpimesh", "jax"),
+                    help="--backend jax: JAX's persistent compilation cache ('none': no cache)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"],
                     help="gpu: each rank's slices live on its GPU (CuPy; python3 install.py gpu), one rank per GPU; "
                          "the transport (nccl, CUDA-aware mpi, or staged through host) is chosen per mesh")
@@ -605,6 +611,22 @@ def _jax_helper():
     return transformer_jax
 
 
+def on_first_rank(fn: Callable):
+    """`fn()` on world rank 0 alone, its result (or its error, raised again) on every rank: for the
+    JAX processes, each of which holds everything on its own 1-rank mesh."""
+    comm = mm.MPI.COMM_WORLD
+    result = error = None
+    if comm.Get_rank() == 0:
+        try:
+            result = fn()
+        except mm.MpimeshError as e:
+            error = e
+    result, error = comm.bcast((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
 def _bar(frac: float, width: int = 20) -> str:
     n = int(round(frac * width))
     return "[" + "#" * n + "." * (width - n) + "]"
@@ -630,15 +652,15 @@ def main(argv=None) -> None:
     if args.device == "gpu" and args.backend == "jax":
         raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
                          "devices JAX sees")
-    if args.backend == "jax":  # one process: record on 1 rank, replay on the jax mesh (transformer_jax.py)
+    if args.backend == "jax":  # record on 1 rank per process, replay on the jax mesh (transformer_jax.py)
         if cfg.dtype == "float16":
             raise UsageError("--dtype float16 needs --backend mpi: its loss scaling decides on the host whether "
                              "to skip each step, which a replay cannot; use --dtype bfloat16")
-        if world != 1:
-            raise mm.MeshError(f"--backend jax runs as one process (no mpiexec); got {world} ranks")
-        jax_devices = _jax_helper().jax_devices
+        helper = _jax_helper()
         jax_mesh = args.mesh or default_mesh(4)
-        devices = jax_devices(mm.Shape(jax_mesh).size)
+        jm, across = helper.jax_mesh(jax_mesh)
+        if args.compile_cache != "none":
+            helper.use_compile_cache(args.compile_cache)
         ones = ";".join(f"{n}:1" for n in mm.Shape(jax_mesh).names)  # --mesh's dim names, each of size 1
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
@@ -647,8 +669,9 @@ def main(argv=None) -> None:
             args.layout = moe_layout(rules, cfg.moe_every)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                        backend="cupy" if args.device == "gpu" else "numpy")
-    say = print if mesh.rank == 0 else (lambda *a, **k: None)
-    from_path = resume_point(args, mesh)
+    first_rank = mm.MPI.COMM_WORLD.Get_rank() == 0
+    say = print if first_rank else (lambda *a, **k: None)
+    from_path = on_first_rank(lambda: resume_point(args, mesh)) if args.backend == "jax" else resume_point(args, mesh)
     params = init_params(mesh, cfg, args.seed)
     optimizer = make_optimizer(cfg)
     opt_state = optimizer.init(params)
@@ -663,8 +686,9 @@ def main(argv=None) -> None:
     base = unigram_bits_per_byte(train)
     n_params = sum(t.shape.size for t in params.values())
     if args.backend == "jax":
-        say(f"mpimesh transformer, jax backend: 1 process, jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
-            f"{devices[0].platform} devices, layout {args.layout!r}")
+        devices = jm.devices.ravel()
+        say(f"mpimesh transformer, jax backend: {world} process(es), jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
+            f"{devices[0].platform} devices ({helper.distributed.spans_text(across)}), layout {args.layout!r}")
     else:
         say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; "
             + (f"GPU {mesh.device} per rank (rank 0's), transport {mesh.transport}" if args.device == "gpu"
@@ -682,27 +706,28 @@ def main(argv=None) -> None:
 
     train_step = make_train_step(cfg, optimizer)
     if args.backend == "jax":
-        JaxTrainStep = _jax_helper().JaxTrainStep
         first = make_batch(mesh, train, cfg, train_offsets(train, cfg, args.seed, start))
         t0 = time.perf_counter()
-        jstep = JaxTrainStep(train_step, params, opt_state, first, jax_mesh, args.layout, devices,
-                             layers.subseed(args.seed, f"step{start}"))
+        jstep = helper.JaxTrainStep(train_step, params, opt_state, first, step_seed(mesh, args.seed, start), jm,
+                                    args.layout)
         say(f"jax: step recorded on 1 rank and compiled for the jax mesh {mm.Shape(jax_mesh)} in "
-            f"{time.perf_counter() - t0:.1f} s")
+            f"{time.perf_counter() - t0:.1f} s (tracing {jstep.seconds['trace']:.2f} s, XLA compile "
+            f"{jstep.seconds['compile']:.2f} s{', loaded from the cache' if jstep.from_cache else ''}; "
+            + (f"persistent cache {args.compile_cache})" if args.compile_cache != "none" else "no cache)"))
     else:
         timer = CommTimer(mesh)
         if not args.eager:
             train_step = mm.compile(train_step)
-    log = open(args.log_json, "w") if args.log_json and mesh.rank == 0 else None
+    log = open(args.log_json, "w") if args.log_json and first_rank else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
     t_begin = time.perf_counter()
     for step in range(start, args.steps):
         offsets = train_offsets(train, cfg, args.seed, step)
         if args.backend == "jax":
-            x, y = batch_windows(train, cfg, offsets)
             t0 = time.perf_counter()
-            loss_value = float(jstep.step(x, y))
+            loss_value = jstep.step(lambda a, b, offsets=offsets: batch_windows(train, cfg, offsets[a:b]),
+                                    layers.subseed(args.seed, f"step{step}"))
             acc += [time.perf_counter() - t0, 0, 0, loss_value, 1]
         else:
             batch = make_batch(mesh, train, cfg, offsets)
@@ -738,9 +763,12 @@ def main(argv=None) -> None:
                 f"(unigram baseline {base:.3f})", flush=True)
         if saving:
             t0 = time.perf_counter()
-            path = save_checkpoint(args.checkpoint, done, params, opt_state)
+            if args.backend == "jax":  # every process holds all of it: the first writes it
+                path = on_first_rank(lambda: save_checkpoint(args.checkpoint, done, params, opt_state))
+            else:
+                path = save_checkpoint(args.checkpoint, done, params, opt_state)
             seconds = time.perf_counter() - t0
-            if mesh.rank == 0:
+            if first_rank:
                 size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
                 say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
     if log:

@@ -1,37 +1,48 @@
 """`apps/transformer.py --backend jax`: one training step recorded by mpimesh, replayed by JAX.
 
-The app runs as ONE process. An MPI mesh of the `--mesh` shape would need as many ranks, so the
-step is recorded on a 1-rank mesh (`all:1`, COMM_SELF): its trace is then the global program
-(every collective of a size-1 mesh dim is a no-op, every coordinate 0). `mm.tpu.replay`'s
-shard_map mode maps a trace onto a JAX mesh of the trace's own mesh shape (here one device), so
-instead this module replays that global program with `layout=` the `--layout` rules on a
-`jax.sharding.Mesh` with the `--mesh` dim names and sizes: XLA's SPMD partitioner places the
-collectives. The kernels are the ops' own `lower` functions, run with `jax.numpy`.
+One process, or one per rank under a launcher (`mpiexec -n N ... --backend jax`): JAX's processes
+are then joined by `jax.distributed` (`mpimesh.tpu.distributed`), and their devices form one global
+`jax.sharding.Mesh` of the `--mesh` shape, processes outermost (the leading mesh dims span them).
+Every process records the step on a 1-rank mesh (`all:1`, COMM_SELF): its trace is the global
+program (every collective of a size-1 mesh dim is a no-op, every coordinate 0), the same on every
+process (checked before anything runs). It is replayed with `layout=` the `--layout` rules on the
+global mesh: XLA's SPMD partitioner places the collectives, across processes through JAX's CPU
+collectives (gloo). The kernels are the ops' own `lower` functions, run with `jax.numpy`.
 
-Each call feeds the step's outputs (new parameters and optimizer state) back as its inputs. The
-MoE layers' random second-expert draws are those of the recorded step (its seed is baked in).
+Each call feeds the step's outputs (new parameters and optimizer state) back as its inputs; the
+step's seed is an input too (a 0-d tensor), so dropout and the MoE layers draw each step's own
+numbers, those of `--backend mpi`. Each process builds only the rows of the batch its devices hold
+(`jax.make_array_from_callback`). Compiled programs are kept in JAX's persistent cache.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import numpy as np
 
 import mpimesh as mm
+from mpimesh.tpu import distributed
 
 
-def jax_devices(n: int) -> list:
-    """`n` JAX devices; on CPU asks XLA for `n` host devices (XLA_FLAGS, before jax is imported)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+def jax_mesh(mesh_shape: str, comm=None):
+    """The global jax Mesh of `mesh_shape` over every process's devices (`comm`'s ranks, one JAX
+    process each, each with an equal share of the processors), and which dims span processes."""
+    comm = comm or mm.MPI.COMM_WORLD
+    ms = mm.Shape(mesh_shape)
+    if ms.size % comm.Get_size():
+        raise mm.MeshError(f"--backend jax: the mesh {ms} has {ms.size} processors, which {comm.Get_size()} "
+                           f"processes cannot share equally")
+    distributed.initialize(comm, ms.size // comm.Get_size())
+    mesh = distributed.global_mesh(ms)
+    return mesh, distributed.spans(mesh)
+
+
+def use_compile_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path` (every compiled program, however quick)."""
     import jax
-    devs = jax.devices()
-    if len(devs) < n:
-        raise mm.MeshError(f"--backend jax: the mesh has {n} processors but JAX has {len(devs)} devices "
-                           f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
-    return devs[:n]
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def flat_state(state: dict) -> list:
@@ -50,47 +61,73 @@ def unflat_state(template: dict, tensors: Sequence) -> dict:
 
 
 class JaxTrainStep:
-    """The app's train step, recorded once on `params`' 1-rank mesh and replayed by JAX.
+    """The app's train step, recorded once on `params`' 1-rank mesh and replayed by JAX on `mesh`
+    (a `jax.sharding.Mesh`, possibly over several processes).
 
-    Call `step(inputs, targets)` with the global byte arrays `[batch, length]`; it returns the
-    loss (a JAX scalar) and keeps the new parameters and optimizer state on the JAX devices.
-    `state()` gives them back as DistTensors on the recording mesh (`from_numpy`), `load()` sets them.
+    `step(rows, seed)`: `rows(start, stop)` gives the batch's inputs and targets `[stop - start,
+    length]` (only the rows this process's devices hold are asked for), `seed` the step's seed; it
+    returns the loss and keeps the new parameters and optimizer state on the devices. `state()`
+    gives them back as DistTensors on the recording mesh (every process gets all of them),
+    `load()` sets them. `seconds`: `{"trace", "compile"}` (XLA's compile is short when JAX's cache has it).
     """
 
-    def __init__(self, train_step: Callable, params: dict, opt_state: dict, batch: dict, mesh_shape: str,
-                 rules: str, devices=None, seed: int = 0):
+    def __init__(self, train_step: Callable, params: dict, opt_state: dict, batch: dict, seed,
+                 mesh, rules: str, comm=None):
         import jax
-        from jax.sharding import Mesh
         self.rec_mesh = batch["inputs"].mesh
         if self.rec_mesh.shape.size != 1:
             raise mm.MeshError(f"--backend jax records on a 1-rank mesh, got {self.rec_mesh.shape}")
-        self.names, self.template = list(params), opt_state
+        self.names, self.template, self.mesh = list(params), opt_state, mesh
         with mm.trace() as tr:
             new_params, new_state, loss = train_step(params, opt_state, batch, seed)
-        self.ins = [batch["inputs"], batch["targets"], *params.values(), *flat_state(opt_state)]
+        self.seeded = any(t is seed for t in tr.inputs)  # a step with no random op does not read it
+        self.ins = [batch["inputs"], batch["targets"], *([seed] if self.seeded else []), *params.values(),
+                    *flat_state(opt_state)]
+        self.first = len(self.ins) - len(params) - len(flat_state(opt_state))  # the first parameter's input
         outs = [loss, *[new_params[n] for n in self.names], *flat_state(new_state)]
-        ms = mm.Shape(mesh_shape)
-        devs = jax.devices()[:ms.size] if devices is None else list(devices)
-        self.mesh = Mesh(np.array(devs, dtype=object).reshape(ms.sizes), ms.names)
-        # the parameters and state (inputs 2...) are fed back each step: their buffers are reused
-        self.replay = mm.tpu.replay(tr, self.ins, outs, devices=self.mesh, layout=rules,
-                                    donate=range(2, len(self.ins))).compile()
+        distributed.check_same(comm or mm.MPI.COMM_WORLD, describe(tr))
+        # the parameters and state are fed back each step: their buffers are reused
+        self.replay = mm.tpu.replay(tr, self.ins, outs, devices=mesh, layout=rules,
+                                    donate=range(self.first, len(self.ins))).compile()
+        self.seconds, self.from_cache = self.replay.seconds, self.replay.from_cache
+        self.multi = jax.process_count() > 1
         self.load(params, opt_state)
 
     def load(self, params: dict, opt_state: dict) -> None:
-        """Put `params` and `opt_state` (DistTensors) on the JAX devices, sharded by the rules."""
+        """Put `params` and `opt_state` (DistTensors, the same on every process) on the devices."""
         host = [t.to_numpy() for t in [*[params[n] for n in self.names], *flat_state(opt_state)]]
-        self.arrays = self.replay.put(host, first=2)
+        self.arrays = self.replay.put(host, first=self.first)
 
-    def step(self, inputs: np.ndarray, targets: np.ndarray):
-        """One training step on the global `[batch, length]` arrays: the loss (a JAX scalar)."""
-        out = self.replay(inputs, targets, *self.arrays)
+    def step(self, rows: Callable, seed: int):
+        """One training step (see the class); the loss as a float."""
+        import jax
+        batch = []
+        for k in range(2):
+            shape = self.replay._shapes[k][0]
+            sharding = self.replay.in_shardings[k]
+            batch.append(jax.make_array_from_callback(
+                shape, sharding, lambda index, k=k: rows(*_span(index[0], shape[0]))[k][(slice(None),) + index[1:]]))
+        out = self.replay(*batch, *([np.array(seed, np.int64)] if self.seeded else []), *self.arrays)
         self.arrays = list(out[1:])
-        return out[0]
+        return float(np.asarray(out[0].addressable_data(0)))
 
     def state(self) -> tuple:
-        """`(params, opt_state)` as DistTensors on the recording mesh."""
+        """`(params, opt_state)` as DistTensors on the recording mesh (a collective over the processes)."""
+        from jax.experimental import multihost_utils
         mesh = self.rec_mesh
-        tensors = [mesh.from_numpy(np.asarray(a), t.shape) for a, t in zip(self.arrays, self.ins[2:])]
+        host = [np.asarray(multihost_utils.process_allgather(a, tiled=True)) if self.multi else np.asarray(a)
+                for a in self.arrays]
+        tensors = [mesh.from_numpy(a, t.shape) for a, t in zip(host, self.ins[self.first:])]
         params = dict(zip(self.names, tensors[:len(self.names)]))
         return params, unflat_state(self.template, tensors[len(self.names):])
+
+
+def _span(index: slice, n: int) -> tuple:
+    start, stop, _ = index.indices(n)
+    return start, stop
+
+
+def describe(trace) -> str:
+    """The recording, op by op (name, input and output shapes and layouts), to compare across processes."""
+    return "\n".join(f"{op.name} {[(str(t.shape), t.tensor_layout, str(t.dtype)) for t in op.inputs]} -> "
+                     f"{[(str(t.shape), t.tensor_layout, str(t.dtype)) for t in op.outputs]}" for op in trace.ops)

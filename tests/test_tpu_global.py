@@ -103,3 +103,16 @@ def test_errors():
             mm.tpu.replay(tr2, [a], [b], devices=_jax_mesh("all:1"), layout="a:all")
     else:
         assert mm.tpu.replay(tr2, [a], [b], devices=_jax_mesh("all:1"), layout="a:all") is not None
+
+
+@pytest.mark.mpi
+def test_processes_that_recorded_different_programs_are_stopped_before_any_collective():
+    """`mpimesh.tpu.distributed.check_same`: equal recordings pass; where one rank's differs, every
+    rank raises a MeshError naming the groups of ranks."""
+    from mpimesh.tpu.distributed import check_same
+    comm = MPI.COMM_WORLD
+    check_same(comm, "einsum [a:4] -> [b:2]")
+    if comm.Get_size() == 1:
+        return
+    with pytest.raises(mm.MeshError, match=r"differs across processes \(ranks \[0(, \d+)*\] vs \[\d+\]\)"):
+        check_same(comm, "einsum [a:4]" if comm.Get_rank() != comm.Get_size() - 1 else "einsum [a:5]")

@@ -316,23 +316,24 @@ def test_jax_backend_equals_eager_steps(corpus):
     """--backend jax: the step recorded on 1 rank and replayed by JAX on a 2x2 jax mesh (host
     devices, the paper's layout as shardings) gives the eager mpimesh losses and parameters."""
     if MPI.COMM_WORLD.Get_size() != 1:
-        pytest.skip("the jax backend runs as one process: tested on the 1-rank session only")
+        pytest.skip("one JAX process here (several: tests/test_jax_processes.py): the 1-rank session")
     jax = pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
     TJ = T._jax_helper()
     try:
-        TJ.jax_devices(4)
+        jm, across = TJ.jax_mesh("rows:2;cols:2")
     except mm.MeshError as e:  # jax imported earlier with fewer host devices
         pytest.skip(str(e))
+    assert across == {"rows": False, "cols": False}  # one process
     rec = mm.Mesh("rows:1;cols:1", layout=T.PAPER_LAYOUT, comm=MPI.COMM_SELF)
     eager, eager_params, _ = run(rec, corpus, steps=3)
     opt = T.make_optimizer(CFG)
     params = T.init_params(rec, CFG, seed=3)
     first = T.make_batch(rec, corpus, CFG, T.train_offsets(corpus, CFG, 5, 0))
-    js = TJ.JaxTrainStep(T.make_train_step(CFG, opt), params, opt.init(params), first, "rows:2;cols:2",
-                         T.PAPER_LAYOUT)
-    losses = [float(js.step(*T.batch_windows(corpus, CFG, T.train_offsets(corpus, CFG, 5, s)))) for s in range(3)]
+    js = TJ.JaxTrainStep(T.make_train_step(CFG, opt), params, opt.init(params), first, 0, jm, T.PAPER_LAYOUT)
+    rows = [lambda a, b, s=s: T.batch_windows(corpus, CFG, T.train_offsets(corpus, CFG, 5, s)[a:b]) for s in range(3)]
+    losses = [js.step(rows[s], 0) for s in range(3)]
     np.testing.assert_allclose(losses, eager, rtol=1e-4)
-    wi = js.replay.in_shardings[2 + list(params).index("layer0/ffn/wi/kernel")]
+    wi = js.replay.in_shardings[js.first + list(params).index("layer0/ffn/wi/kernel")]
     assert wi.spec == jax.sharding.PartitionSpec(None, "cols")  # d_ff over cols, as --layout says
     got, state = js.state()
     assert int(state["step"].to_numpy()) == 3

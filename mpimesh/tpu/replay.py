@@ -387,12 +387,31 @@ class Replay:
             return (self._compiled or self.jitted)(*args)
 
     def compile(self) -> "Replay":
-        """Compile now, for the inputs' shapes, dtypes and shardings (else the first call does)."""
+        """Compile now, for the inputs' shapes, dtypes and shardings (else the first call does);
+        `seconds` then holds `{"trace": ..., "compile": ...}`: tracing the kernels into a JAX
+        program and lowering it, and XLA compiling it, or loading it from JAX's persistent cache
+        (`from_cache` says which)."""
+        import time
+
         import jax
         avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
                  for (shape, dtype), sh in zip(self._shapes, self.in_shardings)]
-        with _x64(), _matmul_precision():
-            self._compiled = self.jitted.lower(*avals).compile()
+        hits = []
+
+        def listen(event: str, **_) -> None:
+            if event == "/jax/compilation_cache/cache_hits":
+                hits.append(event)
+        jax.monitoring.register_event_listener(listen)
+        try:
+            with _x64(), _matmul_precision():
+                t0 = time.perf_counter()
+                lowered = self.jitted.lower(*avals)
+                t1 = time.perf_counter()
+                self._compiled = lowered.compile()
+        finally:
+            jax.monitoring.unregister_event_listener(listen)
+        self.seconds = {"trace": t1 - t0, "compile": time.perf_counter() - t1}
+        self.from_cache = bool(hits)
         return self
 
     def put(self, arrays: Sequence, first: int = 0) -> list:
