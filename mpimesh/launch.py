@@ -79,13 +79,15 @@ def hostfile_args(mpiexec: str, path: str) -> List[str]:
 
 def job_env(**extra: str) -> Dict[str, str]:
     """This process's environment minus the enclosing MPI job's variables (PMI_*, PMIX_*, HYDRA*,
-    MPIR*), plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end).
+    HYDI_* (Hydra's control socket, which a nested launcher would write to), MPIR*, MPI_LOCAL*),
+    plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end).
 
     >>> env = job_env(MPIEXEC_TIMEOUT="60")
-    >>> env["MPIEXEC_TIMEOUT"], any(k.startswith(("PMI_", "HYDRA")) for k in env)
+    >>> env["MPIEXEC_TIMEOUT"], any(k.startswith(("PMI_", "HYDRA", "HYDI_")) for k in env)
     ('60', False)
     """
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA", "MPIR"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA", "HYDI_", "MPIR", "MPI_LOCAL"))}
     env.update(extra)
     return env
 

@@ -96,3 +96,45 @@ def test_the_persistent_cache_spares_a_second_compile(tmp_path):
     print(f"XLA compile: cold {seconds[0]:.2f} s, warm {seconds[1]:.2f} s ({100 * seconds[1] / seconds[0]:.0f}%)")
     assert loaded == [False, True], loaded
     assert seconds[1] < 0.5 * seconds[0], seconds
+
+
+def test_a_process_that_dies_ends_the_job_and_is_named(tmp_path):
+    """One of 2 JAX processes killed with SIGKILL mid-training: the job ends, non-zero, within 30 s,
+    and the launcher names the process that died (its pid) and the signal."""
+    import os
+    import signal
+    import time
+    log = tmp_path / "losses.json"
+    env = job_env(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.Popen([find_mpiexec(), "-n", "2", sys.executable, APP, "--backend", "jax", "--mesh", "rows:2;cols:2",
+                          "--steps", "100000", "--log-every", "1", "--samples", "0", "--compile-cache", "none",
+                          "--log-json", str(log)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+            assert p.poll() is None and time.monotonic() < end, "the job never got to step 3"
+            time.sleep(0.2)
+        ranks = [int(d) for d in os.listdir("/proc") if d.isdigit() and _rank_of(int(d)) == "1"]
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode != 0 and time.monotonic() - t0 < 30, (p.returncode, out[-2000:])
+        assert f"PID {ranks[0]} RUNNING AT" in out and "Killed (signal 9)" in out, out[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def _rank_of(pid: int):
+    """The MPI rank (PMI_RANK) of process `pid` if it runs this test's app, else None."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if APP.encode() not in f.read():
+                return None
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        return env.get(b"PMI_RANK", b"").decode()
+    except OSError:
+        return None
