@@ -23,7 +23,7 @@ import pytest
 from mpi4py import MPI
 
 from mpimesh.launch import find_mpiexec, job_env
-from mpimesh.testing import Cluster, cleanup_leftovers, unavailable
+from mpimesh.testing import Cluster, cleanup_leftovers, namespaces, tool, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = str(ROOT / "apps" / "transformer.py")
@@ -39,8 +39,7 @@ def cluster():
     cleanup_leftovers()
     with Cluster(hosts=2, slots=2) as c:
         yield c
-    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if ns.startswith(c.prefix)], "namespaces left behind"
+    assert not [ns for ns in namespaces() if ns.startswith(c.prefix)], "namespaces left behind"
 
 
 def _env(cluster, **extra) -> dict:
@@ -297,8 +296,7 @@ def test_the_cost_model_sees_the_shaped_link_and_keeps_heavy_traffic_inside_host
         r = _run(cluster, 4, [sys.executable, str(script)], timeout=300, OUTDIR=str(tmp_path))
     finally:
         for h in range(2):
-            subprocess.run(["ip", "netns", "exec", cluster.hosts[h], "tc", "qdisc", "del", "dev", "eth0", "root"],
-                           capture_output=True)
+            cluster.unshape(h)
     assert r.returncode == 0, r.stdout[-3000:]
     got = json.loads((tmp_path / "network.json").read_text())
     (_, rows_beta), (_, cols_beta) = got["links"]["rows"], got["links"]["cols"]
@@ -330,14 +328,15 @@ def test_leftovers_of_a_killed_run_are_removed():
     with SIGKILL leaves it: `cleanup_leftovers` ends the process and deletes the namespace."""
     dead = 4_000_000  # above pid_max: no such process
     ns = f"mpimesh-{dead}-1-h0"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "300"])
+    ip = tool("ip")
+    subprocess.run([ip, "netns", "add", ns], check=True)
+    sleeper = subprocess.Popen([ip, "netns", "exec", ns, "sleep", "300"])
     try:
-        _wait_for(lambda: subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.strip(),
+        _wait_for(lambda: subprocess.run([ip, "netns", "pids", ns], capture_output=True, text=True).stdout.strip(),
                   10, "the process in the namespace")
         assert ns in cleanup_leftovers()
         assert sleeper.wait(10) == -9
-        assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert ns not in namespaces()
     finally:
         sleeper.kill()
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run([ip, "netns", "del", ns], capture_output=True)

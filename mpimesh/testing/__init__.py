@@ -5,6 +5,6 @@ on one machine with MPI over TCP between them (`mpimesh.testing.cluster`).
 >>> Cluster.addresses(2)
 ['10.77.0.1', '10.77.0.2']
 """
-from .cluster import Cluster, cleanup_leftovers, unavailable
+from .cluster import Cluster, cleanup_leftovers, namespaces, tool, unavailable
 
-__all__ = ["Cluster", "cleanup_leftovers", "unavailable"]
+__all__ = ["Cluster", "cleanup_leftovers", "namespaces", "tool", "unavailable"]

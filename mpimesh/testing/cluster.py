@@ -44,8 +44,16 @@ PREFIX = "mpimesh"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
 
 
+_SBIN = ("/usr/sbin", "/sbin")  # where root's tools live, also when PATH leaves them out (`env -i`)
+
+
+def tool(name: str) -> str:
+    """The path of system tool `name` (`ip`, `tc`, ...), looked for on PATH, then in the sbin folders."""
+    return shutil.which(name) or shutil.which(name, path=os.pathsep.join(_SBIN)) or name
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+    return subprocess.run([tool("ip"), *args], capture_output=True, text=True, check=check)
 
 
 def unavailable() -> Optional[str]:
@@ -54,13 +62,14 @@ def unavailable() -> Optional[str]:
         return "network namespaces are Linux only"
     if os.geteuid() != 0:
         return "making network namespaces needs root"
-    for tool in ("ip", "tc", "unshare", "setpriv"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is missing (Debian: apt-get install iproute2 util-linux)"
+    for name in ("ip", "tc", "unshare", "setpriv", "hostname"):
+        if tool(name) == name:
+            return f"`{name}` is missing (Debian: apt-get install iproute2 util-linux hostname)"
     return None
 
 
-def _namespaces() -> list:
+def namespaces() -> list:
+    """The names of this machine's network namespaces."""
     out = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
@@ -88,7 +97,7 @@ def cleanup_leftovers() -> list:
     """Delete the namespaces (and end their processes) that clusters of dead processes left; the
     names deleted."""
     gone = []
-    for ns in _namespaces():
+    for ns in namespaces():
         m = _NAME.match(ns)
         if m and not _alive(int(m.group(1))):
             _kill_in(ns)
@@ -106,7 +115,7 @@ case $host in
 {cases}
   *) echo "launcher: no host $host in this cluster" >&2; exit 255 ;;
 esac
-exec ip netns exec "$ns" setpriv --pdeathsig KILL unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$name" "$*"
+exec {ip} netns exec "$ns" {setpriv} --pdeathsig KILL {unshare} --uts sh -c '{hostname} "$0" && exec sh -c "$1"' "$name" "$*"
 """
 
 
@@ -142,7 +151,7 @@ class Cluster:
         self.launcher = os.path.join(self.dir, "launcher")
         cases = "\n".join(f"  {a}) ns={ns}; name={name} ;;" for a, ns, name in zip(self.address, self.hosts, self.names))
         with open(self.launcher, "w") as f:
-            f.write(_LAUNCHER.format(cases=cases))
+            f.write(_LAUNCHER.format(cases=cases, **{t: tool(t) for t in ("ip", "setpriv", "unshare", "hostname")}))
         os.chmod(self.launcher, 0o755)
 
     @staticmethod
@@ -167,12 +176,13 @@ class Cluster:
     def env(self, **extra: str) -> dict:
         """The environment of a job on the cluster: this one's minus any enclosing MPI job's, with
         UCX on TCP only, and `extra`."""
-        return job_env(UCX_TLS="tcp,self", **extra)
+        path = os.environ.get("PATH", "").split(os.pathsep)
+        return job_env(UCX_TLS="tcp,self", PATH=os.pathsep.join(path + [d for d in _SBIN if d not in path]), **extra)
 
     def host_argv(self, host: int, argv: Sequence[str]) -> list:
         """`argv` run on host `host`: inside its namespace, with its hostname."""
-        return ["ip", "netns", "exec", self.hosts[host], "unshare", "--uts", "sh", "-c",
-                f'hostname {self.names[host]} && exec "$@"', "sh", *argv]
+        return [tool("ip"), "netns", "exec", self.hosts[host], tool("unshare"), "--uts", "sh", "-c",
+                f'{tool("hostname")} {self.names[host]} && exec "$@"', "sh", *argv]
 
     def launcher_args(self) -> list:
         """MPICH's options that start each host's ranks through the cluster's launcher program."""
@@ -200,22 +210,24 @@ class Cluster:
     def shape(self, host: int, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
         """Limit host `host`'s outgoing bandwidth to `rate` (tc's units, e.g. "1gbit") with a token
         bucket filter."""
-        subprocess.run(["ip", "netns", "exec", self.hosts[host], "tc", "qdisc", "replace", "dev", "eth0", "root",
-                        "tbf", "rate", rate, "burst", burst, "latency", latency], check=True, capture_output=True)
+        _ip("netns", "exec", self.hosts[host], tool("tc"), "qdisc", "replace", "dev", "eth0", "root",
+            "tbf", "rate", rate, "burst", burst, "latency", latency)
+
+    def unshape(self, host: int) -> None:
+        """Take host `host`'s shaping off."""
+        _ip("netns", "exec", self.hosts[host], tool("tc"), "qdisc", "del", "dev", "eth0", "root", check=False)
 
     def netem_available(self) -> bool:
         """Whether this kernel can add delays (`tc ... netem`, often a missing module)."""
-        r = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "add", "dev", "br0", "root", "netem",
-                            "delay", "1ms"], capture_output=True)
+        r = _ip("netns", "exec", self.switch, tool("tc"), "qdisc", "add", "dev", "br0", "root", "netem", "delay", "1ms",
+                check=False)
         if r.returncode == 0:
-            subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", "br0", "root"],
-                           capture_output=True)
+            _ip("netns", "exec", self.switch, tool("tc"), "qdisc", "del", "dev", "br0", "root", check=False)
         return r.returncode == 0
 
     def bytes(self, host: int) -> tuple:
         """(received, sent) bytes on host `host`'s link so far."""
-        out = subprocess.run(["ip", "netns", "exec", self.hosts[host], "cat", "/proc/net/dev"],
-                             capture_output=True, text=True, check=True).stdout
+        out = _ip("netns", "exec", self.hosts[host], "cat", "/proc/net/dev").stdout
         for line in out.splitlines():
             name, _, rest = line.partition(":")
             if name.strip() == "eth0":
