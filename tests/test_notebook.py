@@ -95,6 +95,7 @@ def test_einsum_on_mpi_engines(engines):
     view.push({"x_np": X, "w_np": W}, block=False).get(timeout=60)
     run = view.execute(EINSUM, block=False)
     run.get(timeout=60)
+    run.wait_for_output(timeout=30)  # an engine's stdout may arrive after its result
     assert run.stdout == [f"rank {i}\n" for i in range(4)]  # engine i is rank i
     pulled = view.pull(["world", "coords", "y_local", "y_global"], block=False).get(timeout=60)
     assert [world for world, *_ in pulled] == [(i, 4) for i in range(4)]
