@@ -124,12 +124,6 @@ class GraphEngine:
         self.plan: list = []
         self.held: dict = {}  # slot -> the array a graph writes, kept for the graphs' life
         self.segments = self.host_steps = 0
-        produced: dict = {}
-        for k, step in enumerate(engine.steps):
-            if step[0] == "op":
-                for s in step[4]:
-                    produced[s] = k
-        self._produced = produced
 
     def run(self, arrays: list) -> list:
         self.runs += 1

@@ -38,6 +38,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
+from ..collectives.liveness import _alive
 from ..launch import find_mpiexec, job_env
 
 PREFIX = "mpimesh"
@@ -81,16 +82,6 @@ def _kill_in(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def cleanup_leftovers() -> list:
@@ -188,19 +179,13 @@ class Cluster:
         """MPICH's options that start each host's ranks through the cluster's launcher program."""
         return ["-launcher", "ssh", "-launcher-exec", self.launcher]
 
-    def mpiexec_argv(self, n: int, argv: Sequence[str], hosts: Optional[int] = None) -> list:
-        """`mpiexec` over the first `hosts` hosts (all by default), `n` ranks, run from host 0."""
-        hostfile = self.hostfile
-        if hosts is not None and hosts != len(self.hosts):
-            hostfile = os.path.join(self.dir, f"hostfile-{hosts}")
-            with open(hostfile, "w") as f:
-                f.writelines(f"{a}:{self.slots}\n" for a in self.address[:hosts])
-        return self.host_argv(0, [find_mpiexec(), "-f", hostfile, *self.launcher_args(), "-n", str(n), *argv])
+    def mpiexec_argv(self, n: int, argv: Sequence[str]) -> list:
+        """`mpiexec` over the hosts (filling each host's slots in turn), `n` ranks, run from host 0."""
+        return self.host_argv(0, [find_mpiexec(), "-f", self.hostfile, *self.launcher_args(), "-n", str(n), *argv])
 
-    def mpiexec(self, n: int, argv: Sequence[str], hosts: Optional[int] = None, env: Optional[dict] = None,
-                **popen) -> subprocess.Popen:
+    def mpiexec(self, n: int, argv: Sequence[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
         """Start `argv` on `n` ranks over the cluster (see `mpiexec_argv`); the `Popen`."""
-        return subprocess.Popen(self.mpiexec_argv(n, argv, hosts), env=env or self.env(),
+        return subprocess.Popen(self.mpiexec_argv(n, argv), env=env or self.env(),
                                 start_new_session=True, **popen)
 
     def link(self, host: int, up: bool) -> None:
