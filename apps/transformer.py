@@ -94,7 +94,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -135,6 +135,7 @@ class Config:
     moe_every: int = 0  # K > 0: layers i with (i + 1) % K == 0 get a GShard MoE instead of the FFN
     experts: int = 0
     dtype: str = "float32"  # the activations' dtype ("bfloat16", "float16"); parameters stay float32
+    remat: int = 0  # the first `remat` blocks' activations recomputed in the backward pass (`mm.remat`)
 
     def dim(self, name: str) -> mm.Dimension:
         sizes = {"batch": self.batch, "length": self.length, "memory_length": self.length,
@@ -190,17 +191,21 @@ def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: 
     x = layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
     aux = None
     for i in range(cfg.layers):
-        b = p[f"layer{i}"]
-        x = x + layers.multihead_attention(b["att"], layers.layer_norm(b["ln1"], x, "d_model"), causal=True)
-        h = layers.layer_norm(b["ln2"], x, "d_model")
-        if cfg.is_moe(i):
-            y, a = layers.moe(b["moe"], h, group_dim="batch", train=train, seed=layers.subseed(seed, f"moe{i}"),
-                              activation=cfg.activation, **capacity)
+        x, a = (mm.remat(block) if i < cfg.remat else block)(p[f"layer{i}"], x, cfg, i, train, seed, capacity)
+        if a is not None:
             aux = a if aux is None else aux + a
-        else:
-            y = layers.feed_forward(b["ffn"], h, cfg.activation)
-        x = x + y
     return layers.dense(p["logits"], layers.layer_norm(p["ln_f"], x, "d_model")), aux
+
+
+def block(b: dict, x, cfg: Config, i: int, train: bool, seed, capacity: dict) -> tuple:
+    """Block `i` (params `b`) on x: `(x + attention + feed-forward or MoE, the MoE's aux loss or None)`."""
+    x = x + layers.multihead_attention(b["att"], layers.layer_norm(b["ln1"], x, "d_model"), causal=True)
+    h = layers.layer_norm(b["ln2"], x, "d_model")
+    if not cfg.is_moe(i):
+        return x + layers.feed_forward(b["ffn"], h, cfg.activation), None
+    y, a = layers.moe(b["moe"], h, group_dim="batch", train=train, seed=layers.subseed(seed, f"moe{i}"),
+                      activation=cfg.activation, **capacity)
+    return x + y, a
 
 
 def forward(params: Params, inputs, cfg: Config):
@@ -464,7 +469,7 @@ def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, o
 
 
 def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = False, top: int = 5) -> tuple:
-    """`--layout auto`: `(rules, predicted seconds per step)` that `mm.auto_layout` chooses for the
+    """`--layout auto`: `(rules, predicted seconds per step, blocks to remat)` that `mm.auto_layout` chooses for the
     training step on a mesh of `mesh_shape`, priced on this machine's calibration for that mesh
     (kept on disk from an earlier run, or measured now: `recalibrate` measures again); rank 0
     prints them and the next `top` alternatives with their predicted step times. The step is
@@ -481,8 +486,8 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
     fresh = recalibrate or not os.path.exists(where)
     machine = cache.calibrated(mesh, redo=recalibrate)
     t1 = time.perf_counter()
-    plan = mm.auto_layout(make_train_step(cfg, optimizer), (params, optimizer.init(params),
-                                                             {"inputs": tokens, "targets": tokens}), mesh,
+    step = make_train_step(replace(cfg, remat=cfg.layers), optimizer)  # auto_layout decides which blocks remat
+    plan = mm.auto_layout(step, (params, optimizer.init(params), {"inputs": tokens, "targets": tokens}), mesh,
                           machine=machine)
     if mesh.rank == 0:
         how = (f"measured in {t1 - t0:.1f} s and kept in {where}" if fresh else
@@ -491,7 +496,7 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
               f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t1:.1f} s to search); calibration "
               f"{how}")
         print(plan.report(top), flush=True)
-    return plan.rules, plan.seconds
+    return plan.rules, plan.seconds, plan.remat
 
 
 def predicted_beside_measured(predicted: float, times: list) -> str:
@@ -543,6 +548,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'experts', 'experts:<the mesh dim of batch>' is added (GShard: experts on the groups' "
                          "mesh dim; the dispatch and combine are alltoalls over it)")
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
+    ap.add_argument("--remat", nargs="?", type=int, const=-1, default=0, metavar="N",
+                    help="rematerialise the first N blocks (all without N; mm.remat): their activations are recomputed "
+                    "in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
+                    "auto, mm.auto_layout remats the fewest blocks that let a layout fit when memory is short")
     ap.add_argument("--steps", type=int, default=200, help="the total number of training steps (with --resume too)")
     ap.add_argument("--mesh", default=None, help="e.g. 'rows:2;cols:2' (default: the squarest rows x cols; with "
                     "--backend jax: rows:2;cols:2)")
@@ -636,7 +645,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = Config(**{k: getattr(args, k) for k in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length",
                                                   "batch", "activation", "optimizer", "lr", "warmup",
-                                                  "moe_every", "experts", "dtype")})
+                                                  "moe_every", "experts", "dtype")},
+                 remat=args.layers if args.remat < 0 else min(args.remat, args.layers))
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
@@ -665,7 +675,8 @@ def main(argv=None) -> None:
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
     else:
         if auto:
-            rules, predicted = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
+            rules, predicted, remat = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
+            cfg = replace(cfg, remat=max(cfg.remat, remat))
             args.layout = moe_layout(rules, cfg.moe_every)
         mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                        backend="cupy" if args.device == "gpu" else "numpy")

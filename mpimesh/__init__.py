@@ -41,6 +41,7 @@ from .ops.elementwise import stop_gradient
 from .ops.indexing import argmax, gather, one_hot, top_k
 from .ops.nn import log_softmax, softmax
 from .profile import profile, visualize
+from .recompute import remat
 from .shape import Dimension, Shape
 from .tensor import DistTensor, arange as range, from_local, from_numpy
 from .trace import trace
@@ -72,7 +73,7 @@ __all__ = [
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
-    "trace", "gradients", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    "trace", "gradients", "remat", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
     # speed
     "set_matmul_precision", "matmul_precision", "compile", "CompileError",
     # automatic layouts

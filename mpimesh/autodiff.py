@@ -124,16 +124,9 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     with Bucketer(leaves, limit) as buckets:
         for y, seed in zip(ys, seeds):
             accumulate(y, seed)
-        for i in reversed(range(len(ops))):
-            op = ops[i]
-            if i in through:  # its rule runs once its output's gradient is summed: keep its place
-                if through[i][0] in terms:
-                    terms.setdefault(through[i][1], []).append((op, through[i][0]))
-            elif op.grad is not None and any(id(o) in grads for o in op.outputs):
-                _apply(op, grads, reach, accumulate)
-                buckets.poll()
-            if memory is not None:
-                memory.after(i, grads)
+        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, release)
+        st.held.extend(ops[i].outputs[0] for i in through)  # (a remat's second run adds tensors to `reach`)
+        _walk(ops, through, memory, st)
         buckets.finish()
     for x in xs:
         if id(x) in terms:
@@ -143,6 +136,62 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
         g = grads.get(id(x))
         out.append(_zeros_like(x) if g is None else to_layout(g, x.tensor_layout))
     return out
+
+
+class _State:
+    """What one `gradients` walk shares with the walks of its remat regions' second runs."""
+
+    def __init__(self, tr, grads, reach, accumulate, terms, leaves, buckets, release):
+        self.tr, self.grads, self.reach, self.accumulate = tr, grads, reach, accumulate
+        self.terms, self.leaves, self.buckets, self.release = terms, leaves, buckets, release
+        self.done: set = set()  # the remat regions whose backward has run
+        self.held: list = []  # leaves made by ops (casts of parameters): their ids key `terms` to the end
+
+
+def _walk(ops: list, through: dict, memory, st: _State) -> None:
+    """Run the gradient rules of `ops` backwards (a module function: a closure calling itself would
+    hold the walk's tensors in a reference cycle). The ops of a `mm.remat` region run no rule: where
+    the walk meets the region, the region runs again and that second run's ops are walked instead."""
+    grads = st.grads
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        if op.region is not None:
+            region = op.region.root()
+            if id(region) not in st.done:
+                st.done.add(id(region))
+                if any(id(o) in grads for o in region.outputs):
+                    _rematerialise(region, st)
+        elif i in through:  # its rule runs once its output's gradient is summed: keep its place
+            if through[i][0] in st.terms:
+                st.terms.setdefault(through[i][1], []).append((op, through[i][0]))
+        elif op.grad is not None and any(id(o) in grads for o in op.outputs):
+            _apply(op, grads, st.reach, st.accumulate)
+            st.buckets.poll()
+        if memory is not None:
+            memory.after(i, grads)
+
+
+def _rematerialise(region, st: _State) -> None:
+    """The backward pass of a remat region: run it again, hand its new outputs the gradients of the
+    first run's, and walk the new ops back to the region's inputs."""
+    outs, ops = region.run_again()
+    for old, new in zip(region.outputs, outs):
+        g = st.grads.pop(id(old), None)
+        if g is not None:
+            st.grads[id(new)] = g
+            st.reach.add(id(new))
+    for op in ops:
+        if op.grad is not None and any(id(t) in st.reach for t in op.inputs):
+            st.reach.update(id(t) for t in op.outputs)
+    through = _through(ops, st.leaves) if st.leaves is not None else {}
+    st.held.extend(ops[i].outputs[0] for i in through)
+    memory = _Release(st.tr, ops, st.reach, outs, region.inputs, seen=len(st.tr.ops)) if st.release else None
+    _walk(ops, through, memory, st)
+    for t in outs:  # done with: their ids may be reused once they are gone
+        st.grads.pop(id(t), None)
+        st.reach.discard(id(t))
+    if st.release:
+        region.forget()
 
 
 # Ops of one input whose gradient rule needs nothing but their output's gradient and the input's
@@ -158,13 +207,19 @@ def _bucket_leaves(ops: list, xs: list) -> tuple:
     output's summed gradient, as in the unbucketed walk, so the values do not change."""
     produced = {id(o) for op in ops for o in op.outputs}
     leaves = {id(x) for x in xs if id(x) not in produced}
+    return leaves, _through(ops, leaves)
+
+
+def _through(ops: list, leaves: set) -> dict:
+    """`through` of `_bucket_leaves` for `ops`, adding their outputs to `leaves` (the ops of a remat
+    region are left out: its second run's are walked)."""
     through = {}
     for i, op in enumerate(ops):
-        if (op.name in _THROUGH and op.grad is not None and len(op.inputs) == 1
+        if (op.name in _THROUGH and op.grad is not None and op.region is None and len(op.inputs) == 1
                 and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves):
             through[i] = (id(op.outputs[0]), id(op.inputs[0]))
             leaves.add(id(op.outputs[0]))
-    return leaves, through
+    return through
 
 
 def _total(terms: dict, t_id: int):
@@ -214,7 +269,7 @@ class _Release:
     are needed by no rule of this walk: they go as soon as only records hold them.
     """
 
-    def __init__(self, tr: Trace, ops: list, reach: set, ys: list, xs: list):
+    def __init__(self, tr: Trace, ops: list, reach: set, ys: list, xs: list, seen: Optional[int] = None):
         self.tr, self.reach = tr, reach
         self.keep = {id(t) for t in list(ys) + list(xs) + list(tr.inputs)}
         self.tensors: dict[int, object] = {}
@@ -240,7 +295,12 @@ class _Release:
                 self.waiting.add(i)
             elif i not in self.keep:
                 self.pending.add(i)  # needed by no rule: only its holders matter
-        self.seen = len(ops)
+        self.stubs: dict[int, list[int]] = {}  # op index -> tensors released in the forward pass whose
+        for op in ops:  # gradient goes once the walk is past that op (their values went before)
+            for t in op.inputs + op.outputs:
+                if isinstance(t, Released) and id(t) in last:
+                    self.stubs.setdefault(last.pop(id(t)), []).append(id(t))
+        self.seen = len(ops) if seen is None else seen  # tr.ops from there on: backward ops
         self._sweep()
 
     def _index(self, rec) -> None:
@@ -259,6 +319,8 @@ class _Release:
 
     def after(self, i: int, grads: dict) -> None:
         """The backward walk has run op `i`: drop what no remaining rule needs."""
+        for t_id in self.stubs.pop(i, ()):
+            grads.pop(t_id, None)
         for t_id in self.due.pop(i, ()):
             self.waiting.discard(t_id)
             if t_id not in self.keep:

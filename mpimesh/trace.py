@@ -55,9 +55,10 @@ class OpRecord:
     """One op that ran: its kind, inputs, outputs, static parameters, kernel and gradient rule,
     and the layout rules in force when it ran (its gradient ops run under the same rules).
     While autodiff runs its gradient rule, `needs[i]` says whether input i wants a gradient, so
-    a rule may skip (return None for) inputs nothing differentiates."""
+    a rule may skip (return None for) inputs nothing differentiates. `region`: the `mm.remat`
+    call it ran in (its values are not kept: the backward pass runs the region again), or None."""
 
-    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops")
+    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops", "region")
 
     def __init__(self, name, inputs, outputs, params, lower, grad, rules=None, flops=0):
         self.name, self.inputs, self.outputs = name, inputs, outputs
@@ -65,6 +66,7 @@ class OpRecord:
         self.needs = None
         self.flops = flops
         """The local floating-point operations its kernel does on this rank (for the profile)."""
+        self.region = _regions[-1] if _regions else None
 
     def __repr__(self) -> str:
         ins = ", ".join(str(t.shape) for t in self.inputs)
@@ -141,6 +143,7 @@ class Trace:
 
 
 _open_traces: list[Trace] = []
+_regions: list = []  # the `mm.remat` calls running, innermost last (`mpimesh.recompute` pushes them)
 
 
 def saving(rule: Callable, inputs=(), outputs=()) -> Callable:
@@ -337,8 +340,8 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
         rec = OpRecord(name, tuple(inputs), tuple(outputs), params or {}, lower, grad, mesh.layout, flops)
         for tr in _open_traces:
             tr._append(rec)
-        if _kept.depth:
-            _kept.note(rec, grad)
+        if _kept.depth:  # an op of a remat region keeps nothing: its backward runs the region again
+            _kept.note(rec, grad if rec.region is None else None)
     return outputs
 
 

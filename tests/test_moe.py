@@ -14,7 +14,8 @@ from mpi4py import MPI
 import mpimesh as mm
 from gradcheck import check_gradients
 from meshes import global_array, mesh_shapes
-from mpimesh.layers.moe import expert_capacity, init_moe, moe
+from mpimesh.layers.moe import _one_hot_routing, _top2_gates, expert_capacity, init_moe, moe
+from mpimesh.ops.routing import combine_slots, dispatch_slots, top2_slots
 
 G, S, M, E, H = 8, 16, 8, 8, 16
 X = f"group:{G};tokens:{S};d_model:{M}"
@@ -54,39 +55,48 @@ def softmax(a):
     return e / e.sum(-1, keepdims=True)
 
 
+def routes(gates, u, capacity, policy="random", threshold=0.2):
+    """Top-2 routing of gates [G, S, E] by loops: (e1, e2, g1, g2, slot_1, slot_2) [G, S], a slot
+    e·C + p, or -1 where the choice is dropped."""
+    n_groups, n_tokens, n_exp = gates.shape
+    e1, e2, s1, s2 = (np.full((n_groups, n_tokens), -1) for _ in range(4))
+    g1, g2 = np.zeros((n_groups, n_tokens)), np.zeros((n_groups, n_tokens))
+    for g in range(n_groups):
+        for s in range(n_tokens):
+            e1[g, s] = int(np.argmax(gates[g, s]))
+            rest = gates[g, s].copy()
+            rest[e1[g, s]] = 0.0
+            e2[g, s] = int(np.argmax(rest))
+            d = gates[g, s, e1[g, s]] + gates[g, s, e2[g, s]] + 1e-9
+            g1[g, s], g2[g, s] = gates[g, s, e1[g, s]] / d, gates[g, s, e2[g, s]] / d
+        fill = np.zeros(n_exp, int)
+        for s in range(n_tokens):
+            if fill[e1[g, s]] < capacity:
+                s1[g, s] = e1[g, s] * capacity + fill[e1[g, s]]
+            fill[e1[g, s]] += 1
+        fill = np.minimum(fill, capacity)  # the second choices queue after the kept first ones
+        for s in range(n_tokens):
+            keep = {"all": True, "none": False, "threshold": g2[g, s] > threshold,
+                    "random": u[g, s] < g2[g, s] / threshold}[policy]
+            if keep:
+                if fill[e2[g, s]] < capacity:
+                    s2[g, s] = e2[g, s] * capacity + fill[e2[g, s]]
+                fill[e2[g, s]] += 1
+    return e1, e2, g1, g2, s1, s2
+
+
 def reference(x, wg, wi, wo, u, capacity, policy="random", threshold=0.2, loss_coef=1e-2):
     """GShard top-2 MoE on x [G, S, M] by loops: (y [G, S, M], aux loss)."""
-    n_groups, n_tokens, _ = x.shape
     n_exp = wg.shape[1]
+    gates = softmax(x @ wg)
+    e1, e2, g1, g2, s1, s2 = routes(gates, u, capacity, policy, threshold)
     y = np.zeros_like(x)
-    aux = 0.0
-    for g in range(n_groups):
-        gates = softmax(x[g] @ wg)
-        first = np.zeros(n_exp)  # tokens routed first to each expert (kept or not)
-        choices = []
-        for s in range(n_tokens):
-            e1 = int(np.argmax(gates[s]))
-            rest = gates[s].copy()
-            rest[e1] = 0.0
-            e2 = int(np.argmax(rest))
-            d = gates[s, e1] + gates[s, e2] + 1e-9
-            choices.append((e1, e2, gates[s, e1] / d, gates[s, e2] / d))
-            first[e1] += 1
-        aux += np.mean(first / n_tokens * gates.mean(0))
-        fill = np.zeros(n_exp, int)
-        for s, (e1, _, g1, _) in enumerate(choices):
-            if fill[e1] < capacity:
-                y[g, s] += g1 * (np.maximum(x[g, s] @ wi[e1], 0) @ wo[e1])
-            fill[e1] += 1
-        fill = np.minimum(fill, capacity)  # the second choices queue after the kept first ones
-        for s, (_, e2, _, g2) in enumerate(choices):
-            keep = {"all": True, "none": False, "threshold": g2 > threshold,
-                    "random": u[g, s] < g2 / threshold}[policy]
-            if keep:
-                if fill[e2] < capacity:
-                    y[g, s] += g2 * (np.maximum(x[g, s] @ wi[e2], 0) @ wo[e2])
-                fill[e2] += 1
-    return y, loss_coef * n_exp * n_exp * aux / n_groups
+    for (g, s), _ in np.ndenumerate(e1):
+        for e, gate, slot in ((e1[g, s], g1[g, s], s1[g, s]), (e2[g, s], g2[g, s], s2[g, s])):
+            if slot >= 0:
+                y[g, s] += gate * (np.maximum(x[g, s] @ wi[e], 0) @ wo[e])
+    first = (e1[..., None] == np.arange(n_exp)).mean(1)  # tokens routed first to each expert, kept or not
+    return y, loss_coef * n_exp * n_exp * np.mean(first * gates.mean(1))
 
 
 def block_len(mesh: mm.Mesh, size: int, m) -> int:
@@ -114,8 +124,9 @@ CASES = [  # (moe kwargs, capacity)
 ]
 
 
+@pytest.mark.parametrize("routing", ["gather", "one_hot"])
 @pytest.mark.parametrize("config", range(4))
-def test_matches_reference(config):
+def test_matches_reference(config, routing):
     if config >= len(configs()):
         pytest.skip("fewer configurations on this rank count")
     shape, rules, emd = configs()[config]
@@ -124,7 +135,7 @@ def test_matches_reference(config):
     assert p["wi"].layout.get("experts") == m and p["wo"].layout.get("experts") == m and "experts" not in p["wg"].layout
     w = {k: t.to_numpy() for k, t in p.items()}
     for kw, cap in CASES:
-        y, aux = moe(p, x, "group", **kw)
+        y, aux = moe(p, x, "group", routing=routing, **kw)
         assert y.shape == x.shape and y.tensor_layout == mesh.plan(x.shape) and aux.shape.rank == 0
         ry, raux = reference(xa, w["wg"], w["wi"], w["wo"], draws(kw["seed"]), cap,
                              kw.get("second_policy", "random"), kw.get("second_threshold", 0.2),
@@ -147,19 +158,27 @@ def test_reference_sees_overflow_and_random_drops():
 
 
 # ---- communication ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("routing", ["gather", "one_hot"])
 @pytest.mark.parametrize("config", range(4))
-def test_two_alltoalls_each_way(config):
+def test_two_alltoalls_each_way(config, routing):
     if config >= len(configs()):
         pytest.skip("fewer configurations on this rank count")
     shape, rules, emd = configs()[config]
     mesh, p, _, x = setup(shape, rules, emd)
     m, _ = split_dims(shape)
     want = 2 if mesh.shape[m].size > 1 else 0
-    with mm.trace():
+    with mm.trace() as tr:
         with mm.profile() as fwd:
-            y, aux = moe(p, x, "group", seed=1)
+            y, aux = moe(p, x, "group", seed=1, routing=routing)
         with mm.profile() as bwd:
             grads = mm.gradients([y, aux], [x, p["wg"], p["wi"], p["wo"]])
+    names = {op.name for op in tr.ops}
+    masks = [t for op in tr.ops for t in op.outputs if {"tokens", "experts", "expert_capacity"} <= set(t.shape.names)]
+    gathers = {"top2_slots", "dispatch_slots", "combine_slots"}
+    if routing == "gather":  # no [G, S, E, C] tensor, forward or backward
+        assert gathers <= names and not masks, (names, masks)
+    else:
+        assert not gathers & names and masks
     for prof in (fwd, bwd):
         a2a = {k: v for k, v in prof.counters.items() if k.startswith("alltoall/")}
         assert sum(v["calls"] for v in a2a.values()) == want, a2a
@@ -239,6 +258,127 @@ def test_uneven_gradients_by_finite_differences(dims):
         return mm.reduce_sum(mm.sin(y)) + aux
 
     check_gradients(mesh, f, arrays, shapes, [None, {}, None, None], wrt=[0, 1, 2, 3], directions=2, seed=dims)
+
+
+# ---- the two routings ------------------------------------------------------------------------------------
+def _routing_configs() -> list:
+    """(mesh shape, rules, G, S, M, E, H): the session's layouts, and uneven groups and experts."""
+    out = [(shape, rules, G, S, M, E, H) for shape, rules, _ in configs()[:2]]
+    out += [(shape, rules) + UNEVEN[i] for i, (shape, rules) in enumerate(uneven_rules())]
+    return out
+
+
+@pytest.mark.parametrize("config", range(4))
+def test_routings_agree(config):
+    """gather and one_hot: the same y, aux and gradients (float64 to 1e-12; bfloat16 activations over
+    float64 masters to bfloat16 rounding), in every policy, with dropped tokens."""
+    if config >= len(_routing_configs()):
+        pytest.skip("fewer configurations on this rank count")
+    shape, rules, g, s, m_, e, h = _routing_configs()[config]
+    mesh = mm.Mesh(shape, layout=rules)
+    p = init_moe(mesh, config, f"d_model:{m_}", f"experts:{e}", f"d_ff:{h}", dtype=F64)
+    x = mesh.from_numpy(global_array(f"group:{g};tokens:{s};d_model:{m_}", 50 + config, np.float64),
+                        f"group:{g};tokens:{s};d_model:{m_}")
+    wrt = [x, p["wg"], p["wi"], p["wo"]]
+    for kw in ({"seed": 3}, {"seed": 5, "capacity_factor": 0.5, "min_capacity": 1},
+               {"seed": 6, "second_policy": "threshold", "second_threshold": 0.3, "loss_coef": 0.1},
+               {"seed": 7, "second_policy": "none"}):
+        for dtype, tol in ((F64, 1e-12), ("bfloat16", 2.0 ** -5)):
+            got = []
+            for routing in ("gather", "one_hot"):
+                with mm.trace():
+                    xd = mm.cast(x, dtype)
+                    y, aux = moe(p, xd, "group", routing=routing, **kw)
+                    loss = mm.reduce_sum(mm.sin(mm.cast(y, F64))) + mm.cast(aux, F64)
+                    got.append([t.to_numpy().astype(np.float64) for t in [y, aux] + mm.gradients([loss], wrt)])
+            for a, b, name in zip(*got, ["y", "aux", "dx", "dwg", "dwi", "dwo"]):
+                scale = max(1.0, float(np.max(np.abs(b)))) if dtype != F64 else 1.0
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale, err_msg=f"{name} {dtype} {kw}")
+
+
+def _one_hot_dispatch(slots, n_exp: int, cap: int) -> np.ndarray:
+    """[G, S, E, C] 0/1 from slots [G, S] (e·C + p, -1 dropped) of each choice."""
+    d = np.zeros(slots[0].shape + (n_exp * cap,))
+    for sl in slots:
+        gi, si = np.nonzero(sl >= 0)
+        d[gi, si, sl[gi, si]] += 1
+    return d.reshape(slots[0].shape + (n_exp, cap))
+
+
+@pytest.mark.parametrize("dtype", [F64, "float32", "bfloat16"])
+def test_kept_and_dropped_choices_identical(dtype):
+    """top2_slots keeps and drops exactly the choices of the one-hot masks (the same draws), in every
+    policy, and of the loop reference on the same gates."""
+    shape = mesh_shapes()[0]
+    mesh = mm.Mesh(shape, layout=f"group:{split_dims(shape)[0]}")  # the group phase: experts whole
+    n_groups, n_tokens, n_exp = 6, 40, 5
+    xs = f"group:{n_groups};tokens:{n_tokens};d_model:{M}"
+    x = mm.cast(mesh.from_numpy(global_array(xs, 60, np.float64), xs), dtype)
+    wg = mm.cast(mesh.from_numpy(global_array(f"d_model:{M};experts:{n_exp}", 61, np.float64) * 0.5,
+                                 f"d_model:{M};experts:{n_exp}", layout={}), dtype)
+    dims = [x.shape["group"], x.shape["tokens"], wg.shape["experts"]]
+    cap = mm.Dimension("expert_capacity", 6)
+    for policy, thr in (("random", 0.2), ("random", 0.6), ("threshold", 0.35), ("all", 0.2), ("none", 0.2)):
+        one = _top2_gates(x, wg, *dims, cap, policy, thr, 8, 1e-2, False)
+        dispatch, _ = _one_hot_routing(*one[:5], dims[1], cap, policy, thr)
+        fused = _top2_gates(x, wg, *dims, cap, policy, thr, 8, 1e-2, True)
+        slots = [t.to_numpy() for t in fused[-1].tensors]
+        np.testing.assert_array_equal(_one_hot_dispatch(slots, n_exp, cap.size), dispatch.to_numpy(), err_msg=policy)
+        assert policy in ("none",) or 0 < np.sum(slots[1] < 0) < slots[1].size, policy  # some kept, some dropped
+        if dtype == F64:
+            gates = softmax(x.to_numpy() @ wg.to_numpy())
+            u = draws(8, n_groups, n_tokens)
+            want = routes(gates, u, cap.size, policy, thr)
+            gs = f"group:{n_groups};tokens:{n_tokens}"
+            e1, e2, sl = top2_slots(mesh.from_numpy(gates, f"{gs};experts:{n_exp}"), "tokens", "experts", cap, policy,
+                                    thr, mesh.from_numpy(u, gs) if policy == "random" else None)
+            for a, b in zip([e1, e2] + list(sl.tensors), want[:2] + want[4:]):
+                np.testing.assert_array_equal(a.to_numpy(), b, err_msg=policy)
+
+
+def test_layouts_that_need_one_hot():
+    """Tokens split in the group phase (no groups rule): "auto" routes by one-hot einsums and matches
+    the reference; "gather" is refused by name."""
+    n = MPI.COMM_WORLD.Get_size()
+    mesh = mm.Mesh(f"all:{n}", layout="tokens:all;experts:all")
+    p = init_moe(mesh, 0, f"d_model:{M}", f"experts:{E}", f"d_ff:{H}", dtype=F64)
+    xa = global_array(X, 12, np.float64)
+    x = mesh.from_numpy(xa, X)
+    with mm.trace() as tr:
+        y, aux = moe(p, x, "group", seed=3)
+    assert "dispatch_slots" not in {op.name for op in tr.ops}
+    w = {k: t.to_numpy() for k, t in p.items()}
+    ry, raux = reference(xa, w["wg"], w["wi"], w["wo"], draws(3), expert_capacity(S, E, 1.25))
+    np.testing.assert_allclose(y.to_numpy(), ry, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(float(aux), raux, rtol=1e-10)
+    with pytest.raises(mm.LayoutError, match="tokens is split over mesh dim 'all'"):
+        moe(p, x, "group", routing="gather")
+
+
+def test_routing_errors():
+    mesh = self_mesh()
+    gates = mesh.ones("g:2;s:3;e:4")
+    with pytest.raises(mm.ShapeError, match=r"tokens 'tok' and experts 'e'"):
+        top2_slots(gates, "tok", "e", "c:2", "all")
+    with pytest.raises(mm.ShapeError, match=r"capacity dim g:2 must be new"):
+        top2_slots(gates, "s", "e", "g:2", "all")
+    with pytest.raises(mm.ShapeError, match=r"at least 2 experts, got e:1"):
+        top2_slots(mesh.ones("s:3;e:1"), "s", "e", "c:2", "all")
+    with pytest.raises(mm.MpimeshError, match="'random' needs uniform draws"):
+        top2_slots(gates, "s", "e", "c:2")
+    with pytest.raises(mm.ShapeError, match=r"uniform draws \[g:2, s:4\] must have the dims"):
+        top2_slots(gates, "s", "e", "c:2", uniform=mesh.ones("g:2;s:4"))
+    _, _, slots = top2_slots(gates, "s", "e", "c:2", "all")
+    with pytest.raises(mm.ShapeError, match=r"x \[g:2, d:5\] needs the tokens dim 's'"):
+        dispatch_slots(mesh.ones("g:2;d:5"), slots)
+    with pytest.raises(mm.ShapeError, match="'g'"):
+        dispatch_slots(mesh.ones("g:3;s:3;d:5"), slots)
+    with pytest.raises(mm.ShapeError, match=r"needs the experts dim e:4 and the capacity dim c:2"):
+        combine_slots(mesh.ones("e:4;g:2;c:3;d:5"), slots)
+    with pytest.raises(mm.ShapeError, match="a weight must be a float tensor with the slots' dims"):
+        combine_slots(mesh.ones("e:4;g:2;c:2;d:5"), slots, (mesh.ones("g:2"), mesh.ones("g:2")))
+    with pytest.raises(mm.MpimeshError, match="routing"):
+        moe(init_moe(mesh, 0, f"d_model:{M}", f"experts:{E}", f"d_ff:{H}"), mesh.ones(X), "group", routing="dense")
 
 
 # ---- hand-built cases ------------------------------------------------------------------------------------

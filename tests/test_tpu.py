@@ -418,10 +418,25 @@ def _nn_tiny(mesh, grads: bool = True):
     return tr, [x, table, ids], out
 
 
+def _moe(mesh, grads: bool = True):
+    """GShard's top-2 MoE routed by gathers (top2_slots, dispatch_slots with its jax `.at[].set`,
+    combine_slots) over 5 groups and 3 experts, which most mesh dims split unevenly; some tokens
+    overflow; gradients."""
+    p = mm.layers.init_moe(mesh, 0, "d_model:4", "experts:3", "d_ff:6")
+    x = mesh.from_numpy(global_array("group:5;tokens:6;d_model:4", 38), "group:5;tokens:6;d_model:4")
+    out = {}
+    with mm.trace() as tr:
+        out["y"], out["aux"] = mm.layers.moe(p, x, "group", second_policy="all", capacity_factor=1.0,
+                                             min_capacity=2, routing="gather")
+        if grads:
+            _add_gradients(out, {"x": x, **p})
+    return tr, [x, *p.values()], out
+
+
 MODES_UNEVEN = {0: ("shard_map", "gspmd"), 1: ("shard_map",), 2: ("shard_map", "gspmd")}
 UNEVEN = {"dense": (_dense_uneven, "b:M0;i:M1;h:M2"), "tiny": (_tiny_uneven, "e:M0;one:M1;none:M2"),
           "vocab": (_vocab_uneven, "v:M0;b:M1"), "nn": (_nn_uneven, "v:M0;k:M0;b:M1"),
-          "nn_tiny": (_nn_tiny, "e:M0;j:M0;b:M1")}
+          "nn_tiny": (_nn_tiny, "e:M0;j:M0;b:M1"), "moe": (_moe, "group:M0;experts:M0;d_ff:M1")}
 
 
 @pytest.mark.parametrize("mesh_index", [0, 1, 2])

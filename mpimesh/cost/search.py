@@ -20,6 +20,7 @@ from typing import Optional
 
 from ..errors import MpimeshError
 from ..layout import LayoutRules
+from ..recompute import remat_policy
 from .cache import calibrated
 from .machine import Machine
 from .model import Recording, estimate, record
@@ -48,12 +49,19 @@ class LayoutPlan:
     """The step recorded replicated (no rules), for `estimate` under other rules."""
     exact: bool
     """Whether every candidate was priced (else a beam search)."""
+    remat: int = 0
+    """How many of the step's `mm.remat` blocks the plan rematerialises: the first `remat` calls
+    (run the step inside `mpimesh.recompute.remat_policy(lambda k: k < plan.remat)`). 0, unless no
+    layout fits the memory without: then the fewest that let one fit."""
 
     def report(self, top: int = 5) -> str:
         """The chosen rules and the next `top` alternatives (not those that only swap mesh dims
         of equal size with one shown), with predicted times and memory."""
         lines = [f"layout search ({'exact' if self.exact else 'beam'}, {len(self.candidates) + len(self.too_big)} "
                  f"candidates priced on {self.machine.name or 'the given machine'}):"]
+        if self.remat:
+            lines.append(f"  memory is short: the first {self.remat} mm.remat block(s) rematerialised "
+                         f"(their activations recomputed in the backward pass)")
         shown: set = set()
         for rules, s, b in self.candidates:
             sig = _signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape)
@@ -90,7 +98,10 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
     a collective: every rank must call). `memory_per_rank`: bytes
     (default the machine's memory). On a `Mesh` of several ranks the candidates are shared out
     over the ranks, which exchange their prices: every rank must call, and gets the same plan.
-    A candidate some op cannot run (an `MpimeshError` in its dry run) is left out.
+    A candidate some op cannot run (an `MpimeshError` in its dry run) is left out. The step's
+    `mm.remat` blocks run as plain calls, unless no layout fits: then the fewest of them (the first
+    k calls) are rematerialised that let one fit, priced as they run (their second run in the time,
+    their released activations in the memory), and the plan says so (`LayoutPlan.remat`).
 
     >>> import mpimesh as mm
     >>> from mpimesh.cost import ArgSpec
@@ -110,6 +121,31 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
         if machine is None:
             machine = _calibrated[mesh] = calibrated(mesh)
     limit = machine.memory if memory_per_rank is None else float(memory_per_rank)
+    calls: list = []
+    with remat_policy(lambda k: calls.append(k) or False):
+        record(fn, args, mesh.shape, "")
+    for k in range(len(calls) + 1):  # the fewest remat blocks that let a layout fit
+        try:
+            return _search(_rematerialising(fn, k), args, mesh, machine, limit, exact_limit, beam, k)
+        except _TooBig as e:
+            if k == len(calls):
+                raise MpimeshError(str(e)) from None
+
+
+class _TooBig(MpimeshError):
+    pass
+
+
+def _rematerialising(fn, k: int):
+    """`fn` with its first `k` `mm.remat` calls rematerialised, the others plain calls."""
+    def run(*args):
+        with remat_policy(lambda j: j < k):
+            return fn(*args)
+    return run
+
+
+def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, beam: int, remat: int) -> LayoutPlan:
+    """`auto_layout`'s search for `fn` as it is; `_TooBig` where no layout fits `limit`."""
     base = record(fn, args, mesh.shape, "")
     order = list(base.dims)
     mdims = [d for d in mesh.shape if d.size > 1]
@@ -196,7 +232,8 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
     over = [(r, s, b) for r, s, b, _ in ranked if b > limit]
     if not fits:
         r, s, b = min(over, key=lambda p: p[2])
-        raise MpimeshError(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: the "
-                           f"smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced")
+        raise _TooBig(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: the "
+                      f"smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced"
+                      + (f", with {remat} mm.remat block(s) rematerialised" if remat else ""))
     rules, seconds, nbytes = fits[0]
-    return LayoutPlan(rules, seconds, int(nbytes), fits, over, machine, base, exact)
+    return LayoutPlan(rules, seconds, int(nbytes), fits, over, machine, base, exact, remat)

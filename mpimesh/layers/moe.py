@@ -1,4 +1,4 @@
-"""GShard's mixture-of-experts layer with top-2 gating, composed of public ops only.
+"""GShard's mixture-of-experts layer with top-2 gating, composed of ops (no communication of its own).
 
 Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
 Sharding" (Sec. 2.2, Algorithm 1), as implemented by Mesh-TensorFlow's `_top_2_gating` and
@@ -22,14 +22,21 @@ For every group g and token s (x[g, s] ∈ R^M, gate weights wg ∈ R^{M×E}):
                  the first choice is kept iff p1 < C
   p2[s]        = #{kept first choices of e2(s)} + #{s' < s : e2(s') = e2(s), second kept by the
                  policy}; the second choice is kept iff p2 < C
-  dispatch[s, e, c] = [e = e1, c = p1, kept] + [e = e2, c = p2, kept]            (0/1)
-  combine[s, e, c]  = g1·[e = e1, c = p1, kept] + g2·[e = e2, c = p2, kept]
-  expert_in[e, g, c]  = Σ_s dispatch[g, s, e, c]·x[g, s]        einsum "GSEC,GSM->EGCM"
+  expert_in[e, g, c]  = x[g, s] for the token s whose kept choice took slot (e, c), else 0
   expert_out[e, g, c] = act(expert_in·wi[e])·wo[e]               wi: [E, M, H], wo: [E, H, M]
-  y[g, s]      = Σ_{e,c} combine[g, s, e, c]·expert_out[e, g, c]  einsum "GSEC,EGCM->GSM"
+  y[g, s]      = g1·expert_out[e1, g, p1]·[kept] + g2·expert_out[e2, g, p2]·[kept]
 
 A dropped token (overflow) gets combine weight 0: it skips the layer and the residual connection
 around it carries it. The gates keep g1 + g2 ≈ 1 even when one choice is dropped (as in MTF).
+
+Routing (`routing=`): "gather" finds e1, e2, p1, p2 and the kept choices in one op
+(`mpimesh.ops.routing.top2_slots`) and moves tokens with two gathers, `dispatch_slots` and
+`combine_slots` (each the other's gradient): no [G, S, E, C] tensor, no FLOPs. "one_hot" builds the
+masks dispatch[s, e, c] = [e = e1, c = p1, kept] + [e = e2, c = p2, kept] and combine (the same,
+weighted by g1, g2) and contracts them, einsums "GSEC,GSM->EGCM" and "GSEC,EGCM->GSM" (2·G·S·E·C·M
+FLOPs each way). Both keep and drop the same choices and give the same values. "auto" (default)
+gathers unless the group-phase layout splits the tokens or the capacity dim, or splits a dim of x
+and of the expert buffers differently (then a gather would need communication the einsums do not).
 
 Layout: the gating, dispatch and combine run with the groups split over the mesh dim m that holds
 them and E unsplit; the experts run with E split over m and G unsplit (`layout_scope`s derived
@@ -53,7 +60,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..errors import MpimeshError, ShapeError
+from ..errors import LayoutError, MpimeshError, ShapeError
 from ..layout import LayoutRules, check_rules, plan_layout
 from ..mesh import layout_scope
 from ..ops.einsum import einsum
@@ -62,12 +69,13 @@ from ..ops.indexing import argmax, one_hot
 from ..ops.nn import softmax
 from ..ops.reduce import reduce_mean, reduce_sum
 from ..ops.relayout import relayout
+from ..ops.routing import POLICIES, combine_slots, dispatch_slots, top2_slots
 from ..ops.scan import cumsum
 from ..shape import Dimension, Shape
 from .core import ACTIVATIONS, DimLike, Params, as_dim, like, subseed
 
 CAPACITY_DIM = "expert_capacity"
-POLICIES = ("random", "all", "none", "threshold")
+ROUTINGS = ("auto", "gather", "one_hot")
 
 
 def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, min_capacity: int = 4) -> int:
@@ -137,31 +145,42 @@ def _dims(params: Params, x, group_dim: str) -> tuple:
     return x.shape[group_dim], s, m, e, h
 
 
-def _gating(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, policy: str, threshold: float,
-            seed: int, loss_coef: float):
-    """Top-2 gating of x [G, S, M]: (dispatch [G, S, E, C] 0/1, combine [G, S, E, C], aux loss)."""
+def _pick(gates, index, e: Dimension):
+    """(one_hot(index) [G, S, E], gates at index [G, S]): the gradient reaches the gates through it."""
+    mask = one_hot(index, e, dtype=gates.dtype)
+    return mask, reduce_sum(gates * mask, reduced_dims=e.name)
+
+
+def _top2_gates(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, policy: str, threshold: float,
+                seed: int, loss_coef: float, fused: bool):
+    """Gates, top-2 choice and aux loss of x [G, S, M]: (mask_1, mask_2, g1, g2, uniform draws, aux,
+    slots): slots from `top2_slots` when `fused`, else None (the one-hot path decides later)."""
     dt = x.dtype
     gates = softmax(einsum([x, wg], output_shape=Shape([g, s, e])), e.name)
-    index_1 = argmax(gates, e.name)
-    mask_1 = one_hot(index_1, e, dtype=dt)
-    gate_1 = reduce_sum(gates * mask_1, reduced_dims=e.name)
-    index_2 = argmax(gates * (1.0 - mask_1), e.name)
-    mask_2 = one_hot(index_2, e, dtype=dt)
-    gate_2 = reduce_sum(gates * mask_2, reduced_dims=e.name)
+    u = x.mesh.random_uniform(Shape([g, s]), seed, dtype=dt) if policy == "random" else None
+    if fused:
+        index_1, index_2, slots = top2_slots(gates, s.name, e.name, c, policy, threshold, u)
+        mask_1, gate_1 = _pick(gates, index_1, e)
+    else:
+        mask_1, gate_1 = _pick(gates, argmax(gates, e.name), e)
+        index_2, slots = argmax(gates * (1.0 - mask_1), e.name), None
+    mask_2, gate_2 = _pick(gates, index_2, e)
     denom = gate_1 + gate_2 + 1e-9
-    gate_1, gate_2 = gate_1 / denom, gate_2 / denom
 
     # Load balance: mean over groups and experts of (fraction routed first to e) · (mean gate of e).
     density = reduce_mean(mask_1, reduced_dims=s.name)
     proxy = reduce_mean(gates, reduced_dims=s.name)
     aux = reduce_mean(density * proxy) * float(e.size * e.size * loss_coef)
-
+    return mask_1, mask_2, gate_1 / denom, gate_2 / denom, u, aux, slots
+def _one_hot_routing(mask_1, mask_2, gate_1, gate_2, u, s: Dimension, c: Dimension, policy: str,
+                     threshold: float):
+    """(dispatch [G, S, E, C] 0/1, combine [G, S, E, C]) from the top-2 masks and gates."""
+    dt = mask_1.dtype
     if policy == "none":
         mask_2 = mask_2 * 0.0
     elif policy == "threshold":
         mask_2 = mask_2 * cast(greater(gate_2, threshold), dt)
     elif policy == "random":
-        u = x.mesh.random_uniform(Shape([g, s]), seed, dtype=dt)
         mask_2 = mask_2 * cast(less(u, gate_2 * (1.0 / max(threshold, 1e-9))), dt)
 
     # Positions in the experts' buffers: first choices in token order, then second choices.
@@ -170,27 +189,45 @@ def _gating(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, polic
     count_1 = reduce_sum(mask_1, reduced_dims=s.name)
     pos_2 = (cumsum(mask_2, s.name, exclusive=True) + count_1) * mask_2
     mask_2 = mask_2 * cast(less(pos_2, float(c.size)), dt)
-    slot_1 = one_hot(cast(reduce_sum(pos_1, reduced_dims=e.name), "int32"), c, dtype=dt)
-    slot_2 = one_hot(cast(reduce_sum(pos_2, reduced_dims=e.name), "int32"), c, dtype=dt)
+    e = mask_1.shape[-1].name
+    slot_1 = one_hot(cast(reduce_sum(pos_1, reduced_dims=e), "int32"), c, dtype=dt)
+    slot_2 = one_hot(cast(reduce_sum(pos_2, reduced_dims=e), "int32"), c, dtype=dt)
     dispatch_1 = stop_gradient(mask_1 * slot_1)  # [G, S, E, C]
     dispatch_2 = stop_gradient(mask_2 * slot_2)
-    combine = gate_1 * dispatch_1 + gate_2 * dispatch_2
-    return dispatch_1 + dispatch_2, combine, aux
+    return dispatch_1 + dispatch_2, gate_1 * dispatch_1 + gate_2 * dispatch_2
+
+
+def _gather_blocker(mesh, rules: LayoutRules, x_shape: Shape, tokens: str, buffers: Shape) -> Optional[str]:
+    """Why the group phase (`rules`; experts whole) cannot route by gathers, or None if it can."""
+    with layout_scope(mesh, rules):
+        xl = dict(zip(x_shape.names, mesh.plan(x_shape)))
+        bl = dict(zip(buffers.names, mesh.plan(buffers)))
+    for name, m in ((tokens, xl[tokens]), (CAPACITY_DIM, bl[CAPACITY_DIM])):
+        if m is not None:
+            return f"{name} is split over mesh dim {m!r}"
+    for n, m in xl.items():
+        if n in bl and bl[n] != m:
+            return f"{n} is split over {m!r} in x but over {bl[n]!r} in the expert buffers"
+    return None
 
 
 def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacity_factor: Optional[float] = None,
         min_capacity: int = 4, loss_coef: float = 1e-2, second_policy: str = "random",
-        second_threshold: float = 0.2, seed: int = 0, activation: str = "relu"):
+        second_threshold: float = 0.2, seed: int = 0, activation: str = "relu", routing: str = "auto"):
     """GShard top-2 mixture of experts on x [G, S, M] (params from `init_moe`): `(y, aux_loss)`.
 
     y has x's shape and the layout the rules in force give it; aux_loss is a scalar to add to the
     training loss. `capacity_factor` defaults to 1.25 when `train`, else 2.0; `seed` seeds the
-    random second-expert policy (use a new one each step). The formulas are in the module doc.
+    random second-expert policy (use a new one each step). `routing`: "gather" (slots and gathers,
+    `mpimesh.ops.routing`), "one_hot" (the [G, S, E, C] masks and einsums) or "auto" (gather where
+    the layout allows: see the module doc). The formulas are in the module doc.
     """
     if second_policy not in POLICIES:
         raise MpimeshError(f"moe: unknown second_policy {second_policy!r}; choose from {list(POLICIES)}")
     if activation not in ACTIVATIONS:
         raise MpimeshError(f"moe: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+    if routing not in ROUTINGS:
+        raise MpimeshError(f"moe: unknown routing {routing!r}; choose from {list(ROUTINGS)}")
     g, s, m, e, h = _dims(params, x, group_dim)
     if capacity_factor is None:
         capacity_factor = 1.25 if train else 2.0
@@ -203,16 +240,30 @@ def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacit
     rules_e = _phase_rules(base, {e.name: me, g.name: mg if mg != me else None})
     out_layout = mesh.plan(x.shape)
     ein_shape, hid_shape = Shape([e, g, c, m]), Shape([e, g, c, h])
+    blocker = None if routing == "one_hot" else _gather_blocker(mesh, rules_g, x.shape, s.name, ein_shape)
+    if routing == "gather" and blocker:
+        raise LayoutError(f"moe: routing='gather' needs the group phase to hold tokens and capacity whole and "
+                          f"split x and the expert buffers alike, but {blocker} (rules {rules_g}); use "
+                          f"routing='auto'")
+    fused = routing != "one_hot" and not blocker
     wg, wi, wo = (like(params[n], x) for n in ("wg", "wi", "wo"))  # x's dtype: float32 masters cast
     with layout_scope(mesh, rules_g):
-        dispatch, combine, aux = _gating(x, wg, g, s, e, c, second_policy, second_threshold,
-                                         seed, loss_coef)
-        expert_in = einsum([dispatch, x], output_shape=ein_shape)
+        mask_1, mask_2, gate_1, gate_2, u, aux, slots = _top2_gates(x, wg, g, s, e, c, second_policy,
+                                                                    second_threshold, seed, loss_coef, fused)
+        if fused:
+            expert_in = dispatch_slots(x, slots, output_shape=ein_shape)
+        else:
+            dispatch, combine = _one_hot_routing(mask_1, mask_2, gate_1, gate_2, u, s, c, second_policy,
+                                                 second_threshold)
+            expert_in = einsum([dispatch, x], output_shape=ein_shape)
     with layout_scope(mesh, rules_e):
         expert_in = relayout(expert_in, mesh.plan(ein_shape))  # alltoall: groups -> experts
         hidden = ACTIVATIONS[activation](einsum([expert_in, wi], output_shape=hid_shape))
         expert_out = einsum([hidden, wo], output_shape=ein_shape)
     with layout_scope(mesh, rules_g):
         expert_out = relayout(expert_out, mesh.plan(ein_shape))  # alltoall: experts -> groups
-        y = einsum([combine, expert_out], output_shape=x.shape)
+        if fused:
+            y = combine_slots(expert_out, slots, (gate_1, gate_2), output_shape=x.shape)
+        else:
+            y = einsum([combine, expert_out], output_shape=x.shape)
     return relayout(y, out_layout), aux

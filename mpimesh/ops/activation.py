@@ -116,7 +116,7 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
                 return _fused(ctx.xp, activation, True, (a, g, *(align(ctx.xp, b[0], bd, xd) for _ in b)))
             d = backward(ctx.xp, pre(ctx.xp, a, b), g)
             return d.astype(g.dtype) if d.dtype != g.dtype else d
-        (dx,) = dispatch(f"{op_name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(x.shape, layout)], grad)
+        (dx,) = dispatch(f"{op_name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(dy.shape, layout)], grad)
         if len(op.inputs) == 1:
             return [dx]
         with partial_for(op.inputs[1]):

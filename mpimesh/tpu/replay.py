@@ -87,7 +87,7 @@ _PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast
               "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
               "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal",
               "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad", "adam_update", "sgd_update",
-              "adafactor_update",
+              "adafactor_update", "top2_slots", "dispatch_slots", "combine_slots",
               *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad")), *_FILLS}
 
 

@@ -1,0 +1,177 @@
+"""Rematerialisation: `mm.remat(fn)` keeps only `fn`'s inputs and outputs for the backward pass.
+
+`y = mm.remat(fn)(*args)` runs `fn` as usual, but inside an open trace the arrays of the ops it runs
+are not kept for the gradients: they are freed as soon as nothing but the trace holds them (the
+trace keeps their shapes, so every engine still replays them). When `mm.gradients` reaches the
+call, it runs `fn` again on the same inputs (its ops and collectives are recorded, counted and
+replayed as part of the backward pass) and differentiates that copy: JAX's `jax.checkpoint`,
+PyTorch's `torch.utils.checkpoint`, Mesh-TensorFlow's `recompute_grad`. Random ops draw from their
+seeds, so the second run draws the same numbers. The values are those without remat.
+
+`fn` must compute the same ops from the same tensors both times: a pure function of its arguments
+and the tensors it closes over (bind a loop's parameters as arguments, not as late-bound closure
+variables). A second run that differs is an `MpimeshError` naming the first op that differs.
+
+`mpimesh.cost` prices a remat step as it runs: the recomputation in its time, the freed arrays in
+its memory; `mm.auto_layout` remats blocks only where memory is short (`remat_policy`).
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+>>> x = mesh.from_numpy(np.array([0.5, 1.0]), "a:2")
+>>> with mm.trace() as tr:
+...     y = mm.reduce_sum(remat(lambda t: mm.exp(mm.exp(t)))(x))
+...     (g,) = mm.gradients([y], [x])
+>>> [op.name for op in tr.ops]  # forward; the sum's gradient; the second run; its gradient
+['exp', 'exp', 'einsum', 'full', 'einsum', 'broadcast', 'exp', 'exp', 'multiply', 'multiply']
+>>> bool(np.allclose(g.to_numpy(), np.exp(np.exp([0.5, 1.0]) + [0.5, 1.0])))
+True
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator, Optional
+
+from .errors import MpimeshError
+from .mesh import layout_scope
+from .trace import Released, _open_traces, _regions, release_unneeded, trace
+
+_policy: list = []  # innermost last: which regions run as remat (auto_layout's `remat_policy`)
+
+
+@contextmanager
+def remat_policy(chosen: Optional[Callable[[int], bool]]) -> Iterator[list]:
+    """Inside the block, the k-th `mm.remat` call (0, 1, ..., counted from the block's start)
+    rematerialises only if `chosen(k)`; the others run as plain calls. None: all of them (the
+    default). Yields the list of the indices that did remat. `mm.auto_layout` prices plans with it.
+
+    >>> with remat_policy(lambda k: k % 2 == 0) as done:
+    ...     pass
+    >>> done
+    []
+    """
+    state = {"chosen": chosen, "next": 0, "done": []}
+    _policy.append(state)
+    try:
+        yield state["done"]
+    finally:
+        _policy.remove(state)
+
+
+def _chosen() -> bool:
+    if not _policy:
+        return True
+    state = _policy[-1]
+    k, state["next"] = state["next"], state["next"] + 1
+    if state["chosen"] is None or state["chosen"](k):
+        state["done"].append(k)
+        return True
+    return False
+
+
+class Region:
+    """One `mm.remat` call inside an open trace: the function and arguments to run again, the
+    tensors it read from outside (held, so they stay until its backward pass), its outputs, and the
+    signature of its ops (to check the second run against). `parent`: the region it ran in."""
+
+    __slots__ = ("fn", "args", "kwargs", "mesh", "rules", "inputs", "outputs", "flat", "ops", "parent")
+
+    def __init__(self, fn, args, kwargs, parent):
+        self.fn, self.args, self.kwargs, self.parent = fn, args, kwargs, parent
+        self.mesh = next((t.mesh for t in _tensors((args, kwargs))), None)
+        self.rules = self.mesh.layout if self.mesh is not None else None
+        self.inputs, self.outputs, self.flat, self.ops = [], [], [], []
+
+    def root(self) -> "Region":
+        """The outermost region this one ran in (itself if none)."""
+        r = self
+        while r.parent is not None:
+            r = r.parent
+        return r
+
+    def close(self, ops: list, out) -> None:
+        """`fn` returned `out` after running `ops`: note what the backward pass needs."""
+        produced, seen = set(), set()
+        for op in ops:
+            for t in op.inputs:
+                if id(t) not in produced and id(t) not in seen and not isinstance(t, Released):
+                    seen.add(id(t))
+                    self.inputs.append(t)
+            produced.update(id(t) for t in op.outputs)
+        self.flat = _tensors(out)
+        self.outputs = [t for t in self.flat if id(t) in produced]
+        self.ops = _signature(ops, {id(t) for t in self.inputs})
+
+    def run_again(self) -> tuple:
+        """Run `fn` again under the layout rules it first ran under: `(outputs, ops)`, the new
+        outputs in the order of `self.outputs` and the ops they took, recorded in the open traces."""
+        scope = layout_scope(self.mesh, self.rules) if self.mesh is not None else nullcontext()
+        with scope, trace() as tr:
+            out = self.fn(*self.args, **self.kwargs)
+        ops = tr.ops
+        again = _signature(ops, {id(t) for t in self.inputs})
+        for k, (a, b) in enumerate(zip(self.ops, again)):
+            if a != b:
+                what = (f"{b[0]} of [{b[1]}] reads another tensor from outside the block than the first run"
+                        if a[:2] == b[:2] else f"{b[0]} of [{b[1]}] where the first ran {a[0]} of [{a[1]}]")
+                raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run (in the backward pass) differs from "
+                                   f"the first at op {k}: {what}; fn must compute the same ops from the same "
+                                   f"tensors (bind loop variables as arguments, not as closures)")
+        if len(again) != len(self.ops):
+            raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run took {len(again)} ops, the first "
+                               f"{len(self.ops)}; fn must compute the same ops from the same tensors")
+        flat = _tensors(out)
+        ids = {id(t) for t in self.outputs}
+        return [b for a, b in zip(self.flat, flat) if id(a) in ids], ops
+
+    def forget(self) -> None:
+        """Its backward pass is done and its values released: let its inputs go."""
+        self.args, self.kwargs, self.inputs = (), {}, []
+
+
+def remat(fn: Callable) -> Callable:
+    """`fn` rematerialised: its activations recomputed in the backward pass instead of kept (see
+    the module doc). Outside an open trace, a plain call.
+
+    >>> import mpimesh as mm
+    >>> block = remat(lambda x, w: mm.relu(mm.einsum([x, w], output_shape="b:2;h:2")))
+    >>> block.__wrapped__ is not None
+    True
+    """
+    @functools.wraps(fn)
+    def rematerialised(*args, **kwargs):
+        if not _open_traces or not _chosen():
+            return fn(*args, **kwargs)
+        region = Region(fn, args, kwargs, _regions[-1] if _regions else None)
+        tr = _open_traces[-1]
+        start = len(tr.ops)
+        _regions.append(region)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _regions.pop()
+        region.close(tr.ops[start:], out)
+        release_unneeded()  # its activations go now, not ops later
+        return out
+    return rematerialised
+
+
+def _signature(ops: list, outside: set) -> list:
+    """Per op: its name, its inputs' shapes, and which outside tensor each input is (else None)."""
+    return [(op.name, ", ".join(str(t.shape) for t in op.inputs),
+             tuple(id(t) if id(t) in outside else None for t in op.inputs)) for op in ops]
+
+
+def _tensors(tree) -> list:
+    """The tensors of a nest of tuples, lists and dicts, in order."""
+    if hasattr(tree, "tensor_layout") and hasattr(tree, "mesh"):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
