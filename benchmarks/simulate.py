@@ -1,16 +1,29 @@
 """Extrapolation to clusters: known training runs priced by the cost model, beside their published results.
 
     python benchmarks/simulate.py            # one process, no MPI ranks, no accelerator; needs JAX
+    python benchmarks/simulate.py --quick --only gshard --remat on --fusion on
 
 Each run's training step (apps/transformer.py's decoder: forward, `mm.gradients`, Adafactor) is
 recorded dry (`mm.cost.record` on a `DryMesh`: shapes only, kernels under `jax.eval_shape`,
 collectives counted) at its real sizes, mesh shape and layout, and priced by `mm.cost.estimate`
-on a machine given by its published figures (`mm.cost.TPUV2`, `TPUV3`: per core). Printed per
-run: the predicted step time, its compute and communication parts, the predicted utilisation
-(executed FLOPs per core / step time / peak), the published figure, the relative error and which
-term of the model dominates. A deep model is recorded with fewer layers and scaled: the step is
-priced at `a` and `b` layers, and per-layer cost (b - a) extrapolated to the real depth (linear:
-every layer is the same program). The table goes to benchmarks/results/simulate.md.
+on a machine given by its published figures (`mm.cost.TPUV2`, `TPUV3`: per core), in up to four
+variants (`--remat`, `--fusion`: off, on, both; default both):
+- remat: every block (layer) under `mm.remat` (`Config(remat=layers)`), as jax.checkpoint, GShard
+  and lingvo do: the forward pass keeps only each block's input x_l, the backward pass runs each
+  block's forward again. Recorded as it runs, so for L blocks of forward time t_f (compute and its
+  collectives: an MoE block's dispatch and combine alltoalls again) the step takes
+  T_remat = T + L·t_f, and the activations at the peak are Σ_l |x_l| + one block's full activations
+  (+ the gradients alive then) instead of all L blocks' activations.
+- fusion: elementwise, normalisation and softmax ops priced as XLA fuses them (`kernels`): a region
+  of linked fusible ops reads its inputs once and writes its outputs once, at HBM bandwidth, where
+  unfused every op reads and writes all its tensors. Matmuls, gathers, scans and collectives stay
+  kernels of their own. Fusion changes time, not memory.
+Printed per run and variant: the predicted utilisation (executed FLOPs per core, recomputation
+included, / step time / peak) or throughput, its error against the published figure, step time and
+memory per core; for the variant the run used ("as ran"), which term of the model dominates. A deep
+model can be recorded with fewer layers and scaled (`--quick`): the step is priced at `a` and `b`
+layers, and per-layer cost (b - a) extrapolated to the real depth. The tables go to
+benchmarks/results/simulate.md.
 
 The runs (sizes from the papers and their public configs; what is assumed is said in the table):
   1. Mesh-TensorFlow (Shazeer et al. 2018), Table 2's largest language model: 6 layers, d_model
@@ -46,9 +59,11 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "apps"))
 
 import mpimesh as mm  # noqa: E402
+import numpy as np  # noqa: E402
 from mpimesh import cost  # noqa: E402
-from mpimesh.cost.model import collective_seconds, op_seconds  # noqa: E402
+from mpimesh.cost.model import OpCost, collective_seconds, op_seconds  # noqa: E402
 from mpimesh.dryrun import DryMesh, placeholder  # noqa: E402
+from mpimesh.trace import Released, current_trace  # noqa: E402
 
 import transformer as app  # noqa: E402
 
@@ -60,7 +75,8 @@ GIB = 2 ** 30
 # ------------------------------------------------------------------------------ the step
 
 def make_step(cfg: app.Config, opt, moe_capacity=None):
-    """The training step to record: loss, `mm.gradients`, Adafactor (apps/transformer.py's)."""
+    """The training step to record: loss, `mm.gradients`, Adafactor (apps/transformer.py's;
+    `cfg.remat`: each block under `mm.remat`)."""
     if moe_capacity is None:
         inner = app.make_train_step(cfg, opt)
         return lambda params, state, batch: inner(params, state, batch)[:2]
@@ -73,8 +89,21 @@ def make_step(cfg: app.Config, opt, moe_capacity=None):
     return step
 
 
-def recording(cfg: app.Config, mesh_shape: str, rules: str, moe_capacity=None):
-    """The step of `cfg` recorded dry on `mesh_shape` under `rules`."""
+def recorded(fn, args, mesh, rules) -> tuple:
+    """`(recording, ops)`: `cost.record(fn, args, mesh, rules)` and the `OpRecord`s (inputs, outputs,
+    params) of its ops, one per `recording.ops` entry, in order (`record` runs fn in its own trace)."""
+    traces = []
+
+    def seen(*a):
+        traces.append(current_trace())
+        return fn(*a)
+    rec = cost.record(seen, args, mesh, rules)
+    assert len(traces[0].ops) == len(rec.ops)
+    return rec, traces[0].ops
+
+
+def recording(cfg: app.Config, mesh_shape: str, rules: str, moe_capacity=None) -> tuple:
+    """`recorded` for the step of `cfg` on `mesh_shape` under `rules`."""
     dry = DryMesh(mesh_shape, rules)
     opt = mm.optim.Adafactor()
     with mm.layout_scope(dry, rules):
@@ -82,7 +111,7 @@ def recording(cfg: app.Config, mesh_shape: str, rules: str, moe_capacity=None):
         state = opt.init(params)
         shape = f"batch:{cfg.batch};length:{cfg.length}"
         batch = {"inputs": placeholder(dry, shape, "int32"), "targets": placeholder(dry, shape, "int32")}
-    return cost.record(make_step(cfg, opt, moe_capacity), (params, state, batch), dry, rules)
+    return recorded(make_step(cfg, opt, moe_capacity), (params, state, batch), dry, rules)
 
 
 def parameters(cfg: app.Config) -> int:
@@ -95,18 +124,84 @@ def parameters(cfg: app.Config) -> int:
             + 2 * cfg.vocab * cfg.d_model + cfg.length * cfg.d_model + 2 * cfg.d_model)
 
 
+# ------------------------------------------------------------------------------ fusion
+
+OWN_KERNEL = {"einsum", "gather", "cumsum", "psum"}  # matmuls, data-dependent reads, scans, collectives
+
+
+def fusible(op) -> bool:
+    """Whether XLA fuses `op` with its elementwise neighbours: any op but a matmul, a gather, a
+    scan, or one that communicates (a collective ends a fusion; a relayout that only slices does not)."""
+    if op.name in OWN_KERNEL or any(op.params.get(k) for k in ("reduce_mesh_dims", "mesh_dims", "mesh_dim")):
+        return False
+    return all(s[0] == "slice" for s in op.params.get("steps", ()))
+
+
+def _nbytes(t) -> int:
+    shape = t.local_shape if isinstance(t, Released) else t.local.shape
+    return math.prod(shape) * np.dtype(t.dtype).itemsize
+
+
+def kernels(rec, ops, fused: bool) -> list:
+    """The step's kernels as `OpCost`s, each priced by `op_seconds` (roofline: max(FLOPs / peak,
+    bytes / HBM bandwidth)). Unfused: one per op, bytes = all its inputs and outputs (the cost
+    model's own). Fused, as XLA fuses: an op `fusible` rejects stays a kernel; the others form
+    regions, the ops of a run of consecutive fusible ops (program order: no region feeds itself
+    through another kernel) linked by a tensor one makes and another reads. A region R is one
+    kernel: its FLOPs, and bytes = Σ inputs made outside R (each read once) + Σ outputs read
+    outside R or by no op (each written once); what R makes and uses inside never goes to HBM."""
+    if not fused:
+        return list(rec.ops)
+    readers: dict = {}
+    for i, op in enumerate(ops):
+        for t in op.inputs:
+            readers.setdefault(id(t), set()).add(i)
+    out, root, made_in_run = [], {}, {}
+
+    def find(i):
+        while root[i] != i:
+            i = root[i]
+        return i
+    for i, op in enumerate(ops):
+        if not fusible(op):
+            out.append(rec.ops[i])
+            made_in_run = {}
+            continue
+        root[i] = i
+        for t in op.inputs:
+            if id(t) in made_in_run:
+                root[find(made_in_run[id(t)])] = i
+        made_in_run.update((id(t), i) for t in op.outputs)
+    regions: dict = {}
+    for i in root:
+        regions.setdefault(find(i), []).append(i)
+    for members in regions.values():
+        inside = set(members)
+        made = {id(t) for i in members for t in ops[i].outputs}
+        reads = {id(t): t for i in members for t in ops[i].inputs if id(t) not in made}
+        writes = {id(t): t for i in members for t in ops[i].outputs
+                  if not readers.get(id(t)) or readers[id(t)] - inside}
+        out.append(OpCost("fusion", sum(rec.ops[i].flops for i in members),
+                          sum(map(_nbytes, reads.values())) + sum(map(_nbytes, writes.values()))))
+    return out
+
+
+# ------------------------------------------------------------------------------ pricing
+
 LINEAR = ("seconds", "compute_seconds", "comm_seconds", "flops", "comm_bytes", "state_bytes", "activation_bytes",
-          "flop_bound", "memory_bound", "alltoall", "allreduce", "other_comm")
+          "flop_bound", "memory_bound", "traffic", "alltoall", "allreduce", "other_comm")
 
 
-def terms(rec, e: dict, machine) -> dict:
-    """`estimate`'s result with its parts split: seconds of ops bound by FLOPs (`flop_bound`) and
-    by memory traffic (`memory_bound`, the roofline's other side, fixed costs included), and
+def terms(rec, ops, e: dict, machine, fused: bool) -> dict:
+    """`estimate`'s result `e` priced with `kernels(rec, ops, fused)`: `seconds` = compute +
+    communication (none overlapped, as `estimate`), compute split into kernels bound by FLOPs
+    (`flop_bound`) and by memory traffic (`memory_bound`), `traffic` (bytes to and from HBM), and
     communication by kind (`alltoall`, `allreduce`, `other_comm`)."""
-    flop = mem = 0.0
-    for op in rec.ops:
-        t = op_seconds(op, machine)
-        if op.flops / machine.flops >= op.nbytes / machine.memory_bandwidth:
+    flop = mem = traffic = 0.0
+    for k in kernels(rec, ops, fused):
+        t = op_seconds(k, machine)
+        traffic += k.nbytes
+        if k.flops / machine.flops >= k.nbytes / machine.memory_bandwidth:
             flop += t
         else:
             mem += t
@@ -120,35 +215,44 @@ def terms(rec, e: dict, machine) -> dict:
         k = math.prod(rec.mesh_shape[d].size for d in dims)
         s = collective_seconds(kind, k, c["bytes"], machine, dims, c["calls"])
         comm[kind if kind in comm else "other_comm"] += s
-    return dict(e, flop_bound=flop, memory_bound=mem, **comm)
+    return dict(e, seconds=flop + mem + e["comm_seconds"], compute_seconds=flop + mem, flop_bound=flop,
+                memory_bound=mem, traffic=traffic, **comm)
 
 
 def priced(cfg: app.Config, mesh_shape: str, rules: str, machine, depth=None, moe_capacity=None) -> dict:
-    """`estimate` of cfg's step (with `terms`), recorded at `depth = (a, b)` layers and scaled
-    to `cfg.layers` (None: recorded at full depth): every part extrapolated linearly in depth."""
+    """`{fused: terms}` for fused in (False, True): cfg's step (`cfg.remat` as it says) recorded at
+    `depth = (a, b)` layers and scaled to `cfg.layers` (None: recorded at full depth): every part
+    extrapolated linearly in depth."""
     t0 = time.perf_counter()
 
     def one(c):
-        rec = recording(c, mesh_shape, rules, moe_capacity)
-        return terms(rec, cost.estimate(rec, rules, mesh_shape, machine), machine)
+        rec, ops = recording(c, mesh_shape, rules, moe_capacity)
+        e = cost.estimate(rec, rules, mesh_shape, machine)
+        return {f: terms(rec, ops, e, machine, f) for f in (False, True)}
     if depth is None:
-        e = one(cfg)
-        e["recorded"] = f"{cfg.layers} layers"
+        got = one(cfg)
+        for e in got.values():
+            e["recorded"] = f"{cfg.layers} layers"
     else:
         a, b = depth
         ea, eb = (one(_with(cfg, layers=n)) for n in (a, b))
         scale = (cfg.layers - a) / (b - a)
-        e = {k: ea[k] + scale * (eb[k] - ea[k]) for k in LINEAR}
-        e["bytes_per_rank"] = e["state_bytes"] + e["activation_bytes"]
-        e["collectives"] = eb["collectives"]
-        e["recorded"] = f"{a} and {b} layers, scaled to {cfg.layers}"
-    e["wall"] = time.perf_counter() - t0
-    return e
+        got = {}
+        for f in (False, True):
+            e = got[f] = {k: ea[f][k] + scale * (eb[f][k] - ea[f][k]) for k in LINEAR}
+            e["bytes_per_rank"] = e["state_bytes"] + e["activation_bytes"]
+            e["collectives"] = eb[f]["collectives"]
+            e["recorded"] = f"{a} and {b} layers, scaled to {cfg.layers}"
+    for e in got.values():
+        e["wall"] = time.perf_counter() - t0
+    return got
 
 
 def _with(cfg: app.Config, **kw) -> app.Config:
     d = dict(cfg.__dict__)
     d.update(kw)
+    if isinstance(d["remat"], bool):  # remat on: every block
+        d["remat"] = d["layers"] if d["remat"] else 0
     return app.Config(**d)
 
 
@@ -159,38 +263,72 @@ def dominant(e: dict) -> str:
     return f"{name} ({100 * parts[name] / e['seconds']:.0f}%)"
 
 
+def variants(cfg: app.Config, mesh_shape: str, rules: str, machine, remats, fuseds, depth=None,
+             moe_capacity=None) -> dict:
+    """`{(remat, fused): terms}` for remat in `remats`, fused in `fuseds`: one recording per remat."""
+    out = {}
+    for r in remats:
+        got = priced(_with(cfg, remat=r), mesh_shape, rules, machine, depth, moe_capacity)
+        out.update(((r, f), got[f]) for f in fuseds)
+    return out
+
+
 # ------------------------------------------------------------------------------ the runs
 
-def mtf_lm(quick: bool) -> list:
+VARIANT_NAMES = {(False, False): "no remat, unfused", (False, True): "no remat, fused",
+                 (True, False): "remat, unfused", (True, True): "remat, fused"}
+
+
+def _cells(got: dict, text) -> dict:
+    """`{variant name: text(terms)}` for each variant priced."""
+    return {VARIANT_NAMES[v]: text(e) for v, e in got.items()}
+
+
+def _pick(got: dict, as_ran: tuple) -> tuple:
+    """The variant that ran (`as_ran`), else the priced one nearest it (remat first, then fusion)."""
+    v = min(got, key=lambda v: (v[0] != as_ran[0], v[1] != as_ran[1]))
+    return v, got[v]
+
+
+def mtf_lm(quick: bool, remats, fuseds) -> list:
     cfg = app.Config(d_model=1024, heads=256, d_kv=256, d_ff=262144, layers=6, vocab=32768, length=256, batch=256,
                      dtype="bfloat16")
     rules = "batch:b;heads:m;d_ff:m;vocab:m"
-    e = priced(cfg, "b:16;m:32", rules, cost.TPUV2, depth=(1, 2) if quick else None)
+    got = variants(cfg, "b:16;m:32", rules, cost.TPUV2, remats, fuseds, depth=(1, 2) if quick else None)
     peak = 512 * cost.TPUV2.flops
-    util = e["flops"] / e["seconds"] / cost.TPUV2.flops
     published = 6e15 / 11.5e15
+
+    def text(e):
+        util = e["flops"] / e["seconds"] / cost.TPUV2.flops
+        return (f"{util:.0%} ({util / published - 1:+.0%}); {util * peak / 1e15:.1f} PFLOP/s, "
+                f"{e['seconds'] * 1e3:.0f} ms, {e['bytes_per_rank'] / GIB:.1f} GiB")
+    v, e = _pick(got, (False, True))  # Mesh-TensorFlow: XLA-compiled, no recomputation
     return [{"run": "Mesh-TensorFlow LM, Table 2 (4.9B)", "machine": "TPUv2-512, mesh b:16 x m:32",
              "config": f"{parameters(cfg) / 1e9:.2f}B params, 6 layers, batch 256x256, bf16; layout {rules}",
-             "predicted": f"{e['seconds'] * 1e3:.0f} ms/step; {util:.0%} of peak ({util * peak / 1e15:.1f} PFLOP/s)",
-             "published": f"{published:.0%} of peak (6 of 11.5 PFLOP/s)",
-             "error": f"{util / published - 1:+.0%} (utilisation)", "why": _why(e), "e": e}]
+             "published": f"{published:.0%} of peak (6 of 11.5 PFLOP/s)", "cells": _cells(got, text),
+             "as_ran": VARIANT_NAMES[v], "why": _why(e), "e": e}]
 
 
-def gshard_moe(quick: bool) -> list:
+def gshard_moe(quick: bool, remats, fuseds) -> list:
     rows = []
     for cores, published in ((128, 0.52), (2048, 0.32)):
         cfg = app.Config(d_model=1024, heads=16, d_kv=64, d_ff=8192, layers=36, vocab=32000, length=1024,
                          batch=2 * cores, dtype="bfloat16", moe_every=2, experts=cores)
         rules = "batch:all;experts:all"
-        e = priced(cfg, f"all:{cores}", rules, cost.TPUV3, depth=(2, 4) if quick else None, moe_capacity=(2.0, 1))
-        util = e["flops"] / e["seconds"] / cost.TPUV3.flops
+        got = variants(cfg, f"all:{cores}", rules, cost.TPUV3, remats, fuseds, depth=(2, 4) if quick else None,
+                       moe_capacity=(2.0, 1))
+
+        def text(e):
+            util = e["flops"] / e["seconds"] / cost.TPUV3.flops
+            return (f"{util:.0%} ({util / published - 1:+.0%}); {e['seconds'] * 1e3:.0f} ms, "
+                    f"{e['bytes_per_rank'] / GIB:.1f} GiB")
+        v, e = _pick(got, (True, True))  # GShard: XLA-compiled, each layer rematerialised
         a2a = sum(c["bytes"] for k, c in e["collectives"].items() if k.startswith("alltoall"))
         rows.append({"run": f"GShard MoE, {cores} experts, 36 layers", "machine": f"TPUv3-{cores}, mesh all:{cores}",
-                     "config": f"{parameters(cfg) / 1e9:.0f}B params, 2x1024 tokens/core, bf16; layout {rules}",
-                     "predicted": f"{e['seconds'] * 1e3:.0f} ms/step; {util:.0%} utilisation; alltoall "
-                                  f"{a2a / 2**20:.0f} MiB/core per step",
-                     "published": f"{published:.0%} utilisation",
-                     "error": f"{util / published - 1:+.0%} (utilisation)", "why": _why(e), "e": e})
+                     "config": f"{parameters(cfg) / 1e9:.0f}B params, 2x1024 tokens/core, bf16; layout {rules}; "
+                               f"alltoall {a2a / 2**20:.0f} MiB/core per step",
+                     "published": f"{published:.0%} utilisation", "cells": _cells(got, text),
+                     "as_ran": VARIANT_NAMES[v], "why": _why(e), "e": e})
     return rows
 
 
@@ -198,75 +336,96 @@ DENSE = dict(d_model=8192, heads=128, d_kv=128, d_ff=98304, vocab=32000, length=
 DENSE_LAYOUTS = ("batch:rows;heads:cols;d_ff:cols;vocab:cols", "d_model:rows;heads:cols;d_ff:cols;vocab:cols")
 
 
-def dense_2d(quick: bool) -> list:
-    """Largest batch per core count, layout and depth: predicted bytes per core are bilinear in
-    batch and depth (every layer and every sequence alike), so 4 recordings (1 and 2 layers, two
-    batches) give every model size."""
+def largest_batch(mesh: str, rules: str, remat: bool, step: int) -> dict:
+    """`{layers: (largest batch, fixed bytes, bytes per sequence)}` for 32, 64, 128 layers: predicted
+    bytes per core are bilinear in batch and depth (every layer and every sequence alike), so 4
+    recordings (1 and 2 layers, two batches) give every model size."""
+    b1, b2 = 32, 64
+    got = {(n, b): priced(app.Config(**DENSE, layers=n, batch=b, remat=n if remat else 0), mesh, rules, cost.TPUV3)[False]
+           for n in (1, 2) for b in (b1, b2)}
+    out = {}
+    for n_layers in (32, 64, 128):
+        at = {b: got[(1, b)]["bytes_per_rank"] + (n_layers - 1) * (got[(2, b)]["bytes_per_rank"]
+                                                                  - got[(1, b)]["bytes_per_rank"]) for b in (b1, b2)}
+        per_seq = (at[b2] - at[b1]) / (b2 - b1)
+        fixed = at[b1] - per_seq * b1
+        if per_seq > 0:
+            fit = max(0, int((cost.TPUV3.memory - fixed) // per_seq) // step * step)
+        else:  # the peak is batch-independent (the optimizer update's, after activations are freed)
+            fit = math.inf if fixed <= cost.TPUV3.memory else 0
+        out[n_layers] = (fit, fixed, per_seq)
+    return out
+
+
+def dense_2d(quick: bool, remats, fuseds) -> list:
+    """Largest batch per core count, layout, depth and remat (fusion changes no memory), and
+    lingvo's DenseLm128B32x32's throughput."""
     rows = []
-    known = {(128, 2048): "512 runs (lingvo DenseLm128B32x32, 2-D weight sharding)"}
+    known = {(128, 2048): 512}  # lingvo DenseLm128B32x32, 2-D weight sharding
     for cores, mesh in ((1024, "rows:32;cols:32"), (2048, "rows:32;cols:64")):
         for rules in DENSE_LAYOUTS:
             step = 32 if rules.startswith("batch") else 1  # batch split over rows: multiples of 32
-            b1, b2 = 32, 64
-            got = {(n, b): priced(app.Config(**DENSE, layers=n, batch=b), mesh, rules, cost.TPUV3)
-                   for n in (1, 2) for b in (b1, b2)}
-
-            def mem(n_layers, batch):
-                per_layer = {b: got[(2, b)]["bytes_per_rank"] - got[(1, b)]["bytes_per_rank"] for b in (b1, b2)}
-                at = {b: got[(1, b)]["bytes_per_rank"] + (n_layers - 1) * per_layer[b] for b in (b1, b2)}
-                per_seq = (at[b2] - at[b1]) / (b2 - b1)
-                return at[b1] - per_seq * b1, per_seq
+            fits = {r: largest_batch(mesh, rules, r, step) for r in remats}
             for billions, n_layers in ((64, 32), (128, 64), (256, 128)):
-                fixed, per_seq = mem(n_layers, 0)
-                if per_seq > 0:
-                    fit = int((cost.TPUV3.memory - fixed) // per_seq) // step * step
-                else:  # the peak is batch-independent (the optimizer update's, after activations are freed)
-                    fit = math.inf if fixed <= cost.TPUV3.memory else 0
+                pub = known.get((billions, cores))
+
+                def text(r):
+                    fit, fixed, per_seq = fits[r][n_layers]
+                    err = f" ({fit / pub - 1:+.0%})" if pub else ""
+                    return (f"{fit or 'none'}{err} ({fixed / GIB:.1f} GiB fixed + {per_seq / 2**20:.0f} MiB per "
+                            f"sequence)")
                 cfg = app.Config(**DENSE, layers=n_layers, batch=1)
-                e = got[(1, b1)]
-                rows.append({"run": f"dense {billions}B ({n_layers} layers): largest batch", "machine":
-                             f"TPUv3-{cores}, mesh {mesh.replace('rows:', '').replace(';cols:', ' x ')}",
-                             "config": f"{parameters(cfg) / 1e9:.0f}B params, length 1024, bf16; layout {rules}",
-                             "predicted": f"{fit if fit > 0 else 'none'} (per core: {fixed / GIB:.1f} GiB fixed + "
-                                          f"{per_seq / 2**20:.0f} MiB per sequence{'; in multiples of 32' if step > 1 else ''})",
-                             "published": known.get((billions, cores), "slides' table not retrieved"),
-                             "error": (f"{(fit if fit > 0 else 0) / 512 - 1:+.0%}" if (billions, cores) in known else "n/a"),
-                             "why": "memory: parameters, gradients, Adafactor state (fixed) + activations", "e": e})
+                rows.append({"run": f"dense {billions}B ({n_layers} layers): largest batch",
+                             "machine": f"TPUv3-{cores}, mesh {mesh.replace('rows:', '').replace(';cols:', ' x ')}",
+                             "config": f"{parameters(cfg) / 1e9:.0f}B params, length 1024, bf16; layout {rules}"
+                                       f"{'; batch in multiples of 32' if step > 1 else ''}",
+                             "published": f"{pub} (lingvo DenseLm128B32x32)" if pub else "not retrieved",
+                             "cells": {("remat" if r else "no remat"): text(r) for r in remats}})
     # lingvo's DenseLm128B32x32: batch 512 of 1024 tokens on 2048 cores, "Expect ~62k tokens/sec"
     cfg = app.Config(**DENSE, layers=64, batch=512)
     for rules in DENSE_LAYOUTS:
-        e = priced(cfg, "rows:32;cols:64", rules, cost.TPUV3, depth=(1, 2))
-        tps = 512 * 1024 / e["seconds"]
+        got = variants(cfg, "rows:32;cols:64", rules, cost.TPUV3, remats, fuseds, depth=(1, 2))
+
+        def text(e):
+            tps = 512 * 1024 / e["seconds"]
+            return (f"{tps / 1e3:.0f}k tokens/s ({tps / 62e3 - 1:+.0%}); {e['seconds']:.2f} s, "
+                    f"{e['bytes_per_rank'] / GIB:.0f} GiB")
+        v, e = _pick(got, (True, True))
         rows.append({"run": "dense 128B (64 layers), lingvo DenseLm128B32x32", "machine": "TPUv3-2048, mesh 32 x 64",
                      "config": f"{parameters(cfg) / 1e9:.0f}B params, batch 512x1024, bf16; layout {rules}",
-                     "predicted": f"{e['seconds']:.2f} s/step, {tps / 1e3:.0f}k tokens/s; "
-                                  f"{e['bytes_per_rank'] / GIB:.1f} GiB/core",
-                     "published": "~62k tokens/s (config comment)", "error": f"{tps / 62e3 - 1:+.0%} (throughput)",
-                     "why": _why(e), "e": e})
+                     "published": "~62k tokens/s (config comment)", "cells": _cells(got, text),
+                     "as_ran": VARIANT_NAMES[v], "why": _why(e), "e": e})
     return rows
 
 
 def _why(e: dict) -> str:
-    return (f"{dominant(e)}: FLOP-bound {e['flop_bound'] * 1e3:.0f} ms, memory-bound {e['memory_bound'] * 1e3:.0f} ms, "
-            f"communication {e['comm_seconds'] * 1e3:.0f} ms (allreduce {e['allreduce'] * 1e3:.0f}, alltoall "
-            f"{e['alltoall'] * 1e3:.0f}, other {e['other_comm'] * 1e3:.0f}); {e['bytes_per_rank'] / GIB:.1f} GiB/core")
+    return (f"{dominant(e)}: FLOP-bound {e['flop_bound'] * 1e3:.0f} ms, memory-bound {e['memory_bound'] * 1e3:.0f} ms "
+            f"({e['traffic'] / GIB:.0f} GiB HBM traffic), communication {e['comm_seconds'] * 1e3:.0f} ms (allreduce "
+            f"{e['allreduce'] * 1e3:.0f}, alltoall {e['alltoall'] * 1e3:.0f}, other {e['other_comm'] * 1e3:.0f})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="record fewer layers and scale (faster)")
     ap.add_argument("--only", choices=["mtf", "gshard", "dense"], action="append", help="run only these")
+    ap.add_argument("--remat", choices=["off", "on", "both"], default="both",
+                    help="price the step without and/or with each block rematerialised (default both)")
+    ap.add_argument("--fusion", choices=["off", "on", "both"], default="both",
+                    help="price elementwise ops one by one and/or fused as XLA does (default both)")
     args = ap.parse_args()
+    choice = {"off": (False,), "on": (True,), "both": (False, True)}
     runs = {"mtf": mtf_lm, "gshard": gshard_moe, "dense": dense_2d}
     rows = []
     for key, fn in runs.items():
         if args.only and key not in args.only:
             continue
         t0 = time.perf_counter()
-        got = fn(args.quick)
+        got = fn(args.quick, choice[args.remat], choice[args.fusion])
         for r in got:
-            print(f"{r['run']} on {r['machine']}: predicted {r['predicted']}; published {r['published']}; "
-                  f"error {r['error']}; {r['why']} [recorded {r['e'].get('recorded', '')}]", flush=True)
+            cells = "; ".join(f"{k}: {v}" for k, v in r["cells"].items())
+            print(f"{r['run']} on {r['machine']}: published {r['published']}; {cells}"
+                  + (f"; as ran ({r['as_ran']}): {r['why']} [recorded {r['e']['recorded']}]" if "e" in r else ""),
+                  flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         rows += got
     write_table(rows)
@@ -277,12 +436,21 @@ def write_table(rows: list) -> None:
              "Machines: " + "; ".join(f"`{m.name}`: {m.flops / 1e12:.1f} TFLOP/s, α {m.latency * 1e6:.0f} µs, "
                                       f"β {m.bandwidth / 1e9:.0f} GB/s, {m.memory / GIB:.0f} GiB, HBM "
                                       f"{m.memory_bandwidth / 1e9:.0f} GB/s per core" for m in (cost.TPUV2, cost.TPUV3)),
-             "", "| run | machine | configuration | predicted | published | error | dominant term |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['run']} | {r['machine']} | {r['config']} | {r['predicted']} | {r['published']} | "
-                     f"{r['error']} | {r['why']} |")
-    lines += ["", NOTES]
+             "", "Each cell: the prediction (its error against the published figure); step time; memory per core.", ""]
+    for title, group in (("Speed", [r for r in rows if "e" in r]), ("Largest batch in 16 GiB per core",
+                                                                       [r for r in rows if "e" not in r])):
+        if not group:
+            continue
+        names = list(group[0]["cells"])
+        extra = ["as ran", "dominant term (as ran)"] if title == "Speed" else []
+        lines += [f"## {title}", "", "| " + " | ".join(["run", "machine", "configuration", "published"] + names + extra)
+                  + " |", "|" + "---|" * (4 + len(names) + len(extra))]
+        for r in group:
+            lines.append("| " + " | ".join([r["run"], r["machine"], r["config"], r["published"]]
+                                           + [r["cells"][n] for n in names]
+                                           + ([r["as_ran"], r["why"]] if extra else [])) + " |")
+        lines.append("")
+    lines += [NOTES]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "simulate.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -290,15 +458,31 @@ def write_table(rows: list) -> None:
 
 
 NOTES = """Notes and assumptions:
-- Utilisation here is the FLOPs the recorded step executes per core (every einsum, MoE dispatch and
-  combine included) over predicted step time and peak; the papers' own FLOP counts may differ.
+- Utilisation is the FLOPs the recorded step executes per core (every einsum, MoE dispatch and
+  combine, and with remat the recomputed forward, included) over predicted step time and peak,
+  as hardware utilisation counts them; the papers' own FLOP counts may differ.
+- As ran: Mesh-TensorFlow (2018) compiled with XLA (fused), no recomputation; GShard and lingvo's
+  dense LMs compiled with XLA and rematerialise every layer (remat, fused).
+- Fusion (`kernels`) is XLA's loop fusion within runs of consecutive elementwise ops in program
+  order; matmuls keep their own traffic (no fusion of a cast or bias into a matmul's operands or
+  result), and attention's [batch, heads, length, length] scores and probabilities go to HBM
+  (no flash attention in 2018-2020).
 - Mesh-TensorFlow: layer count (6), vocabulary (lm1b 32k, padded to 32,768), length 256 and bfloat16
   activations from tensor2tensor's `mtf_transformer_paper_lm(5)` (4.90B parameters there, as here).
-  Adafactor, as in the paper.
+  Adafactor, as in the paper. Compute dominates, and every FLOP-bound einsum is priced at the
+  MXU's peak: the prediction is above the published figure by what the MXUs lose to shapes and
+  padding, which the model does not price.
 - GShard: the talk's 52% / 32% are taken as given; the model is a decoder-only stack of the paper's
   36 layers (the paper's is encoder-decoder), group = a sequence of 1024 tokens, 2 groups per core,
   expert capacity 2·S/E per group (GShard's), dense weights replicated. The 600B model's sizes
   (2048 experts of 1024 x 8192) give 2048 · 18 · 16.8M = 620B expert weights, matching the paper.
+  At 128 cores remat adds one forward pass of the blocks (about a third of the compute, with
+  their dispatch and combine alltoalls) to time and FLOPs alike, and fusion removes the
+  elementwise traffic between kernels. From 128 to 2048 cores the published utilisation falls
+  52% -> 32%, the prediction far less: the α-β model prices an alltoall at (k-1)/k · bytes / β,
+  flat in the core count, where on TPUv3-2048's 32 x 32-chip torus the bisection bounds it near
+  k_side / 8 · bytes / β = 4 · bytes / β (about bytes / β on 128 cores), and prices an allreduce's
+  latency as α per call, not per ring step (a ring over 2048 cores takes 2 · 2047 steps).
 - Dense 2-D: sizes of lingvo's `DenseLmTemplate` (GSPMD); mpimesh's rules map each tensor dim to one
   mesh dim and a tensor may not use a mesh dim twice, so GShard's weight sharding over both mesh dims
   *with* the batch split (activations [batch(x), length, model(y)], weights [model(x), hidden(y)]) is
@@ -306,18 +490,16 @@ NOTES = """Notes and assumptions:
   model dims on cols: weights replicated over rows) and a fully model-parallel 2-D (d_model on rows,
   heads/d_ff/vocab on cols: no data parallelism). The slides' table of largest batches was not
   retrieved here; the memory model counts parameters, optimizer state and the peak of live op outputs
-  (no rematerialisation, no kernel temporaries), float32 parameters and gradients.
-- Depth scaling: recorded at a and b layers and extrapolated linearly in the layer count.
-- Which term is off: Mesh-TensorFlow's LM is priced within a few percent. GShard at 128 cores is
-  under-predicted (33% vs 52%) by the memory-traffic term: every elementwise op is priced unfused at
-  HBM bandwidth, where XLA fuses them. From 128 to 2048 cores the published utilisation falls 52% -> 32%,
-  the prediction only 33% -> 29%: the α-β alltoall term, (k-1)/k · bytes / β, does not grow with the
-  core count, while on a 2-D torus the per-core alltoall bandwidth falls (bisection ~ √cores).
-  The dense runs are bounded by memory: with Mesh-TensorFlow's 2-D layout the weights are replicated
-  over the batch rows and the peak (the optimizer update: parameters, float32 gradients and the
-  updated parameters alive at once, no in-place update) does not fit in 16 GiB at any batch; the
-  fully model-parallel 2-D layout fits only a few sequences (no rematerialisation, activations not
-  split by batch), where lingvo runs 512 with 2-D weight sharding and rematerialisation.
+  (no kernel temporaries), float32 parameters and gradients, no in-place update. Why lingvo's batch
+  512 still does not fit with remat: under Mesh-TensorFlow's 2-D layout the weights are replicated
+  over the 32 batch rows, and the optimizer update's peak (parameters, float32 gradients and the
+  updated parameters at once) exceeds 16 GiB at any batch, remat or not (it frees activations
+  only); under the fully model-parallel layout remat cuts the bytes per sequence to the stored
+  block inputs plus one block, but every core holds all sequences' activations (split by d_model
+  or heads/d_ff only, never by batch), so far fewer than 512 fit. GSPMD's layout splits the batch
+  over one mesh dim and the weights over both: not expressible here (above).
+- Depth scaling (`--quick`, the dense runs): recorded at a and b layers and extrapolated linearly in
+  the layer count.
 """
 
 

@@ -109,7 +109,7 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     grads: dict[int, object] = {}
     memory = _Release(tr, ops, reach, ys, xs) if release else None
     limit = _bucket_limit(bucket_bytes)
-    leaves, through = _bucket_leaves(ops, xs) if limit else (set(), {})
+    leaves, through = _bucket_leaves(ops, xs) if limit else ({}, {})
     terms: dict[int, list] = {}  # a leaf's gradient terms in arrival order, summed once all buckets are in
 
     def accumulate(t, g):
@@ -121,11 +121,10 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
         old = grads.get(id(t))
         grads[id(t)] = g if old is None else add(old, g)
 
-    with Bucketer(leaves, limit) as buckets:
+    with Bucketer(leaves, limit, ops) as buckets:
         for y, seed in zip(ys, seeds):
             accumulate(y, seed)
         st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, release)
-        st.held.extend(ops[i].outputs[0] for i in through)  # (a remat's second run adds tensors to `reach`)
         _walk(ops, through, memory, st)
         buckets.finish()
     for x in xs:
@@ -145,7 +144,6 @@ class _State:
         self.tr, self.grads, self.reach, self.accumulate = tr, grads, reach, accumulate
         self.terms, self.leaves, self.buckets, self.release = terms, leaves, buckets, release
         self.done: set = set()  # the remat regions whose backward has run
-        self.held: list = []  # leaves made by ops (casts of parameters): their ids key `terms` to the end
 
 
 def _walk(ops: list, through: dict, memory, st: _State) -> None:
@@ -184,7 +182,6 @@ def _rematerialise(region, st: _State) -> None:
         if op.grad is not None and any(id(t) in st.reach for t in op.inputs):
             st.reach.update(id(t) for t in op.outputs)
     through = _through(ops, st.leaves) if st.leaves is not None else {}
-    st.held.extend(ops[i].outputs[0] for i in through)
     memory = _Release(st.tr, ops, st.reach, outs, region.inputs, seen=len(st.tr.ops)) if st.release else None
     _walk(ops, through, memory, st)
     for t in outs:  # done with: their ids may be reused once they are gone
@@ -200,17 +197,17 @@ _THROUGH = ("relayout", "cast")
 
 
 def _bucket_leaves(ops: list, xs: list) -> tuple:
-    """`(leaves, through)`: ids of the tensors whose gradients may wait in buckets, those of `xs` that
+    """`(leaves, through)`: the tensors whose gradients may wait in buckets, by id, those of `xs` that
     no op of the walk produced and, transitively, the outputs of `_THROUGH` ops of those (a
     parameter relayouted before its einsum, or a float32 master cast to bfloat16 in a layer);
     `through` maps each such op's index to (output id, input id). Its rule then runs once on its
     output's summed gradient, as in the unbucketed walk, so the values do not change."""
     produced = {id(o) for op in ops for o in op.outputs}
-    leaves = {id(x) for x in xs if id(x) not in produced}
+    leaves = {id(x): x for x in xs if id(x) not in produced}
     return leaves, _through(ops, leaves)
 
 
-def _through(ops: list, leaves: set) -> dict:
+def _through(ops: list, leaves: dict) -> dict:
     """`through` of `_bucket_leaves` for `ops`, adding their outputs to `leaves` (the ops of a remat
     region are left out: its second run's are walked)."""
     through = {}
@@ -218,7 +215,7 @@ def _through(ops: list, leaves: set) -> dict:
         if (op.name in _THROUGH and op.grad is not None and op.region is None and len(op.inputs) == 1
                 and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves):
             through[i] = (id(op.outputs[0]), id(op.inputs[0]))
-            leaves.add(id(op.outputs[0]))
+            leaves[id(op.outputs[0])] = op.outputs[0]
     return through
 
 

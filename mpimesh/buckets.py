@@ -5,31 +5,40 @@ over the mesh dims the batch is split over (Mesh-TensorFlow's `LazyAllreduceSum`
 `Partial()`). Inside `mm.gradients`, the gradient rule that makes a leaf's gradient (a tensor the
 trace did not produce, e.g. a parameter) marks its einsum with `partial_for(leaf)` (`mpimesh.partials`,
 below the ops): the einsum then skips its allreduce, and the gradient joins the bucket of gradients that need the same allreduce
-(mesh dims, dtype). A bucket that reaches the bucket size starts one non-blocking allreduce of its
-flattened concatenation (`Collectives.iallreduce`) while the backward pass goes on; `mm.gradients`
-starts the rest, waits for every bucket and unpacks. An elementwise sum of a concatenation is the
-per-tensor sums, so the values are those of unbucketed reduction (bitwise, where the transport sums
-each element in an order that does not depend on the message length, as MPICH's algorithms do).
+(mesh dims, dtype). The einsum writes that gradient straight into its slot of the bucket's flat
+buffer (PyTorch DDP's `gradient_as_bucket_view`): nothing is copied in. A bucket that is full, or
+that the next gradient would overflow, starts one non-blocking allreduce of the buffer in place
+(`Collectives.iallreduce`, `MPI.IN_PLACE`) while the backward pass goes on; `mm.gradients` starts
+the rest and waits for every bucket, and each gradient is a view of its slot: nothing is unpacked.
+An elementwise sum of a concatenation is the per-tensor sums, so the values are those of
+unbucketed reduction (bitwise, where the transport sums each element in an order that does not
+depend on the message length, as MPICH's algorithms do).
+
+Ownership: every walk (and every compiled replay) sums into buffers of its own, so a later step
+never overwrites the gradients a step returned; a buffer lives as long as any of its gradients.
+Allocating it is cheap beside the pass over memory a copy costs.
 
 Bucket size, in bytes of local gradient blocks: `mm.gradients(..., bucket_bytes=N)`, else
 `set_bucket_bytes(N)` or `MPIMESH_BUCKET_BYTES=N`; the default is 25 MiB, PyTorch DDP's
-`bucket_cap_mb=25`. 0 turns bucketing off: each gradient is summed on the spot, as before. A bucket's
-fill counts each gradient as its global bytes over the ranks that split it, the same on every rank,
-so that every rank cuts the same buckets even where uneven blocks differ in length.
+`bucket_cap_mb=25`. 0 turns bucketing off: each gradient is summed on the spot, as before. A bucket
+takes gradients while they fit in that size (one bigger than it gets a bucket of its own), counting
+each gradient as its largest block (`slot_bytes`), the same on every rank, so that every rank cuts
+the same buckets even where uneven blocks differ in length. Its buffer is no bigger than the
+gradients still to come may fill: each use of a leaf in the forward ops may give one.
 
 Through a cast: a layer casts its float32 master parameter to the bfloat16 or float16 activation
 dtype, so the einsum gives the cast's output's gradient, not the leaf's. `mm.gradients` treats the
 outputs of casts and relayouts of a leaf as leaves too, and runs their gradient rules once their
 (summed) gradients are in, where the unbucketed walk would have. An einsum of 16-bit inputs adds
 float32 partial sums to a float32 bucket (so never a blocking 16-bit allreduce), and its gradient
-is rounded to the 16-bit dtype once, at unpacking: float32 local sums, float32 sum over ranks, one
+is rounded to the 16-bit dtype once, after the sum (its one copy): float32 local sums, float32 sum over ranks, one
 rounding, then the cast's rule back to float32, the unbucketed path step for step.
 
 In the trace, the einsum is recorded without its allreduce and followed by a `"psum"` op whose
 kernel is `ctx.allreduce(a, mesh_dims)` (then the rounding to `dtype`, where it has one): a JAX
 replay runs it as `psum`. Its `params["bucket"]` is `(bucket serial, position, members)`: a
-compiled step (`mpimesh.compiled`) sums each bucket's members in one non-blocking allreduce, as
-the eager walk did.
+compiled step (`mpimesh.compiled`) makes each bucket's buffer afresh, its members' einsums write
+their slots, and one non-blocking allreduce sums it in place, as the eager walk did.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -46,8 +55,12 @@ import itertools
 import math
 import os
 
+import numpy as np
+
+from .backend import accumulation_dtype, name as backend_name
 from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
+from .layout import local_sizes
 from .ops.elementwise import cast
 from .partials import active
 from .tensor import DistTensor
@@ -104,12 +117,18 @@ class Bucketer:
     """The buckets of one `mm.gradients` walk.
 
     Args:
-      leaves: ids of the tensors whose gradients may wait in a bucket.
+      leaves: the tensors whose gradients may wait in a bucket, by id.
       limit: bucket size in bytes (> 0).
+      ops: the walk's forward ops: each use of a leaf there may give one partial gradient, which
+        bounds the gradients and bytes still to come (a bucket's buffer is no bigger than what may
+        fill it).
     """
 
-    def __init__(self, leaves: set, limit: int):
+    def __init__(self, leaves: dict, limit: int, ops: list):
         self.leaves, self.limit = leaves, limit
+        uses = [t for op in ops for t in op.inputs if id(t) in leaves]
+        self.expected = sum(slot_bytes(t.mesh, t.shape, t.tensor_layout, accumulation_dtype(t.dtype)) for t in uses)
+        self.uses = len(uses)
         self.open: dict = {}  # (mesh id, mesh dims, dtype) -> _Bucket still filling
         self.started: list = []  # buckets in flight, in start order
 
@@ -120,11 +139,30 @@ class Bucketer:
     def __exit__(self, *exc) -> None:
         active.remove(self)
 
+    def slot(self, mesh, shape, layout, dims: tuple, dtype):
+        """Where an einsum writes a gradient (global `shape` laid out by `layout`, local sums in
+        `dtype`) that awaits its sum over `dims`: its slot in the buffer of the bucket filling for
+        (dims, dtype); a bucket is opened if none is, or if this gradient would overflow it (that
+        one is started). None on a dry mesh. `partial` then takes the einsum's result."""
+        nbytes = slot_bytes(mesh, shape, layout, dtype)
+        key = (id(mesh), dims, str(dtype))
+        bucket = self.open.get(key)
+        if bucket is not None and not bucket.fits(nbytes):
+            self._start(key)
+            bucket = None
+        if bucket is None:
+            capacity = max(nbytes, min(self.limit, self.expected))
+            bucket = self.open[key] = _Bucket(mesh, dims, capacity, max(self.uses, 1), dtype)
+        self.expected -= nbytes
+        self.uses -= 1
+        return bucket.reserve(local_sizes(shape, mesh.shape, layout, mesh.coords), nbytes)
+
     def partial(self, y, dims: tuple, dtype=None):
-        """`y` (an einsum's local sums, replicated over `dims` in its layout but not yet summed there)
-        as a gradient awaiting that sum: recorded as a `"psum"` op, its values arriving at `finish`.
-        `dtype` (a 16-bit float, where `y` holds float32 partials of 16-bit inputs): the sum is
-        rounded to it once, as an unbucketed einsum rounds its float32 allreduce."""
+        """`y` (an einsum's local sums, written into its `slot`, replicated over `dims` in its layout
+        but not yet summed there) as a gradient awaiting that sum: recorded as a `"psum"` op, its
+        values arriving at `finish`. `dtype` (a 16-bit float, where `y` holds float32 partials of
+        16-bit inputs): the sum is rounded to it once, as an unbucketed einsum rounds its float32
+        allreduce."""
         dtype = None if dtype is None or dtype == y.dtype else dtype
         out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
         rec = None
@@ -134,11 +172,9 @@ class Bucketer:
             for tr in _open_traces:
                 tr._append(rec)
         key = (id(y.mesh), dims, str(y.dtype))
-        bucket = self.open.get(key)
-        if bucket is None:
-            bucket = self.open[key] = _Bucket(y.mesh, dims)
-        bucket.add(out, y.local, _nominal_bytes(y), rec)
-        if bucket.bytes >= self.limit:
+        bucket = self.open[key]
+        bucket.add(out, y.local, rec)
+        if bucket.bytes >= bucket.capacity:  # full: nothing more fits
             self._start(key)
         return out
 
@@ -165,16 +201,44 @@ _serials = itertools.count()
 
 
 class _Bucket:
-    __slots__ = ("mesh", "dims", "tensors", "arrays", "bytes", "request", "records")
+    """A bucket filling: up to `capacity` bytes of gradients (as `slot_bytes` counts them), at most
+    `count` of them, their slots in one flat buffer of its own (none on a dry mesh), summed in
+    place by one allreduce. Every rank decides alike what fits, from `slot_bytes` and the slot
+    alignment, never from the lengths of its own blocks (which are never longer)."""
 
-    def __init__(self, mesh, dims: tuple):
-        self.mesh, self.dims = mesh, dims
-        self.tensors, self.arrays, self.bytes, self.request, self.records = [], [], 0, None, []
+    __slots__ = ("mesh", "dims", "capacity", "bytes", "itemsize", "step", "room", "nominal", "flat", "used", "tensors",
+                 "partials", "request", "records")
 
-    def add(self, t, local, nbytes: int, rec=None) -> None:
-        self.tensors.append(t)
-        self.arrays.append(local)
+    def __init__(self, mesh, dims: tuple, capacity: int, count: int, dtype):
+        self.mesh, self.dims, self.capacity, self.bytes = mesh, dims, capacity, 0
+        self.itemsize = np.dtype(dtype).itemsize
+        self.step = slot_step(mesh.xp, self.itemsize)
+        self.room = next_slot(0, -(-capacity // self.itemsize), self.step) + count * (self.step - 1)  # elements
+        self.nominal = self.used = 0  # elements taken, as every rank counts them and in this rank's buffer
+        dry = getattr(mesh, "dry", False)  # a dry run: shapes only, the one allreduce counted
+        self.flat = None if dry else mesh.xp.empty(self.room, dtype)
+        self.tensors, self.partials, self.request, self.records = [], [], None, []
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a gradient of `nbytes` (`slot_bytes`) fits in what is left."""
+        end = next_slot(self.nominal, nbytes // self.itemsize, self.step)
+        return self.bytes + nbytes <= self.capacity and end <= self.room
+
+    def reserve(self, shape: tuple, nbytes: int):
+        """The next slot, a C-contiguous `shape` view of the flat buffer (None on a dry mesh)."""
         self.bytes += nbytes
+        self.nominal = next_slot(self.nominal, nbytes // self.itemsize, self.step)
+        if self.flat is None:
+            return None
+        at, n = self.used, math.prod(shape)
+        self.used = next_slot(at, n, self.step)
+        if self.used > at + n:
+            self.flat[at + n:self.used] = 0  # the padding to the next slot: summed, never read
+        return self.flat[at:at + n].reshape(shape)
+
+    def add(self, t, local, rec=None) -> None:
+        self.tensors.append(t)
+        self.partials.append(local)
         if rec is not None:
             self.records.append(rec)
 
@@ -183,49 +247,55 @@ class _Bucket:
         for k, rec in enumerate(self.records):
             rec.params["bucket"] = (serial, k, len(self.records))
         self.records = []
-        if getattr(self.mesh, "dry", False):  # a dry run: count the one allreduce, values never come
-            self.request = count_bucket(self.mesh, self.arrays, self.dims)
-            self.arrays = []
+        if self.flat is None:
+            self.request = count_bucket(self.mesh, self.partials, self.dims)
             return
-        self.request = start_sum(self.mesh, self.arrays, self.dims)
-        self.arrays = []  # the request owns their concatenation now: the partial sums can go
+        used = self.flat[:self.used]
+        self.request = self.mesh.collectives.iallreduce(used, self.dims, out=used)  # in place
+        self.flat = None  # its gradients' views keep it: it lives as long as one of them
 
     def finish(self) -> None:
-        total = self.request.wait()
-        shapes = [t.local.shape for t in self.tensors]
-        dtypes = [t.local.dtype for t in self.tensors]
-        if total is None:  # a dry run's bucket: shapes and dtypes only
-            blocks = [shaped(s, d) for s, d in zip(shapes, dtypes)]
-        else:
-            blocks = split_sum(total, shapes, dtypes)
-        for t, block in zip(self.tensors, blocks):
-            t.local = block
-        self.tensors = []
+        """Each gradient its summed slot (a view; rounded to its 16-bit dtype, where it has one)."""
+        done = self.request.wait() is not None
+        for t, p in zip(self.tensors, self.partials):
+            dtype = t.local.dtype
+            t.local = (p if p.dtype == dtype else p.astype(dtype)) if done else shaped(p.shape, dtype)
+        self.tensors, self.partials = [], []
 
 
-def start_sum(mesh, arrays: list, dims: tuple):
-    """One non-blocking allreduce over `dims` of the arrays' flat concatenation, reduced in place in
-    it (the bucket's own buffer; a single array is not written): its `Request`."""
-    flat = [a.reshape(-1) for a in arrays]
-    send = flat[0] if len(flat) == 1 else mesh.xp.concatenate(flat)
-    return mesh.collectives.iallreduce(send, dims, out=send if len(flat) > 1 else None)
+def slot_bytes(mesh, shape, layout, dtype) -> int:
+    """A gradient's bytes as a bucket counts them, the same on every rank: those of its largest
+    block (each dim's length over the ranks that split it, rounded up), in `dtype`'s words. Uneven
+    blocks differ in length from rank to rank; this does not, so every rank cuts the same buckets,
+    and no rank's block is longer than its slot.
+
+    >>> from mpimesh.mesh import AbstractMesh
+    >>> from mpimesh.shape import Shape
+    >>> slot_bytes(AbstractMesh("x:2"), Shape("b:5;h:3"), ("x", None), "float32")  # 3 of the 5 rows
+    36
+    """
+    sizes = [-(-d.size // mesh.shape[m].size) if m else d.size for d, m in zip(shape, layout)]
+    return math.prod(sizes) * np.dtype(dtype).itemsize
 
 
-def split_sum(total, shapes: list, dtypes: list) -> list:
-    """The summed concatenation `total` cut back into blocks of `shapes`, each in its dtype."""
-    blocks, at = [], 0
-    for shape, dtype in zip(shapes, dtypes):
-        n = math.prod(shape)
-        block = total[at:at + n].reshape(shape)
-        blocks.append(block if block.dtype == dtype else block.astype(dtype))
-        at += n
-    return blocks
+def slot_step(xp, itemsize: int) -> int:
+    """The elements a bucket's slots are aligned to: on a GPU, 256 bytes, where a fresh allocation
+    starts (cuBLAS picks its GEMM by the output's alignment: the same GEMM, the same bits; the
+    allreduce then also sums the padding, under 256 bytes a gradient); none on numpy.
+
+    >>> slot_step(np, 4)
+    1
+    """
+    return 1 if backend_name(xp) == "numpy" else max(256 // itemsize, 1)
 
 
-def _nominal_bytes(t) -> int:
-    """`t`'s bytes over the ranks that split it, rounded up: the same on every rank."""
-    split = math.prod(t.mesh.shape[m].size for m in t.tensor_layout if m)
-    return -(-math.prod(t.shape.sizes) // split) * t.local.dtype.itemsize
+def next_slot(at: int, n: int, step: int) -> int:
+    """The element where the slot after one of `n` elements at element `at` starts (a multiple of `step`).
+
+    >>> next_slot(0, 3, 64), next_slot(64, 64, 64), next_slot(5, 3, 1)
+    (64, 128, 8)
+    """
+    return -(-(at + n) // step) * step
 
 
 def _psum_kernel(dims: tuple, dtype=None):

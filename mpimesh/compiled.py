@@ -30,13 +30,16 @@ eagerly (its ops recorded there, for gradients through it).
 """
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections import OrderedDict
 from typing import Any, Callable
 
+import numpy as np
+
 from .backend import matmul_precision
-from .buckets import bucket_bytes, split_sum, start_sum
+from .buckets import bucket_bytes, next_slot, slot_step
 from .collectives import counters
 from .errors import MpimeshError
 from .graphs import for_engine
@@ -166,10 +169,12 @@ class _Entry:
 class _Engine:
     """The program as a flat list of steps over a list of arrays (the inputs' slots first, then the
     constants', then each op's outputs'): `("op", name, kernel, input slots, output slots, slots to
-    free, flops)`; a gradient bucket's members (psum records of one `mpimesh.buckets` bucket) as
-    `("start", bucket)` where its last member was recorded (one non-blocking allreduce of their
-    concatenation, as eager) and `("wait", bucket)` before the first op that reads one of them.
-    `run(arrays)` gives the outputs' arrays."""
+    free, flops)`. A gradient bucket (the psum records of one `mpimesh.buckets` bucket) is a flat
+    buffer made each run before the einsum of its first member (an op, `"bucket"`), that each
+    member's einsum writes its slot of (its kernel takes the buffer as one more input), then
+    `("start", bucket)` where its last member was recorded (one non-blocking allreduce in place,
+    as eager) and `("wait", bucket)` before the first op that reads one of them. `run(arrays)`
+    gives the outputs' arrays."""
 
     def __init__(self, program: Program):
         self.mesh = program.mesh
@@ -191,17 +196,26 @@ class _Engine:
         for s, k in last.items():
             if s not in keep:
                 frees.setdefault(k, []).append(s)
-        buckets = _buckets(program.ops, slots)
+        buckets = _buckets(program.ops, slots, program.mesh)
         starts = {b.start_at: b for b in buckets}
         waits: dict[int, list] = {}
         for b in buckets:
             waits.setdefault(b.wait_at, []).append(b)
         members = {k for b in buckets for k in b.members}
+        makes: dict[int, list] = {}
+        for b in buckets:
+            makes.setdefault(min(b.writers), []).append(b)
+        writers = {k: (b, j) for b in buckets for j, k in enumerate(b.writers)}
         self.steps: list = []
         for k, rec in enumerate(program.ops):
             for b in waits.get(k, ()):
                 self.steps.append(("wait", b))
-            if k not in members:
+            self.steps += [("op", "bucket", b.make, [], [b.flat], [], 0) for b in makes.get(k, ())]
+            if k in writers:
+                b, j = writers[k]
+                self.steps.append(("op", rec.name, b.writer(j, rec.lower), [slots[id(t)] for t in rec.inputs] + [b.flat],
+                                   [slots[id(t)] for t in rec.outputs], frees.get(k, []), rec.flops))
+            elif k not in members:
                 self.steps.append(("op", rec.name, rec.lower, [slots[id(t)] for t in rec.inputs],
                                    [slots[id(t)] for t in rec.outputs], frees.get(k, []), rec.flops))
             if k in starts:
@@ -248,36 +262,68 @@ class _Engine:
 
 
 class _ReplayBucket:
-    """The psum records of one gradient bucket, in the order eager concatenated them: started
-    after the last of them (`start_at`, a program index), waited for before the first op that
-    reads one of their outputs (`wait_at`; the program's length: only at the end)."""
+    """The psum records of one gradient bucket, in the order eager filled it. Each run: its flat
+    buffer made (`make`, into slot `flat`) before the first einsum that writes a member's slot
+    (`writers`, program indices), summed in place after the last member (`start_at`), waited for
+    before the first op that reads one of their outputs (`wait_at`; the program's length: only at
+    the end). A fresh buffer each run: the gradients a run returns are views of it, which the next
+    run does not overwrite."""
 
-    def __init__(self, records: list, slots: dict, ops: list):
+    def __init__(self, records: list, slots: dict, ops: list, mesh):
         self.dims = records[0].params["mesh_dims"]
-        self.ins = [slots[id(rec.inputs[0])] for rec in records]
+        partials = [rec.inputs[0] for rec in records]
+        self.ins = [slots[id(t)] for t in partials]
         self.outs = [slots[id(rec.outputs[0])] for rec in records]
+        self.dtype = np.dtype(partials[0].dtype)
         self.dtypes = [rec.outputs[0].dtype for rec in records]
-        self.shapes = [t.local_shape if hasattr(t, "local_shape") else tuple(t.local.shape)
-                       for t in (rec.outputs[0] for rec in records)]
+        self.shapes = [t.local_shape if hasattr(t, "local_shape") else tuple(t.local.shape) for t in partials]
+        self.at, end, step = [], 0, slot_step(mesh.xp, self.dtype.itemsize)
+        for shape in self.shapes:
+            self.at.append(end)
+            end = next_slot(end, math.prod(shape), step)
+        self.size = end
+        ends = [at + math.prod(shape) for at, shape in zip(self.at, self.shapes)]
+        self.pads = [(e, at) for e, at in zip(ends, self.at[1:] + [end]) if at > e]  # aligned slots (a GPU's)
+        self.flat = slots.setdefault(("bucket", id(self)), len(slots))
         index = {id(rec): k for k, rec in enumerate(ops)}
+        made = {id(t): k for k, rec in enumerate(ops) for t in rec.outputs}
         self.members = [index[id(rec)] for rec in records]  # program indices (no record is kept)
+        self.writers = [made[id(t)] for t in partials]  # the einsums that make the members
         self.start_at = max(self.members)
         outs = set(self.outs)
         self.wait_at = next((k for k in range(self.start_at + 1, len(ops))
                              if any(slots[id(t)] in outs for t in ops[k].inputs)), len(ops))
 
+    def make(self, ctx):
+        """The kernel of the `"bucket"` op: this run's flat buffer, its padding between slots zeroed."""
+        flat = ctx.xp.empty(self.size, self.dtype)
+        for a, b in self.pads:
+            flat[a:b] = 0
+        return flat
+
+    def writer(self, j: int, lower):
+        """Member j's einsum kernel `lower`, taking the flat buffer last and writing its slot."""
+        at, shape = self.at[j], self.shapes[j]
+        n = math.prod(shape)
+
+        def write(ctx, *arrays):
+            return lower(ctx, *arrays[:-1], out=arrays[-1][at:at + n].reshape(shape))
+        return write
+
     def start(self, mesh, env: list):
-        request = start_sum(mesh, [env[s] for s in self.ins], self.dims)
+        flat = env[self.flat]
         for s in self.ins:
-            env[s] = None  # the request owns their concatenation now
-        return request
+            env[s] = None  # views of the buffer, which the allreduce now owns
+        return mesh.collectives.iallreduce(flat, self.dims, out=flat)
 
     def finish(self, request, env: list) -> None:
-        for s, block in zip(self.outs, split_sum(request.wait(), self.shapes, self.dtypes)):
-            env[s] = block
+        flat, env[self.flat] = request.wait(), None  # the gradients' views keep it
+        for s, at, shape, dtype in zip(self.outs, self.at, self.shapes, self.dtypes):
+            block = flat[at:at + math.prod(shape)].reshape(shape)
+            env[s] = block if block.dtype == dtype else block.astype(dtype)
 
 
-def _buckets(ops: list, slots: dict) -> list:
+def _buckets(ops: list, slots: dict, mesh) -> list:
     """The program's gradient buckets (psum records with a `bucket` param, all members present)."""
     groups: dict = {}
     for rec in ops:
@@ -288,7 +334,7 @@ def _buckets(ops: list, slots: dict) -> list:
     for members in groups.values():
         members.sort(key=lambda m: m[0])
         if len(members) == members[0][1]:  # else some were pruned: each psum runs on its own
-            out.append(_ReplayBucket([m[2] for m in members], slots, ops))
+            out.append(_ReplayBucket([m[2] for m in members], slots, ops, mesh))
     return out
 
 

@@ -135,8 +135,10 @@ class GraphEngine:
         return self._replay(arrays)
 
     def _copied_out(self, outs: list) -> list:
+        """The step's results, those in (or viewing) a buffer the graphs write copied: the next
+        replay must not overwrite them (a gradient is a view of its bucket's buffer)."""
         held = {id(a) for a in self.held.values()}
-        return [a.copy() if id(a) in held else a for a in outs]
+        return [a.copy() if id(a) in held or id(getattr(a, "base", None)) in held else a for a in outs]
 
     def _capture(self, arrays: list) -> list:
         engine, cap = self.engine, self.cap
@@ -209,7 +211,7 @@ class GraphEngine:
             if step[0] == "op":
                 out.update(step[3])
             else:
-                out.update(step[1].ins)
+                out.update((*step[1].ins, step[1].flat))
         return out
 
     def _replay(self, arrays: list) -> list:

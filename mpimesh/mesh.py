@@ -237,13 +237,14 @@ class Mesh(AbstractMesh):
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
-    def run(self, name: str, lower, arrays: list, n_out: int, ctx=None) -> tuple:
+    def run(self, name: str, lower, arrays: list, n_out: int, ctx=None, **out) -> tuple:
         """Run op `name`'s kernel on this rank's blocks `arrays`: its `n_out` local outputs, each an
         array (a kernel reducing to a scalar may give a numpy scalar; `local` is always an array).
         `dispatch` calls it; a `dryrun.DryMesh` runs kernels on shapes instead. `ctx`: the
-        collectives the kernel is handed (None: the mesh's own)."""
+        collectives the kernel is handed (None: the mesh's own). `out=array`: passed on to a kernel
+        that writes its result there (a bucketed gradient's einsum, `mpimesh.buckets`)."""
         coll = self._collectives if ctx is None else ctx
-        result = lower(self.collectives if coll is None else coll, *arrays)
+        result = lower(self.collectives if coll is None else coll, *arrays, **out)
         if n_out == 1:
             return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)
         if not isinstance(result, tuple):  # one array where several were declared: dispatch says so

@@ -297,7 +297,7 @@ def tensor_type(cls):
 
 def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
              params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
-             mesh=None) -> list:
+             mesh=None, out=None) -> list:
     """Run one op on this rank and record it.
 
     Args:
@@ -310,6 +310,8 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
       grad: the gradient rule, for autodiff.
       flops: local floating-point operations, for the profile.
       mesh: the mesh the outputs live on; needed only when there are no inputs (else theirs).
+      out: an array for the kernel to write its one output into (`lower(ctx, *arrays, out=out)`;
+        a gradient's slot in its bucket, `mpimesh.buckets`); the record keeps `lower` as it is.
     Returns:
       The output DistTensors.
     """
@@ -324,7 +326,9 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
             _check_spec(name, spec[0], spec[1], mesh)
             _checked.add(key)
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
-    result = mesh.run(name, lower, [t.local for t in inputs], len(out_specs))
+    arrays = [t.local for t in inputs]
+    result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
+        mesh.run(name, lower, arrays, 1, out=out)
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if len(out_specs) == 1:

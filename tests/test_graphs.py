@@ -129,3 +129,12 @@ def test_transformer_in_graphs_equals_eager_bitwise(graphs, which):
 def test_random_ops_in_graphs_draw_fresh_numbers_from_seed_tensors(graphs, shape):
     random_ops(shape)  # eager's numbers in every replay, a new mask each step
     _check_plan(graphs[0])
+
+
+def test_gradients_in_bucket_buffers_the_graphs_write_are_copied_out(graphs):
+    """A gradient is a view of its bucket's buffer, which the graphs write again in every replay:
+    the gradients a replay returns keep their values after later replays."""
+    from test_buckets import test_bucket_views_of_a_step_survive_the_next_step as survive
+    survive(compiled=True)
+    for engine in graphs:
+        _check_plan(engine)

@@ -249,8 +249,12 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         bucket = None
     if layouts != plan.targets:
         xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
+    # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
+    into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
+        if bucket else None
     (y,) = dispatch("einsum", xs, [(out, out_layout)], plan.lower,
-                    {"subscripts": plan.subscripts, "reduce_mesh_dims": plan.summed}, _einsum_grad, plan.flops)
+                    {"subscripts": plan.subscripts, "reduce_mesh_dims": plan.summed}, _einsum_grad, plan.flops,
+                    out=into)
     return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
 
 
@@ -319,13 +323,14 @@ def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) 
         m = (x if perm is None else x.transpose(perm)).reshape(shape)
         return m.swapaxes(-1, -2) if turn else m
 
-    def lower(ctx, a, b):
+    def lower(ctx, a, b, out=None):
         if swap:
             a, b = b, a
         if a.shape != sa or b.shape != sb or not (getattr(a, "flags", None) and a.flags.c_contiguous
                                                   and b.flags.c_contiguous):
-            return general(ctx, *((b, a) if swap else (a, b)))
-        return _matmul(ctx.xp, view(a, va), view(b, vb)).reshape(out_shape)
+            return general(ctx, *((b, a) if swap else (a, b)), out=out)
+        y = _into(ctx.xp, _matmul, view(a, va), view(b, vb), out)
+        return y.reshape(out_shape) if out is None else out
     return lower
 
 
@@ -339,8 +344,10 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
 
 
 def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: bool) -> Callable:
-    """The einsum's kernel: `lower(ctx, *arrays)`."""
-    def lower(ctx, *arrays):
+    """The einsum's kernel: `lower(ctx, *arrays, out=None)`. `out` (a bucketed gradient's slot in its
+    bucket, `mpimesh.buckets`; never with `summed`): a C-contiguous array of the local result's
+    shape and dtype that the GEMM writes, returned."""
+    def lower(ctx, *arrays, out=None):
         xp = ctx.xp
         # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
         # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
@@ -353,9 +360,10 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
             if pair[1]:
-                y = _tensordot(xp, matmul, a, b, pair[1], pair[2])
+                y = _tensordot(xp, matmul, a, b, pair[1], pair[2], out)
             else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
-                y = a.reshape(a.shape + (1,) * b.ndim) * b
+                y = a.reshape(a.shape + (1,) * b.ndim) * b if out is None else \
+                    xp.multiply(a.reshape(a.shape + (1,) * b.ndim), b, out=out)
         elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
             swap, pa, sa, pb, sb, sc, pc, into, (nb, nf, nk) = bmm
             a, b = arrays[::-1] if swap else arrays
@@ -363,42 +371,66 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
             a = _operand(xp, a, pa[:nb], pa[nb:nb + nf], pa[nb + nf:])
             b = _operand(xp, b, pb[:nb], pb[nb:nb + nk], pb[nb + nk:])
             if pc is None:
-                y = matmul(xp, a, b).reshape(sc)
+                y = _into(xp, matmul, a, b, out).reshape(sc)
             elif into is not None and name(xp) == "numpy":  # the matmul writes the output: no transposed copy
-                y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b))
+                y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b)) if out is None else out
                 view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
                 assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
                 xp.matmul(a, b, out=view)
             else:  # the output reordered: a copy, counted
                 y = xp.transpose(matmul(xp, a, b).reshape(sc), pc)
-                if getattr(y, "strides", None) is not None:
+                if out is not None:
+                    y = _write(out, y)
+                elif getattr(y, "strides", None) is not None:
                     counters.record("copies", (), y.size, y.nbytes)
                     y = contiguous(xp, y)
         else:
             with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
-                y = expr(*arrays, backend=xp.__name__.split(".")[0])
+                y = expr(*arrays, backend=xp.__name__.split(".")[0], out=out)
+        if out is not None:  # every path above wrote the result into it
+            return out
         if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
             return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
         return y.astype(out_dtype) if rounded else y
     return lower
 
 
-def _matmul(xp, a, b):
-    """`a @ b`. A batched float32 one on CuPy goes through `mpimesh.widen`'s cuBLAS call, in the matmul
+def _matmul(xp, a, b, out=None):
+    """`a @ b` (into `out`, where given: a C-contiguous array of the result's shape and dtype). A
+    batched float32 one on CuPy goes through `mpimesh.widen`'s cuBLAS call, in the matmul
     precision: CuPy's batched matmul ignores TF32 (its dot, tensordot and 2-D matmul follow it)."""
     if xp is np:
-        return np.matmul(a, b)
+        return np.matmul(a, b, out=out)
     if a.ndim > 2 and name(xp) == "cupy" and a.dtype == b.dtype == np.float32:
-        return widening_matmul(xp, a, b)
-    return xp.matmul(a, b)
+        y = widening_matmul(xp, a, b)
+        return y if out is None else _write(out, y)
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)  # jax.numpy takes no `out`
 
 
-def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple):
-    """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D views (`_operand`)."""
+def _into(xp, matmul, a, b, out):
+    """`matmul(xp, a, b)` (`_matmul` or `widening_matmul`) into `out` (None: a new array), viewed in
+    the product's shape: the one array a bucketed gradient's GEMM writes (`mpimesh.buckets`)."""
+    if out is None:
+        return matmul(xp, a, b)
+    out = out.reshape(a.shape[:-1] + b.shape[-1:])
+    return _matmul(xp, a, b, out) if matmul is _matmul else _write(out, matmul(xp, a, b))
+
+
+def _write(out, y):
+    """`y` copied into `out` (a kernel path that cannot compute into it), counted as a copy; `out`."""
+    counters.record("copies", (), y.size, y.nbytes)
+    out[...] = y
+    return out
+
+
+def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple, out=None):
+    """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D views (`_operand`),
+    into `out` where it can (see `_into`)."""
     free_a, free_b = _free(a.ndim, axes_a), _free(b.ndim, axes_b)
     a2 = _operand(xp, a, (), free_a, axes_a)
     b2 = _operand(xp, b, (), axes_b, free_b)
-    return matmul(xp, a2, b2).reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
+    y = _into(xp, matmul, a2, b2, out)
+    return y.reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
 
 
 @lru_cache(maxsize=1024)
