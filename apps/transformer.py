@@ -135,7 +135,7 @@ class Config:
     moe_every: int = 0  # K > 0: layers i with (i + 1) % K == 0 get a GShard MoE instead of the FFN
     experts: int = 0
     dtype: str = "float32"  # the activations' dtype ("bfloat16", "float16"); parameters stay float32
-    remat: int = 0  # the first `remat` blocks' activations recomputed in the backward pass (`mm.remat`)
+    remat: int = 0  # the first `remat` blocks' sublayers recomputed in the backward pass (`mm.remat`)
 
     def dim(self, name: str) -> mm.Dimension:
         sizes = {"batch": self.batch, "length": self.length, "memory_length": self.length,
@@ -191,15 +191,28 @@ def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: 
     x = layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
     aux = None
     for i in range(cfg.layers):
-        x, a = (mm.remat(block) if i < cfg.remat else block)(p[f"layer{i}"], x, cfg, i, train, seed, capacity)
+        x, a = block(p[f"layer{i}"], x, cfg, i, train, seed, capacity, remat=i < cfg.remat)
         if a is not None:
             aux = a if aux is None else aux + a
     return layers.dense(p["logits"], layers.layer_norm(p["ln_f"], x, "d_model")), aux
 
 
-def block(b: dict, x, cfg: Config, i: int, train: bool, seed, capacity: dict) -> tuple:
-    """Block `i` (params `b`) on x: `(x + attention + feed-forward or MoE, the MoE's aux loss or None)`."""
-    x = x + layers.multihead_attention(b["att"], layers.layer_norm(b["ln1"], x, "d_model"), causal=True)
+def block(b: dict, x, cfg: Config, i: int, train: bool, seed, capacity: dict, remat: bool = False) -> tuple:
+    """Block `i` (params `b`) on x: its two residual sublayers, attention then the feed-forward or
+    MoE one (the layers of Mesh-TensorFlow's layer stack), each rematerialised (`mm.remat`) when
+    `remat`: `(x, the MoE's aux loss or None)`."""
+    run = mm.remat if remat else (lambda f: f)
+    x = run(attention_sublayer)(b, x)
+    return run(feed_forward_sublayer)(b, x, cfg, i, train, seed, capacity)
+
+
+def attention_sublayer(b: dict, x):
+    """`x + attention(layer_norm(x))`, causal."""
+    return x + layers.multihead_attention(b["att"], layers.layer_norm(b["ln1"], x, "d_model"), causal=True)
+
+
+def feed_forward_sublayer(b: dict, x, cfg: Config, i: int, train: bool, seed, capacity: dict) -> tuple:
+    """`(x + feed_forward(layer_norm(x)), None)`, or with the MoE of layer `i`, `(x + moe(...), aux)`."""
     h = layers.layer_norm(b["ln2"], x, "d_model")
     if not cfg.is_moe(i):
         return x + layers.feed_forward(b["ffn"], h, cfg.activation), None
@@ -496,7 +509,7 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
               f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t1:.1f} s to search); calibration "
               f"{how}")
         print(plan.report(top), flush=True)
-    return plan.rules, plan.seconds, plan.remat
+    return plan.rules, plan.seconds, -(-plan.remat // 2)  # blocks: two remat sublayers each
 
 
 def predicted_beside_measured(predicted: float, times: list) -> str:
@@ -549,7 +562,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "mesh dim; the dispatch and combine are alltoalls over it)")
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
     ap.add_argument("--remat", nargs="?", type=int, const=-1, default=0, metavar="N",
-                    help="rematerialise the first N blocks (all without N; mm.remat): their activations are recomputed "
+                    help="rematerialise the first N blocks (all without N; mm.remat on each of their two sublayers): their activations are recomputed "
                     "in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
                     "auto, mm.auto_layout remats the fewest blocks that let a layout fit when memory is short")
     ap.add_argument("--steps", type=int, default=200, help="the total number of training steps (with --resume too)")

@@ -1,12 +1,14 @@
-"""Rematerialisation (`mm.remat` per block) on a 4-layer Transformer: peak memory, step time, and
-the cost model's prediction of the peak, each against the same step without remat in the same run.
+"""Rematerialisation (`mm.remat` on each block's two sublayers) on a 4-layer Transformer: peak
+memory, step time, and the cost model's prediction of the peak, each against the same step
+without remat in the same run.
 
 Run (common.py fixes the BLAS environment by itself: one BLAS thread per rank):
 
     mpiexec -n N python benchmarks/remat.py [--repeat 7] [--layers 4 --batch 16 --length 128 ...]
 
 The step is `apps/transformer.py`'s training step (forward, `mm.gradients(release=True)`, Adafactor)
-with `Config(remat=0)` and `Config(remat=layers)` (every block), data-parallel over all ranks (`batch:all`).
+with `Config(remat=0)` and `Config(remat=layers)` (every block's sublayers), data-parallel over
+all ranks (`batch:all`).
 - Peak activation bytes per rank: `mm.profile(memory=True)`'s peak of live arrays during the
   step's forward and backward pass (the arrays made inside it: activations, gradients; the
   parameters and the batch were made before). Bar: with remat at most 40% of without.

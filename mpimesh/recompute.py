@@ -108,6 +108,7 @@ class Region:
         scope = layout_scope(self.mesh, self.rules) if self.mesh is not None else nullcontext()
         with scope, trace() as tr:
             out = self.fn(*self.args, **self.kwargs)
+            release_unneeded()  # what no gradient rule reads goes before the backward allocates
         ops = tr.ops
         again = _signature(ops, {id(t) for t in self.inputs})
         for k, (a, b) in enumerate(zip(self.ops, again)):

@@ -36,12 +36,12 @@ def _batch(mesh, cfg):
     return {"inputs": mesh.from_numpy(ids[:, :-1], shape), "targets": mesh.from_numpy(ids[:, 1:], shape)}
 
 
-_BLOCK = T.block
+_FEED_FORWARD = T.feed_forward_sublayer
 
 
-def _block_with_dropout(b, x, cfg, i, train, seed, capacity):
-    """The app's block followed by dropout (rate 0.3) drawn from the step's seed tensor."""
-    y, aux = _BLOCK(b, x, cfg, i, train, seed, capacity)
+def _feed_forward_with_dropout(b, x, cfg, i, train, seed, capacity):
+    """The app's feed-forward sublayer followed by dropout (rate 0.3) drawn from the step's seed tensor."""
+    y, aux = _FEED_FORWARD(b, x, cfg, i, train, seed, capacity)
     return mm.dropout(y, 0.3, layers.subseed(seed, f"dropout{i}")), aux
 
 
@@ -61,7 +61,7 @@ def test_transformer_gradients_equal_without_remat_bitwise(shape, kind, monkeypa
     mesh = get_mesh(shape)
     cfg = replace(CFG, moe_every=2, experts=3) if kind == "moe" else CFG
     if kind == "dropout":
-        monkeypatch.setattr(T, "block", _block_with_dropout)
+        monkeypatch.setattr(T, "feed_forward_sublayer", _feed_forward_with_dropout)
     seed = T.step_seed(mesh, 0, 7)
     with mm.layout_scope(mesh, RULES[mesh.shape.rank]):
         loss, grads, n = _grads(mesh, cfg, seed)
