@@ -113,8 +113,8 @@ class Region:
         again = _signature(ops, {id(t) for t in self.inputs})
         for k, (a, b) in enumerate(zip(self.ops, again)):
             if a != b:
-                what = (f"{b[0]} of [{b[1]}] reads another tensor from outside the block than the first run"
-                        if a[:2] == b[:2] else f"{b[0]} of [{b[1]}] where the first ran {a[0]} of [{a[1]}]")
+                what = (f"{b[0]} of [{_shapes(b)}] reads another tensor from outside the block than the first run"
+                        if a[:2] == b[:2] else f"{b[0]} of [{_shapes(b)}] where the first ran {a[0]} of [{_shapes(a)}]")
                 raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run (in the backward pass) differs from "
                                    f"the first at op {k}: {what}; fn must compute the same ops from the same "
                                    f"tensors (bind loop variables as arguments, not as closures)")
@@ -159,8 +159,13 @@ def remat(fn: Callable) -> Callable:
 
 def _signature(ops: list, outside: set) -> list:
     """Per op: its name, its inputs' shapes, and which outside tensor each input is (else None)."""
-    return [(op.name, ", ".join(str(t.shape) for t in op.inputs),
+    return [(op.name, tuple(t.shape for t in op.inputs),
              tuple(id(t) if id(t) in outside else None for t in op.inputs)) for op in ops]
+
+
+def _shapes(entry: tuple) -> str:
+    """The input shapes of a `_signature` entry, for an error message."""
+    return ", ".join(str(shape) for shape in entry[1])
 
 
 def _tensors(tree) -> list:
