@@ -16,7 +16,10 @@ depend on the message length, as MPICH's algorithms do).
 
 Ownership: every walk (and every compiled replay) sums into buffers of its own, so a later step
 never overwrites the gradients a step returned; a buffer lives as long as any of its gradients.
-Allocating it is cheap beside the pass over memory a copy costs.
+The transport hands them out (`Collectives.bucket_buffer`): on the host, from a pool that gives a
+buffer again only once nothing refers to it (a fresh one would page-fault each step), in shared
+memory where the group's ranks share a node, which the transport then sums in place without
+messages (`collectives/shm.py`).
 
 Bucket size, in bytes of local gradient blocks: `mm.gradients(..., bucket_bytes=N)`, else
 `set_bucket_bytes(N)` or `MPIMESH_BUCKET_BYTES=N`; the default is 25 MiB, PyTorch DDP's
@@ -216,7 +219,7 @@ class _Bucket:
         self.room = next_slot(0, -(-capacity // self.itemsize), self.step) + count * (self.step - 1)  # elements
         self.nominal = self.used = 0  # elements taken, as every rank counts them and in this rank's buffer
         dry = getattr(mesh, "dry", False)  # a dry run: shapes only, the one allreduce counted
-        self.flat = None if dry else mesh.xp.empty(self.room, dtype)
+        self.flat = None if dry else mesh.collectives.bucket_buffer(self.room, dtype, dims)
         self.tensors, self.partials, self.request, self.records = [], [], None, []
 
     def fits(self, nbytes: int) -> bool:

@@ -266,8 +266,8 @@ class _ReplayBucket:
     buffer made (`make`, into slot `flat`) before the first einsum that writes a member's slot
     (`writers`, program indices), summed in place after the last member (`start_at`), waited for
     before the first op that reads one of their outputs (`wait_at`; the program's length: only at
-    the end). A fresh buffer each run: the gradients a run returns are views of it, which the next
-    run does not overwrite."""
+    the end). A buffer of its own each run (`Collectives.bucket_buffer`: one no array refers to any
+    more): the gradients a run returns are views of it, which the next run does not overwrite."""
 
     def __init__(self, records: list, slots: dict, ops: list, mesh):
         self.dims = records[0].params["mesh_dims"]
@@ -296,7 +296,7 @@ class _ReplayBucket:
 
     def make(self, ctx):
         """The kernel of the `"bucket"` op: this run's flat buffer, its padding between slots zeroed."""
-        flat = ctx.xp.empty(self.size, self.dtype)
+        flat = ctx.bucket_buffer(self.size, self.dtype, self.dims)
         for a, b in self.pads:
             flat[a:b] = 0
         return flat

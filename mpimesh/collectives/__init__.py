@@ -2,7 +2,8 @@
 
 `make(mesh)` builds the transport the mesh chose (`placement.choose`): `mpi.py` (host buffers, or
 GPU buffers for a CUDA-aware MPI), `staged.py` (GPU -> pinned host -> MPI -> GPU), `nccl.py`.
-`guard.py` adds the SPMD check and time-outs to all of them; `counters.py` feeds the profile.
+`guard.py` adds the SPMD check and time-outs to all of them; `counters.py` feeds the profile;
+`shm.py` sums host buffers of ranks on one node through shared memory, for `mpi.py`.
 
 >>> from mpimesh import Mesh, MPI
 >>> type(make(Mesh("all:1", comm=MPI.COMM_SELF))).__name__

@@ -199,9 +199,10 @@ class Guard:
         self.enter("barrier", tuple(self._shape.names), np.empty(0, np.uint8))
         self.wait_mpi(self.comm.Ibarrier(), None)
 
-    def wait_mpi(self, request: MPI.Request, what: Optional[str]) -> None:
-        """Wait for an MPI request of the guard's own, over the whole mesh (see `wait`)."""
-        self.wait(_Polled(request.Test), tuple(self._shape.names), what)
+    def wait_mpi(self, request: MPI.Request, what: Optional[str], dims: Optional[tuple] = None) -> None:
+        """Wait for an MPI request of the guard's own, over the whole mesh or the group over `dims`
+        (see `wait`)."""
+        self.wait(_Polled(request.Test), tuple(self._shape.names) if dims is None else dims, what)
 
     def wait(self, request, dims: tuple, what: Optional[str] = None) -> None:
         """Poll `request` (anything with `test()`) until done: flat out for `_SPIN` seconds, then with

@@ -38,7 +38,7 @@ from mpi4py import MPI
 from ..backend import BFLOAT16, accumulation_dtype, is_low_precision, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
-from . import counters
+from . import counters, shm
 from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, merge_front, pack, split_front,
                    unpack)
 from .guard import Guard, uneven_shape
@@ -99,8 +99,9 @@ class BufferPool:
 
 
 class _TwoStep(Request):
-    """The request of a non-blocking allreduce of 16-bit floats: the alltoall of its first step is
-    in flight; the second step (reduce, then the allgather) starts in `start_second`, which the
+    """The request of a non-blocking allreduce in two steps (of 16-bit floats, or through shared
+    memory, `shm.py`): the first step's transfer (an alltoall; the records' allgather) is in flight;
+    the second (reduce, then the allgather; the sum, then a barrier) starts in `start_second`, which the
     owner calls where every rank of the group does (its `wait`), never inside a `test()` poll, so
     that every rank starts its collectives in the same order. Until then `test()` only lets the
     alltoall progress and says False."""
@@ -108,18 +109,28 @@ class _TwoStep(Request):
     __slots__ = ("_first", "_second", "_req")
 
     def __init__(self, first: Request, second):
-        super().__init__(self._test_second, lambda: self._req.wait())
+        super().__init__(None, None)  # no bound methods of its own: a cycle would keep the buffers until a GC
         self._first, self._second, self._req = first, second, None
 
     def start_second(self) -> None:
         if self._req is None:
             self._req = self._second()
+            self._first = self._second = None  # the buffers they hold can go once the transfer has
 
-    def _test_second(self) -> bool:
-        if self._req is None:
-            self._first.test()
-            return False
-        return self._req.test()
+    def test(self) -> bool:
+        if not self._done:
+            if self._req is None:
+                self._first.test()
+                return False
+            if self._req.test():
+                self._complete()
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            self.start_second()
+            self._req.wait()
+        return self._complete()
 
 
 def _refcount(items: list, i: int) -> int:
@@ -143,6 +154,7 @@ class MpiCollectives(Collectives):
         self._device = mesh.backend == "cupy"
         self._host_pool = BufferPool(np) if self._device else self.pool
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
+        self._shm_groups: dict[tuple, bool] = {}  # whether the group over dims sums through shared memory
 
     def _on(self, x):
         """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
@@ -155,14 +167,43 @@ class MpiCollectives(Collectives):
     def _slice(self, x, axis: int, start, n: int):
         return x[(slice(None),) * axis + (slice(start, start + n),)].copy()  # a copy: the full array can go
 
+    def _comm(self, dims: tuple) -> MPI.Comm:
+        comm = self._mpi_comms.get(dims)
+        if comm is None:
+            comm = self._mpi_comms[dims] = self.mesh.comm_for(dims)
+        return comm
+
+    def bucket_buffer(self, n: int, dtype, mesh_dims):
+        """Gradient buckets' flat buffers: on the host, shared memory where the group over `mesh_dims`
+        may sum through it (`shm.py`), else pooled (no page faults each step); on a GPU, CuPy's pool."""
+        dtype = np.dtype(dtype)
+        raw = self._shared(n * dtype.itemsize, self.ordered(mesh_dims)) if self.xp is np else None
+        return self.pool.empty((n,), dtype) if raw is None else raw.view(dtype)
+
+    def _shared(self, nbytes: int, dims: tuple):
+        """A shared-memory uint8 buffer of `nbytes` for sums over `dims` (`shm.Arena`), or None."""
+        if self.transport == "mpi" and self.size(dims) > 1 and nbytes >= shm.MIN_BYTES and shm.enabled() \
+                and self._shm_groups.get(dims) is not False:
+            return shm.arena.empty(nbytes)
+        return None
+
+    def _through_shm(self, dims: tuple, x, op) -> bool:
+        """Whether an in-place allreduce of `x` over `dims` goes through shared memory (probing the
+        group the first time: the same answer on every rank of it)."""
+        if not (self.transport == "mpi" and op in ("sum", "max", "min") and isinstance(x, np.ndarray)
+                and x.nbytes >= shm.MIN_BYTES and shm.enabled()):
+            return False
+        ok = self._shm_groups.get(dims)
+        if ok is None:
+            ok = self._shm_groups[dims] = shm.probe(self._comm(dims), lambda r, what: self.guard.wait_mpi(r, what, dims))
+        return ok
+
     # The transfer: the one step other transports replace ------------------------------------
     def _post(self, kind: str, dims: tuple, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
         """Start `kind` from `send` into `recv` over `dims`, non-blocking (`guard.wait` polls it as
         fast as a blocking call would complete; see `guard.py`).
         `counts`: for unequal blocks, (elements to each coordinate, elements from each coordinate)."""
-        comm = self._mpi_comms.get(dims)
-        if comm is None:
-            comm = self._mpi_comms[dims] = self.mesh.comm_for(dims)
+        comm = self._comm(dims)
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
         in_place = send is recv  # an allreduce into its input
@@ -202,12 +243,26 @@ class MpiCollectives(Collectives):
         if send.size == 0 and kw.get("counts") is None:  # an empty block: the whole group has nothing to send
             self.mesh.comm_for(dims)  # but a first use makes the communicator, over the whole mesh: join it
             return DONE
+        if kind == "allreduce" and self._through_shm(dims, send, kw["op"]):  # (the same answer on every rank)
+            if recv is not send:
+                recv[...] = send  # summed in place: in shared memory where `recv` lies there
+            comm, op = self._comm(dims), _OPS[kw["op"]]
+            run = shm.ShmAllreduce(comm, recv, kw["op"], lambda: comm.Iallreduce(MPI.IN_PLACE, recv, op=op))
+            records = Request(run.records.Test, run.records.Wait)
+
+            def second() -> Request:
+                self._complete(records, dims)
+                req = run.second()
+                return Request(req.Test, req.Wait)
+            return _TwoStep(records, second)
         return self._post(kind, dims, send, recv, **kw)
 
     def _complete(self, req: Request, dims: tuple) -> None:
         """Wait for `req`, polled (see `guard.wait`)."""
         if req is DONE:
             return
+        if isinstance(req, _TwoStep):
+            req.start_second()  # here, where every rank of the group completes its requests in the same order
         try:
             self.guard.wait(req, dims)
         except CollectiveTimeoutError:
@@ -261,12 +316,20 @@ class MpiCollectives(Collectives):
     def _allreduce(self, x, dims: tuple, op: str, out=None):
         xp, pool = self._on(x)
         x = contiguous(xp, x)
-        out = pool.empty(x.shape, x.dtype) if out is None else out
+        out = self._result(x, dims, op) if out is None else out
         if is_low_precision(x.dtype) and x.size:  # `out` may be `x`: the alltoall has read it when the allgather runs
             self._complete(self._allreduce16(x, dims, op, out, "")[1](), dims)
             return out
         self._run("allreduce", dims, x, out, x.size, x.nbytes, f" {op}", op=op)
         return out
+
+    def _result(self, x, dims: tuple, op: str):
+        """A buffer for the allreduce of `x`: shared memory where the sum may go through it."""
+        if not is_low_precision(x.dtype) and self._through_shm(dims, x, op):
+            raw = self._shared(x.nbytes, dims)
+            if raw is not None:
+                return raw.view(x.dtype).reshape(x.shape)
+        return self._on(x)[1].empty(x.shape, x.dtype)
 
     def _allreduce16(self, x, dims: tuple, op: str, out, detail: str) -> tuple:
         """The allreduce of 16-bit floats in two steps (see the module): starts the alltoall
@@ -284,9 +347,8 @@ class MpiCollectives(Collectives):
         return first, second
 
     def _iallreduce(self, x, dims: tuple, op: str, out=None) -> Request:
-        xp, pool = self._on(x)
-        x = contiguous(xp, x)
-        out = pool.empty(x.shape, x.dtype) if out is None else out
+        x = contiguous(self._on(x)[0], x)
+        out = self._result(x, dims, op) if out is None else out
         if is_low_precision(x.dtype) and x.size:
             req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"))
         else:
