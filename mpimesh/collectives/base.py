@@ -32,6 +32,7 @@ allreduce); otherwise, and over a group of one, the result is copied into `out`.
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Optional, Protocol, Sequence
 
@@ -390,6 +391,29 @@ class Collectives:
             result = run({"out": out})
             return out if result is out else _copy(out, result)
         return _copy(out, run({}))
+
+
+def idle(items: list, i: int) -> bool:
+    """Whether nothing but the list `items` refers to `items[i]` (a pooled buffer that no array
+    views any more: every numpy view's `.base` is the array that owns the memory).
+
+    >>> import numpy as np
+    >>> bufs = [np.empty(4)]
+    >>> view = bufs[0][1:]
+    >>> idle(bufs, 0)
+    False
+    >>> del view
+    >>> idle(bufs, 0)
+    True
+    """
+    return _refcount(items, i) == _IDLE_REFS
+
+
+def _refcount(items: list, i: int) -> int:
+    return sys.getrefcount(items[i])
+
+
+_IDLE_REFS = _refcount([object()], 0)  # the count of a list item nothing else refers to
 
 
 def _with(shape: tuple, axis: int, n: int) -> tuple:

@@ -30,7 +30,6 @@ mpi4py cannot export, travels as uint16 views (`backend.wire_dtype`).
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -39,8 +38,8 @@ from ..backend import BFLOAT16, accumulation_dtype, is_low_precision, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
 from . import counters, shm
-from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, merge_front, pack, split_front,
-                   unpack)
+from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, idle, merge_front, pack,
+                   split_front, unpack)
 from .guard import Guard, uneven_shape
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -85,7 +84,7 @@ class BufferPool:
         key = (self.device, nbytes)
         bufs = self._bufs.setdefault(key, [])
         for i in range(len(bufs)):
-            if sys.getrefcount(bufs[i]) == _IDLE_REFS:  # same expression as in `_refcount`
+            if idle(bufs, i):
                 return bufs[i].view(dtype).reshape(shape)
         raw = np.empty(nbytes, np.uint8)
         if len(bufs) < self.per_size:
@@ -131,13 +130,6 @@ class _TwoStep(Request):
             self.start_second()
             self._req.wait()
         return self._complete()
-
-
-def _refcount(items: list, i: int) -> int:
-    return sys.getrefcount(items[i])
-
-
-_IDLE_REFS = _refcount([object()], 0)  # the count of a list item nothing else refers to
 
 
 class MpiCollectives(Collectives):

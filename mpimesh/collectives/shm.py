@@ -21,8 +21,8 @@ share a node, and each rank finds the others' probe pages through /proc. Sums, m
 of buffers of at least `MIN_BYTES`; off with `MPIMESH_SHM=0` or `set_enabled(False)`, on every rank
 alike. Buffers are pooled (`Arena`, reused once nothing refers to one, as `BufferPool`) and never
 unmapped while the process lives, so another rank's mapping never outlives the memory it names;
-the pool's total is capped, past which buffers are private and summed through MPI. A memfd has no
-name: nothing is left behind when a job dies.
+the pool is capped (`MAX_BYTES`, `MAX_BUFFERS`, `PER_SIZE`), past which buffers are private and
+summed through MPI. A memfd has no name: nothing is left behind when a job dies.
 
 >>> import numpy as np
 >>> tree_reduce([np.array([1.0]), np.array([2.0]), np.array([4.0])], np.add).tolist()
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 from typing import Optional
 
 import numpy as np
@@ -40,9 +39,11 @@ from mpi4py import MPI
 
 from ..errors import MpimeshError
 from ..layout import block_span
+from .base import idle
 
 MIN_BYTES = 1 << 20  # smaller sums are latency-bound: MPI's own path is as fast
-MAX_BYTES = 2 << 30  # shared buffers one process keeps at most
+MAX_BYTES = 1 << 30  # bytes of shared buffers one process keeps at most
+MAX_BUFFERS = 64  # and how many (each holds a file descriptor open)
 PER_SIZE = 4  # shared buffers of one size at most (a step's live gradient buckets)
 _BLOCK = 1 << 18  # bytes of each rank's block reduced at a time (k of them stay in cache)
 _FIELDS = 7  # pid, serial, fd, offset, bytes, dtype character, shared (1) or not (0)
@@ -98,9 +99,9 @@ class Arena:
         the system refuses one."""
         bufs = self._pool.setdefault(nbytes, [])
         for i in range(len(bufs)):
-            if sys.getrefcount(bufs[i]) == _IDLE_REFS:
+            if idle(bufs, i):
                 return bufs[i]
-        if len(bufs) >= PER_SIZE or self._bytes + nbytes > MAX_BYTES:
+        if len(bufs) >= PER_SIZE or self._bytes + nbytes > MAX_BYTES or len(self._where) >= MAX_BUFFERS:
             return None
         raw = self._make(nbytes)
         if raw is not None:
@@ -154,11 +155,6 @@ class Arena:
         return serial, fd, int(self._probe.view(np.int64)[0])
 
 
-def _refcount(items: list, i: int) -> int:
-    return sys.getrefcount(items[i])
-
-
-_IDLE_REFS = _refcount([object()], 0)  # the count of a list item nothing else refers to
 arena = Arena()
 
 
