@@ -2,11 +2,11 @@
 `mpimesh.buckets` (which sits above them).
 
 A gradient rule wraps the one einsum that makes a leaf's gradient in `partial_for(leaf)`; the
-einsum asks `claim()`: a `Bucketer` (an `mm.gradients` walk in progress that buckets that leaf) to
+einsum asks `claim(dtype)`: a `Bucketer` (an `mm.gradients` walk in progress that buckets that leaf) to
 hand its local sums to, or None. Buckets register their walk with `active`.
 
 >>> with partial_for(None):
-...     claim() is None
+...     claim("float32") is None
 True
 """
 from __future__ import annotations
@@ -23,16 +23,18 @@ def partial_for(x) -> Iterator[None]:
     """Around a gradient rule's one einsum whose result is `x`'s gradient itself: where `x` is a leaf
     of a bucketed `mm.gradients` walk, that einsum's sum over mesh dims is left to a bucket."""
     b = active[-1] if active else None
-    _claims.append(b if b is not None and x is not None and id(x) in b.leaves else None)
+    _claims.append((b, x.dtype) if b is not None and x is not None and id(x) in b.leaves else None)
     try:
         yield
     finally:
         _claims.pop()
 
 
-def claim() -> Optional[object]:
-    """For an einsum: the Bucketer its allreduce may be left to (once per `partial_for` block), or None."""
+def claim(dtype) -> Optional[object]:
+    """For an einsum whose result has `dtype`: the Bucketer its allreduce may be left to (once per
+    `partial_for` block), or None; None too where `dtype` is not the leaf's (float64 activations
+    of float32 parameters: the rule casts the gradient, which needs its sum first)."""
     if not _claims or _claims[-1] is None:
         return None
-    b, _claims[-1] = _claims[-1], None
-    return b
+    (b, leaf), _claims[-1] = _claims[-1], None
+    return b if dtype == leaf else None

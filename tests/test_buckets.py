@@ -419,3 +419,32 @@ def test_bucket_allreduce_runs_in_place(monkeypatch):
     g = _globals()
     got, _ = _step(mesh, g, None)
     assert seen == ([True] if N > 1 else [])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_float32_parameters_of_float64_activations(shape):
+    """A layer norm's float32 scale and bias on float64 activations: the rule casts their float64
+    gradients, so they are summed by their einsums (not left to a bucket, whose partial sums a cast
+    cannot read); bitwise the unbucketed values, and numpy's float64 gradients rounded once."""
+    mesh = mm.Mesh(shape)
+    rng = np.random.default_rng(11)
+    x_g, c_g = rng.standard_normal((B, 2, H)), rng.standard_normal((B, 2, H))
+    s_g, b_g = rng.standard_normal(H).astype(np.float32), rng.standard_normal(H).astype(np.float32)
+    grads = {}
+    with mm.layout_scope(mesh, f"batch:{mesh.shape.names[0]}"):
+        x = mesh.from_numpy(x_g, f"batch:{B};seq:2;h:{H}")
+        c = mesh.from_numpy(c_g, f"batch:{B};seq:2;h:{H}")
+        scale, bias = mesh.from_numpy(s_g, f"h:{H}"), mesh.from_numpy(b_g, f"h:{H}")
+        for bucket_bytes in (1 << 20, 0):
+            with mm.trace():
+                y = mm.layers.layer_norm({"scale": scale, "bias": bias}, x, "h")
+                gs, gb = mm.gradients([mm.reduce_sum(y * c)], [scale, bias], bucket_bytes=bucket_bytes)
+            assert gs.dtype == np.float32 and gb.dtype == np.float32
+            grads[bucket_bytes] = (gs.to_numpy(), gb.to_numpy())
+    for a, b in zip(grads[1 << 20], grads[0]):
+        assert a.tobytes() == b.tobytes()
+    mean, var = x_g.mean(-1, keepdims=True), x_g.var(-1, keepdims=True)
+    yhat = (x_g - mean) / np.sqrt(var + 1e-6)
+    np.testing.assert_allclose(grads[0][0], (c_g * yhat).sum((0, 1)).astype(np.float32), rtol=1e-6)
+    np.testing.assert_allclose(grads[0][1], c_g.sum((0, 1)).astype(np.float32), rtol=1e-6)

@@ -183,7 +183,7 @@ class MpiCollectives(Collectives):
         """Whether an in-place allreduce of `x` over `dims` goes through shared memory (probing the
         group the first time: the same answer on every rank of it)."""
         if not (self.transport == "mpi" and op in ("sum", "max", "min") and isinstance(x, np.ndarray)
-                and x.nbytes >= shm.MIN_BYTES and shm.enabled()):
+                and x.dtype.kind in "iufc" and x.nbytes >= shm.MIN_BYTES and shm.enabled()):
             return False
         ok = self._shm_groups.get(dims)
         if ok is None:
@@ -316,8 +316,9 @@ class MpiCollectives(Collectives):
         return out
 
     def _result(self, x, dims: tuple, op: str):
-        """A buffer for the allreduce of `x`: shared memory where the sum may go through it."""
-        if not is_low_precision(x.dtype) and self._through_shm(dims, x, op):
+        """A buffer for the allreduce of `x`: shared memory where the group is known to sum through it
+        (probed by its first such sum, in `_start`, after the SPMD check)."""
+        if isinstance(x, np.ndarray) and not is_low_precision(x.dtype) and self._shm_groups.get(dims):
             raw = self._shared(x.nbytes, dims)
             if raw is not None:
                 return raw.view(x.dtype).reshape(x.shape)
