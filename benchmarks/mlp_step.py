@@ -14,8 +14,9 @@ Beside each mpimesh time, the same run times two plain references on the same pe
 alone, what this CPU's BLAS can do), and "numpy+MPI": a hand-written step with preallocated
 buffers, in-place elementwise ops and raw mpi4py `Allreduce` (what careful hand-written code
 gets). Runs are interleaved; the median of N is reported (a run's time is its slowest rank's).
-The communication share is the time spent inside mpimesh's allreduces (including waiting for
-the other rank) over the step time, from separately instrumented runs. "ratio" is mpimesh's
+The communication share is the time spent completing mpimesh's collectives (waiting for the other
+rank, and the shared-memory sums of gradient buckets) over the step time, from separately
+instrumented runs. "ratio" is mpimesh's
 median over the matmuls' median; "(of min)" the same of the fastest runs, which other jobs on a
 loaded machine disturb least.
 
@@ -109,17 +110,23 @@ def numpy_mpi_step(comm: MPI.Comm, b: int, b_global: int, dio: int, dh: int,
 
 
 def comm_share(mesh: mm.Mesh, step: Callable[[], object], runs: int) -> float:
-    """Median fraction of the step spent inside mpimesh's allreduces (incl. waiting)."""
+    """Median fraction of the step spent completing mpimesh's collectives: waiting for them, and the
+    shared-memory sums (`collectives/shm.py`), which a bucket's allreduce runs as it completes."""
     coll = mesh.collectives
-    plain = coll.allreduce
-    spent = [0.0]
+    plain = coll._complete  # every transfer of the MPI transport completes here, blocking or not
+    spent, depth = [0.0], [0]
 
     def timed(*a, **k):
+        if depth[0]:  # one completing inside another (a shared-memory sum's records)
+            return plain(*a, **k)
+        depth[0] += 1
         t0 = time.perf_counter()
-        out = plain(*a, **k)
-        spent[0] += time.perf_counter() - t0
-        return out
-    coll.allreduce = timed
+        try:
+            return plain(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t0
+            depth[0] -= 1
+    coll._complete = timed
     shares = []
     try:
         for _ in range(runs):
@@ -129,7 +136,7 @@ def comm_share(mesh: mm.Mesh, step: Callable[[], object], runs: int) -> float:
             step()
             shares.append(spent[0] / (time.perf_counter() - t0))
     finally:
-        del coll.allreduce  # back to the class's method
+        del coll._complete  # back to the class's method
     return float(statistics.median(shares))
 
 
