@@ -13,7 +13,9 @@ and the tensors it closes over (bind a loop's parameters as arguments, not as la
 variables). A second run that differs is an `MpimeshError` naming the first op that differs.
 
 `mpimesh.cost` prices a remat step as it runs: the recomputation in its time, the freed arrays in
-its memory; `mm.auto_layout` remats blocks only where memory is short (`remat_policy`).
+its memory; `mm.auto_layout` remats blocks only where memory is short (`remat_policy`). The second
+run's ops are marked (`OpRecord.rerun`): the JAX replay passes their inputs through an
+optimization barrier, as `jax.checkpoint` does, or XLA would merge them with the first run's.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -110,6 +112,8 @@ class Region:
             out = self.fn(*self.args, **self.kwargs)
             release_unneeded()  # what no gradient rule reads goes before the backward allocates
         ops = tr.ops
+        for rec in ops:
+            rec.rerun = rec.rerun or self  # (an inner region's second runs keep their own mark)
         again = _signature(ops, {id(t) for t in self.inputs})
         for k, (a, b) in enumerate(zip(self.ops, again)):
             if a != b:

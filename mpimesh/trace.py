@@ -56,9 +56,11 @@ class OpRecord:
     and the layout rules in force when it ran (its gradient ops run under the same rules).
     While autodiff runs its gradient rule, `needs[i]` says whether input i wants a gradient, so
     a rule may skip (return None for) inputs nothing differentiates. `region`: the `mm.remat`
-    call it ran in (its values are not kept: the backward pass runs the region again), or None."""
+    call it ran in (its values are not kept: the backward pass runs the region again), or None;
+    `rerun`: the region whose second run (in the backward pass) it belongs to, or None."""
 
-    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops", "region")
+    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops", "region",
+                 "rerun")
 
     def __init__(self, name, inputs, outputs, params, lower, grad, rules=None, flops=0):
         self.name, self.inputs, self.outputs = name, inputs, outputs
@@ -67,6 +69,7 @@ class OpRecord:
         self.flops = flops
         """The local floating-point operations its kernel does on this rank (for the profile)."""
         self.region = _regions[-1] if _regions else None
+        self.rerun = None
 
     def __repr__(self) -> str:
         ins = ", ".join(str(t.shape) for t in self.inputs)

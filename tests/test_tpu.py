@@ -808,3 +808,36 @@ def test_uneven_windows_replay_matches_mpi(family, mesh_index):
     make = {"shift": _shift_uneven, "conv": _conv_uneven}[family]
     tr, inputs, outputs = make(mesh_index)
     check_replay(tr, inputs, outputs, modes=MODES_UNEVEN[mesh_index])
+
+
+@pytest.mark.skipif(N != 1, reason="one device: runs in the 1-rank session")
+def test_remat_second_runs_pass_a_barrier():
+    """`mm.remat` blocks replay as `jax.checkpoint` ones: each second run reads its inputs through one
+    `optimization_barrier`, so XLA cannot merge it with the first run (which computes the same
+    values) and keep the first's activations; the values are the eager step's (float64)."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    x = mesh.from_numpy(global_array("b:6;d:4", 31).astype(np.float64), "b:6;d:4")
+    ws = [(mesh.from_numpy(global_array("d:4;f:5", 32 + k).astype(np.float64), "d:4;f:5"),
+           mesh.from_numpy(global_array("f:5;d:4", 40 + k).astype(np.float64), "f:5;d:4")) for k in range(3)]
+    flat = [w for pair in ws for w in pair]
+
+    def block(h, w1, w2):
+        return h + mm.einsum([mm.tanh(mm.einsum([h, w1])), w2], output_shape=h.shape)
+    texts, values = {}, {}
+    for remat in (False, True):
+        with mm.trace() as tr:
+            h = x
+            for w1, w2 in ws:
+                h = (mm.remat(block) if remat else block)(h, w1, w2)
+            loss = mm.reduce_sum(h * h)
+            grads = mm.gradients([loss], flat)
+        fn = mm.tpu.replay(tr, [x, *flat], [loss, *grads], devices=DEVICES[:1])
+        data = [t.to_numpy() for t in [x, *flat]]
+        texts[remat] = fn.lower(*data).as_text()
+        values[remat] = [np.asarray(v) for v in fn(*data)]
+        for got, want in zip(values[remat], [loss, *grads]):
+            np.testing.assert_allclose(got, want.to_numpy(), rtol=1e-12, atol=1e-12)
+    assert texts[False].count("optimization_barrier") == 0
+    assert texts[True].count("optimization_barrier") == len(ws), texts[True].count("optimization_barrier")
+    for a, b in zip(values[False], values[True]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)

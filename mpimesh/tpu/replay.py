@@ -164,6 +164,23 @@ class _Plan:
                                   f"rank's block sizes, so build a replay of uneven blocks on rank 0")
         self.fills = {id(rec): _FILLS[rec.name] for rec in self.ops
                       if rec.name in _FILLS and any(self.uneven[id(t)] for t in rec.inputs)}
+        self.barriers = _barriers(self.ops)
+
+
+def _barriers(ops: list) -> dict:
+    """`{id(first op): ids of the tensors it reads from before it}` of each `mm.remat` block's second
+    run (ops marked `rerun`): the replay passes those through `lax.optimization_barrier` (what
+    `jax.checkpoint` does), or XLA would merge the second run with the first, which computes the
+    same values, and keep the first's activations for the backward pass."""
+    runs: dict[int, list] = {}
+    for rec in ops:
+        if rec.rerun is not None:
+            runs.setdefault(id(rec.rerun), []).append(rec)
+    barriers = {}
+    for recs in runs.values():
+        made = {id(t) for rec in recs for t in rec.outputs}
+        barriers[id(recs[0])] = list(dict.fromkeys(id(t) for rec in recs for t in rec.inputs if id(t) not in made))
+    return barriers
 
 
 def _blocks(t, uneven: tuple) -> str:
@@ -181,11 +198,16 @@ def _padded(ctx: JaxCollectives, a, uneven: tuple, fill):
 
 def _body(plan: _Plan, ctx: JaxCollectives):
     """The per-device program: every needed op's own kernel, in trace order."""
+    from jax.lax import optimization_barrier
+
     def body(*arrays):
         xp = ctx.xp
         env: dict[int, Any] = {i: xp.asarray(c) for i, c in plan.constants.items()}
         env.update(zip(plan.input_ids, arrays))
         for rec in plan.ops:
+            ids = plan.barriers.get(id(rec))
+            if ids:  # a remat block's second run starts: see `_barriers`
+                env.update(zip(ids, optimization_barrier(tuple(env[i] for i in ids))))
             args = [env[id(t)] for t in rec.inputs]
             if id(rec) in plan.fills:  # e.g. -inf where a max or softmax would see zeros
                 args = [_padded(ctx, a, plan.uneven[id(t)], _fill(a.dtype, plan.fills[id(rec)]))
