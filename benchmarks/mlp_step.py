@@ -13,7 +13,8 @@ Beside each mpimesh time, the same run times two plain references on the same pe
 "matmul": the step's five local matmuls in numpy into preallocated arrays (the local compute
 alone, what this CPU's BLAS can do), and "numpy+MPI": a hand-written step with preallocated
 buffers, in-place elementwise ops and raw mpi4py `Allreduce` (what careful hand-written code
-gets). Runs are interleaved; the median of N is reported (a run's time is its slowest rank's).
+gets); and "numpy, no MPI", the same step without its allreduces: the local step alone, below
+which no step with communication can go (the verdicts print its ratio too). Runs are interleaved; the median of N is reported (a run's time is its slowest rank's).
 The communication share is the time spent completing mpimesh's collectives (waiting for the other
 rank, and the shared-memory sums of gradient buckets) over the step time, from separately
 instrumented runs. "ratio" is mpimesh's
@@ -159,7 +160,8 @@ def bench_mode(name: str, rules: str, comm: MPI.Comm, s: "tl.Sizes", repeat: int
         lh = dh // n if rules == "hidden:all" else dh
         fns = {"mpimesh": ours, "compiled": compiled, "matmul": matmul_reference(lb, dio, lh),
                "numpy+MPI": numpy_mpi_step(comm, lb, b, dio, lh, rules == "hidden:all" and n > 1,
-                                           rules == "batch:all" and n > 1)}
+                                           rules == "batch:all" and n > 1),
+               "local": numpy_mpi_step(comm, lb, b, dio, lh, False, False)}
         res = compare(fns, repeat=repeat, warmup=2, comm=comm)
         share = comm_share(mesh, ours, max(3, repeat // 2)) if n > 1 else 0.0
     flops = 5 * 2 * lb * dio * lh
@@ -212,7 +214,8 @@ def main() -> None:
         ratio = r["compiled"] / r["matmul"]
         rank0_print(verdict(f"mlp_step model-parallel on {n} ranks, compiled (mm.compile), within "
                             f"{COMPILED_RATIO}x of its local matmuls", ratio <= COMPILED_RATIO,
-                            f"median ratio {ratio:.2f}, of the fastest runs {r['compiled_min_ratio']:.2f}"))
+                            f"median ratio {ratio:.2f}, of the fastest runs {r['compiled_min_ratio']:.2f}; "
+                            f"numpy with no MPI {r['local'] / r['matmul']:.2f}"))
     if "data-parallel" in results:
         r = results["data-parallel"]
         for kind, key, of_min in (("eager", "mpimesh", "min_ratio"), ("compiled", "compiled", "compiled_min_ratio")):
@@ -220,7 +223,8 @@ def main() -> None:
             rank0_print(verdict(f"mlp_step data-parallel on {n} ranks, {kind}, within {DATA_PARALLEL_RATIO}x of its "
                                 f"local matmuls", ratio <= DATA_PARALLEL_RATIO,
                                 f"median ratio {ratio:.2f}, of the fastest runs {r[of_min]:.2f}; hand-written "
-                                f"numpy+MPI {r['numpy+MPI'] / r['matmul']:.2f}"))
+                                f"numpy+MPI {r['numpy+MPI'] / r['matmul']:.2f}, numpy with no MPI "
+                                f"{r['local'] / r['matmul']:.2f}"))
 
 
 if __name__ == "__main__":
