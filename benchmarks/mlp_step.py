@@ -14,7 +14,8 @@ Beside each mpimesh time, the same run times two plain references on the same pe
 alone, what this CPU's BLAS can do), and "numpy+MPI": a hand-written step with preallocated
 buffers, in-place elementwise ops and raw mpi4py `Allreduce` (what careful hand-written code
 gets); and "numpy, no MPI", the same step without its allreduces: the local step alone, below
-which no step with communication can go (the verdicts print its ratio too). Runs are interleaved; the median of N is reported (a run's time is its slowest rank's).
+which no step with communication can go (the verdicts print its ratio too). Runs are interleaved;
+the median of N is reported (a run's time is its slowest rank's).
 The communication share is the time spent completing mpimesh's collectives (waiting for the other
 rank, and the shared-memory sums of gradient buckets) over the step time, from separately
 instrumented runs. "ratio" is mpimesh's

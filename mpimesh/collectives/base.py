@@ -55,11 +55,7 @@ class CollectivesLike(Protocol):
     def real(self, size: int, mesh_dim: Optional[str]): ...
     def block(self, x, mesh_dim: str, axis: int): ...
     def allreduce(self, x, mesh_dims: Sequence[str], op: str = "sum", out=None, dtype=None): ...
-    def bucket_buffer(self, n: int, dtype, mesh_dims: Sequence[str]):
-        """A flat buffer of `n` elements of `dtype` for gradients that an in-place `iallreduce` over
-        `mesh_dims` will sum (a transport may give memory it sums faster: `mpi.py`)."""
-        return self.xp.empty(n, dtype)
-
+    def bucket_buffer(self, n: int, dtype, mesh_dims: Sequence[str]): ...
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None): ...
     def alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, size: Optional[int] = None,
                  out=None): ...
@@ -284,6 +280,16 @@ class Collectives:
         if out is None or not self.fills_out or not _fits(self.xp, out, x, True):
             return self._iallreduce(x, dims, op) if out is None else _copied(self._iallreduce(x, dims, op), out)
         return self._iallreduce(x, dims, op, out=out)
+
+    def bucket_buffer(self, n: int, dtype, mesh_dims: Sequence[str]):
+        """A flat buffer of `n` elements of `dtype` for gradients that an in-place `iallreduce` over
+        `mesh_dims` will sum (a transport may hand out memory it sums faster: `mpi.py`).
+
+        >>> import numpy as np
+        >>> Collectives(Shape("x:1"), np).bucket_buffer(3, np.float32, ("x",)).shape
+        (3,)
+        """
+        return self.xp.empty(n, dtype)
 
     def _iallreduce(self, x, dims: tuple, op: str, **out) -> Request:
         """A transport without a non-blocking path: the blocking allreduce, complete when started."""

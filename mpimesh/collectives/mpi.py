@@ -187,7 +187,8 @@ class MpiCollectives(Collectives):
             return False
         ok = self._shm_groups.get(dims)
         if ok is None:
-            ok = self._shm_groups[dims] = shm.probe(self._comm(dims), lambda r, what: self.guard.wait_mpi(r, what, dims))
+            ok = self._shm_groups[dims] = shm.probe(self._comm(dims),
+                                                    lambda r, what: self.guard.wait_mpi(r, what, dims))
         return ok
 
     # The transfer: the one step other transports replace ------------------------------------

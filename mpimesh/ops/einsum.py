@@ -242,7 +242,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     mesh_shape, coords = mesh.shape, mesh.coords_key
     out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape, mesh.layout, coords,
                                                 dtypes)
-    bucket = claim(result_type(*dtypes))  # a gradient's sum over mesh dims that may wait in a bucket (`mpimesh.buckets`)
+    bucket = claim(result_type(*dtypes))  # a gradient's sum that may wait in a bucket (`mpimesh.buckets`)
     if bucket is not None and reduce_mesh:
         plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True)
     else:
