@@ -317,9 +317,10 @@ class MpiCollectives(Collectives):
         return out
 
     def _result(self, x, dims: tuple, op: str):
-        """A buffer for the allreduce of `x`: shared memory where the group is known to sum through it
-        (probed by its first such sum, in `_start`, after the SPMD check)."""
-        if isinstance(x, np.ndarray) and not is_low_precision(x.dtype) and self._shm_groups.get(dims):
+        """A buffer for the allreduce of `x`: shared memory unless the group is known not to sum
+        through it (`_start` probes it at its first such sum, after the SPMD check), so that even
+        that first sum runs in the shared path's order."""
+        if isinstance(x, np.ndarray) and x.dtype.kind in "iufc" and not is_low_precision(x.dtype) and op in _OPS:
             raw = self._shared(x.nbytes, dims)
             if raw is not None:
                 return raw.view(x.dtype).reshape(x.shape)
