@@ -179,11 +179,16 @@ class MpiCollectives(Collectives):
             return shm.arena.empty(nbytes)
         return None
 
+    def _summable(self, x, op: str) -> bool:
+        """Whether an allreduce `op` of `x` may go through shared memory: a large host array of numbers
+        (16-bit floats travel in two steps of their own), summed, maxed or minned."""
+        return (self.transport == "mpi" and op in _OPS and isinstance(x, np.ndarray) and x.dtype.kind in "iufc"
+                and not is_low_precision(x.dtype) and x.nbytes >= shm.MIN_BYTES and shm.enabled())
+
     def _through_shm(self, dims: tuple, x, op) -> bool:
         """Whether an in-place allreduce of `x` over `dims` goes through shared memory (probing the
         group the first time: the same answer on every rank of it)."""
-        if not (self.transport == "mpi" and op in ("sum", "max", "min") and isinstance(x, np.ndarray)
-                and x.dtype.kind in "iufc" and x.nbytes >= shm.MIN_BYTES and shm.enabled()):
+        if not self._summable(x, op):
             return False
         ok = self._shm_groups.get(dims)
         if ok is None:
@@ -320,11 +325,8 @@ class MpiCollectives(Collectives):
         """A buffer for the allreduce of `x`: shared memory unless the group is known not to sum
         through it (`_start` probes it at its first such sum, after the SPMD check), so that even
         that first sum runs in the shared path's order."""
-        if isinstance(x, np.ndarray) and x.dtype.kind in "iufc" and not is_low_precision(x.dtype) and op in _OPS:
-            raw = self._shared(x.nbytes, dims)
-            if raw is not None:
-                return raw.view(x.dtype).reshape(x.shape)
-        return self._on(x)[1].empty(x.shape, x.dtype)
+        raw = self._shared(x.nbytes, dims) if self._summable(x, op) else None
+        return self._on(x)[1].empty(x.shape, x.dtype) if raw is None else raw.view(x.dtype).reshape(x.shape)
 
     def _allreduce16(self, x, dims: tuple, op: str, out, detail: str) -> tuple:
         """The allreduce of 16-bit floats in two steps (see the module): starts the alltoall
