@@ -562,8 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "mesh dim; the dispatch and combine are alltoalls over it)")
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
     ap.add_argument("--remat", nargs="?", type=int, const=-1, default=0, metavar="N",
-                    help="rematerialise the first N blocks (all without N; mm.remat on each of their two sublayers): their activations are recomputed "
-                    "in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
+                    help="rematerialise the first N blocks (all without N; mm.remat on each of their two "
+                    "sublayers): their activations are recomputed in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
                     "auto, mm.auto_layout remats the fewest blocks that let a layout fit when memory is short")
     ap.add_argument("--steps", type=int, default=200, help="the total number of training steps (with --resume too)")
     ap.add_argument("--mesh", default=None, help="e.g. 'rows:2;cols:2' (default: the squarest rows x cols; with "
