@@ -46,6 +46,7 @@ from .graphs import for_engine
 from .program import Program, ProgramError
 from .tensor import DistTensor, host_reads
 from .trace import current_trace, trace
+from .tree import flatten, unflatten
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,7 +88,7 @@ class Compiled:
     def __call__(self, *args, **kwargs):
         if current_trace() is not None:  # inside a user's trace: eager, so its ops are recorded there
             return self.fn(*args, **kwargs)
-        leaves, tree = _flatten((args, kwargs))
+        leaves, tree = flatten((args, kwargs))
         key = (tree, _settings(leaves), tuple(_signature(v) for v in leaves))
         entry = self.cache.get(key)
         if entry is None:
@@ -108,7 +109,7 @@ class Compiled:
                 out = self.fn(*args, **kwargs)
         finally:
             host_reads.pop()
-        out_leaves, out_tree = _flatten(out)
+        out_leaves, out_tree = flatten(out)
         for v in out_leaves:
             if v is not None and not isinstance(v, DistTensor):
                 raise CompileError(f"mm.compile({self.__name__}): the step returns a {type(v).__name__}; a "
@@ -163,7 +164,7 @@ class _Entry:
             arrays = self.engine.run([leaves[i].local for i in self.input_leaves])
             results = [DistTensor(mesh, shape, layout, a) for (mesh, shape, layout), a in zip(self.metas, arrays)]
         flat = [None if o is None else leaves[o[1]] if o[0] == "arg" else results[o[1]] for o in self.outs]
-        return _unflatten(self.out_tree, iter(flat))
+        return unflatten(self.out_tree, flat)
 
 
 class _Engine:
@@ -353,32 +354,6 @@ def _signature(v) -> tuple:
         raise CompileError(f"mm.compile: an argument of type {type(v).__name__} is neither a tensor nor "
                            f"hashable: pass tensors, numbers, strings, and tuples, lists or dicts of them") from None
     return ("value", type(v).__name__, v)
-
-
-def _flatten(tree) -> tuple:
-    """`(leaves, structure)` of nested tuples (named ones too), lists and dicts (keys kept in order)."""
-    leaves: list = []
-
-    def walk(x):
-        if isinstance(x, (tuple, list)):
-            return (type(x), tuple(walk(v) for v in x))
-        if isinstance(x, dict):
-            return (dict, tuple((k, walk(v)) for k, v in x.items()))
-        leaves.append(x)
-        return None
-    return leaves, walk(tree)
-
-
-def _unflatten(structure, leaves):
-    if structure is None:
-        return next(leaves)
-    kind, items = structure
-    if kind is dict:
-        return {k: _unflatten(s, leaves) for k, s in items}
-    values = [_unflatten(s, leaves) for s in items]
-    if hasattr(kind, "_fields"):  # a namedtuple
-        return kind(*values)
-    return kind(values)
 
 
 def _user_frame() -> str:

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional
 from .errors import MpimeshError
 from .mesh import layout_scope
 from .trace import Released, _open_traces, _regions, release_unneeded, trace
+from .tree import tensors
 
 _policy: list = []  # innermost last: which regions run as remat (auto_layout's `remat_policy`)
 
@@ -80,7 +81,7 @@ class Region:
 
     def __init__(self, fn, args, kwargs, parent):
         self.fn, self.args, self.kwargs, self.parent = fn, args, kwargs, parent
-        self.mesh = next((t.mesh for t in _tensors((args, kwargs))), None)
+        self.mesh = next((t.mesh for t in tensors((args, kwargs))), None)
         self.rules = self.mesh.layout if self.mesh is not None else None
         self.inputs, self.outputs, self.flat, self.ops = [], [], [], []
 
@@ -100,7 +101,7 @@ class Region:
                     seen.add(id(t))
                     self.inputs.append(t)
             produced.update(id(t) for t in op.outputs)
-        self.flat = _tensors(out)
+        self.flat = tensors(out)
         self.outputs = [t for t in self.flat if id(t) in produced]
         self.ops = _signature(ops, {id(t) for t in self.inputs})
 
@@ -125,7 +126,7 @@ class Region:
         if len(again) != len(self.ops):
             raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run took {len(again)} ops, the first "
                                f"{len(self.ops)}; fn must compute the same ops from the same tensors")
-        flat = _tensors(out)
+        flat = tensors(out)
         ids = {id(t) for t in self.outputs}
         return [b for a, b in zip(self.flat, flat) if id(a) in ids], ops
 
@@ -170,17 +171,6 @@ def _signature(ops: list, outside: set) -> list:
 def _shapes(entry: tuple) -> str:
     """The input shapes of a `_signature` entry, for an error message."""
     return ", ".join(str(shape) for shape in entry[1])
-
-
-def _tensors(tree) -> list:
-    """The tensors of a nest of tuples, lists and dicts, in order."""
-    if hasattr(tree, "tensor_layout") and hasattr(tree, "mesh"):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [t for x in tree for t in _tensors(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
-    return []
 
 
 def _name(fn) -> str:

@@ -44,6 +44,7 @@ from ..collectives import counters
 from ..errors import MpimeshError
 from ..layout import LayoutRules
 from ..shape import Shape
+from ..tree import is_tensor, map_leaves, tensors
 from .machine import Machine
 
 
@@ -79,20 +80,7 @@ class ArgSpec:
 
 def _map(tree, leaf):
     """`tree` (dicts, lists, tuples) with `leaf` applied to each of its `DistTensor`s and `ArgSpec`s."""
-    from ..tensor import DistTensor
-    if isinstance(tree, (DistTensor, ArgSpec)):
-        return leaf(tree)
-    if isinstance(tree, dict):
-        return type(tree)((k, _map(v, leaf)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-        return type(tree)(_map(v, leaf) for v in tree)
-    return tree
-
-
-def _leaves(tree) -> list:
-    out = []
-    _map(tree, lambda t: out.append(t) or t)
-    return out
+    return map_leaves(tree, lambda v: leaf(v) if isinstance(v, ArgSpec) or is_tensor(v) else v)
 
 
 def _nbytes(t) -> int:
@@ -300,7 +288,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
             n = len(rec.ops)
             for holder in list(self.life.held):
                 self.life.close(holder, n)
-            for t in _leaves(out):
+            for t in tensors(out):
                 self.life.use(t, n)
             return self.life.peak(n)
     return RecordingTrace()
@@ -336,7 +324,7 @@ def record(fn, args, mesh, rules=None) -> Recording:
     dry = DryMesh(mesh_shape, rules)
     with layout_scope(dry, rules):
         ghosts = _map(specs, lambda s: placeholder(dry, s.shape, s.dtype))
-    arg_tensors = _leaves(ghosts)
+    arg_tensors = tensors(ghosts)
     rec.state_bytes = sum(_nbytes(t) for t in arg_tensors)
     for t in arg_tensors:
         rec.shapes.add(t.shape.names)

@@ -1,0 +1,61 @@
+"""Nests of values: tuples (named ones too), lists and dicts, walked in one order everywhere.
+
+`mm.compile` flattens a step's arguments and results, `mm.remat` finds the tensors of its
+function's, and the cost model swaps tensors for shapes: all through `flatten` and `unflatten`, so
+that a namedtuple or a dict means the same to each. Everything else is a leaf.
+
+>>> import collections
+>>> P = collections.namedtuple("P", "w b")
+>>> leaves, structure = flatten({"p": P(1, 2), "xs": [3]})
+>>> leaves, unflatten(structure, [10, 20, 30])
+([1, 2, 3], {'p': P(w=10, b=20), 'xs': [30]})
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+
+def flatten(tree) -> tuple:
+    """`(leaves, structure)`: the leaves in order (dicts in their keys' order), and what
+    `unflatten` needs to build the same nest again."""
+    leaves: list = []
+
+    def walk(x):
+        if isinstance(x, (tuple, list)):
+            return (type(x), tuple(walk(v) for v in x))
+        if isinstance(x, dict):
+            return (dict, tuple((k, walk(v)) for k, v in x.items()))
+        leaves.append(x)
+        return None
+    return leaves, walk(tree)
+
+
+def unflatten(structure, leaves: Iterable):
+    """The nest `structure` (from `flatten`) with `leaves` in its leaves' places, in order."""
+    it = iter(leaves)
+
+    def build(s):
+        if s is None:
+            return next(it)
+        kind, items = s
+        if kind is dict:
+            return {k: build(v) for k, v in items}
+        values = [build(v) for v in items]
+        return kind(*values) if hasattr(kind, "_fields") else kind(values)
+    return build(structure)
+
+
+def map_leaves(tree, fn: Callable):
+    """`tree` with `fn` applied to each leaf."""
+    leaves, structure = flatten(tree)
+    return unflatten(structure, [fn(v) for v in leaves])
+
+
+def is_tensor(x) -> bool:
+    """A distributed tensor: a `DistTensor`, or a dry run's placeholder of one."""
+    return hasattr(x, "tensor_layout") and hasattr(x, "mesh")
+
+
+def tensors(tree) -> list:
+    """The tensors among `tree`'s leaves, in order."""
+    return [v for v in flatten(tree)[0] if is_tensor(v)]
