@@ -12,37 +12,40 @@ that a namedtuple or a dict means the same to each. Everything else is a leaf.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 
 def flatten(tree) -> tuple:
     """`(leaves, structure)`: the leaves in order (dicts in their keys' order), and what
     `unflatten` needs to build the same nest again."""
     leaves: list = []
-
-    def walk(x):
-        if isinstance(x, (tuple, list)):
-            return (type(x), tuple(walk(v) for v in x))
-        if isinstance(x, dict):
-            return (dict, tuple((k, walk(v)) for k, v in x.items()))
-        leaves.append(x)
-        return None
-    return leaves, walk(tree)
+    return leaves, _walk(tree, leaves)
 
 
 def unflatten(structure, leaves: Iterable):
     """The nest `structure` (from `flatten`) with `leaves` in its leaves' places, in order."""
-    it = iter(leaves)
+    return _build(structure, iter(leaves))
 
-    def build(s):
-        if s is None:
-            return next(it)
-        kind, items = s
-        if kind is dict:
-            return {k: build(v) for k, v in items}
-        values = [build(v) for v in items]
-        return kind(*values) if hasattr(kind, "_fields") else kind(values)
-    return build(structure)
+
+# Module functions, not closures: a recursive closure is a reference cycle, which would keep the
+# leaves (a compiled step's results, views of pooled gradient buffers) until the cycle collector ran.
+def _walk(x, leaves: list):
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_walk(v, leaves) for v in x))
+    if isinstance(x, dict):
+        return (dict, tuple((k, _walk(v, leaves)) for k, v in x.items()))
+    leaves.append(x)
+    return None
+
+
+def _build(structure, leaves: Iterator):
+    if structure is None:
+        return next(leaves)
+    kind, items = structure
+    if kind is dict:
+        return {k: _build(v, leaves) for k, v in items}
+    values = [_build(v, leaves) for v in items]
+    return kind(*values) if hasattr(kind, "_fields") else kind(values)
 
 
 def map_leaves(tree, fn: Callable):
