@@ -128,6 +128,22 @@ class AbstractMesh:
         return f"AbstractMesh({str(self.shape)!r}, layout={str(self.rules)!r})"
 
 
+def _same_everywhere(comm: MPI.Comm, mine: tuple) -> None:
+    """A MeshError on every rank unless every rank of `comm` builds the same mesh (shape, rules,
+    backend): ranks that disagree would otherwise wait for each other, or cut tensors differently."""
+    if comm.Get_size() == 1:
+        return
+    every = comm.allgather(mine)
+    if len(set(every)) > 1:
+        ranks: dict = {}
+        for r, v in enumerate(every):
+            ranks.setdefault(v, []).append(r)
+        what = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: mesh {v[0]}, layout "
+                         f"{v[1]!r}, backend {v[2]}" for v, rs in ranks.items())
+        raise MeshError(f"the ranks build different meshes ({what}): every rank must pass the same shape, "
+                        f"layout and backend")
+
+
 class Mesh(AbstractMesh):
     """An n-D mesh of processors over `comm` (default `MPI.COMM_WORLD`): an `AbstractMesh` with ranks.
 
@@ -154,6 +170,7 @@ class Mesh(AbstractMesh):
                             f"has {comm.Get_size()} ranks")
         super().__init__(shape, layout)
         self._backend = resolve_backend(backend)
+        _same_everywhere(comm, (str(self.shape), str(self.rules), self._backend))
         self.xp = array_module(self._backend)
         """The array module of this mesh's backend, that every `.local` belongs to: `numpy`, or `cupy`."""
         self._device, self._transport = choose(comm, self._backend, device, transport)
@@ -271,6 +288,9 @@ def layout_scope(mesh: AbstractMesh, rules: RulesLike) -> Iterator[LayoutRules]:
     ...     mesh.tensor_layout(Shape("batch:2;hidden:2"))
     {'hidden': 'all'}
     """
+    if not isinstance(mesh, AbstractMesh):
+        raise TypeError(f"layout_scope: the first argument is the mesh, got a {type(mesh).__name__} "
+                        f"({mesh!r:.60}): layout_scope(mesh, rules)")
     rules = LayoutRules(rules)
     check_rules(rules, mesh.shape)
     mesh._scopes.append(rules)

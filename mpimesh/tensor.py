@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .backend import as_dtype, check_dtype, to_host
+from .backend import as_dtype, check_dtype, is_float, to_host
 from .collectives.counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
@@ -110,6 +110,18 @@ def _layout(mesh, shape: Shape, layout) -> TensorLayout:
     return mesh.layout_of(shape, layout)
 
 
+def tensor_arg(op: str, x, what: str = "x", floats: bool = False):
+    """`x` if it is a tensor (of a float dtype, with `floats`), else a TypeError naming `op` and the
+    argument `what` (a DTypeError for a tensor of another dtype): one check at each op's door,
+    instead of an AttributeError from deep inside it."""
+    if not (isinstance(x, DistTensor) or hasattr(x, "tensor_layout")):
+        raise TypeError(f"{op}: {what} is a {type(x).__name__}, not a DistTensor (mesh.from_numpy makes one)")
+    if floats and not is_float(x.dtype):
+        raise DTypeError(f"{op}: {what} is a {x.shape} {x.dtype} tensor, and {op} needs floats: "
+                         f"cast it first (mm.cast({what}, 'float32'))")
+    return x
+
+
 def block_sizes(ctx, shape: Shape, layout: TensorLayout) -> tuple:
     """The local sizes of `ctx`'s block of a tensor of `shape` laid out by `layout`, for a kernel
     that makes a tensor (`full`, the random ops): this rank's block on MPI, the largest block (the
@@ -139,22 +151,34 @@ def from_numpy(mesh, array, shape: ShapeLike, layout=None) -> DistTensor:
 def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
     """Assemble a tensor from each rank's own slice: its block of every split dim, cut like
     `numpy.array_split` (so slices may differ in shape between ranks, or be empty). A collective:
-    a wrong slice shape on any rank raises ShapeError on every rank."""
+    a slice of the wrong shape on any rank raises ShapeError on every rank, and slices of differing
+    or non-numeric dtypes DTypeError, each naming the ranks at fault."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
     want = local_sizes(shape, mesh.shape, tl, mesh.coords)
     got = tuple(getattr(local, "shape", ()))
     dtype = getattr(local, "dtype", None)
     try:
-        check_dtype(np.dtype(dtype) if dtype is not None else np.asarray(local).dtype)
+        name = check_dtype(np.dtype(dtype) if dtype is not None else np.asarray(local).dtype).name
         bad_dtype = None
     except (DTypeError, TypeError, ValueError) as e:
-        bad_dtype = str(e)
-    if mesh.collectives.any_rank(got != want or bad_dtype is not None):
-        raise ShapeError(f"from_local: each rank's slice of {shape} with layout {layout_dict(shape, tl)} "
-                         f"must be its block, of a numeric dtype; rank {mesh.rank} has shape {got}"
-                         f"{f' ({bad_dtype})' if bad_dtype else ''}, its block has shape {want} "
-                         f"(or another rank's slice is wrong)")
+        name, bad_dtype = None, str(e)
+    mine = (got, want, name, bad_dtype)
+    every = [mine] if mesh.size == 1 else mesh.comm_for(mesh.shape.names).allgather(mine)  # small: pickled
+    where = f"from_local: the slices of {shape} with layout {layout_dict(shape, tl)}"
+    wrong = [f"rank {r} passes shape {g}, its block is {w}" for r, (g, w, _, _) in enumerate(every) if g != w]
+    if wrong:
+        raise ShapeError(f"{where} must be each rank's block: {'; '.join(wrong)}")
+    unreadable: dict = {}
+    for r, (_, _, _, b) in enumerate(every):
+        if b is not None:
+            unreadable.setdefault(b, []).append(str(r))
+    if unreadable:
+        why = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {b}" for b, rs in unreadable.items())
+        raise DTypeError(f"{where} must hold numbers: {why}")
+    if len({n for _, _, n, _ in every}) > 1:
+        raise DTypeError(f"{where} must have one dtype on every rank: "
+                         f"{', '.join(f'rank {r} {n}' for r, (_, _, n, _) in enumerate(every))}")
     return DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
 
 
@@ -227,12 +251,24 @@ def fill_value(value, dt: np.dtype, what: str):
             raise DTypeError(f"{what}: the value {value!r} overflows dtype {dt}") from None
 
 
+def _largest_whole(dt: np.dtype) -> int:
+    """The largest n such that dtype `dt` holds every whole number 0..n exactly."""
+    if dt.kind in "iu":
+        return int(np.iinfo(dt).max)
+    k = 1
+    while np.array(2 ** k + 1, dt).real.item() == 2 ** k + 1:  # (exact: a Python int against the stored value)
+        k += 1
+    return 2 ** k
+
+
 def arange(mesh, dim: Dimension, dtype="int32", layout=None) -> DistTensor:
     """`0 .. dim.size-1` along `dim` (the API's `mm.range`)."""
     shape = Shape([dim])
     dt = as_dtype(dtype)
-    if dt.kind == "b":
-        raise DTypeError(f"range({shape}): dtype bool cannot count 0..{shape.sizes[0] - 1}")
+    last = shape.sizes[0] - 1
+    if dt.kind == "b" or last > _largest_whole(dt):
+        raise DTypeError(f"range({shape}): dtype {dt.name} cannot count 0..{last}"
+                         f"{'' if dt.kind == 'b' else f' (it holds whole numbers up to {_largest_whole(dt)} exactly)'}")
     tl = _layout(mesh, shape, layout)
     (bounds,) = slice_bounds(shape, mesh.shape, tl, mesh.coords)
     return DistTensor(mesh, shape, tl, mesh.xp.arange(bounds.start, bounds.stop, dtype=dt))

@@ -216,3 +216,79 @@ def test_error_hierarchy() -> None:
     for cls in (mm.MeshError, mm.LayoutError, mm.ShapeError, mm.CheckpointError):
         assert issubclass(cls, mm.MpimeshError) and issubclass(cls, ValueError)
     assert issubclass(mm.MpimeshError, ValueError)
+
+
+@pytest.mark.mpi
+def test_dtypes_an_op_cannot_take(mesh: mm.Mesh) -> None:
+    """What numpy refuses for a dtype is a DTypeError naming the op and the tensors, decided from
+    dtypes alone (so on every rank, before any kernel runs); ops that need floats say so."""
+    m = mesh.shape.names[-1]
+    b = mesh.from_numpy(np.arange(8) % 2 == 0, "a:8", layout={"a": m})
+    i = mesh.from_numpy(np.arange(1, 9, dtype=np.int32), "a:8", layout={"a": m})
+    raises_everywhere(mm.DTypeError, lambda: -b, "negative", "[a:8] bool")
+    raises_everywhere(mm.DTypeError, lambda: b - b, "subtract", "[a:8] bool tensor and a [a:8] bool")
+    raises_everywhere(mm.DTypeError, lambda: i ** -1, "negative integer power", "cast to a float")
+    with pytest.raises(mm.DTypeError, match="negative integer power"):  # a value: raised where it lies
+        mesh.from_numpy(np.arange(8, dtype=np.int32), "a:8") ** mesh.from_numpy(np.full(8, -2, np.int32), "a:8")
+    np.testing.assert_array_equal((i ** 2).to_numpy(), np.arange(1, 9) ** 2)  # what numpy allows still runs
+    np.testing.assert_array_equal((b + b).to_numpy(), np.arange(8) % 2 == 0)
+    np.testing.assert_allclose((i ** -1.0).to_numpy(), 1.0 / np.arange(1, 9))
+    x = mesh.from_numpy(np.arange(16, dtype=np.int32).reshape(2, 8), "b:2;a:8", layout={"a": m})
+    for op, fn in (("softmax", lambda: mm.softmax(x, "a")), ("log_softmax", lambda: mm.log_softmax(x, "a")),
+                   ("reduce_logsumexp", lambda: mm.reduce_logsumexp(x)),
+                   ("layer_norm", lambda: mm.layers.layer_norm(mm.layers.init_layer_norm(mesh, "a:8"), x, "a"))):
+        raises_everywhere(mm.DTypeError, fn, op, "[b:2, a:8] int32", "needs floats")
+
+
+@pytest.mark.mpi
+def test_arguments_that_are_not_tensors(mesh: mm.Mesh) -> None:
+    """A numpy array where a tensor belongs: a TypeError naming the op, at its door."""
+    a = np.ones((5, 7))
+    calls = {"cast": lambda: mm.cast(a, "float32"), "exp": lambda: mm.exp(a), "relayout": lambda: mm.relayout(a, ""),
+             "reshape": lambda: mm.reshape(a, "n:35"), "transpose": lambda: mm.transpose(a, "n:35"),
+             "softmax": lambda: mm.softmax(a, "n"), "slice": lambda: mm.slice(a, 0, 1, "n"),
+             "reduce_sum": lambda: mm.reduce_sum(a), "top_k": lambda: mm.top_k(a, "n", "k:1"),
+             "argmax": lambda: mm.argmax(a, "n"), "gather": lambda: mm.gather(a, mesh.zeros("i:2", "int32"), "n"),
+             "einsum": lambda: mm.einsum(mesh.ones("n:3")), "layout_scope": lambda: mm.layout_scope("all:1", "").__enter__()}
+    for op, fn in calls.items():
+        with pytest.raises(TypeError) as caught:
+            fn()
+        assert str(caught.value).startswith(op.split("_scope")[0]) and "DistTensor" in str(caught.value) or \
+            op in ("einsum", "layout_scope") and "got a" in str(caught.value), (op, str(caught.value))
+
+
+@pytest.mark.mpi
+def test_range_beyond_its_dtype(mesh: mm.Mesh) -> None:
+    """`mm.range` refuses, on every rank, a dtype that cannot count to its dim's size (it wrapped
+    around on 1 rank, and raised on only the ranks with the high values on several)."""
+    raises_everywhere(mm.DTypeError, lambda: mm.range(mesh, mm.Dimension("n", 300), dtype="int8"), "int8", "0..299",
+                      "127")
+    raises_everywhere(mm.DTypeError, lambda: mm.range(mesh, mm.Dimension("n", 2050), dtype="float16"), "2048")
+    np.testing.assert_array_equal(mm.range(mesh, mm.Dimension("n", 256), dtype="uint8").to_numpy(), np.arange(256))
+
+
+@pytest.mark.mpi
+def test_from_local_names_the_ranks_at_fault() -> None:
+    """A slice of the wrong shape, or of another dtype, on one rank: every rank raises, naming that
+    rank (not itself) and the dtypes."""
+    mesh = mm.Mesh(f"all:{WORLD.Get_size()}")
+    n, last = WORLD.Get_size(), WORLD.Get_size() - 1
+    rows = 1 + (mesh.rank == last)
+    raises_everywhere(mm.ShapeError, lambda: mm.from_local(np.zeros((rows, 6), np.float32), f"a:{n};b:6", mesh,
+                                                           "a:all"), f"rank {last} passes shape (2, 6)", "(1, 6)")
+    if n > 1:
+        dt = np.float64 if mesh.rank == last else np.float32
+        raises_everywhere(mm.DTypeError, lambda: mm.from_local(np.zeros((1, 6), dt), f"a:{n};b:6", mesh, "a:all"),
+                          "rank 0 float32", f"rank {last} float64")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(WORLD.Get_size() == 1, reason="ranks that disagree need two")
+def test_ranks_that_build_different_meshes() -> None:
+    """Meshes of other shapes or rules on some ranks: a MeshError on every rank naming what each
+    built (it hung, or summed blocks cut two ways)."""
+    n, rank = WORLD.Get_size(), WORLD.Get_rank()
+    other = f"rows:1;cols:{n}" if rank == n - 1 else f"rows:{n};cols:1"
+    raises_everywhere(mm.MeshError, lambda: mm.Mesh(other), f"mesh [rows:1, cols:{n}]", f"mesh [rows:{n}, cols:1]")
+    rules = "io:all" if rank == 0 else "batch:all"
+    raises_everywhere(mm.MeshError, lambda: mm.Mesh(f"all:{n}", layout=rules), "'io:all'", "'batch:all'")

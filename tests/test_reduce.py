@@ -235,3 +235,18 @@ def test_old_spelling_reduced_dim_warns_and_still_works() -> None:
         np.testing.assert_allclose(new, ref, rtol=1e-12)
         with pytest.raises(mm.ShapeError, match="not both"):
             fn(x, reduced_dims="a", reduced_dim="a")
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_reduce_over_an_empty_dim(mshape: str) -> None:
+    """Over a dim of size 0: the mean is NaN and the sum 0, as numpy's (it was a ZeroDivisionError),
+    on every layout, the kept dims split or not."""
+    mesh, errs = get_mesh(mshape), Errors()
+    xa = np.zeros((4, 0, 3))
+    for lay in layouts(mesh, ["a", "e", "c"], limit=4):
+        x = mesh.from_numpy(xa, "a:4;e:0;c:3", layout=lay)
+        for op, ref in (("reduce_mean", np.full((4, 3), np.nan)), ("reduce_sum", np.zeros((4, 3)))):
+            got = getattr(mm, op)(x, reduced_dims="e").to_numpy()
+            errs.expect(got.shape == (4, 3), f"{op} x={lay}: shape {got.shape}")
+            errs.expect(np.array_equal(got, ref, equal_nan=True), f"{op} x={lay}: {got}")
+    errs.check()

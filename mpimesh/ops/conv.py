@@ -47,6 +47,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 from ..errors import MpimeshError, ShapeError
 from ..layout import block_sizes, local_sizes, splitting
 from ..shape import Dimension, Shape
+from ..tensor import tensor_arg
 from ..trace import dispatch
 from .relayout import to_layout
 from .shift import blocks_of, coordinate, gather_window, scatter_window, traced
@@ -507,6 +508,7 @@ def _filter_grad_grad(op, g):
 
 
 def _conv(x, filters, nsp: int, strides, padding, dilation, what: str):
+    tensor_arg(what, x), tensor_arg(what, filters, "filters")
     strides = _ints(strides, nsp, what, "strides")
     dilation = _ints(dilation, nsp, what, "dilation")
     padding = _paddings(padding, nsp, what)

@@ -222,6 +222,8 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         reduced_dims = renamed_reduced_dims("einsum", reduced_dims, reduced_dim)
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("einsum: give output_shape or reduced_dims, not both")
+    if hasattr(xs, "tensor_layout") or not hasattr(xs, "__iter__"):
+        raise TypeError(f"einsum takes a list of tensors, got a {type(xs).__name__}: mm.einsum([x, w], ...)")
     xs = list(xs)
     if not xs:
         raise ShapeError("einsum needs at least one input")

@@ -24,7 +24,7 @@ from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes, plan_layout
 from ..partials import partial_for
 from ..shape import Shape, union_shape
-from ..tensor import DistTensor
+from ..tensor import DistTensor, tensor_arg
 from ..trace import dispatch, saving
 from .einsum import sum_to
 from .relayout import to_layout
@@ -88,6 +88,31 @@ def _layout_for(x, out_shape: Shape, out_layout):
     return tuple(out_layout[out_shape.index(n)] for n in x.shape.names)
 
 
+@lru_cache(maxsize=4096)
+def _refusal(kernel: Callable, args: tuple):
+    """numpy's TypeError message for `kernel` on arguments like `args` (dtypes: empty arrays of
+    them; Python and numpy scalar types: a 1 of that type), None if it takes them: what a dtype
+    cannot do (`-` of bools) is found once per op and dtypes, from dtypes alone, so every rank
+    refuses alike, before any kernel runs."""
+    try:
+        kernel(np, *(np.empty(0, a) if isinstance(a, np.dtype) else a(1) for a in args))
+    except TypeError as e:
+        return str(e)
+    except Exception:  # (a kernel that needs elements to run at all: nothing learned)
+        return None
+    return None
+
+
+def _check_dtypes(name: str, kernel: Callable, *operands) -> None:
+    """A DTypeError naming the op and its operands where numpy refuses their dtypes."""
+    kinds = tuple(np.dtype(v.dtype) if _is_tensor(v) else
+                  np.dtype(v.dtype).type if hasattr(v, "dtype") else type(v) for v in operands)
+    why = _refusal(kernel, kinds)
+    if why is not None:
+        what = " and ".join(f"a {v.shape} {v.dtype} tensor" if _is_tensor(v) else f"the number {v!r}" for v in operands)
+        raise DTypeError(f"{name} of {what}: {why}")
+
+
 def _keeping(kernel: Callable, dtype) -> Callable:
     """`kernel`, its result rounded to `dtype` when that is a 16-bit float: numpy computes
     bfloat16 with a Python float (0.5 * x) in float32, where the contract keeps the tensor's dtype."""
@@ -106,6 +131,7 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: 
                                             (0,) if "x" in reads else (), (0,) if "y" in reads else ())
 
     def op(x):
+        _check_dtypes(name, kernel, tensor_arg(name, x))
         x = to_layout(x, x.mesh.plan(x.shape))
         k = _keeping(kernel, x.dtype)
         (y,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a), None, rule)
@@ -145,6 +171,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
         if not _is_tensor(y):
             y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
+            _check_dtypes(name, kernel, x, y)
             x = to_layout(x, x.mesh.plan(x.shape))
             k = _keeping(kernel, x.dtype) if _weak(y) else kernel
             (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a, y),
@@ -152,6 +179,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             return z
         if not _is_tensor(x):
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
+            _check_dtypes(name, kernel, x, y)
             y = to_layout(y, y.mesh.plan(y.shape))
             k = _keeping(kernel, y.dtype) if _weak(x) else kernel
             (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
@@ -161,6 +189,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
         if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
                             f"or two meshes of one shape)")
+        _check_dtypes(name, kernel, x, y)
         out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name,
                                                                   kernel)
         if x.tensor_layout != x_layout:
@@ -235,7 +264,30 @@ multiply = _binary("multiply", lambda xp, a, b: a * b, "x * y.",
                    lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)), ("y", "x"))
 divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
                  lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"))
-power = _binary("power", lambda xp, a, b: a ** b, "x ** y.", _pow_grad)
+
+
+def _power(xp, a, b):
+    """a ** b, where numpy raises for an integer to a negative integer power: a DTypeError."""
+    if is_eager(xp) and hasattr(b, "dtype") and xp.result_type(a, b).kind in "iu" and bool((b < 0).any()):
+        raise DTypeError("power: an integer to a negative integer power (the exponent tensor holds one here); "
+                         "numpy, JAX and PyTorch refuse it too: cast to a float dtype first")
+    return a ** b
+
+
+_power_op = _binary("power", _power, "", _pow_grad)
+
+
+def power(x, y):
+    """x ** y. An integer to a negative integer power is a DTypeError, as in numpy: where the
+    exponent is a number, on every rank before anything runs; where it is a tensor, on the ranks
+    whose blocks hold a negative exponent (uncaught, it ends the job through `mpimesh.abort`)."""
+    if _is_tensor(x) and np.dtype(x.dtype).kind in "iu" and isinstance(y, (int, np.integer)) \
+            and not isinstance(y, bool) and y < 0:
+        raise DTypeError(f"power: a {x.shape} {x.dtype} tensor to the negative integer power {y}; numpy, JAX and "
+                         f"PyTorch refuse it too: cast to a float dtype first")
+    return _power_op(x, y)
+
+
 minimum = _binary("minimum", lambda xp, a, b: xp.minimum(a, b), "Elementwise minimum.",
                   _min_max_grad(lambda x, y: less_equal(x, y)))
 maximum = _binary("maximum", lambda xp, a, b: xp.maximum(a, b), "Elementwise maximum.",
@@ -308,6 +360,7 @@ def cast(x, dtype):
     >>> cast(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2"), "int32").dtype
     dtype('int32')
     """
+    tensor_arg("cast", x)
     dt = as_dtype(dtype)
     x = to_layout(x, x.mesh.plan(x.shape))
     if x.dtype == dt:

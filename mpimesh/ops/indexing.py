@@ -28,7 +28,7 @@ from ..layout import TensorLayout, block_sizes, splitting
 from ..mesh import layout_scope
 from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
-from ..tensor import fill_value
+from ..tensor import fill_value, tensor_arg
 from ..trace import dispatch, saving
 from .einsum import contraction_plan, einsum
 from .elementwise import cast
@@ -63,7 +63,7 @@ def _find_dim(shape: Shape, d, what: str) -> Dimension:
 
 
 def _check_indices(indices, what: str) -> None:
-    if not np.issubdtype(indices.dtype, np.integer):
+    if not np.issubdtype(tensor_arg(what, indices, "indices").dtype, np.integer):
         raise MpimeshError(f"{what}: indices of shape {indices.shape} must have an integer dtype, "
                            f"got {indices.dtype}")
 
@@ -150,7 +150,7 @@ def gather(weights, indices, dim, dtype=None):
     (Shape('[b:3, d:2]'), [[4.0, 5.0], [0.0, 1.0], [0.0, 0.0]])
     """
     _check_indices(indices, "gather")
-    if indices.mesh is not weights.mesh:
+    if indices.mesh is not tensor_arg("gather", weights, "weights").mesh:
         raise MpimeshError("gather: weights and indices live on different meshes")
     vdim = _find_dim(weights.shape, dim, "gather")
     if vdim.name in indices.shape:
@@ -296,7 +296,7 @@ def top_k(x, reduced_dim, k_dim):
     >>> v.to_numpy().tolist(), i.to_numpy().tolist()
     ([5.0, 5.0, 2.0], [1, 2, 3])
     """
-    r = _find_dim(x.shape, reduced_dim, "top_k")
+    r = _find_dim(tensor_arg("top_k", x).shape, reduced_dim, "top_k")
     kd = _new_dim(k_dim, "top_k")
     if kd.name in x.shape:
         raise ShapeError(f"top_k: k_dim {kd.name}:{kd.size} must be a new dim, but x has {x.shape}")
@@ -352,7 +352,7 @@ def argmax(x, reduced_dim):
     >>> mm.argmax(x, "v").to_numpy().tolist()
     [1, 0]
     """
-    r = _find_dim(x.shape, reduced_dim, "argmax")
+    r = _find_dim(tensor_arg("argmax", x).shape, reduced_dim, "argmax")
     if r.size == 0:
         raise ShapeError(f"argmax: reduced dim {r.name}:0 of shape {x.shape} is empty: it has no maximum")
     mesh = x.mesh

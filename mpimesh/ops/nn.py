@@ -34,6 +34,7 @@ from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
 from ..shape import dim_names
+from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .einsum import sum_to
 from .relayout import laid_out_within, to_layout
@@ -45,7 +46,7 @@ lowest finite value): exp of it is exactly 0 next to any unmasked entry."""
 
 
 def _reduced_names(x, reduced_dim, what: str) -> tuple:
-    names = dim_names(reduced_dim, x.shape, what)
+    names = dim_names(reduced_dim, tensor_arg(what, x, floats=True).shape, what)
     if not names:
         raise ShapeError(f"{what}: no reduced dim given for shape {x.shape}")
     for n in names:

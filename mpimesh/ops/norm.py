@@ -27,6 +27,7 @@ from ..backend import accumulation_dtype, align, is_eager
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
+from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
@@ -78,7 +79,7 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     """Normalise `x` over `dims`, then `* scale + bias` (each None, or a tensor whose dims are a
     subset of x's); see the module docstring."""
     dims = tuple(dims)
-    plan = _plan(x, dims, "layer_norm")
+    plan = _plan(tensor_arg("layer_norm", x, floats=True), dims, "layer_norm")
     layout = plan[0]
     x = to_layout(x, layout)
     dt, acc = x.dtype, accumulation_dtype(x.dtype)

@@ -21,6 +21,7 @@ import numpy as np
 from ..backend import accumulation_dtype
 from ..errors import ShapeError
 from ..shape import Shape, ShapeLike, dim_names
+from ..tensor import tensor_arg
 from ..trace import dispatch
 from .einsum import contraction_plan, einsum, renamed_reduced_dims
 from .elementwise import cast, equal, exp
@@ -28,7 +29,8 @@ from .nn import local_extreme  # an empty block (uneven split) gives the allredu
 from .relayout import to_layout
 
 
-def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims) -> Shape:
+def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims, op: str = "reduction") -> Shape:
+    tensor_arg(op, x)
     """The output shape of reducing `x`: `output_shape`, or x without `reduced_dims`, or a scalar."""
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("give output_shape or reduced_dims, not both")
@@ -50,22 +52,25 @@ def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims) -> Shape
 def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Sum over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."""
     reduced_dims = renamed_reduced_dims("reduce_sum", reduced_dims, reduced_dim)
-    return einsum([x], output_shape_of(x, output_shape, reduced_dims))
+    return einsum([x], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
 
 
 def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
-    """Mean over the reduced dims (of 16-bit floats: summed and scaled in float32, rounded once)."""
+    """Mean over the reduced dims (of 16-bit floats: summed and scaled in float32, rounded once);
+    over an empty dim NaN, as numpy's mean of nothing."""
     reduced_dims = renamed_reduced_dims("reduce_mean", reduced_dims, reduced_dim)
-    out = output_shape_of(x, output_shape, reduced_dims)
+    out = output_shape_of(x, output_shape, reduced_dims, "reduce_mean")
     count = math.prod(d.size for d in x.shape if d.name not in out)
+    scale = 1.0 / count if count else math.nan
     if accumulation_dtype(x.dtype) != x.dtype:
-        return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * (1.0 / count), x.dtype)
-    return einsum([x], out) * (1.0 / count)
+        return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * scale, x.dtype)
+    return einsum([x], out) * scale
 
 
-def _local_reduce(name: str, kernel, grad):
+def _local_reduce(name: str, kernel, grad, floats: bool = False):
     def op(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
-        out = output_shape_of(x, output_shape, renamed_reduced_dims(name, reduced_dims, reduced_dim))
+        tensor_arg(name, x, floats=floats)
+        out = output_shape_of(x, output_shape, renamed_reduced_dims(name, reduced_dims, reduced_dim), name)
         out_layout = x.mesh.plan(out)
         (target,), reduce_mesh = contraction_plan((x.shape,), (x.tensor_layout,), out, out_layout, x.mesh.shape)
         x = to_layout(x, target)
@@ -118,4 +123,4 @@ def _logsumexp_grad(op, dy):
 
 reduce_max = _local_reduce("reduce_max", _max, _extreme_grad)
 reduce_min = _local_reduce("reduce_min", _min, _extreme_grad)
-reduce_logsumexp = _local_reduce("reduce_logsumexp", _logsumexp, _logsumexp_grad)
+reduce_logsumexp = _local_reduce("reduce_logsumexp", _logsumexp, _logsumexp_grad, floats=True)

@@ -19,6 +19,7 @@ from functools import lru_cache
 from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
 from ..shape import Shape
+from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 
 
@@ -101,4 +102,5 @@ def relayout(x, layout):
 
     Example: `mm.relayout(x, "batch:rows;hidden:cols")`.
     """
+    tensor_arg("relayout", x)
     return to_layout(x, layout_from_spec(x.shape, x.mesh.shape, layout))

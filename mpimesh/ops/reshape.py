@@ -21,6 +21,7 @@ from functools import lru_cache
 from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike
+from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .relayout import to_layout
 
@@ -95,7 +96,7 @@ saving(_reshape_grad)
 def reshape(x, new_shape: ShapeLike):
     """The same elements (row-major order) under `new_shape`."""
     new = Shape(new_shape)
-    if new.size != x.shape.size:
+    if tensor_arg("reshape", x).shape.size != new.size:
         raise ShapeError(f"cannot reshape {x.shape} ({x.shape.size} elements) to {new} ({new.size} elements)")
     if new == x.shape:
         return to_layout(x, x.mesh.plan(new))
@@ -113,14 +114,14 @@ def rename_dimension(x, old_name: str, new_name: str):
     """x with dim `old_name` renamed `new_name` (laid out by the rules for the new name)."""
     if not isinstance(old_name, str):
         raise ShapeError(f"rename_dimension: the dim to rename must be given by name, got {old_name!r}")
-    d = x.shape[old_name]
+    d = tensor_arg("rename_dimension", x).shape[old_name]
     return reshape(x, [Dimension(new_name, d.size) if e.name == old_name else e for e in x.shape])
 
 
 def transpose(x, new_shape: ShapeLike):
     """x with its dims reordered as `new_shape`."""
     new = Shape(new_shape)
-    if sorted(new.dims) != sorted(x.shape.dims):
+    if sorted(new.dims) != sorted(tensor_arg("transpose", x).shape.dims):
         raise ShapeError(f"transpose: {new} is not a permutation of {x.shape}")
     dst = x.mesh.plan(new)
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))

@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Union
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, block, block_sizes, splitting
 from ..shape import Dimension, Shape
+from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .relayout import to_layout
 
@@ -49,7 +50,7 @@ Piece = tuple  # (n, s, shift): input size, output size, output g <- input g + s
 def _dim_name(x, dim: Union[str, Dimension], what: str) -> str:
     """The name of `dim` in x's shape; ShapeError if absent or of another size."""
     name = dim.name if isinstance(dim, Dimension) else dim
-    if not isinstance(name, str) or name not in x.shape:
+    if not isinstance(name, str) or name not in tensor_arg(what, x).shape:
         raise ShapeError(f"{what}: dim {name!r} is not in shape {x.shape}")
     if isinstance(dim, Dimension) and x.shape[name] != dim:
         raise ShapeError(f"{what}: dim {dim.name}:{dim.size} does not match {name}:{x.shape[name].size} "
