@@ -177,6 +177,46 @@ def test_attention_with_memory_and_causal_length_mismatch():
         mm.layers.multihead_attention(p, mesh.from_numpy(x, X), memory=short, causal=True)
 
 
+def test_attention_errors():
+    """Memory with other dims than x, x with the heads or d_kv dim, missing params and a clashing
+    memory_length_dim are refused by name, on every rank, before any op runs."""
+    mesh = mm.Mesh(mesh_shapes()[0], layout=rule_sets(mesh_shapes()[0])[-1])
+    p = {n: {"kernel": mesh.from_numpy(a, ATT[n])} for n, a in _att_arrays().items()}
+    x = mesh.ones(X)
+    att = mm.layers.multihead_attention
+    with pytest.raises(mm.ShapeError, match=r"extra in memory: \['z:2'\], missing from memory: \[\]"):
+        att(p, x, memory=mesh.ones(f"batch:{B};length:3;d_model:{D};z:2"))
+    with pytest.raises(mm.ShapeError, match=r"extra in memory: \['batch:4'\], missing from memory: \['batch:8'\]"):
+        att(p, x, memory=mesh.ones(f"batch:4;length:3;d_model:{D}"))
+    for extra in (f"heads:{H}", "d_kv:3"):
+        name = extra.split(":")[0]
+        with pytest.raises(mm.ShapeError, match=rf"shares \['d_model', '{name}'\]: x must not have the heads or d_kv"):
+            att(p, mesh.ones(f"{extra};length:{L};d_model:{D}"))
+    with pytest.raises(mm.MpimeshError, match=r"params lack \['k', 'v', 'o'\]; they have \['q'\]"):
+        att({"q": p["q"]}, x)
+    for name in ("batch", "length", "heads"):
+        with pytest.raises(mm.ShapeError, match=rf"memory_length_dim '{name}' must be a new name"):
+            att(p, x, memory_length_dim=name)
+
+
+def test_attention_memory_in_another_order_and_length():
+    """Memory of another length, its dims in another order, keys' length named by memory_length_dim."""
+    w = _att_arrays()
+    ms = f"length:3;batch:{B};d_model:{D}"
+    x, mem = global_array(X, 19), global_array(ms, 20)
+    q = np.einsum("bld,dhk->blhk", x, w["q"]) / math.sqrt(K)
+    k, v = np.einsum("mbd,dhk->bmhk", mem, w["k"]), np.einsum("mbd,dhk->bmhk", mem, w["v"])
+    o = np.einsum("blhm,bmhk->blhk", softmax(np.einsum("blhk,bmhk->blhm", q, k), -1), v)
+    want = np.einsum("blhk,hkd->bld", o, w["o"])
+    for shape, rules in configs():
+        mesh = mm.Mesh(shape, layout=rules)
+        p = {n: {"kernel": mesh.from_numpy(a, ATT[n])} for n, a in w.items()}
+        y = mm.layers.multihead_attention(p, mesh.from_numpy(x, X), memory=mesh.from_numpy(mem, ms),
+                                          memory_length_dim="mem")
+        assert y.shape == mm.Shape(X)
+        close(y.to_numpy(), want, f"{shape} {rules}")
+
+
 def test_cross_entropy_hard_and_soft_targets_stable():
     logits = global_array(f"batch:{B};length:{L};vocab:{V}", 15) * 4
     logits[0, 0] += 1e4  # would overflow a naive exp

@@ -495,3 +495,69 @@ def test_errors():
     with pytest.raises(mm.MpimeshError, match="second_policy"):
         moe(p, x, "group", second_policy="sometimes")
     assert math.isfinite(float(moe(p, x, "group")[1]))
+    with pytest.raises(mm.ShapeError, match=r"model dim d_model:7, but the params were built for d_model:8"):
+        moe(p, mesh.ones(f"group:{G};tokens:{S};d_model:7"), "group")
+
+
+def test_capacity_errors():
+    """A capacity_factor or min_capacity that is not a number, out of range, or gives no slot per expert
+    is refused by name, on every rank, before any kernel runs."""
+    mesh = hand_mesh()
+    p = init_moe(mesh, 0, f"d_model:{M}", f"experts:{E}", f"d_ff:{H}")
+    x = mesh.ones(X)
+    for cf in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(mm.MpimeshError, match=rf"capacity_factor must be a finite number > 0, got {cf}"):
+            moe(p, x, "group", capacity_factor=cf, min_capacity=0)
+    with pytest.raises(TypeError, match=r"capacity_factor must be a real number, got '1' \(str\)"):
+        moe(p, x, "group", capacity_factor="1")
+    with pytest.raises(mm.MpimeshError, match=r"min_capacity must be >= 0, got -3"):
+        moe(p, x, "group", capacity_factor=1.0, min_capacity=-3)
+    with pytest.raises(TypeError, match=r"min_capacity must be an int, got 2.5 \(float\)"):
+        moe(p, x, "group", min_capacity=2.5)
+    with pytest.raises(mm.MpimeshError, match=r"capacity_factor 0.25 and min_capacity 0 give an expert capacity of 0 "
+                                              r"for 16 tokens per group and 8 experts .*capacity_factor above 8/16"):
+        moe(p, x, "group", capacity_factor=0.25, min_capacity=0)
+    p16 = init_moe(mesh, 0, f"d_model:{M}", "experts:16", f"d_ff:{H}")
+    with pytest.raises(mm.MpimeshError, match=r"raise min_capacity to 1 or capacity_factor above 16/8 = 2"):
+        moe(p16, mesh.ones(f"group:{G};tokens:8;d_model:{M}"), "group", capacity_factor=1.0, min_capacity=0)
+    assert expert_capacity(8, 16, 2.0, 0) == 1 and expert_capacity(8, 16, 1e308, 0) == 8
+    assert expert_capacity(7, 61, math.nextafter(61 / 7, math.inf), 0) == 1  # "above E/S" suffices
+
+
+def test_capacity_one_without_min_capacity():
+    """min_capacity 0 with capacity_factor = E/S: one slot per expert, as the reference gives."""
+    shape, rules, emd = configs()[0]
+    mesh, p, xa, x = setup(shape, rules, emd)
+    w = {k: t.to_numpy() for k, t in p.items()}
+    for routing in ("gather", "one_hot"):
+        y, aux = moe(p, x, "group", capacity_factor=E / S, min_capacity=0, second_policy="all", routing=routing)
+        ry, raux = reference(xa, w["wg"], w["wi"], w["wo"], draws(0), 1, "all")
+        np.testing.assert_allclose(y.to_numpy(), ry, rtol=1e-10, atol=1e-12, err_msg=routing)
+        np.testing.assert_allclose(float(aux), raux, rtol=1e-10, err_msg=routing)
+
+
+def test_routing_capacity_zero_and_token_sizes():
+    """With a capacity dim of size 0, dispatch_slots gives empty buffers and combine_slots zeros (and a
+    zero gradient); x's tokens must have the slots' size."""
+    mesh = mm.Mesh(mesh_shapes()[0], layout=f"g:{split_dims(mesh_shapes()[0])[0]}")
+    gates = mm.softmax(mesh.from_numpy(global_array("g:3;s:8;e:4", 80, np.float64), "g:3;s:8;e:4"), "e")
+    xa = global_array("g:3;s:8;d:5", 81, np.float64)
+    x = mesh.from_numpy(xa, "g:3;s:8;d:5")
+    _, _, slots = top2_slots(gates, "s", "e", mm.Dimension("c", 0), "all")
+    assert all(np.all(t.to_numpy() == -1) for t in slots.tensors)
+    w = mesh.from_numpy(global_array("g:3;s:8", 82, np.float64), "g:3;s:8")
+    with mm.trace():
+        ein = dispatch_slots(x, slots)
+        y = combine_slots(ein, slots, (w, w))
+        grads = mm.gradients([mm.reduce_sum(y * x)], [x, w])
+    assert ein.shape == mm.Shape("e:4;g:3;c:0;d:5") and y.shape == x.shape
+    for t in [y] + grads:
+        np.testing.assert_array_equal(t.to_numpy(), 0.0)
+    _, _, slots = top2_slots(gates, "s", "e", mm.Dimension("c", 2), "all")
+    with pytest.raises(mm.ShapeError, match=r"dispatch_slots: \[g:3, s:7, d:5\] and the slots' \[g:3, s:8\]: "
+                                            r"dim 's' has size 7 in one input and 8 in another"):
+        dispatch_slots(mesh.ones("g:3;s:7;d:5"), slots)
+    y = combine_slots(dispatch_slots(x, slots), slots)  # the valid neighbour: each token's kept copies, summed
+    s1, s2 = (t.to_numpy() for t in slots.tensors)
+    kept = (s1 >= 0).astype(float) + (s2 >= 0)
+    np.testing.assert_allclose(y.to_numpy(), xa * kept[..., None], rtol=1e-12)

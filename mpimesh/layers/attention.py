@@ -18,7 +18,7 @@ Shape('[batch:2, length:5, d_model:8]')
 from __future__ import annotations
 
 from ..backend import as_dtype
-from ..errors import ShapeError
+from ..errors import MpimeshError, ShapeError
 from ..ops.einsum import einsum
 from ..ops.elementwise import cast, less
 from ..ops.nn import MASK_VALUE, mask_value, softmax  # noqa: F401 (MASK_VALUE: this module's name for it)
@@ -59,28 +59,50 @@ def causal_bias(mesh, length: Dimension, memory_length: Dimension, dtype="float3
     return cast(future, dt) * mask_value(dt)
 
 
+def _names(dims) -> list:
+    """"name:size" of each Dimension, sorted."""
+    return sorted(f"{d.name}:{d.size}" for d in dims)
+
+
 def multihead_attention(params: Params, x, length_dim: str = "length", memory=None,
                         memory_length_dim: str = "memory_length", causal: bool = False, bias=None):
     """Multi-head dot-product attention of `x` over itself (or over `memory`).
 
     Args:
       params: from `init_attention` (`q`, `k`, `v`, `o` kernels; the model dim is the one
-        shared with x, the heads and d_kv dims the kernel's others).
+        shared with x, the heads and d_kv dims the kernel's others, which x must not have).
       x: queries `[..., length, model]`.
       length_dim: the name of x's (and memory's) sequence dim.
-      memory: keys/values source `[..., length, model]`; default x (self-attention).
-      memory_length_dim: the name the keys' sequence dim takes.
+      memory: keys/values source `[..., length, model]`: x's dims, the length's size aside;
+        default x (self-attention).
+      memory_length_dim: the name the keys' sequence dim takes (a name x and the kernels lack).
       causal: mask memory positions after the query position (needs equal lengths).
       bias: an extra additive bias broadcast onto the logits `[..., length, heads, memory_length]`.
     Returns:
       `[..., length, model]`, x's dims.
     """
+    missing = [n for n in ("q", "k", "v", "o") if n not in params]
+    if missing:
+        raise MpimeshError(f"multihead_attention: params lack {missing}; they have {list(params)} "
+                           f"(see init_attention)")
     if length_dim not in x.shape:
         raise ShapeError(f"multihead_attention: length dim {length_dim!r} is not in x {x.shape}")
     src = x if memory is None else memory
     if length_dim not in src.shape:
         raise ShapeError(f"multihead_attention: length dim {length_dim!r} is not in memory {src.shape}")
+    xd, md = (set(t.shape.without([length_dim]).dims) for t in (x, src))
+    if xd != md:
+        raise ShapeError(f"multihead_attention: memory {src.shape} must have the dims of x {x.shape}, the length "
+                         f"{length_dim!r} aside; extra in memory: {_names(md - xd)}, missing from memory: "
+                         f"{_names(xd - md)}")
     wq = params["q"]["kernel"]
+    shared = [n for n in wq.shape.names if n in x.shape]
+    if len(shared) > 1:
+        raise ShapeError(f"multihead_attention: x {x.shape} must share only the model dim with the q kernel "
+                         f"{wq.shape}, but shares {shared}: x must not have the heads or d_kv dims")
+    if memory_length_dim in x.shape or memory_length_dim in wq.shape:
+        raise ShapeError(f"multihead_attention: memory_length_dim {memory_length_dim!r} must be a new name, but "
+                         f"x {x.shape} or the q kernel {wq.shape} has it")
     kv_dim = wq.shape[-1]
     q = dense(params["q"], x) * (kv_dim.size ** -0.5)              # [..., length, heads, d_kv]
     k = rename_dimension(dense(params["k"], src), length_dim, memory_length_dim)

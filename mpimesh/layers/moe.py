@@ -58,6 +58,8 @@ need not divide their mesh dims (e.g. 5 experts over 3 ranks: blocks of 2, 2 and
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional
 
 from ..errors import LayoutError, MpimeshError, ShapeError
@@ -79,12 +81,29 @@ ROUTINGS = ("auto", "gather", "one_hot")
 
 
 def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, min_capacity: int = 4) -> int:
-    """C = max(min(S, int(S·capacity_factor/E)), min_capacity).
+    """C = max(min(S, int(S·capacity_factor/E)), min_capacity), which must be at least 1
+    (capacity_factor a finite number > 0, min_capacity an int >= 0).
 
     >>> expert_capacity(64, 8, 1.25), expert_capacity(8, 8, 1.25), expert_capacity(8, 2, 100.0)
     (10, 4, 8)
     """
-    return max(min(group_size, int(group_size * capacity_factor / num_experts)), min_capacity)
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+        raise TypeError(f"moe: capacity_factor must be a real number, got {capacity_factor!r} "
+                        f"({type(capacity_factor).__name__})")
+    if isinstance(min_capacity, bool) or not isinstance(min_capacity, numbers.Integral):
+        raise TypeError(f"moe: min_capacity must be an int, got {min_capacity!r} ({type(min_capacity).__name__})")
+    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise MpimeshError(f"moe: capacity_factor must be a finite number > 0, got {capacity_factor}")
+    if min_capacity < 0:
+        raise MpimeshError(f"moe: min_capacity must be >= 0, got {min_capacity}")
+    s, e = group_size, num_experts
+    c = max(int(min(s, s * capacity_factor / e)), min_capacity)  # min first: no int(inf)
+    if c < 1:
+        fix = f" or capacity_factor above {e}/{s} = {e / s:g}" if s else ""
+        raise MpimeshError(f"moe: capacity_factor {capacity_factor} and min_capacity {min_capacity} give an expert "
+                           f"capacity of 0 for {s} tokens per group and {e} experts (int({s}·{capacity_factor}/{e}) "
+                           f"= 0); raise min_capacity to 1{fix}")
+    return c
 
 
 def _phase_rules(base: LayoutRules, assign: dict) -> LayoutRules:
@@ -133,9 +152,12 @@ def _dims(params: Params, x, group_dim: str) -> tuple:
                          f"d_ff] and wo [{e.name}:{e.size}, d_ff, {m.name}:{m.size}]; got wi {wi.shape}, wo {wo.shape}")
     if e.size < 2:
         raise ShapeError(f"moe: top-2 gating needs at least 2 experts, got {e.name}:{e.size}")
-    if x.shape.rank != 3 or group_dim not in x.shape or m not in x.shape:
+    if x.shape.rank != 3 or group_dim not in x.shape or m.name not in x.shape:
         raise ShapeError(f"moe: x must have exactly three dims: the group dim {group_dim!r}, the group-size "
                          f"dim and the model dim {m.name}:{m.size}; got {x.shape}")
+    if x.shape[m.name] != m:
+        raise ShapeError(f"moe: x {x.shape} has the model dim {m.name}:{x.shape[m.name].size}, but the params "
+                         f"were built for {m.name}:{m.size} (wg {wg.shape})")
     s = next(d for d in x.shape if d.name not in (group_dim, m.name))
     for d in (e, h):
         if d.name in x.shape or d.name == CAPACITY_DIM:

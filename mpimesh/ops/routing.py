@@ -188,11 +188,13 @@ def _check_weights(weights, slots: Slots, shape: Shape, what: str) -> list:
     return weights
 
 
-def _gathered_shape(x_shape: Shape, shape: Shape, drop: Sequence[str], what: str) -> tuple:
+def _gathered_shape(x_shape: Shape, shape: Shape, tokens: str, buffers: Sequence[str], what: str) -> tuple:
     """(batch dims, feature dims) of a gather of `x_shape` by slots of `shape`: the slots' dims
-    but tokens are batch dims of x too; the rest of x (less `drop`) are features."""
+    but tokens are batch dims of x too; the rest of x (less tokens and the `buffers` dims) are
+    features. Dims of both (tokens too) must have the same sizes."""
+    drop = [tokens, *buffers]
     batch = [n for n in shape.names if n not in drop]
-    union_shape([x_shape.without(drop), shape.without(drop)], what)  # the same sizes
+    union_shape([x_shape.without(buffers), shape.without(buffers)], f"{what}: {x_shape} and the slots' {shape}")
     missing = [n for n in batch if n not in x_shape]
     if missing:
         raise ShapeError(f"{what}: the slots' dims {missing} (of {shape}) are not in {x_shape}")
@@ -280,7 +282,7 @@ def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_s
     if s not in x.shape or e.name in x.shape or c.name in x.shape:
         raise ShapeError(f"dispatch_slots: x {x.shape} needs the tokens dim {s!r} and neither the experts "
                          f"dim {e.name!r} nor the capacity dim {c.name!r}")
-    batch, feats = _gathered_shape(x.shape, shape, [s], "dispatch_slots")
+    batch, feats = _gathered_shape(x.shape, shape, s, [], "dispatch_slots")
     out, out_layout, (x, *idx) = _laid_out(Shape([e] + [c if d.name == s else d for d in x.shape]), output_shape,
                                            [e.name, c.name], [x.shape[s]], [x, *slots.tensors, *weights],
                                            "dispatch_slots")
@@ -334,7 +336,7 @@ def combine_slots(expert_out, slots: Slots, weights: Optional[Sequence] = None, 
         raise ShapeError(f"combine_slots: expert_out {expert_out.shape} needs the experts dim {e.name}:{e.size} "
                          f"and the capacity dim {c.name}:{c.size}, and not the tokens dim {s!r}")
     tok = shape[s]
-    batch, feats = _gathered_shape(expert_out.shape, shape, [s, e.name, c.name], "combine_slots")
+    batch, feats = _gathered_shape(expert_out.shape, shape, s, [e.name, c.name], "combine_slots")
     out, out_layout, (eo, *idx) = _laid_out(Shape([tok if d.name == c.name else d for d in expert_out.shape
                                                    if d.name != e.name]), output_shape, [s], [e, c],
                                             [expert_out, *slots.tensors, *weights], "combine_slots")
@@ -349,6 +351,8 @@ def combine_slots(expert_out, slots: Slots, weights: Optional[Sequence] = None, 
         xp = ctx.xp
         a = xp.transpose(a, eperm)
         lead, tail = a.shape[1:1 + len(batch)], a.shape[2 + len(batch):]
+        if e.size * nc == 0:  # buffers without a slot: every choice was dropped
+            return xp.transpose(xp.zeros(lead + (tok.size,) + tail, a.dtype), operm)
         nb = math.prod(lead)
         a = a.reshape(e.size, nb, nc, math.prod(tail))
         rows = xp.arange(nb)[:, None]
