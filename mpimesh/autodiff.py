@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from typing import Optional, Sequence
 
 from .buckets import Bucketer, _checked, bucket_bytes
+from .backend import is_float
 from .errors import DTypeError, MeshError, MpimeshError, ShapeError
 from .mesh import layout_scope
 from .ops.elementwise import add
@@ -39,14 +40,27 @@ def _zeros_like(t):
     return full(t.mesh, t.shape, 0, t.dtype, t.tensor_layout)
 
 
+def _tensors(what: str, ts) -> list:
+    """`ts` (a list of tensors, or one tensor) as a list, each a float tensor, else a clear error."""
+    ts = [ts] if hasattr(ts, "tensor_layout") else ts
+    if isinstance(ts, (str, bytes)) or not hasattr(ts, "__iter__"):
+        raise TypeError(f"mm.gradients: {what} must be a list of tensors, got a {type(ts).__name__}")
+    ts = list(ts)
+    for i, t in enumerate(ts):
+        if not hasattr(t, "tensor_layout"):
+            raise TypeError(f"mm.gradients: {what}[{i}] is a {type(t).__name__}, not a DistTensor")
+        if not is_float(t.dtype):
+            raise DTypeError(f"mm.gradients: {what}[{i}] is a {t.shape} {t.dtype} tensor: gradients are of and "
+                             f"with respect to float tensors (mm.cast it, as JAX asks too)")
+    return ts
+
+
 def _cotangents(ys: list, grad_ys: list) -> list:
     """`grad_ys` checked against `ys` (one each, same mesh, shape and dtype), laid out like them."""
     if len(grad_ys) != len(ys):
         raise MpimeshError(f"mm.gradients: {len(grad_ys)} grad_ys for {len(ys)} ys: give one per y")
     out = []
     for i, (y, g) in enumerate(zip(ys, grad_ys)):
-        if not hasattr(g, "tensor_layout"):
-            raise TypeError(f"mm.gradients: grad_ys[{i}] is a {type(g).__name__}, not a DistTensor")
         if g.mesh is not y.mesh:
             raise MeshError(f"mm.gradients: grad_ys[{i}] lives on mesh {g.mesh.shape}, ys[{i}] on {y.mesh.shape}")
         if g.shape != y.shape:
@@ -71,7 +85,8 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
-    Must run inside `mm.trace()` (or pass the trace), and ys and xs must be tensors of that trace.
+    Must run inside `mm.trace()` (or pass the trace), and ys and xs must be tensors of that trace:
+    float tensors, in lists (or one tensor each); the result is a list.
 
     `grad_ys`: one tensor per y, of its shape and dtype (the cotangents, as TensorFlow's `grad_ys` or
     the argument of JAX's `vjp` function): the gradients are then those of the sum of all elements
@@ -98,10 +113,18 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     tr = tr if tr is not None else current_trace()
     if tr is None:
         raise MpimeshError("mm.gradients needs an open trace: run the forward pass inside `with mm.trace():`")
-    ys, xs = list(ys), list(xs)
+    ys, xs = _tensors("ys", ys), _tensors("xs", xs)
+    if not ys:
+        raise MpimeshError("mm.gradients: ys is empty: give the tensors to differentiate (e.g. [loss])")
     release_unneeded()  # what the forward pass left that no rule reads goes before the backward allocates
     ops = list(tr.ops)  # the backward ops are appended to the trace as they run
-    seeds = [_ones_like(y) for y in ys] if grad_ys is None else _cotangents(ys, list(grad_ys))
+    made = {id(t) for op in ops for t in op.outputs} | {id(x) for x in xs}
+    for i, y in enumerate(ys):
+        if id(y) not in made:
+            raise MpimeshError(f"mm.gradients: ys[{i}] ({y.shape} {y.dtype}) was not computed in this trace (the "
+                               f"innermost open one, unless tr= names another): its ops ran outside it, so its "
+                               f"gradient would be 0; run them inside `with mm.trace():`")
+    seeds = [_ones_like(y) for y in ys] if grad_ys is None else _cotangents(ys, _tensors("grad_ys", grad_ys))
     reach = {id(x) for x in xs}
     for op in ops:  # no gradient flows out of an op without a rule (stop_gradient, a comparison)
         if op.grad is not None and any(id(t) in reach for t in op.inputs):

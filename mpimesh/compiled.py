@@ -15,9 +15,13 @@ mesh's layout rules, the bucket size and the matmul precision in force. A bounde
 dicts of tensors and other values.
 
 `fn` may not read values on the host while it records (`to_numpy()`, `float(t)`, a branch on a
-value): a compiled step runs no Python, so it would read them once and never again. That raises
-`CompileError` naming the file and line. Called inside an open `mm.trace()`, the step runs
-eagerly (its ops recorded there, for gradients through it).
+value, `mm.save`): a compiled step runs no Python, so it would read them once and never again. That
+raises `CompileError` naming the file and line. Nor may it assign into its arguments (`p["w"] = ...`
+in a dict passed in): it returns its new state instead. What it cannot see: a read of `.local`
+(numpy on the block itself), and tensors it reads from outside its arguments (a closure, a global),
+which are constants of the recording: a replay uses the values they had then. Which arguments are
+one tensor passed twice is part of the signature. Called inside an open `mm.trace()`, the step
+runs eagerly (its ops recorded there, for gradients through it).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -89,10 +93,12 @@ class Compiled:
         if current_trace() is not None:  # inside a user's trace: eager, so its ops are recorded there
             return self.fn(*args, **kwargs)
         leaves, tree = flatten((args, kwargs))
-        key = (tree, _settings(leaves), tuple(_signature(v) for v in leaves))
+        seen: dict = {}  # one tensor passed twice is one input of the recording: part of its signature
+        aliases = tuple(seen.setdefault(id(v), i) for i, v in enumerate(leaves) if isinstance(v, DistTensor))
+        key = (tree, aliases, _settings(leaves), tuple(_signature(v) for v in leaves))
         entry = self.cache.get(key)
         if entry is None:
-            out, entry = self._record(args, kwargs, leaves)
+            out, entry = self._record(args, kwargs, leaves, tree)
             self.cache[key] = entry
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
@@ -102,13 +108,18 @@ class Compiled:
         self.replays += 1
         return entry.run(leaves)
 
-    def _record(self, args, kwargs, leaves) -> tuple:
+    def _record(self, args, kwargs, leaves, tree) -> tuple:
         host_reads.append(self._host_read)
         try:
             with trace() as tr:
                 out = self.fn(*args, **kwargs)
         finally:
             host_reads.pop()
+        after, after_tree = flatten((args, kwargs))
+        if after_tree != tree or any(a is not b for a, b in zip(after, leaves)):
+            raise CompileError(f"mm.compile({self.__name__}): the step assigns into its arguments (a dict or list "
+                               f"passed in holds other values after it ran); a replay runs no Python, so it would "
+                               f"not do that again: return the new values instead (params = step(params, ...))")
         out_leaves, out_tree = flatten(out)
         for v in out_leaves:
             if v is not None and not isinstance(v, DistTensor):
@@ -348,6 +359,8 @@ def _settings(leaves: list) -> tuple:
 def _signature(v) -> tuple:
     if isinstance(v, DistTensor):
         return ("tensor", id(v.mesh), v.shape, v.tensor_layout, str(v.dtype))
+    if isinstance(v, float) and v != v:
+        return ("value", "float", "nan")  # (nan != nan: it would record again on every call)
     try:
         hash(v)
     except TypeError:

@@ -118,8 +118,10 @@ class Region:
         again = _signature(ops, {id(t) for t in self.inputs})
         for k, (a, b) in enumerate(zip(self.ops, again)):
             if a != b:
-                what = (f"{b[0]} of [{_shapes(b)}] reads another tensor from outside the block than the first run"
-                        if a[:2] == b[:2] else f"{b[0]} of [{_shapes(b)}] where the first ran {a[0]} of [{_shapes(a)}]")
+                what = (f"{b[0]} of [{_shapes(b)}] where the first ran {a[0]} of [{_shapes(a)}]" if a[:2] != b[:2] else
+                        f"{b[0]} of [{_shapes(b)}] reads another tensor from outside the block than the first run"
+                        if a[2] != b[2] else f"{b[0]} of [{_shapes(b)}] with {_params(b)} where the first run had {_params(a)} "
+                        f"(a value drawn on the host each run?)")
                 raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run (in the backward pass) differs from "
                                    f"the first at op {k}: {what}; fn must compute the same ops from the same "
                                    f"tensors (bind loop variables as arguments, not as closures)")
@@ -144,6 +146,9 @@ def remat(fn: Callable) -> Callable:
     >>> block.__wrapped__ is not None
     True
     """
+    if not callable(fn):
+        raise TypeError(f"mm.remat needs a function, got {type(fn).__name__}")
+
     @functools.wraps(fn)
     def rematerialised(*args, **kwargs):
         if not _open_traces or not _chosen():
@@ -163,9 +168,16 @@ def remat(fn: Callable) -> Callable:
 
 
 def _signature(ops: list, outside: set) -> list:
-    """Per op: its name, its inputs' shapes, and which outside tensor each input is (else None)."""
-    return [(op.name, tuple(t.shape for t in op.inputs),
-             tuple(id(t) if id(t) in outside else None for t in op.inputs)) for op in ops]
+    """Per op: its name, its inputs' shapes, which outside tensor each input is (else None), and its
+    number and string params (a scale drawn on the host anew would differ)."""
+    return [(op.name, tuple(t.shape for t in op.inputs), tuple(id(t) if id(t) in outside else None for t in op.inputs),
+             tuple((k, repr(v)) for k, v in op.params.items() if isinstance(v, (int, float, complex, str))))
+            for op in ops]
+
+
+def _params(entry: tuple) -> str:
+    """The params of a `_signature` entry, for an error message."""
+    return ", ".join(f"{k}={v}" for k, v in entry[3])
 
 
 def _shapes(entry: tuple) -> str:

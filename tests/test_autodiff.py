@@ -376,6 +376,36 @@ def test_grad_ys_errors(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_gradients_arguments_checked(shape):
+    """ys made outside the trace (they gave zeros), nothing to differentiate, non-tensors and
+    integer tensors: clear errors on every rank. One tensor for ys or xs is a list of one."""
+    mesh = get_mesh(shape)
+    xa = global_array(AB, 19, np.float64)
+    x = mesh.from_numpy(xa, AB)
+    outside = mm.reduce_sum(x * x)
+    with mm.trace():
+        with pytest.raises(mm.MpimeshError, match=r"ys\[0\] \(\[\] float64\) was not computed in this trace"):
+            mm.gradients([outside], [x])
+        loss = mm.reduce_sum(x * x)
+        with mm.trace():  # a helper's own trace: the loss was made in the outer one
+            with pytest.raises(mm.MpimeshError, match="was not computed in this trace"):
+                mm.gradients([loss], [x])
+        with pytest.raises(mm.MpimeshError, match="ys is empty"):
+            mm.gradients([], [x])
+        with pytest.raises(TypeError, match=r"xs\[0\] is a ndarray, not a DistTensor"):
+            mm.gradients([loss], [xa])
+        with pytest.raises(TypeError, match="ys must be a list of tensors, got a float"):
+            mm.gradients(3.0, [x])
+        xi = mm.cast(x, "int32")
+        with pytest.raises(mm.DTypeError, match=r"xs\[0\] is a \[a:8, b:16\] int32 tensor"):
+            mm.gradients([mm.reduce_sum(mm.cast(xi, "float64"))], [xi])
+        (g,) = mm.gradients(loss, x)  # one tensor each
+        np.testing.assert_allclose(g.to_numpy(), 2 * xa, rtol=1e-12)
+        (gx,) = mm.gradients([x], [x])  # an x among the ys: the identity
+        np.testing.assert_array_equal(gx.to_numpy(), np.ones_like(xa))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_no_gradient_work_behind_stop_gradient(shape):
     """y * stop_gradient(s) with s made from x: the rule computes dz * s for y and nothing for the
     stopped side (one multiply, not two), and the gradient ignores the path through s."""

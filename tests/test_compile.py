@@ -156,6 +156,38 @@ def test_reading_values_on_the_host_while_recording_names_the_line():
         mm.compile(lambda x: "done")(x)
 
 
+def test_one_tensor_passed_twice_is_its_own_signature():
+    """f(x, x) records one input for both; f(y, x) after it must record again, not replay with y
+    in both places (it gave [30, 30, 30] for [21, 22, 23]). A NaN argument replays like any value."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    step = mm.compile(lambda a, b: a * 2.0 + b)
+    x, y = mesh.from_numpy(np.array([1.0, 2.0, 3.0]), "a:3"), mesh.full("a:3", 10.0, "float64")
+    assert step(x, x).to_numpy().tolist() == [3.0, 6.0, 9.0]
+    assert step(y, x).to_numpy().tolist() == [21.0, 22.0, 23.0]
+    assert step(x, y).to_numpy().tolist() == [12.0, 14.0, 16.0]  # replays the (a, b) recording
+    assert step(y, y).to_numpy().tolist() == [30.0, 30.0, 30.0]  # replays the (a, a) one
+    assert (step.recordings, step.replays) == (2, 2)
+    scaled = mm.compile(lambda a, s: a * s)
+    for _ in range(3):
+        assert np.isnan(scaled(x, float("nan")).to_numpy()).all()
+    assert (scaled.recordings, scaled.replays) == (1, 2)
+
+
+def test_a_step_that_assigns_into_its_arguments_is_refused():
+    """A PyTorch-style step that updates a dict passed in would update it once, when recorded, and
+    never again in a replay: refused, pointing at returning the new state."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
+
+    def step(p):
+        p["w"] = p["w"] * 2.0
+    with pytest.raises(mm.CompileError, match=r"assigns into its arguments.*return the new values"):
+        mm.compile(step)(params)
+    lists = [mesh.ones("a:2")]
+    with pytest.raises(mm.CompileError, match="assigns into its arguments"):
+        mm.compile(lambda xs: xs.append(xs[0] * 2.0))(lists)
+
+
 def test_tensors_that_are_not_arguments_are_constants_and_arguments_pass_through():
     mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
     w = mesh.from_numpy(np.array([1.0, 2.0]), "a:2")

@@ -163,6 +163,21 @@ def test_a_block_that_computes_something_else_the_second_time_is_an_error():
             mm.gradients([mm.reduce_sum(h)], ws)
 
 
+def test_a_block_with_a_number_drawn_on_the_host_is_an_error():
+    """A scale drawn by numpy in the block differs in its second run: the gradient would be the
+    second draw's, so every rank raises, naming the numbers. Not a function: a TypeError."""
+    mesh = get_mesh(mesh_shapes()[0])
+    x = mesh.ones("b:4;d:3", "float64")
+    rng = np.random.default_rng(0)  # the same draws on every rank
+    with mm.trace():
+        y = mm.remat(lambda t: t * float(rng.normal()))(x)
+        with pytest.raises(MpimeshError, match=r"multiply of \[\[b:4, d:3\]\] with scalar=-0\.13.* first run had "
+                                               r"scalar=0\.12.*drawn on the host"):
+            mm.gradients([mm.reduce_sum(y)], [x])
+    with pytest.raises(TypeError, match="mm.remat needs a function, got int"):
+        mm.remat(3)
+
+
 def test_outside_a_trace_a_plain_call():
     mesh = get_mesh(mesh_shapes()[0])
     x = mesh.from_numpy(np.array([0.0, 1.0]), "a:2")
