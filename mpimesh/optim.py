@@ -12,8 +12,13 @@ RMS values and factored means allreduce over the parameter's split mesh dims onl
 `mm.trace()` records the whole update (the step is a tensor, so a replay serves every step).
 
 Learning rates (and Adafactor's decay rate) are floats or callables `f(t)` of the 1-based step `t`
-(a 0-d float DistTensor), e.g. `lambda t: 1e-3 * mm.minimum(t / 100.0, 1.0)`. A gradient that is
-None leaves its parameter and state unchanged.
+(a 0-d float DistTensor), e.g. `lambda t: 1e-3 * mm.minimum(t / 100.0, 1.0)`, returning a float or a
+0-d float DistTensor. A gradient that is None leaves its parameter and state unchanged.
+
+Every hyperparameter is checked where it is given (a schedule's value where it is used): a
+TypeError for a value of the wrong type (a bool is not a number), an MpimeshError naming it for a
+value that is not finite or out of range. Params, grads and state must be float tensors on one
+Mesh object; anything else raises on every rank before any op runs.
 
 Low precision: the update of a 16-bit float parameter runs in float32 (its state is float32) and
 the new value is rounded once; the usual set-up keeps float32 master parameters, which the layers
@@ -34,12 +39,13 @@ overflowed.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from .backend import accumulation_dtype
-from .errors import MpimeshError, ShapeError
+from .backend import accumulation_dtype, is_float
+from .errors import DTypeError, MeshError, MpimeshError, ShapeError
 from .mesh import layout_scope
 from .ops.einsum import einsum
 from .ops.elementwise import axpy, cast, maximum, minimum, rsqrt, sqrt, square
@@ -65,8 +71,45 @@ def _rms(x):
     return sqrt(_mean_square(x))
 
 
-def _value(v: Schedule, t):
-    return v(t) if callable(v) else v
+_RULES = {">= 0": lambda x: x >= 0, "> 0": lambda x: x > 0, ">= 1": lambda x: x >= 1,
+          "in [0, 1)": lambda x: 0 <= x < 1, "in (0, 1)": lambda x: 0 < x < 1}
+_SCHEDULED = {"lr": ">= 0", "learning_rate": ">= 0", "decay_rate": "in [0, 1)"}
+"""The rule each hyperparameter that may be a schedule follows, its schedule's values too."""
+
+
+def _hyper(owner: str, arg: str, value, rule: str, *, schedule: bool = False, optional: bool = False,
+           integer: bool = False, mesh=None):
+    """Hyperparameter `arg` of `owner`, checked: a real number (an int where `integer`; never a
+    bool), finite and `rule` (a key of `_RULES`), returned as a float (an int). Returned as they
+    are: a callable where `schedule`, None where `optional`, a 0-d float DistTensor on `mesh` where
+    one is given (a schedule's value). Anything else: a TypeError, ShapeError, DTypeError,
+    MeshError or MpimeshError naming `owner`, `arg` and the value."""
+    if schedule and callable(value) or optional and value is None:
+        return value
+    if mesh is not None and isinstance(value, DistTensor):
+        if value.shape.rank:
+            raise ShapeError(f"{owner}: {arg} must be 0-d, got a tensor of shape {value.shape}")
+        if not is_float(value.dtype):
+            raise DTypeError(f"{owner}: {arg} must be a float, got a tensor of dtype {value.dtype}")
+        if value.mesh is not mesh:
+            raise _other_mesh(f"{owner}: {arg}", value.mesh, "the params", mesh)
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if integer else numbers.Real):
+        forms = (["an int" if integer else "a real number"] + ["a schedule f(t)"] * schedule + ["None"] * optional
+                 + ["a 0-d float DistTensor"] * (mesh is not None))
+        raise TypeError(f"{owner}: {arg} must be {' or '.join(forms)}, got {value!r} ({type(value).__name__})")
+    if not ((integer or math.isfinite(value)) and _RULES[rule](value)):
+        raise MpimeshError(f"{owner}: {arg} must be {'an int' if integer else 'a finite number'} {rule}, "
+                           f"got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _value(opt: "Optimizer", arg: str, t):
+    """`opt`'s hyperparameter `arg` at step `t`: its number, or its schedule's value, checked."""
+    v = getattr(opt, arg)
+    if not callable(v):
+        return v
+    return _hyper(type(opt).__name__, f"the value of the {arg} schedule", v(t), _SCHEDULED[arg], mesh=t.mesh)
 
 
 def _sub_layout(p: DistTensor, shape: Shape) -> tuple:
@@ -74,19 +117,26 @@ def _sub_layout(p: DistTensor, shape: Shape) -> tuple:
     return tuple(p.tensor_layout[p.shape.index(n)] for n in shape.names)
 
 
-def _check_params(params: Mapping, what: str = "params"):
-    """The one mesh every tensor of `params` lives on."""
+def _other_mesh(a: str, mesh_a, b: str, mesh_b) -> MeshError:
+    """The error for tensors `a` and `b` of one update on two Mesh objects."""
+    where = (f"two different Mesh objects of the same shape ({mesh_a})" if mesh_a.shape == mesh_b.shape
+             else f"different meshes ({mesh_a} and {mesh_b})")
+    return MeshError(f"{a} and {b} live on {where}; an update's tensors must all be on one Mesh object")
+
+
+def _check_params(params: Mapping):
+    """The one mesh every tensor of `params` lives on; every one a float tensor."""
     if not isinstance(params, Mapping) or not params:
-        raise MpimeshError(f"{what} must be a non-empty dict of DistTensors, got {type(params).__name__}")
-    mesh = None
+        raise MpimeshError(f"params must be a non-empty dict of DistTensors, got {type(params).__name__}")
+    first = next(iter(params))
     for name, p in params.items():
         if not isinstance(p, DistTensor):
-            raise TypeError(f"{what}[{name!r}] is a {type(p).__name__}, not a DistTensor")
-        if mesh is None:
-            mesh = p.mesh
-        elif p.mesh is not mesh:
-            raise MpimeshError(f"{what}[{name!r}] lives on {p.mesh}, the others on {mesh}")
-    return mesh
+            raise TypeError(f"params[{name!r}] is a {type(p).__name__}, not a DistTensor")
+        if not is_float(p.dtype):
+            raise DTypeError(f"params[{name!r}] has dtype {p.dtype}: an optimizer updates float params only")
+        if p.mesh is not params[first].mesh:
+            raise _other_mesh(f"params[{first!r}]", params[first].mesh, f"params[{name!r}]", p.mesh)
+    return params[first].mesh
 
 
 class Optimizer:
@@ -170,8 +220,9 @@ class Optimizer:
         return {n: new_params[n] for n in params}, new_state
 
     def _check(self, params: Mapping, grads: Mapping, state: Mapping):
-        """Every error from names and shapes alone (identical on all ranks), before any op runs."""
+        """Every error from names, shapes, dtypes and meshes (identical on all ranks), before any op runs."""
         mesh = _check_params(params)
+        opt = type(self).__name__
         if not isinstance(grads, Mapping):
             raise MpimeshError(f"grads must be a dict of DistTensors, got {type(grads).__name__}")
         if set(params) != set(grads):
@@ -188,19 +239,38 @@ class Optimizer:
             if g.shape != p.shape:
                 raise ShapeError(f"the gradient of param {name!r} has shape {g.shape}, "
                                  f"but the param has shape {p.shape}")
+            if not is_float(g.dtype):
+                raise DTypeError(f"the gradient of param {name!r} has dtype {g.dtype}: gradients must be floats")
             if g.mesh is not mesh:
-                raise MpimeshError(f"the gradient of param {name!r} lives on another mesh than the param")
+                raise _other_mesh(f"grads[{name!r}]", g.mesh, f"params[{name!r}]", mesh)
         if not isinstance(state, Mapping) or "step" not in state:
-            raise MpimeshError(f"{type(self).__name__} state must be the dict made by init(), with a 'step'")
+            raise MpimeshError(f"{opt} state must be the dict made by init(), with a 'step'")
+        step = state["step"]
+        if not isinstance(step, DistTensor):
+            raise TypeError(f"{opt} state['step'] must be a DistTensor (the 0-d int32 tensor init() makes; "
+                            f"restore it as one), got {step!r} ({type(step).__name__})")
+        if step.shape.rank:
+            raise ShapeError(f"{opt} state['step'] has shape {step.shape}, expected a 0-d tensor, as init() makes")
+        if step.dtype.kind not in "iu":
+            raise DTypeError(f"{opt} state['step'] has dtype {step.dtype}, expected an int (init() makes int32)")
+        if step.mesh is not mesh:
+            raise _other_mesh(f"{opt} state['step']", step.mesh, "the params", mesh)
         for name, p in params.items():
             for s, shape in self._slot_shapes(p).items():
                 v = state.get(s, {}).get(name)
+                where = f"{opt} state slot {s!r} of param {name!r}"
                 if v is None:
-                    raise MpimeshError(f"{type(self).__name__} state has no slot {s!r} for param {name!r} "
+                    raise MpimeshError(f"{opt} state has no slot {s!r} for param {name!r} "
                                        f"(shape {p.shape}); make the state with init(params)")
+                if not isinstance(v, DistTensor):
+                    raise TypeError(f"{where} is a {type(v).__name__}, not a DistTensor")
                 if v.shape != shape:
-                    raise ShapeError(f"{type(self).__name__} state slot {s!r} of param {name!r} has shape "
-                                     f"{v.shape}, expected {shape}")
+                    raise ShapeError(f"{where} has shape {v.shape}, expected {shape}")
+                if v.dtype != accumulation_dtype(p.dtype):
+                    raise DTypeError(f"{where} has dtype {v.dtype}, expected {accumulation_dtype(p.dtype)} "
+                                     f"(the param's is {p.dtype})")
+                if v.mesh is not mesh:
+                    raise _other_mesh(where, v.mesh, f"params[{name!r}]", mesh)
         return mesh
 
 
@@ -212,10 +282,8 @@ class SGD(Optimizer):
     """
 
     def __init__(self, lr: Schedule, momentum: float = 0.0):
-        if not callable(lr) and lr < 0:
-            raise MpimeshError(f"SGD: lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise MpimeshError(f"SGD: momentum must be in [0, 1), got {momentum}")
+        lr = _hyper("SGD", "lr", lr, _SCHEDULED["lr"], schedule=True)
+        momentum = _hyper("SGD", "momentum", momentum, "in [0, 1)")
         self.lr, self.momentum = lr, momentum
         self.slot_names = ("v",) if momentum else ()
 
@@ -223,14 +291,14 @@ class SGD(Optimizer):
         return {"v": p.shape} if self.momentum else {}
 
     def _apply(self, p, g, slots, t):
-        lr = _value(self.lr, t)
+        lr = _value(self, "lr", t)
         if not self.momentum:
             return axpy(-lr, g, p), {}
         v = axpy(self.momentum, slots["v"], g)
         return axpy(-lr, v, p), {"v": v}
 
     def _update_all(self, groups, t, work):
-        return sgd_update(groups, _value(self.lr, t), self.momentum, work)
+        return sgd_update(groups, _value(self, "lr", t), self.momentum, work)
 
 
 class Adam(Optimizer):
@@ -248,11 +316,10 @@ class Adam(Optimizer):
 
     def __init__(self, lr: Schedule, beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-8,
                  weight_decay: float = 0.0):
-        for n, b in (("beta1", beta1), ("beta2", beta2)):
-            if not 0.0 <= b < 1.0:
-                raise MpimeshError(f"Adam: {n} must be in [0, 1), got {b}")
-        if epsilon < 0 or weight_decay < 0:
-            raise MpimeshError(f"Adam: epsilon ({epsilon}) and weight_decay ({weight_decay}) must be >= 0")
+        lr = _hyper("Adam", "lr", lr, _SCHEDULED["lr"], schedule=True)
+        beta1, beta2 = _hyper("Adam", "beta1", beta1, "in [0, 1)"), _hyper("Adam", "beta2", beta2, "in [0, 1)")
+        epsilon = _hyper("Adam", "epsilon", epsilon, ">= 0")
+        weight_decay = _hyper("Adam", "weight_decay", weight_decay, ">= 0")
         self.lr, self.beta1, self.beta2 = lr, beta1, beta2
         self.epsilon, self.weight_decay = epsilon, weight_decay
 
@@ -261,7 +328,7 @@ class Adam(Optimizer):
 
     def _apply(self, p, g, slots, t):
         b1, b2 = self.beta1, self.beta2
-        lr = _value(self.lr, t)
+        lr = _value(self, "lr", t)
         m = axpy(1.0 - b1, g, b1 * slots["m"])
         v = axpy(1.0 - b2, square(g), b2 * slots["v"])
         m_hat = m / (1.0 - b1 ** t)
@@ -272,7 +339,7 @@ class Adam(Optimizer):
         return new_p, {"m": m, "v": v}
 
     def _update_all(self, groups, t, work):
-        return adam_update(groups, t, _value(self.lr, t), self.beta1, self.beta2, self.epsilon, self.weight_decay,
+        return adam_update(groups, t, _value(self, "lr", t), self.beta1, self.beta2, self.epsilon, self.weight_decay,
                            work)
 
 
@@ -311,16 +378,23 @@ class Adafactor(Optimizer):
                  beta1: float = 0.0, clipping_threshold: Optional[float] = 1.0,
                  multiply_by_parameter_scale: bool = True, factored: bool = True,
                  epsilon1: float = 1e-30, epsilon2: float = 1e-3, min_dim_size_to_factor: int = 128):
-        if not 0.0 <= beta1 < 1.0:
-            raise MpimeshError(f"Adafactor: beta1 must be in [0, 1), got {beta1}")
-        if clipping_threshold is not None and clipping_threshold <= 0:
-            raise MpimeshError(f"Adafactor: clipping_threshold must be > 0 or None, got {clipping_threshold}")
+        learning_rate = _hyper("Adafactor", "learning_rate", learning_rate, _SCHEDULED["learning_rate"],
+                               schedule=True, optional=True)
+        decay_rate = _hyper("Adafactor", "decay_rate", decay_rate, _SCHEDULED["decay_rate"], schedule=True,
+                            optional=True)
+        beta1 = _hyper("Adafactor", "beta1", beta1, "in [0, 1)")
+        epsilon1 = _hyper("Adafactor", "epsilon1", epsilon1, ">= 0")
+        epsilon2 = _hyper("Adafactor", "epsilon2", epsilon2, ">= 0")
+        for arg, flag in (("multiply_by_parameter_scale", multiply_by_parameter_scale), ("factored", factored)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"Adafactor: {arg} must be True or False, got {flag!r} ({type(flag).__name__})")
         self.learning_rate, self.decay_rate, self.beta1 = learning_rate, decay_rate, beta1
-        self.clipping_threshold = clipping_threshold
+        self.clipping_threshold = _hyper("Adafactor", "clipping_threshold", clipping_threshold, "> 0", optional=True)
         """Update clipping: `u` is divided by `max(1, RMS(u) / clipping_threshold)`; None: no clipping."""
-        self.multiply_by_parameter_scale, self.factored = multiply_by_parameter_scale, factored
+        self.multiply_by_parameter_scale, self.factored = bool(multiply_by_parameter_scale), bool(factored)
         self.epsilon1, self.epsilon2 = epsilon1, epsilon2
-        self.min_dim_size_to_factor = min_dim_size_to_factor
+        self.min_dim_size_to_factor = _hyper("Adafactor", "min_dim_size_to_factor", min_dim_size_to_factor, ">= 1",
+                                             integer=True)
         """The second moment is factored only where a parameter's second-largest dim is at least this."""
         self.slot_names = ("vr", "vc", "v") + (("m",) if beta1 else ())
 
@@ -347,8 +421,8 @@ class Adafactor(Optimizer):
             if not self.multiply_by_parameter_scale:
                 lr = lr * 0.05
         else:
-            lr = _value(lr, t)
-        decay = 1.0 - t ** -0.8 if self.decay_rate is None else _value(self.decay_rate, t)
+            lr = _value(self, "learning_rate", t)
+        decay = 1.0 - t ** -0.8 if self.decay_rate is None else _value(self, "decay_rate", t)
         return lr, decay
 
     def _apply(self, p, g, slots, t):
@@ -413,10 +487,11 @@ class DynamicLossScale:
     """
 
     def __init__(self, scale: float = 2.0 ** 15, growth: float = 2.0, backoff: float = 0.5, interval: int = 200):
-        if not scale > 0 or not growth >= 1 or not 0 < backoff < 1 or interval < 1:
-            raise MpimeshError(f"DynamicLossScale: need scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1; "
-                               f"got {scale}, {growth}, {backoff}, {interval}")
-        self.scale, self.growth, self.backoff, self.interval = float(scale), growth, backoff, interval
+        scale = _hyper("DynamicLossScale", "scale", scale, "> 0")
+        growth = _hyper("DynamicLossScale", "growth", growth, ">= 1")
+        backoff = _hyper("DynamicLossScale", "backoff", backoff, "in (0, 1)")
+        interval = _hyper("DynamicLossScale", "interval", interval, ">= 1", integer=True)
+        self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
         self.good_steps = 0
         """Steps applied in a row since the scale last changed (the scale grows when it reaches `interval`)."""
 
@@ -427,6 +502,11 @@ class DynamicLossScale:
     def finite(self, grads: Mapping) -> bool:
         """Whether every gradient is finite, agreed across all ranks of the mesh."""
         from .ops.reduce import reduce_sum
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"DynamicLossScale: grads must be a dict of DistTensors, got a {type(grads).__name__}")
+        for name, g in grads.items():
+            if g is not None and not isinstance(g, DistTensor):
+                raise TypeError(f"DynamicLossScale: grads[{name!r}] is a {type(g).__name__}, not a DistTensor")
         mesh, bad = None, False
         for g in grads.values():
             if g is None:
@@ -440,6 +520,10 @@ class DynamicLossScale:
     def step(self, optimizer: Optimizer, params: Mapping, grads: Mapping, state: Mapping) -> tuple:
         """`(params, state, applied)`: the optimizer's step on the unscaled gradients, or the inputs
         unchanged (`applied` False) when a gradient overflowed; the scale adapts either way."""
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"DynamicLossScale.step: optimizer must be an mm.optim.Optimizer, "
+                            f"got a {type(optimizer).__name__}")
+        optimizer._check(params, grads, state)
         if not self.finite(grads):
             self.scale *= self.backoff
             self.good_steps = 0

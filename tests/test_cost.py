@@ -65,6 +65,34 @@ def test_machines_published_and_checked():
         Machine(flops=1, latency=-1, bandwidth=1e9, memory=1e9)
 
 
+@pytest.mark.parametrize("changes, error, message", [
+    ({"latency": math.inf}, mm.MpimeshError, r"Machine: latency must be >= 0 and finite, got inf"),
+    ({"flops": math.nan}, mm.MpimeshError, r"Machine: flops must be > 0 and finite, got nan"),
+    ({"memory": math.inf}, mm.MpimeshError, r"Machine: memory must be > 0 and finite, got inf"),
+    ({"memory_bandwidth": 0}, mm.MpimeshError, r"Machine: memory_bandwidth must be > 0, got 0"),
+    ({"op_overhead": -1e-6}, mm.MpimeshError, r"Machine: op_overhead must be >= 0 and finite, got -1e-06"),
+    ({"flops": "1e9"}, TypeError, r"Machine: flops must be a number, got '1e9' \(str\)"),
+    ({"bandwidth": True}, TypeError, r"Machine: bandwidth must be a number, got True \(bool\)"),
+    ({"name": 3}, TypeError, r"Machine: name must be a str, got 3 \(int\)"),
+    ({"links": {"rows": (1e-6, 1e9)}}, TypeError, r"Machine: links must be a tuple of \(mesh_dim, latency, "),
+    ({"links": (("rows", 1e-6),)}, TypeError, r"Machine: links\[0\] must be \(mesh_dim, latency, bandwidth\) "
+                                              r"with mesh_dim a name, got \('rows', 1e-06\)"),
+    ({"links": (("rows", -1, 1e9),)}, mm.MpimeshError, r"Machine: links\[0\] \('rows'\) latency must be >= 0 and "
+                                                      r"finite, got -1"),
+    ({"links": (("rows", 1e-6, -5),)}, mm.MpimeshError, r"Machine: links\[0\] \('rows'\) bandwidth must be > 0 "
+                                                       r"and finite, got -5"),
+    ({"links": (("rows", 1e-6, 1e9), ("rows", 1e-6, 1e9))}, mm.MpimeshError, "links name mesh dim 'rows' twice"),
+])
+def test_machine_fields_checked(changes, error, message):
+    """Every field is a real number in its range (finite, but for memory_bandwidth), every link a
+    `(mesh_dim, latency, bandwidth)` triple of its own mesh dim; numpy numbers and lists pass."""
+    fields = dict(flops=1e9, latency=1e-6, bandwidth=1e9, memory=1e9)
+    with pytest.raises(error, match=message):
+        Machine(**{**fields, **changes})
+    m = Machine(flops=np.float32(1e9), latency=0, bandwidth=np.int64(10**9), memory=1e9, links=[["rows", 0, 1e8]])
+    assert m.flops == 1e9 and m.memory_bandwidth == math.inf and m.links == (("rows", 0.0, 1e8),)
+
+
 def test_estimate_prices_by_hand():
     """One einsum and one allreduce: each term computed by hand from the model's formulas."""
     rec = record(lambda x, w: mm.einsum([x, w]), (ArgSpec("b:40;k:64", "float32"), ArgSpec("k:64;n:32", "float32")),
@@ -331,6 +359,67 @@ def test_calibrate_agrees_on_every_rank():
     assert all(a > 0 and b > 0 for _, a, b in m.links)
     with pytest.raises(mm.MpimeshError, match="needs a Mesh with processors"):
         mm.cost.calibrate(DryMesh("x:2"))
+
+
+def _toy_step(x, w):
+    return mm.reduce_sum(mm.relu(mm.einsum([x, w])))
+
+
+TOY_ARGS = (ArgSpec("batch:64;io:32", "float32"), ArgSpec("io:32;hidden:1024", "float32"))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"memory_per_rank": math.nan}, mm.MpimeshError,
+     r"auto_layout: memory_per_rank \(bytes, or None: the machine's memory\) must be > 0, got nan"),
+    ({"memory_per_rank": 0}, mm.MpimeshError, r"memory_per_rank .* must be > 0, got 0"),
+    ({"memory_per_rank": "16GB"}, TypeError, r"auto_layout: memory_per_rank .* must be a number, got '16GB' \(str\)"),
+    ({"machine": "tpu"}, TypeError, r"auto_layout: machine must be a mm.cost.Machine \(mm.cost.TPUV2, TPUV3, "
+                                    r"H100_NVLINK, or calibrate\(mesh\)\) or None .*got 'tpu' \(str\)"),
+    ({"mesh": "x:4"}, TypeError, r"auto_layout: mesh must be a Mesh or a DryMesh .*got 'x:4' \(str\)"),
+    ({"beam": "2"}, TypeError, r"auto_layout: beam must be an int, got '2' \(str\)"),
+    ({"beam": 0}, mm.MpimeshError, r"auto_layout: beam must be >= 1, got 0"),
+    ({"exact_limit": -1}, mm.MpimeshError, r"auto_layout: exact_limit must be >= 0, got -1"),
+    ({"exact_limit": 2.5}, TypeError, r"auto_layout: exact_limit must be an int, got 2.5 \(float\)"),
+    ({"fn": 3}, TypeError, r"auto_layout: fn must be callable \(the step\), got 3 \(int\)"),
+    ({"args": TOY_ARGS[0]}, TypeError, r"auto_layout: args must be a tuple or list of fn's arguments .*ArgSpec"),
+])
+def test_auto_layout_checks_its_arguments(kwargs, error, message):
+    """Each argument is checked at the door, alike on every rank, naming it and its value."""
+    call = {"fn": _toy_step, "args": TOY_ARGS, "mesh": DryMesh("x:4"), "machine": TOY, **kwargs}
+    with pytest.raises(error, match=message):
+        mm.auto_layout(call.pop("fn"), call.pop("args"), call.pop("mesh"), **call)
+
+
+def test_auto_layout_edge_values_are_valid():
+    """No memory limit (inf), a numpy integer limit, a beam of width 1, and exact_limit 0 (always
+    a beam search) are valid."""
+    free = mm.auto_layout(_toy_step, TOY_ARGS, DryMesh("x:4"), memory_per_rank=math.inf, machine=TOY)
+    assert free.rules == "hidden:x" and free.exact and not free.too_big
+    narrow = mm.auto_layout(_toy_step, TOY_ARGS, DryMesh("x:4"), np.int64(2**30), TOY, exact_limit=0, beam=1)
+    assert not narrow.exact and narrow.seconds >= free.seconds and narrow.rules in {r for r, _, _ in free.candidates}
+
+
+def test_rules_naming_dims_the_step_lacks():
+    """Rules to price that name a tensor dim the step does not have (a typo) are a LayoutError
+    naming it and the step's dims. A recording's own rules may name other dims: like a layout
+    scope's, they may cover a whole model (`record` takes them as they are)."""
+    rec = record(_toy_step, TOY_ARGS, "x:2;y:2")
+    dims = r"\(its dims: \['batch', 'io', 'hidden'\]\)"
+    with pytest.raises(mm.LayoutError, match=r"estimate: rules 'hiden:x' name tensor dim 'hiden', which the step "
+                                             r"does not have " + dims):
+        estimate(rec, "hiden:x", None, TOY)
+    with pytest.raises(mm.LayoutError, match=r"estimate: rules 'batch:x;hiden:y;out:y' name tensor dims 'hiden', "
+                                             r"'out', which"):
+        estimate(rec, "batch:x;hiden:y;out:y", None, TOY)
+    assert estimate(rec, "hidden:x", None, TOY)["bytes_per_rank"] < rec.bytes_per_rank
+    model = "hidden:x;experts:y"  # the rules of a model whose other steps have experts
+    for own in (record(_toy_step, TOY_ARGS, "x:2;y:2", model), record(_toy_step, TOY_ARGS, DryMesh("x:2;y:2", model))):
+        assert str(own.rules) == model and estimate(own, model, None, TOY)["seconds"] > 0
+        assert estimate(own, None, "x:4;y:1", TOY)["seconds"] > 0
+    with pytest.raises(TypeError, match=r"record: mesh must be a Mesh, a DryMesh or a mesh shape .*got 4 \(int\)"):
+        record(_toy_step, TOY_ARGS, 4)
+    with pytest.raises(mm.DTypeError, match="cannot read 'floot' as a dtype"):
+        ArgSpec("b:4", "floot")
 
 
 # --------------------------------------------------------------------------- the app

@@ -331,3 +331,209 @@ def test_errors():
         mm.optim.Adam(0.1, beta1=1.0)
     with pytest.raises(mm.MpimeshError, match="momentum"):
         mm.optim.SGD(0.1, momentum=-0.5)
+
+
+# ---------------------------------------------------------------- input validation
+NAN, INF = float("nan"), float("inf")
+SGD, Adam, Adafactor, Scale = mm.optim.SGD, mm.optim.Adam, mm.optim.Adafactor, mm.optim.DynamicLossScale
+BAD_HYPERPARAMETERS = [  # (constructor, error, message)
+    (lambda: SGD(NAN), mm.MpimeshError, r"^SGD: lr must be a finite number >= 0, got nan$"),
+    (lambda: SGD(INF), mm.MpimeshError, r"^SGD: lr must be a finite number >= 0, got inf$"),
+    (lambda: SGD(-0.1), mm.MpimeshError, r"^SGD: lr must be a finite number >= 0, got -0.1$"),
+    (lambda: SGD("0.1"), TypeError, r"^SGD: lr must be a real number or a schedule f\(t\), got '0.1' \(str\)$"),
+    (lambda: SGD(None), TypeError, r"^SGD: lr must be .*, got None \(NoneType\)$"),
+    (lambda: SGD(True), TypeError, r"^SGD: lr must be .*, got True \(bool\)$"),
+    (lambda: SGD(0.1, momentum=NAN), mm.MpimeshError, r"^SGD: momentum must be a finite number in \[0, 1\), got nan"),
+    (lambda: SGD(0.1, momentum="0.9"), TypeError, r"^SGD: momentum must be a real number, got '0.9' \(str\)$"),
+    (lambda: Adam(NAN), mm.MpimeshError, r"^Adam: lr must be a finite number >= 0, got nan$"),
+    (lambda: Adam(-INF), mm.MpimeshError, r"^Adam: lr must be a finite number >= 0, got -inf$"),
+    (lambda: Adam(-0.1), mm.MpimeshError, r"^Adam: lr must be a finite number >= 0, got -0.1$"),
+    (lambda: Adam("0.1"), TypeError, r"^Adam: lr must be a real number or a schedule f\(t\), got '0.1' \(str\)$"),
+    (lambda: Adam(None), TypeError, r"^Adam: lr must be .*, got None \(NoneType\)$"),
+    (lambda: Adam(0.1, beta1=NAN), mm.MpimeshError, r"^Adam: beta1 must be a finite number in \[0, 1\), got nan$"),
+    (lambda: Adam(0.1, beta2=1.0), mm.MpimeshError, r"^Adam: beta2 must be .* in \[0, 1\), got 1.0$"),
+    (lambda: Adam(0.1, epsilon=NAN), mm.MpimeshError, r"^Adam: epsilon must be a finite number >= 0, got nan$"),
+    (lambda: Adam(0.1, epsilon="1e-8"), TypeError, r"^Adam: epsilon must be a real number, got '1e-8'"),
+    (lambda: Adam(0.1, weight_decay=NAN), mm.MpimeshError, r"^Adam: weight_decay must be .* >= 0, got nan$"),
+    (lambda: Adam(0.1, weight_decay=-0.01), mm.MpimeshError, r"^Adam: weight_decay .* got -0.01$"),
+    (lambda: Adafactor(learning_rate=-1.0), mm.MpimeshError,
+     r"^Adafactor: learning_rate must be a finite number >= 0, got -1.0$"),
+    (lambda: Adafactor(learning_rate=NAN), mm.MpimeshError, r"^Adafactor: learning_rate .* got nan$"),
+    (lambda: Adafactor(learning_rate="0.01"), TypeError,
+     r"^Adafactor: learning_rate must be a real number or a schedule f\(t\) or None, got '0.01' \(str\)$"),
+    (lambda: Adafactor(decay_rate=2.0), mm.MpimeshError,
+     r"^Adafactor: decay_rate must be a finite number in \[0, 1\), got 2.0$"),
+    (lambda: Adafactor(beta1=-0.5), mm.MpimeshError, r"^Adafactor: beta1 must be .* in \[0, 1\), got -0.5$"),
+    (lambda: Adafactor(epsilon1=-1.0), mm.MpimeshError, r"^Adafactor: epsilon1 must be .* >= 0, got -1.0$"),
+    (lambda: Adafactor(epsilon2=INF), mm.MpimeshError, r"^Adafactor: epsilon2 must be .* >= 0, got inf$"),
+    (lambda: Adafactor(clipping_threshold=NAN), mm.MpimeshError,
+     r"^Adafactor: clipping_threshold must be a finite number > 0, got nan$"),
+    (lambda: Adafactor(clipping_threshold=0.0), mm.MpimeshError, r"^Adafactor: clipping_threshold .* got 0.0$"),
+    (lambda: Adafactor(min_dim_size_to_factor=-1), mm.MpimeshError,
+     r"^Adafactor: min_dim_size_to_factor must be an int >= 1, got -1$"),
+    (lambda: Adafactor(min_dim_size_to_factor=2.5), TypeError,
+     r"^Adafactor: min_dim_size_to_factor must be an int, got 2.5 \(float\)$"),
+    (lambda: Adafactor(factored=1), TypeError, r"^Adafactor: factored must be True or False, got 1 \(int\)$"),
+    (lambda: Adafactor(multiply_by_parameter_scale=None), TypeError,
+     r"^Adafactor: multiply_by_parameter_scale must be True or False, got None"),
+    (lambda: Scale(scale=NAN), mm.MpimeshError,
+     r"^DynamicLossScale: scale must be a finite number > 0, got nan$"),
+    (lambda: Scale(growth=0.5), mm.MpimeshError, r"^DynamicLossScale: growth must be .* >= 1, got 0.5$"),
+    (lambda: Scale(backoff=1.0), mm.MpimeshError,
+     r"^DynamicLossScale: backoff must be .* in \(0, 1\), got 1.0$"),
+    (lambda: Scale(interval=2.5), TypeError, r"^DynamicLossScale: interval must be an int, got 2.5"),
+    (lambda: Scale(interval="x"), TypeError, r"^DynamicLossScale: interval must be an int, got 'x'"),
+    (lambda: Scale(interval=0), mm.MpimeshError, r"^DynamicLossScale: interval must be an int >= 1, got 0$"),
+]
+
+
+@pytest.mark.parametrize("make_bad, error, message", BAD_HYPERPARAMETERS)
+def test_bad_hyperparameters(make_bad, error, message):
+    """Every hyperparameter of every optimizer is checked at construction: the type (a bool is not
+    a number), finite, in range; the error names the optimizer, the argument and the value."""
+    with pytest.raises(error, match=message):
+        make_bad()
+
+
+def test_hyperparameter_edges():
+    """The valid neighbours of the bad values: lr = 0 (the params stay), an int or numpy lr,
+    decay_rate = 0, a schedule returning a Python float; each against the numpy reference."""
+    for mesh, lay in configs(limit=2):
+        for opt in (mm.optim.SGD(0, momentum=0.9), mm.optim.Adam(0.0, weight_decay=0.1),
+                    mm.optim.Adafactor(learning_rate=0.0, min_dim_size_to_factor=1)):
+            run(mesh, opt, lambda p, g, st, t: p, ["w", "b"], lay, steps=2)
+        run(mesh, mm.optim.SGD(1, momentum=np.float32(0.5)), ref_sgd(1.0, float(np.float32(0.5))), ["w", "b"], lay,
+            steps=2)
+        run(mesh, mm.optim.Adam(np.float64(0.01), epsilon=0), ref_adam(0.01, eps=0.0), ["w", "b"], lay, steps=2)
+        run(mesh, mm.optim.Adam(lambda t: 0.01, beta1=0), ref_adam(0.01, b1=0.0), ["w"], lay, steps=2)
+        opt = mm.optim.Adafactor(learning_rate=lambda t: 0.05, decay_rate=0, epsilon1=0, min_dim_size_to_factor=8)
+        run(mesh, opt, ref_adafactor(min_dim=8, lr=0.05, decay=0.0, eps1=0.0), ["w", "b"], lay, steps=2, rtol=1e-9)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_bad_schedule_values(fused):
+    """A schedule's value is checked where it is used, fused or op by op: a number as at
+    construction, or a 0-d float tensor on the params' mesh."""
+    mesh = mm.Mesh(mesh_shapes()[0])
+    other = mm.Mesh(mesh_shapes()[0])
+    params = {"w": mesh.ones("a:8"), "b": mesh.ones("b:3;a:8")}
+    grads = {"w": mesh.ones("a:8") * 0.5, "b": mesh.ones("b:3;a:8")}
+    cases = [
+        (mm.optim.Adam(lambda t: None), TypeError,
+         r"^Adam: the value of the lr schedule must be a real number or a 0-d float DistTensor, "
+         r"got None \(NoneType\)$"),
+        (mm.optim.SGD(lambda t: "x"), TypeError, r"^SGD: the value of the lr schedule must be .*, got 'x' \(str\)$"),
+        (mm.optim.Adam(lambda t: mesh.ones("z:3") * 0.1), mm.ShapeError,
+         r"^Adam: the value of the lr schedule must be 0-d, got a tensor of shape \[z:3\]$"),
+        (mm.optim.SGD(lambda t: mm.cast(t, "int32")), mm.DTypeError,
+         r"^SGD: the value of the lr schedule must be a float, got a tensor of dtype int32$"),
+        (mm.optim.Adam(lambda t: other.ones("") * 0.1), mm.MeshError,
+         r"^Adam: the value of the lr schedule and the params live on two different Mesh objects of the same shape"),
+        (mm.optim.SGD(lambda t: float("nan")), mm.MpimeshError,
+         r"^SGD: the value of the lr schedule must be a finite number >= 0, got nan$"),
+        (mm.optim.Adafactor(learning_rate=lambda t: -0.5), mm.MpimeshError,
+         r"^Adafactor: the value of the learning_rate schedule must be a finite number >= 0, got -0.5$"),
+        (mm.optim.Adafactor(decay_rate=lambda t: 1.0), mm.MpimeshError,
+         r"^Adafactor: the value of the decay_rate schedule must be a finite number in \[0, 1\), got 1.0$"),
+    ]
+    for opt, error, message in cases:
+        if not fused:
+            opt._update_all = None  # op by op
+        with pytest.raises(error, match=message):
+            opt.update(params, grads, opt.init(params))
+    # the valid neighbour: a schedule's 0-d float tensor, as the numpy reference
+    opt = mm.optim.SGD(lambda t: t * 0.125, momentum=0.5)
+    if not fused:
+        opt._update_all = None
+    state = opt.init(params)
+    want = {n: (p.to_numpy().astype(np.float64), {}) for n, p in params.items()}
+    for t in (1, 2):
+        params, state = opt.update(params, grads, state)
+        for n, (p, st) in want.items():
+            want[n] = ref_sgd(0.125 * t, 0.5)(p, grads[n].to_numpy().astype(np.float64), st, t), st
+            np.testing.assert_allclose(params[n].to_numpy(), want[n][0], rtol=1e-6)
+
+
+def test_bad_state():
+    """State of the wrong kind is refused by every optimizer before any op runs: the step must be
+    a 0-d int tensor, each slot a DistTensor of the param's accumulation dtype, all on the params'
+    Mesh object; a mismatch of Mesh objects names both tensors."""
+    mesh = mm.Mesh(mesh_shapes()[0])
+    other = mm.Mesh(mesh_shapes()[0])
+    params = {"w": mesh.ones("a:8"), "b": mesh.ones("a:8")}
+    grads = {"w": mesh.ones("a:8"), "b": mesh.ones("a:8")}
+    opt = mm.optim.Adam(0.1)
+    good = opt.init(params)
+    same_shape = r"live on two different Mesh objects of the same shape \(Mesh\(.*\)\); an update's tensors must all"
+    cases = [
+        (dict(good, step=0), TypeError, r"^Adam state\['step'\] must be a DistTensor \(the 0-d int32 tensor init\(\) "
+         r"makes; restore it as one\), got 0 \(int\)$"),
+        (dict(good, step=mesh.zeros("a:8", dtype="int32")), mm.ShapeError,
+         r"^Adam state\['step'\] has shape \[a:8\], expected a 0-d tensor"),
+        (dict(good, step=mesh.zeros("", dtype="float32")), mm.DTypeError,
+         r"^Adam state\['step'\] has dtype float32, expected an int"),
+        (dict(good, step=other.zeros("", dtype="int32")), mm.MeshError,
+         r"^Adam state\['step'\] and the params " + same_shape),
+        (dict(good, m={"w": mesh.zeros("a:8", dtype="int32"), "b": good["m"]["b"]}), mm.DTypeError,
+         r"^Adam state slot 'm' of param 'w' has dtype int32, expected float32 \(the param's is float32\)$"),
+        (dict(good, v={"w": good["v"]["w"], "b": np.zeros(8)}), TypeError,
+         r"^Adam state slot 'v' of param 'b' is a ndarray, not a DistTensor$"),
+        (dict(good, v={"w": good["v"]["w"], "b": other.zeros("a:8")}), mm.MeshError,
+         r"^Adam state slot 'v' of param 'b' and params\['b'\] " + same_shape),
+    ]
+    for state, error, message in cases:
+        with pytest.raises(error, match=message):
+            opt.update(params, grads, state)
+    with pytest.raises(mm.MeshError, match=r"^params\['w'\] and params\['b'\] " + same_shape):
+        mm.optim.SGD(0.1).init({"w": mesh.ones("a:8"), "b": other.ones("a:8")})
+    with pytest.raises(mm.MeshError, match=r"^grads\['b'\] and params\['b'\] " + same_shape):
+        opt.update(params, {"w": grads["w"], "b": other.ones("a:8")}, good)
+    new, state = opt.update(params, grads, good)  # the state from init() is still fine
+    np.testing.assert_allclose(new["w"].to_numpy(), ref_adam(0.1)(np.ones(8), np.ones(8), {}, 1), rtol=1e-6)
+
+
+def test_non_float_params_and_grads():
+    """Int and bool params (or grads) would be silently truncated: a DTypeError naming the param."""
+    mesh = mm.Mesh(mesh_shapes()[0])
+    ints = {"w": mesh.from_numpy(np.array([1, 2, 3, 4], np.int32), "a:4")}
+    floats = {"w": mesh.from_numpy(np.array([1.0, 2.0, 3.0, 4.0]), "a:4")}
+    for opt in (mm.optim.SGD(0.1), mm.optim.Adam(0.1), mm.optim.Adafactor()):
+        with pytest.raises(mm.DTypeError, match=r"^params\['w'\] has dtype int32: an optimizer updates float params"):
+            opt.init(ints)
+        with pytest.raises(mm.DTypeError, match=r"^params\['w'\] has dtype bool"):
+            opt.update({"w": mm.cast(ints["w"], "bool")}, floats, opt.init(floats))
+        with pytest.raises(mm.DTypeError, match=r"^the gradient of param 'w' has dtype int32: gradients must be"):
+            opt.update(floats, ints, opt.init(floats))
+    # float32 params with float64 grads: fine, as the numpy reference
+    opt = mm.optim.SGD(0.5)
+    p32 = {"w": mm.cast(floats["w"], "float32")}
+    new, _ = opt.update(p32, floats, opt.init(p32))
+    assert new["w"].dtype == np.float32
+    np.testing.assert_array_equal(new["w"].to_numpy(), np.float32(np.arange(1.0, 5.0) * 0.5))
+
+
+def test_loss_scale_checks_its_inputs():
+    """DynamicLossScale.step checks params, grads and state (through the optimizer) before its
+    overflow check; finite() checks its grads."""
+    mesh = mm.Mesh(mesh_shapes()[0])
+    params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
+    opt = mm.optim.SGD(0.5)
+    state = opt.init(params)
+    ls = mm.optim.DynamicLossScale(scale=2.0, interval=1)
+    with pytest.raises(mm.MpimeshError, match=r"^grads must be a dict of DistTensors, got list$"):
+        ls.step(opt, params, [params["w"]], state)
+    with pytest.raises(TypeError, match=r"^grads\['w'\] is a ndarray, not a DistTensor$"):
+        ls.step(opt, params, {"w": np.ones(2)}, state)
+    with pytest.raises(TypeError, match=r"^Adam state\['step'\] must be a DistTensor"):
+        ls.step(mm.optim.Adam(0.1), params, params, dict(mm.optim.Adam(0.1).init(params), step=0))
+    with pytest.raises(TypeError, match=r"^DynamicLossScale.step: optimizer must be an mm.optim.Optimizer, got a str$"):
+        ls.step("sgd", params, params, state)
+    with pytest.raises(TypeError, match=r"^DynamicLossScale: grads must be a dict of DistTensors, got a list$"):
+        ls.finite([params["w"]])
+    with pytest.raises(TypeError, match=r"^DynamicLossScale: grads\['w'\] is a ndarray, not a DistTensor$"):
+        ls.finite({"w": np.ones(2)})
+    assert ls.scale == 2.0 and ls.good_steps == 0
+    grads = {"w": mesh.from_numpy(np.array([2.0, 4.0]), "a:2")}  # 2x the true gradient
+    new, _, applied = ls.step(opt, params, grads, state)
+    assert applied and ls.scale == 4.0
+    np.testing.assert_array_equal(new["w"].to_numpy(), np.array([1.0, 2.0]) - 0.5 * np.array([1.0, 2.0]))

@@ -15,10 +15,26 @@ per-op costs (an eager framework's dispatch), and α, β per mesh dim (`links`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from ..errors import MpimeshError
+
+
+_POSITIVE = ("flops", "bandwidth", "memory", "memory_bandwidth")
+
+
+def number(what: str, value, positive: bool, infinite: bool = False) -> float:
+    """`value` as a float: a real number (TypeError otherwise), > 0 where `positive` else >= 0,
+    finite unless `infinite` (MpimeshError otherwise); `what` names it in the errors."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {value!r} ({type(value).__name__})")
+    v = float(value)
+    if not (v > 0 if positive else v >= 0) or (v == math.inf and not infinite):
+        raise MpimeshError(f"{what} must be {'> 0' if positive else '>= 0'}{'' if infinite else ' and finite'}, "
+                           f"got {value!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -49,15 +65,23 @@ class Machine:
     """A label: `"TPUv2 core"`."""
 
     def __post_init__(self):
-        for k in ("flops", "bandwidth", "memory", "memory_bandwidth"):
-            if not getattr(self, k) > 0:
-                raise MpimeshError(f"Machine: {k} must be > 0, got {getattr(self, k)!r}")
-        for k in ("latency", "op_overhead", "einsum_overhead"):
-            if not getattr(self, k) >= 0:
-                raise MpimeshError(f"Machine: {k} must be >= 0, got {getattr(self, k)!r}")
         for k in ("flops", "latency", "bandwidth", "memory", "memory_bandwidth", "op_overhead", "einsum_overhead"):
-            object.__setattr__(self, k, float(getattr(self, k)))
-        object.__setattr__(self, "links", tuple((str(d), float(a), float(b)) for d, a, b in self.links))
+            object.__setattr__(self, k, number(f"Machine: {k}", getattr(self, k), k in _POSITIVE,
+                                               infinite=k == "memory_bandwidth"))
+        if not isinstance(self.name, str):
+            raise TypeError(f"Machine: name must be a str, got {self.name!r} ({type(self.name).__name__})")
+        if not isinstance(self.links, (tuple, list)):
+            raise TypeError(f"Machine: links must be a tuple of (mesh_dim, latency, bandwidth), got {self.links!r}")
+        links = []
+        for i, link in enumerate(self.links):
+            if not isinstance(link, (tuple, list)) or len(link) != 3 or not isinstance(link[0], str) or not link[0]:
+                raise TypeError(f"Machine: links[{i}] must be (mesh_dim, latency, bandwidth) with mesh_dim a "
+                                f"name, got {link!r}")
+            if any(d == link[0] for d, _, _ in links):
+                raise MpimeshError(f"Machine: links name mesh dim {link[0]!r} twice")
+            links.append((link[0], number(f"Machine: links[{i}] ({link[0]!r}) latency", link[1], False),
+                          number(f"Machine: links[{i}] ({link[0]!r}) bandwidth", link[2], True)))
+        object.__setattr__(self, "links", tuple(links))
 
     def link(self, mesh_dim: str) -> tuple[float, float]:
         """`(α, β)` of `mesh_dim`: its measured link, else the machine's defaults."""

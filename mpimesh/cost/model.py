@@ -39,9 +39,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..backend import is_low_precision
+from ..backend import as_dtype, is_low_precision
 from ..collectives import counters
-from ..errors import MpimeshError
+from ..errors import LayoutError, MpimeshError
 from ..layout import LayoutRules
 from ..shape import Shape
 from ..tree import is_tensor, map_leaves, tensors
@@ -72,10 +72,10 @@ class ArgSpec:
     """Its element type: `dtype('float32')`."""
 
     def __init__(self, shape, dtype):
-        self.shape, self.dtype = Shape(shape), np.dtype(dtype)
+        self.shape, self.dtype = Shape(shape), as_dtype(dtype)
 
     def __repr__(self) -> str:
-        return f"ArgSpec([{self.shape}], {self.dtype})"
+        return f"ArgSpec({self.shape}, {self.dtype})"
 
 
 def _map(tree, leaf):
@@ -146,6 +146,8 @@ class Recording:
         key = (str(rules), str(mesh_shape))
         if key not in self._runs:
             self._runs[key] = record(self.fn, self.args, mesh_shape, rules)
+        if rules != self.rules:
+            _check_rule_dims("estimate", rules, self._runs[key])
         return self._runs[key]
 
     def __repr__(self) -> str:
@@ -294,6 +296,25 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
     return RecordingTrace()
 
 
+def check_step(where: str, fn, args) -> None:
+    """TypeError unless `fn` is callable and `args` a tuple or list (`fn(*args)` is the step)."""
+    if not callable(fn):
+        raise TypeError(f"{where}: fn must be callable (the step), got {fn!r:.60} ({type(fn).__name__})")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"{where}: args must be a tuple or list of fn's arguments (fn(*args) is the step), got "
+                        f"{args!r:.60} ({type(args).__name__}); for one argument write (x,)")
+
+
+def _check_rule_dims(where: str, rules: LayoutRules, rec: Recording) -> None:
+    """LayoutError where `rules` name a tensor dim that the step of `rec` lacks (a typo would leave
+    the dim meant replicated)."""
+    unknown = [t for t, _ in rules.pairs if t not in rec.dims]
+    if unknown:
+        raise LayoutError(f"{where}: rules {str(rules)!r} name tensor dim{'s' * (len(unknown) > 1)} "
+                          f"{', '.join(map(repr, unknown))}, which the step does not have (its dims: "
+                          f"{list(rec.dims)})")
+
+
 def record(fn, args, mesh, rules=None) -> Recording:
     """Run `fn(*args)` dry on a `DryMesh` of `mesh`'s shape (a mesh, or a mesh shape) under
     `rules` (default: the mesh's rules in force; none for a shape) and record what it costs.
@@ -301,7 +322,8 @@ def record(fn, args, mesh, rules=None) -> Recording:
     `args` may nest DistTensors and `ArgSpec`s in dicts, lists and tuples; each tensor is replaced
     by a placeholder of its shape and dtype laid out by the rules (whatever its own layout was),
     other values pass as they are. `fn` must run on tensors without values: mpimesh ops only, no
-    `to_numpy`, `float(t)` or branching on values. Needs JAX (`mpimesh.dryrun`).
+    `to_numpy`, `float(t)` or branching on values. Needs JAX (`mpimesh.dryrun`). `rules`, like a
+    layout scope's, may name tensor dims the step lacks (rules for a whole model; `estimate` checks).
 
     >>> import mpimesh as mm
     >>> def step(x, w):
@@ -312,12 +334,16 @@ def record(fn, args, mesh, rules=None) -> Recording:
     (['einsum', 'tanh', 'einsum'], 1, 96)
     """
     from ..dryrun import DryMesh, placeholder
-    from ..mesh import layout_scope
+    from ..mesh import AbstractMesh, layout_scope
     from ..trace import _open_traces
+    check_step("record", fn, args)
     if isinstance(mesh, (str, Shape, list, tuple)):
         mesh_shape, in_force = Shape(mesh), LayoutRules("")
-    else:
+    elif isinstance(mesh, AbstractMesh):
         mesh_shape, in_force = mesh.shape, mesh.layout
+    else:
+        raise TypeError(f"record: mesh must be a Mesh, a DryMesh or a mesh shape ('rows:2;cols:2'), got "
+                        f"{mesh!r:.60} ({type(mesh).__name__})")
     rules = in_force if rules is None else LayoutRules(rules)
     specs = _map(args, lambda t: t if isinstance(t, ArgSpec) else ArgSpec(t.shape, t.dtype))
     rec = Recording(fn, specs, mesh_shape, rules)
@@ -437,7 +463,8 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     `trace`: a `Recording` (from `record`, or `mm.auto_layout`'s `plan.recording`), run again dry
     on `mesh_shape` under `rules` where they differ from its own (None: its own); or, priced as it
     ran (other rules: a clear error), a plain `mm.trace()`, a compiled step (`mm.compile`: its most
-    recently used program, as its engine runs it) or a `mpimesh.program.Program`.
+    recently used program, as its engine runs it) or a `mpimesh.program.Program`. Rules other than
+    the recording's must name only tensor dims of the step (a `LayoutError`: a typo).
 
     >>> import mpimesh as mm
     >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)

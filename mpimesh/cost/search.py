@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -22,8 +23,8 @@ from ..errors import MpimeshError
 from ..layout import LayoutRules
 from ..recompute import remat_policy
 from .cache import calibrated
-from .machine import Machine
-from .model import Recording, estimate, record
+from .machine import Machine, number
+from .model import Recording, check_step, estimate, record
 
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -95,9 +96,10 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
     from the shapes and dtypes of the DistTensors in `args`, once replicated and once per priced
     candidate, so `fn` must not read values. `machine`: default this machine's calibration for the
     mesh's shape (`mpimesh.cost.cache.calibrated`: measured once, a few seconds, then kept on disk;
-    a collective: every rank must call). `memory_per_rank`: bytes
-    (default the machine's memory). On a `Mesh` of several ranks the candidates are shared out
-    over the ranks, which exchange their prices: every rank must call, and gets the same plan.
+    a collective: every rank must call). `memory_per_rank`: bytes, a number > 0 (default the
+    machine's memory; `math.inf`: no limit). `exact_limit` (>= 0) and `beam` (>= 1): see the
+    module. On a `Mesh` of several ranks the candidates are shared out over the ranks, which
+    exchange their prices: every rank must call, and gets the same plan.
     A candidate some op cannot run (an `MpimeshError` in its dry run) is left out. The step's
     `mm.remat` blocks run as plain calls, unless no layout fits: then the fewest of them (the first
     k calls) are rematerialised that let one fit, priced as they run (their second run in the time,
@@ -114,13 +116,30 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
     >>> plan.rules, plan.exact
     ('hidden:x', True)
     """
+    from ..mesh import AbstractMesh
+    check_step("auto_layout", fn, args)
+    if not isinstance(mesh, AbstractMesh):
+        raise TypeError(f"auto_layout: mesh must be a Mesh or a DryMesh (mpimesh.dryrun.DryMesh('x:4') for a shape "
+                        f"alone), got {mesh!r:.60} ({type(mesh).__name__})")
+    if machine is not None and not isinstance(machine, Machine):
+        raise TypeError(f"auto_layout: machine must be a mm.cost.Machine (mm.cost.TPUV2, TPUV3, "
+                        f"H100_NVLINK, or calibrate(mesh)) or None (this mesh's calibration), got {machine!r:.60} "
+                        f"({type(machine).__name__})")
+    if memory_per_rank is not None:
+        memory_per_rank = number("auto_layout: memory_per_rank (bytes, or None: the machine's memory)",
+                                 memory_per_rank, True, infinite=True)
+    for name, value, low in (("exact_limit", exact_limit, 0), ("beam", beam, 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"auto_layout: {name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < low:
+            raise MpimeshError(f"auto_layout: {name} must be >= {low}, got {value!r}")
     if machine is None:
         if getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
             raise MpimeshError(f"auto_layout on {mesh!r} (no processors) needs machine=... (mm.cost.TPUV2, ...)")
         machine = _calibrated.get(mesh)
         if machine is None:
             machine = _calibrated[mesh] = calibrated(mesh)
-    limit = machine.memory if memory_per_rank is None else float(memory_per_rank)
+    limit = machine.memory if memory_per_rank is None else memory_per_rank
     calls: list = []
     with remat_policy(lambda k: calls.append(k) or False):
         record(fn, args, mesh.shape, "")
@@ -218,7 +237,7 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
             best, twins = [], set()
             for r in sorted(pool, key=lambda r: score(priced[r])):
                 sig = _signature(pool[r], mesh.shape)
-                if sig not in twins and len(best) < max(1, beam):
+                if sig not in twins and len(best) < beam:
                     best.append(r)
                     twins.add(sig)
             if set(best) == {_rules_string(a, order) for a in frontier}:
