@@ -508,6 +508,8 @@ def test_errors() -> None:
         mm.top_k(x, "v", "k:5")
     with pytest.raises(mm.ShapeError, match="b:2 must be a new dim"):
         mm.top_k(x, "v", "b:2")
+    with pytest.raises(mm.ShapeError, match="reduced dim v:0 of shape .* is empty"):
+        mm.top_k(mesh.ones("b:2;v:0"), "v", "k:1")
     with pytest.raises(mm.ShapeError, match="'w'"):
         mm.argmax(x, "w")
     with pytest.raises(mm.ShapeError, match="size 4"):

@@ -181,6 +181,24 @@ def test_random_layout_independent(mesh: mm.Mesh, ref_mesh: mm.Mesh, kind: str, 
 
 
 @pytest.mark.mpi
+def test_random_arguments(mesh: mm.Mesh) -> None:
+    """Whole-number uniforms are the floor of the float draw, in [minval, maxval) also below 0 (they
+    were truncated toward 0); a bool or an empty range, a normal of whole numbers and a seed past 64
+    bits (it aliased another modulo 2**64) are refused."""
+    f = mesh.random_uniform(SHAPE, seed=3, minval=-3.0, maxval=3.0, dtype="float64").to_numpy()
+    i = mesh.random_uniform(SHAPE, seed=3, minval=-3.0, maxval=3.0, dtype="int32").to_numpy()
+    np.testing.assert_array_equal(i, np.floor(f).astype(np.int32))
+    assert i.min() >= -3 and i.max() <= 2 and (i < 0).any()
+    for fn, kind, words in ((lambda: mesh.random_uniform(SHAPE, seed=1, dtype="bool"), mm.DTypeError, "bool"),
+                            (lambda: mesh.random_uniform(SHAPE, seed=1, minval=2.0, maxval=1.0), mm.MpimeshError,
+                             "minval 2.0 is above maxval 1.0"),
+                            (lambda: mesh.random_normal(SHAPE, seed=1, dtype="int32"), mm.DTypeError, "int32"),
+                            (lambda: mesh.random_normal(SHAPE, seed=2 ** 64 + 5), mm.MpimeshError, "fit in 64 bits")):
+        with pytest.raises(kind, match=words):
+            fn()
+
+
+@pytest.mark.mpi
 def test_random_moments(mesh: mm.Mesh) -> None:
     shape = mm.Shape("a:256;b:256")  # 64k samples
     lay = {"a": mesh.shape.names[0]}

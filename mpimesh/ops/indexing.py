@@ -297,6 +297,8 @@ def top_k(x, reduced_dim, k_dim):
     ([5.0, 5.0, 2.0], [1, 2, 3])
     """
     r = _find_dim(tensor_arg("top_k", x).shape, reduced_dim, "top_k")
+    if r.size == 0:
+        raise ShapeError(f"top_k: reduced dim {r.name}:0 of shape {x.shape} is empty: it has no largest values")
     kd = _new_dim(k_dim, "top_k")
     if kd.name in x.shape:
         raise ShapeError(f"top_k: k_dim {kd.name}:{kd.size} must be a new dim, but x has {x.shape}")

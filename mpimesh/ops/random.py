@@ -110,6 +110,8 @@ def check_seed(seed, what: str):
         return seed
     if isinstance(seed, bool) or not hasattr(seed, "__index__"):
         raise MpimeshError(f"{what}: the seed must be an integer or a 0-d integer tensor, got {seed!r}")
+    if not -2 ** 63 <= operator.index(seed) < 2 ** 64:  # (wider seeds would alias others modulo 2**64)
+        raise MpimeshError(f"{what}: the seed must fit in 64 bits, got {seed}")
     return operator.index(seed)
 
 
@@ -179,9 +181,15 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
     dt = as_dtype(dtype)
     seed = check_seed(seed, "random_uniform")
     minval, maxval = _real(minval, "random_uniform: minval"), _real(maxval, "random_uniform: maxval")
+    if dt.kind == "b":
+        raise DTypeError("random_uniform: dtype bool has no range to draw from: draw floats and compare "
+                         "(mesh.random_uniform(...) < p)")
+    if maxval < minval:
+        raise MpimeshError(f"random_uniform: minval {minval} is above maxval {maxval}")
 
     def fill(xp, i, seed):
-        y = (minval + (maxval - minval) * uniform01(xp, i, seed)).astype(dt)
+        y = minval + (maxval - minval) * uniform01(xp, i, seed)
+        y = (y if is_float(dt) else xp.floor(y)).astype(dt)  # whole numbers: floor, in [minval, maxval)
         if is_float(dt) and maxval > minval:  # rounding to dt may reach maxval: clamp below it
             top = dt.type(maxval)
             top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
@@ -194,6 +202,8 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
 def random_normal(mesh, shape: ShapeLike, seed, mean=0.0, stddev=1.0, dtype="float32", layout=None):
     """Normal values (Box-Muller) that depend only on `seed` (an int or a seed tensor) and `shape`."""
     dt = as_dtype(dtype)
+    if not is_float(dt):
+        raise DTypeError(f"random_normal: dtype {dt.name} cannot hold normal values: draw a float dtype")
     seed = check_seed(seed, "random_normal")
     mean, stddev = _real(mean, "random_normal: mean"), _real(stddev, "random_normal: stddev")
 
