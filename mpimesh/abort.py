@@ -6,7 +6,8 @@ wraps `sys.excepthook`: it prints the traceback with the rank's number, leaves t
 `ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. A collective that failed (time-out,
 departed rank, divergence) prints only its message, one paragraph that already names where each
 rank was: the traceback through mpimesh's internals would say nothing more. Set
-`MPIMESH_NO_ABORT=1` to keep Python's own hook (a debugger's post-mortem, say).
+`MPIMESH_NO_ABORT=1` (or on, true, yes) to keep Python's own hook (a debugger's post-mortem, say);
+any value but those and 0/off/false/no still installs the hook, and the first `Mesh` raises its error.
 
 `MPI_Abort` asks the launcher to end the job; a rank on a node cut off from it (a failed link)
 would wait there forever, holding its GPU and memory. So a watchdog process is started first: if
@@ -25,6 +26,7 @@ import traceback
 
 from mpi4py import MPI
 
+from . import env
 from .errors import CollectiveTimeoutError, DivergenceError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
@@ -34,8 +36,9 @@ ABORT_WATCHDOG = 5.0  # seconds MPI_Abort has to end this process before the wat
 def install() -> None:
     """Make an uncaught exception on any rank print its traceback and end the whole job (called at
     import, and again by `Mesh` for a program that initialises MPI itself after importing us)."""
-    if (not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1 or getattr(sys.excepthook, "_mpimesh", False)
-            or os.environ.get("MPIMESH_NO_ABORT", "") not in ("", "0")):
+    off = env.early(env.flag, "MPIMESH_NO_ABORT", False)  # a bad value: the hook, and its error at the next Mesh
+    if (off or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1
+            or getattr(sys.excepthook, "_mpimesh", False)):
         return
     previous = sys.excepthook
 

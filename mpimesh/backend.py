@@ -25,6 +25,7 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
+from . import env
 from .collectives import counters
 from .errors import DTypeError, MpimeshError
 
@@ -35,17 +36,17 @@ _GPU_HINT = ("run `python3 install.py gpu` in the mpimesh checkout (cupy-cuda12x
 
 def resolve_backend(backend: Optional[str]) -> str:
     """`backend`, or `$MPIMESH_BACKEND` when it is None, else "numpy"; checked against `BACKENDS`."""
-    chosen = backend if backend is not None else os.environ.get("MPIMESH_BACKEND", "") or "numpy"
-    if chosen not in BACKENDS:
-        where = "" if backend is not None else " (from MPIMESH_BACKEND)"
-        raise MpimeshError(f"unknown backend {chosen!r}{where}: choose one of {list(BACKENDS)}")
-    return chosen
+    if backend is None:
+        return env.choice("MPIMESH_BACKEND", "numpy", BACKENDS, what="backend")
+    if backend not in BACKENDS:
+        raise MpimeshError(f"unknown backend {backend!r}: choose one of {list(BACKENDS)}")
+    return backend
 
 
 @lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
     """Let glibc's malloc keep freed host memory for reuse instead of handing it back to the OS
-    (once per process; `MPIMESH_KEEP_MEMORY=0` opts out). A training step frees and allocates the
+    (once per process; `MPIMESH_KEEP_MEMORY=0`, or off, opts out). A training step frees and allocates the
     same large arrays every step; by default glibc serves them with fresh mmaps and trims the heap,
     so every step page-faults (and zero-fills) memory it just had: on 2 ranks about 1,300 faults per
     MLP step, as costly as the arithmetic. Arrays up to 32 MiB now come from the heap and up to 1 GiB
@@ -55,7 +56,7 @@ def keep_freed_memory() -> bool:
     >>> isinstance(keep_freed_memory(), bool)
     True
     """
-    if os.environ.get("MPIMESH_KEEP_MEMORY", "1").strip() == "0":
+    if not env.flag("MPIMESH_KEEP_MEMORY", True):
         return False
     import ctypes
     import ctypes.util
@@ -175,14 +176,9 @@ def cap_gpu_pool(device: int, sharing: int) -> Optional[int]:
     then raises OutOfMemoryError), so a long job's cache cannot crowd out a rank sharing its GPU.
     A cap the user set (`pool.set_limit`) is kept, and so is the first cap of each device; `0` or
     `off`: no cap. Returns the cap in bytes, None for none."""
-    raw = os.environ.get("MPIMESH_GPU_MEMORY_FRACTION", "0.9").strip().lower()
-    try:
-        fraction = 0.0 if raw in ("off", "none") else float(raw)
-    except ValueError:
-        fraction = -1.0
-    if not 0.0 <= fraction <= 1.0:
-        raise MpimeshError(f"MPIMESH_GPU_MEMORY_FRACTION={raw!r}: give a fraction of the GPU's memory in "
-                           f"(0, 1], or 0 / off for no cap")
+    fraction = env.number("MPIMESH_GPU_MEMORY_FRACTION", 0.9, minimum=0.0, maximum=1.0,
+                          words={"off": 0.0, "none": 0.0},
+                          what="a fraction in [0, 1] of the GPU's memory, 0 for no cap")
     if device in _pool_caps or fraction == 0.0:
         return _pool_caps.get(device)
     cp = importlib.import_module("cupy")

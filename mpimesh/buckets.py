@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 
 import numpy as np
 
+from . import env
 from .backend import accumulation_dtype, name as backend_name
 from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
@@ -78,17 +78,9 @@ def _checked(n) -> int:
     return n
 
 
-def _env_bytes() -> int:
-    raw = os.environ.get("MPIMESH_BUCKET_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_BUCKET_BYTES
-    try:
-        return _checked(int(raw))
-    except ValueError:
-        raise MpimeshError(f"MPIMESH_BUCKET_BYTES={raw!r} is not a whole number of bytes") from None
-
-
-_settings = {"bytes": _env_bytes()}
+# read at import: a bad value gives the default, and its error is raised by the first Mesh or bucket_bytes()
+_settings = {"bytes": env.early(env.whole, "MPIMESH_BUCKET_BYTES", DEFAULT_BUCKET_BYTES, minimum=0,
+                               what="a whole number of bytes >= 0 (0: no buckets)")}
 
 
 def set_bucket_bytes(n: int) -> None:
@@ -99,6 +91,7 @@ def set_bucket_bytes(n: int) -> None:
 
 def bucket_bytes() -> int:
     """The gradient bucket size in force, bytes."""
+    env.raise_kept("MPIMESH_BUCKET_BYTES")
     return _settings["bytes"]
 
 

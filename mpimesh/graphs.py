@@ -15,7 +15,7 @@ steps stays in the buffers it was captured with (the step's results are copied o
 its allocations come from a private memory pool kept with the graphs, so nothing else reuses them.
 Values are eager's, bitwise: the same kernels on the same values, in the same order.
 
-`MPIMESH_CUDA_GRAPHS=0` keeps the flat engine on CuPy. On numpy `for_engine` gives the engine back.
+`MPIMESH_CUDA_GRAPHS=0` (or off) keeps the flat engine on CuPy. On numpy `for_engine` gives the engine back.
 
 A kernel sees a probe while its op is captured: the local helpers are the mesh's, a transfer
 says the op must run on the host.
@@ -32,8 +32,7 @@ a host step: allreduce
 """
 from __future__ import annotations
 
-import os
-
+from . import env
 from .backend import name as backend_name
 from .collectives import counters
 
@@ -104,7 +103,7 @@ class CudaCapture:
 def for_engine(engine):
     """The engine to run a compiled step with: `GraphEngine` over it on CuPy (unless
     `MPIMESH_CUDA_GRAPHS=0`, or this CuPy has no graph capture), else `engine` itself."""
-    if backend_name(engine.mesh.xp) != "cupy" or os.environ.get("MPIMESH_CUDA_GRAPHS", "1") == "0":
+    if backend_name(engine.mesh.xp) != "cupy" or not env.flag("MPIMESH_CUDA_GRAPHS", True):
         return engine
     cupy = engine.mesh.xp
     if not hasattr(cupy.cuda, "Graph") or not hasattr(cupy.cuda.Stream, "begin_capture"):

@@ -10,7 +10,8 @@ rank `max(1, cores // ranks on this node)` threads:
 - otherwise at the first `Mesh` (counting the node's ranks with `COMM_TYPE_SHARED`), or where
   numpy had loaded BLAS already, through threadpoolctl.
 
-Overrides: `MPIMESH_THREADS=N`, or any of those three variables set before the program starts
+Overrides: `MPIMESH_THREADS=N` (a whole number >= 1: anything else is an `MpimeshError` at the
+first `Mesh`), or any of those three variables set before the program starts
 (they are then left alone); `set_threads(n)` at run time. `describe()` says what is in force.
 A default chosen here is marked (`MPIMESH_AUTO_THREADS`), so that a child process, say the ranks of
 a job that `python -m mpimesh.launch` starts from inside another job, does not take its parent's
@@ -25,6 +26,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import Optional
+
+from . import env
 
 __all__ = ["configure_at_import", "configure_for", "set_threads", "settings", "describe", "cores"]
 
@@ -79,7 +82,7 @@ def configure_at_import() -> None:
     for var in _VARS:  # a parent's default, chosen for its own job's ranks: not an override
         if inherited is not None and os.environ.get(var) == inherited:
             del os.environ[var]
-    forced = _env_int("MPIMESH_THREADS")
+    forced = env.early(env.whole, "MPIMESH_THREADS", None, minimum=1)  # a bad value: raised by the first Mesh
     if forced is not None:
         _apply(forced, "MPIMESH_THREADS", _launcher_local_ranks())
     elif any(v in os.environ for v in _VARS):
@@ -92,7 +95,11 @@ def configure_at_import() -> None:
 
 
 def configure_for(comm) -> None:
-    """At the first `Mesh` (a collective over `comm`): the default, if nothing has set one yet."""
+    """At the first `Mesh` (a collective over `comm`): the default, if nothing has set one yet.
+    Every `Mesh` calls it: first it raises the `MpimeshError` of any `MPIMESH_*` variable that was
+    read at import and has a bad value (`env.raise_kept`; on every rank alike, as every rank has
+    the same environment)."""
+    env.raise_kept()
     if _state["source"] != "not set" or comm.Get_size() == 1:
         return
     from mpi4py import MPI
@@ -112,6 +119,7 @@ def set_threads(n: int) -> None:
 
 def settings() -> dict:
     """`{"threads", "source", "cores", "local_ranks"}`: what is in force and why."""
+    env.raise_kept("MPIMESH_THREADS")
     return {"threads": _state["threads"] or cores(), "source": _state["source"], "cores": cores(),
             "local_ranks": _state["local_ranks"]}
 

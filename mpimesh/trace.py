@@ -17,18 +17,18 @@ ops) have no inputs and name their mesh.
 """
 from __future__ import annotations
 
-import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from . import env
 from .collectives import counters
 from .errors import LayoutError, MpimeshError
 from .layout import local_sizes
 
 Lower = Callable[..., Any]
 
-_debug = {"on": os.environ.get("MPIMESH_DEBUG", "") not in ("", "0")}
+_debug = {"on": env.early(env.flag, "MPIMESH_DEBUG", False)}  # a bad value: raised by the first Mesh
 
 
 def set_debug(enabled: bool) -> None:
@@ -48,6 +48,7 @@ def set_debug(enabled: bool) -> None:
 
 def debugging() -> bool:
     """Whether `set_debug` is on."""
+    env.raise_kept("MPIMESH_DEBUG")
     return _debug["on"]
 
 

@@ -38,6 +38,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from .. import env
 from ..errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 from .liveness import ABANDONED, Watch, describe
 
@@ -51,17 +52,8 @@ _LOOK = 0.1  # seconds between looks for departed ranks and for others' question
 _GRACE = 1.0  # seconds a collective may still complete after a member left (its part may be done)
 
 
-def _env_timeout() -> Optional[float]:
-    raw = os.environ.get("MPIMESH_COLLECTIVE_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT
-    if raw.lower() in ("0", "off", "none"):
-        return None
-    try:
-        return _checked_timeout(float(raw))
-    except (ValueError, MpimeshError):
-        raise MpimeshError(f"MPIMESH_COLLECTIVE_TIMEOUT={raw!r} is not a positive number of seconds "
-                           "(or 0/off/none for no time-out)") from None
+_TIMEOUT = {"above": 0.0, "words": {"0": None, "off": None, "none": None},  # how env.number reads the variable
+            "what": "a positive number of seconds"}
 
 
 def _checked_timeout(seconds: Optional[float]) -> Optional[float]:
@@ -74,9 +66,12 @@ _settings: dict = {}
 
 
 def reset() -> None:
-    """The settings as the environment gives them (what a program starts with)."""
-    _settings.update(check=os.environ.get("MPIMESH_SPMD_CHECK", "") not in ("", "0"), timeout=_env_timeout(),
-                     chosen=os.environ.get("MPIMESH_COLLECTIVE_TIMEOUT", "").strip() != "")
+    """The settings as the environment gives them (what a program starts with). A bad value of
+    `MPIMESH_SPMD_CHECK` or `MPIMESH_COLLECTIVE_TIMEOUT` gives the default here; its `MpimeshError` is
+    raised by the next `Mesh` and by `settings()` (`env.early`)."""
+    _settings.update(check=env.early(env.flag, "MPIMESH_SPMD_CHECK", False),
+                     timeout=env.early(env.number, "MPIMESH_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT, **_TIMEOUT),
+                     chosen=env.text("MPIMESH_COLLECTIVE_TIMEOUT") is not None)
 
 
 reset()
@@ -100,6 +95,7 @@ def settings() -> dict:
     >>> settings()["timeout"] == DEFAULT_TIMEOUT or "MPIMESH_COLLECTIVE_TIMEOUT" in os.environ
     True
     """
+    env.raise_kept("MPIMESH_SPMD_CHECK", "MPIMESH_COLLECTIVE_TIMEOUT")
     return {"check": _settings["check"], "timeout": _settings["timeout"]}
 
 

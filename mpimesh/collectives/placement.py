@@ -14,13 +14,13 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import socket
 from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
 
+from .. import env
 from ..errors import MeshError
 
 TRANSPORTS = ("nccl", "mpi", "staged")
@@ -36,11 +36,12 @@ def node_rank(comm: MPI.Comm) -> tuple[int, int]:
 
 
 def cuda_aware_mpi() -> bool:
-    """Whether the MPI library reads GPU memory: `MPIMESH_CUDA_AWARE_MPI` if set, else the library's
+    """Whether the MPI library reads GPU memory: `MPIMESH_CUDA_AWARE_MPI` if set (1/0, true/false,
+    yes/no, on/off; anything else is an `MpimeshError`), else the library's
     own answer (Open MPI's `MPIX_Query_cuda_support`, MPICH's `MPIX_GPU_query_support`), else False."""
-    forced = os.environ.get("MPIMESH_CUDA_AWARE_MPI", "").strip()
-    if forced:
-        return forced not in ("0", "false", "no")
+    forced = env.flag("MPIMESH_CUDA_AWARE_MPI", None)
+    if forced is not None:
+        return forced
     lib = ctypes.CDLL(None)  # mpi4py loaded the MPI library into this process
     query = getattr(lib, "MPIX_Query_cuda_support", None)
     if query is not None:

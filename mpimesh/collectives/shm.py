@@ -18,11 +18,11 @@ Each step is non-blocking and polled by the guard like any collective (time-outs
 
 A group takes this path once probed (`probe`, a collective the first time): MPI says its ranks
 share a node, and each rank finds the others' probe pages through /proc. Sums, maxima and minima
-of buffers of at least `MIN_BYTES`; off with `MPIMESH_SHM=0` or `set_enabled(False)`, on every rank
-alike. Buffers are pooled (`Arena`, reused once nothing refers to one, as `BufferPool`) and never
-unmapped while the process lives, so another rank's mapping never outlives the memory it names;
-the pool is capped (`MAX_BYTES`, `MAX_BUFFERS`, `PER_SIZE`), past which buffers are private and
-summed through MPI. A memfd has no name: nothing is left behind when a job dies.
+of buffers of at least `MIN_BYTES`; off with `MPIMESH_SHM=0` (or `off`, `false`, `no`) or
+`set_enabled(False)`, on every rank alike. Buffers are pooled (`Arena`, reused once nothing refers
+to one, as `BufferPool`) and never unmapped while the process lives, so another rank's mapping
+never outlives the memory it names; the pool is capped (`MAX_BYTES`, `MAX_BUFFERS`, `PER_SIZE`),
+past which buffers are private and summed through MPI. A memfd has no name: nothing is left behind when a job dies.
 
 >>> import numpy as np
 >>> tree_reduce([np.array([1.0]), np.array([2.0]), np.array([4.0])], np.add).tolist()
@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+from .. import env
 from ..errors import MpimeshError
 from ..layout import block_span
 from .base import idle
@@ -50,11 +51,7 @@ _FIELDS = 7  # pid, serial, fd, offset, bytes, dtype character, shared (1) or no
 _OPS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def _env_enabled() -> bool:
-    return os.environ.get("MPIMESH_SHM", "").strip().lower() not in ("0", "off", "no", "false")
-
-
-_settings = {"enabled": _env_enabled()}
+_settings = {"enabled": env.early(env.flag, "MPIMESH_SHM", True)}  # a bad value: raised at first use
 
 
 def set_enabled(enabled: bool) -> None:
@@ -64,6 +61,7 @@ def set_enabled(enabled: bool) -> None:
 
 def enabled() -> bool:
     """Whether the shared-memory path is on (`MPIMESH_SHM`, `set_enabled`); only on Linux (memfd)."""
+    env.raise_kept("MPIMESH_SHM")
     return _settings["enabled"] and hasattr(os, "memfd_create")
 
 

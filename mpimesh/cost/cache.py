@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import env
 from .calibrate import calibrate
 from .machine import Machine
 
@@ -35,7 +36,7 @@ FORMAT = 1  # bump when what `calibrate` measures changes: older files are then 
 
 def cache_dir() -> str:
     """Where calibrations are kept (see the module docstring)."""
-    root = os.environ.get("MPIMESH_CACHE_DIR") or os.path.join(
+    root = env.text("MPIMESH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mpimesh")
     return os.path.join(root, "calibration")
 
@@ -93,7 +94,7 @@ def _write(path: str, key: dict, machine: Machine) -> None:
 def calibrated(mesh, redo: bool = False, seconds: float = 3.0) -> Machine:
     """This mesh's `Machine`: the cached calibration, or a new one (`redo`, `MPIMESH_RECALIBRATE=1`,
     or none cached), then kept. A collective: every rank calls it and gets the same machine."""
-    redo = redo or os.environ.get("MPIMESH_RECALIBRATE", "") not in ("", "0")
+    redo = redo or env.flag("MPIMESH_RECALIBRATE", False)
     path, key = cache_file(mesh), machine_key(mesh)
     found = None if redo or mesh.rank != 0 else _read(path, key)
     text = _from_rank_0(mesh, "" if found is None else json.dumps(dataclasses.asdict(found)))

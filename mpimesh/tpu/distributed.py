@@ -25,6 +25,7 @@ import socket
 import subprocess
 from typing import Optional
 
+from .. import env
 from ..errors import MeshError
 
 _HEARTBEAT = 20  # seconds without a process's heartbeat before JAX ends the job
@@ -52,11 +53,17 @@ def _networks() -> list:
     return nets
 
 
+def _host_port(text: str) -> bool:
+    """Whether `text` is `host:port`, a port in 1..65535."""
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+
+
 def _coordinator(comm) -> str:
     """`host:port` for rank 0's coordinator (a collective over `comm`)."""
     from mpi4py import MPI
-    forced = os.environ.get("MPIMESH_JAX_COORDINATOR", "").strip()
-    if forced:
+    forced = env.text("MPIMESH_JAX_COORDINATOR", check=_host_port, what="host:port (a port in 1..65535)")
+    if forced is not None:
         return forced
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = comm.allreduce(node.Get_size(), op=MPI.MIN) == comm.Get_size()
