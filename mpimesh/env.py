@@ -102,6 +102,16 @@ def _words(raw: str, words: Optional[Mapping[str, Any]]):
     return False, None
 
 
+def _given(name: str, default: Any, words: Optional[Mapping[str, Any]]) -> tuple:
+    """`(True, value)` where the variable is unset or blank (`default`) or one of `words`, else
+    `(False, its text)`."""
+    raw = _raw(name)
+    if raw is None:
+        return True, default
+    found, value = _words(raw, words)
+    return (True, value) if found else (False, raw)
+
+
 def _range(minimum, maximum) -> str:
     if minimum is not None and maximum is not None:
         return f" in [{minimum}, {maximum}]"
@@ -118,12 +128,9 @@ def whole(name: str, default: Any, *, minimum: Optional[int] = None, maximum: Op
     """A whole-number variable (decimal digits, an optional sign) within [`minimum`, `maximum`];
     `words` maps words (any case) to values of their own. `default` where unset or blank; anything
     else raises `MpimeshError` saying what it accepts (`what`, by default "a whole number" and the range)."""
-    raw = _raw(name)
-    if raw is None:
-        return default
-    found, value = _words(raw, words)
-    if found:
-        return value
+    done, raw = _given(name, default, words)
+    if done:
+        return raw
     digits = raw[1:] if raw[:1] in "+-" else raw
     if not (digits.isascii() and digits.isdigit()):
         raise _refuse(name, what or "a whole number" + _range(minimum, maximum), words)
@@ -139,12 +146,9 @@ def number(name: str, default: Any, *, minimum: Optional[float] = None, maximum:
     """A finite real-number variable within [`minimum`, `maximum`] and greater than `above`; `words`
     maps words (any case) to values of their own. `default` where unset or blank; anything else
     (nan, inf, out of range, not a number) raises `MpimeshError` saying what it accepts."""
-    raw = _raw(name)
-    if raw is None:
-        return default
-    found, value = _words(raw, words)
-    if found:
-        return value
+    done, raw = _given(name, default, words)
+    if done:
+        return raw
     bounds = (f" > {above}" if above is not None else "") + _range(minimum, maximum)
     try:
         x = float(raw)
