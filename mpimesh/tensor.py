@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 
@@ -164,7 +165,14 @@ def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
     except (DTypeError, TypeError, ValueError) as e:
         name, bad_dtype = None, str(e)
     mine = (got, want, name, bad_dtype)
-    every = [mine] if mesh.size == 1 else mesh.comm_for(mesh.shape.names).allgather(mine)  # small: pickled
+    if mesh.size == 1:
+        every = [mine]
+    else:  # rank 0's dtype, then whether any rank differs or errs (guarded); if so, every rank's record
+        mark = np.array([zlib.crc32(str(name).encode())], np.int64)
+        other = mark[0] != mesh.collectives.broadcast(mark)[0]
+        if not mesh.collectives.any_rank(got != want or bad_dtype is not None or other):
+            return DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
+        every = mesh.comm_for(mesh.shape.names).allgather(mine)  # (small: pickled)
     where = f"from_local: the slices of {shape} with layout {layout_dict(shape, tl)}"
     wrong = [f"rank {r} passes shape {g}, its block is {w}" for r, (g, w, _, _) in enumerate(every) if g != w]
     if wrong:

@@ -98,6 +98,27 @@ def test_rank_returning_early_makes_the_others_raise(tmp_path, ranks, transport)
     assert seconds < 30
 
 
+def test_rank_returning_early_while_the_others_agree_on_an_error(tmp_path):
+    """The agreement on whether any rank failed (`any_rank`: a checkpoint's, `from_local`'s, an
+    optimizer's) is polled like a collective: a rank that left makes the others raise (it was a
+    plain MPI call, waiting forever)."""
+    proc, seconds = _job(tmp_path, 3, """
+        mesh = mm.Mesh("all:3")
+        mesh.barrier()
+        if mesh.rank == 2:
+            sys.exit(0)
+        waiting("from_local", lambda: mm.from_local(mesh.xp.zeros((1, 2)), "a:3;b:2", mesh, "a:all"))
+    """)
+    assert proc.returncode != 0, proc
+    reports = _reports(proc)  # (the first to raise ends the job: the other may not get to print)
+    assert reports and set(reports) <= {0, 1}, proc.stdout + proc.stderr
+    for r, (after, message) in reports.items():
+        assert after < 5.0 and "rank 2 left the job" in message, message
+        assert re.search(r"collective #\d (broadcast|any_rank) over all", message), message
+    _one_paragraph(proc)
+    assert seconds < 30
+
+
 def test_rank_killed_by_sigkill_under_a_launcher_that_leaves_the_others_running(tmp_path):
     proc, _ = _job(tmp_path, 3, """
         mesh = mm.Mesh("all:3", layout="a:all")

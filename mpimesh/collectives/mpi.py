@@ -464,11 +464,14 @@ class MpiCollectives(Collectives):
 
     # Control values (host, never counted) ----------------------------------------------------
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank if `flag` is true on any rank (for errors only one rank can see)."""
+        """True on every rank if `flag` is true on any rank (for errors only one rank can see).
+        Polled by the guard like a collective (on its communicator: no other is made here), so a
+        rank that left raises here instead of leaving the others waiting."""
         if self.mesh.size == 1:
             return bool(flag)
         mine, out = np.array([int(bool(flag))], np.int32), np.zeros(1, np.int32)
-        self.mesh.comm_for(self.mesh.shape.names).Allreduce(mine, out, op=MPI.MAX)
+        self.guard.enter("any_rank", tuple(self.mesh.shape.names), mine)
+        self.guard.wait_mpi(self.guard.comm.Iallreduce(mine, out, op=MPI.MAX), None)
         return bool(out[0])
 
     def broadcast(self, x, root: int = 0, out=None):
@@ -483,6 +486,7 @@ class MpiCollectives(Collectives):
             if not (isinstance(out, np.ndarray) and out.flags.c_contiguous):
                 raise MpimeshError(f"broadcast: out must be a C-contiguous numpy array, got {type(out).__name__}")
             out[...] = x
-        if self.mesh.size > 1:
-            self.mesh.comm_for(self.mesh.shape.names).Bcast(out, root=root)
+        if self.mesh.size > 1:  # (polled, as any_rank)
+            self.guard.enter("broadcast", tuple(self.mesh.shape.names), out, f" from rank {root}")
+            self.guard.wait_mpi(self.guard.comm.Ibcast(out, root=root), None)
         return out
