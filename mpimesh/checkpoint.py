@@ -58,15 +58,52 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from . import env
 from .backend import BFLOAT16, to_host
 from .errors import CheckpointError
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
+from .mesh import AbstractMesh, Mesh
 from .shape import Shape, ShapeLike
+from .tensor import host_reads
 
 FORMAT, VERSION, INDEX = "mpimesh-checkpoint", 1, "index.json"
 CHUNK_BYTES = 4 << 20  # one CRC-32 per chunk of about this many bytes
 STEP_DIR = re.compile(r"step-(\d{8,})")  # save_step's checkpoints
 LEFTOVER = re.compile(r"\.step-\d{8,}\.(tmp|old)-[0-9a-f]+")  # an interrupted save's or a deletion's
+
+
+# ---------------------------------------------------------------- arguments
+
+def _path(path, what: str = "path") -> str:
+    """`path` (a str or os.PathLike) as a str, else TypeError: checked on every rank, before any rank
+    touches the file system."""
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(path, str):
+        swapped = ": the path comes first, then the mesh" if isinstance(path, AbstractMesh) else ""
+        raise TypeError(f"{what} must be a str or os.PathLike naming a directory, got {type(path).__name__}{swapped}")
+    if not path:
+        raise CheckpointError(f"{what} is empty")
+    return path
+
+
+def _mesh(mesh) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a Mesh, got {type(mesh).__name__}")
+    return mesh
+
+
+def _int(value, what: str, least: int) -> int:
+    """`value` if it is an int (not a bool) >= `least`, else TypeError or CheckpointError naming `what`.
+
+    >>> _int(-1, "step", 0)
+    Traceback (most recent call last):
+    mpimesh.errors.CheckpointError: step must be an int >= 0, got -1
+    """
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{what} must be an int >= {least}, got {type(value).__name__} {value!r}")
+    if value < least:
+        raise CheckpointError(f"{what} must be an int >= {least}, got {value}")
+    return int(value)
 
 
 # ---------------------------------------------------------------- agreement between ranks
@@ -87,6 +124,35 @@ def _sync(mesh, err: Optional[str]) -> None:
     root = int(mesh.collectives.allreduce(mine, mesh.shape.names, "min")[0])
     msg = _bcast_text(mesh, err or "", root)
     raise CheckpointError(msg if mesh.size == 1 else f"{msg} (rank {root})")
+
+
+def _reason(e: Exception) -> str:
+    """`e` as the end of the CheckpointError every rank raises for it (its class named unless it is an
+    OSError or ours): any exception on one rank becomes every rank's error, never a hang."""
+    return str(e) if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {e}"
+
+
+def _agree(mesh, target: str, chunk_bytes: int, items: list) -> list:
+    """`items` in rank 0's order, once every rank passes the same `target`, `chunk_bytes` and tensors
+    (names, shapes, dtypes, layouts; in any order); else CheckpointError on every rank naming the first
+    difference and what each rank has."""
+    mine = {"path": repr(target), "chunk_bytes": str(chunk_bytes),
+            **{f"tensor {name!r}": f"{t.shape} {np.dtype(t.dtype)} layout {t.layout}" for name, t in items}}
+    text = json.dumps([[name for name, _ in items], mine])
+    order, first = json.loads(_bcast_text(mesh, text, 0))
+    if not mesh.collectives.any_rank(mine != first):
+        by_name = dict(items)
+        return [(name, by_name[name]) for name in order]
+    every = [json.loads(_bcast_text(mesh, text, r))[1] for r in range(mesh.size)]
+    fixed = ["path", "chunk_bytes"]
+    key = next(k for k in fixed + sorted({k for d in every for k in d} - set(fixed))
+               if len({d.get(k) for d in every}) > 1)
+    groups: dict = {}
+    for r, d in enumerate(every):
+        groups.setdefault(d.get(key, "no such tensor"), []).append(r)
+    has = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs[:4]))}"
+                    f"{f' and {len(rs) - 4} more' if len(rs) > 4 else ''}: {v}" for v, rs in groups.items())
+    raise CheckpointError(f"cannot save checkpoint {first['path']}: the ranks disagree on {key}: {has}")
 
 
 def _fsync_dir(path: str) -> None:
@@ -170,12 +236,19 @@ def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:
 def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Write the dict `tensors` (name -> DistTensor, all on one mesh) to the directory `path`.
 
-    A collective: every rank calls it with the same names, tensors and `path` (as rank 0 sees it).
-    Each rank writes only its own distinct slices; the checkpoint appears at `path` all at once.
-    An existing checkpoint at `path` is replaced; any other existing file or non-empty directory is
-    refused. `mesh` is needed only for an empty dict.
+    A collective: every rank calls it with the same `path` (as rank 0 sees it), `chunk_bytes` and
+    tensors (names, shapes, dtypes and layouts; the dict's order may differ between ranks: the
+    checkpoint keeps rank 0's). Ranks that differ raise CheckpointError on every rank, naming the
+    first difference, before anything is written. Each rank writes only its own distinct slices; the
+    checkpoint appears at `path` all at once. An existing checkpoint at `path` is replaced; any other
+    existing file or non-empty directory is refused. `mesh` is needed only for an empty dict.
     """
+    path = _path(path)
+    chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
     items, mesh = _items_and_mesh(tensors, mesh)
+    if host_reads and items:  # recording a compiled step: it would save once, never in a replay
+        host_reads[-1](items[0][1], f"mm.save({str(path)!r})")
+    items = _agree(mesh, os.path.abspath(path), chunk_bytes, items)
     plan = _plan(items, mesh.shape, chunk_bytes)
 
     # Rank 0 checks the target and makes the temporary directory; every rank learns its name.
@@ -189,16 +262,14 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
             tmp = os.path.join(parent, f".{base}.tmp-{secrets.token_hex(8)}")
             os.mkdir(tmp)
             info = json.dumps([target, tmp])
-        except (OSError, CheckpointError) as e:
-            err = f"cannot save checkpoint {path!r}: {e}"
+        except Exception as e:  # any error: every rank raises it
+            err = f"cannot save checkpoint {path!r}: {_reason(e)}"
     _sync(mesh, err)
     target, tmp = json.loads(_bcast_text(mesh, info, 0))
     try:
         # Every rank writes its part file (if it writes any slice) and fsyncs it.
         me, err, crcs = _mesh_index(mesh.shape, mesh.coords), None, []
         try:
-            if os.path.abspath(path) != target:
-                raise CheckpointError(f"this rank saves to {os.path.abspath(path)!r} but rank 0 to {target!r}")
             mine = [(t, spec) for (_, t), spec in zip(items, plan["tensors"])
                     if any(s["_pos"] == me for s in spec["slices"])]
             if mine:
@@ -211,8 +282,8 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
                     f.flush()
                     os.fsync(f.fileno())
             _test_pause(mesh, target)
-        except (OSError, CheckpointError) as e:
-            err = f"cannot write checkpoint {target!r}: {e}"
+        except Exception as e:
+            err = f"cannot write checkpoint {target!r}: {_reason(e)}"
         _sync(mesh, err)
         _fill_crcs(mesh, plan, me, crcs)
 
@@ -226,8 +297,8 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
                     os.fsync(f.fileno())
                 _fsync_dir(tmp)
                 _swap_in(tmp, target)
-            except (OSError, CheckpointError) as e:
-                err = f"cannot save checkpoint {target!r}: {e}"
+            except Exception as e:
+                err = f"cannot save checkpoint {target!r}: {_reason(e)}"
         _sync(mesh, err)
     finally:
         if mesh.rank == 0 and os.path.isdir(tmp):
@@ -246,6 +317,7 @@ def _items_and_mesh(tensors: Mapping[str, object], mesh) -> tuple[list, object]:
     mesh = mesh if mesh is not None else (items[0][1].mesh if items else None)
     if mesh is None:
         raise CheckpointError("save of an empty dict needs mesh=")
+    _mesh(mesh)
     for name, t in items:
         if t.mesh is not mesh:
             raise CheckpointError(f"tensor {name!r} lives on {t.mesh}, not on {mesh}: save tensors of one mesh")
@@ -254,7 +326,7 @@ def _items_and_mesh(tensors: Mapping[str, object], mesh) -> tuple[list, object]:
 
 def _test_pause(mesh, target: str) -> None:
     """`MPIMESH_TEST_SLOW_SAVE=SECONDS`: say who is where and sleep, so a test can kill a rank mid-save."""
-    seconds = float(os.environ.get("MPIMESH_TEST_SLOW_SAVE") or 0)
+    seconds = env.number("MPIMESH_TEST_SLOW_SAVE", 0.0, minimum=0.0)
     if seconds > 0:
         sys.stderr.write(f"mpimesh: MPIMESH_TEST_SLOW_SAVE: rank {mesh.rank} pid {os.getpid()} sleeps "
                          f"{seconds} s inside the save of {target}\n")  # one write: one line, not interleaved
@@ -328,6 +400,9 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
     """
     from .tensor import DistTensor
 
+    path, mesh = _path(path), _mesh(mesh)
+    if shapes is not None and not isinstance(shapes, Mapping):
+        raise TypeError(f"shapes must be a dict of name -> shape, got {type(shapes).__name__}")
     rules = mesh.layout if layout is None else LayoutRules(layout)
     check_rules(rules, mesh.shape)
     err, text = None, ""
@@ -338,10 +413,10 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
                 raise CheckpointError(f"no checkpoint at {target!r}: not a directory")
             with open(os.path.join(target, INDEX), "rb") as f:
                 text = json.dumps([target, f.read().decode("utf-8", "replace")])
-        except OSError as e:
-            err = f"cannot read checkpoint index {os.path.join(target, INDEX)!r}: {e}"
         except CheckpointError as e:
             err = str(e)
+        except Exception as e:
+            err = f"cannot read checkpoint index {os.path.join(target, INDEX)!r}: {_reason(e)}"
     _sync(mesh, err)
     target, text = json.loads(_bcast_text(mesh, text, 0))
     specs = _parse_index(text, os.path.join(target, INDEX))  # identical on every rank
@@ -354,8 +429,10 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
         for spec, tl in zip(specs, layouts):
             local = _read_block(target, spec, slice_bounds(spec["shape"], mesh.shape, tl, mesh.coords), files)
             out[spec["name"]] = (spec["shape"], tl, local)
-    except (OSError, CheckpointError) as e:
+    except CheckpointError as e:
         err = str(e)
+    except Exception as e:
+        err = f"cannot load checkpoint {target!r}: {_reason(e)}"
     finally:
         for f in files.values():
             f.close()
@@ -457,10 +534,15 @@ def _parse_index(text: str, where: str) -> list[dict]:
                 raise bad(f"tensor {name!r} has {len(t['slices'])} slices, its layout "
                           f"{t['layout']} on mesh {mesh_shape} gives {len(want)}")
             for s, (_, bounds) in zip(t["slices"], want):
+                fields = {k: s[k] for k in ("offset", "shape", "byte_offset", "nbytes", "crc32")}
+                wrong = next((k for k, v in fields.items()
+                              if not all(type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v]))), None)
+                if wrong:
+                    raise bad(f"tensor {name!r}: slice {s['offset']}: {wrong} is {s[wrong]!r}, expected ints >= 0")
                 n = math.prod(s["shape"])
                 if (s["offset"] != [b.start for b in bounds] or s["shape"] != [b.stop - b.start for b in bounds]
                         or s["nbytes"] != n * dtype.itemsize or len(s["crc32"]) != math.ceil(n / ce)
-                        or s["file"] not in files or int(s["byte_offset"]) < 0):
+                        or s["file"] not in files):
                     raise bad(f"tensor {name!r}: slice {s.get('offset')} of shape {s.get('shape')} "
                               f"does not match shape {shape}, dtype {dtype} and layout {t['layout']}")
             specs.append({"name": name, "shape": shape, "dtype": dtype, "chunk_elements": ce,
@@ -494,22 +576,23 @@ def _check_files(specs: list[dict], files: dict, bad) -> None:
 # ---------------------------------------------------------------- a directory of numbered checkpoints
 
 def step_path(root: str, step: int) -> str:
-    """The checkpoint of `step` in `root`: `root/step-NNNNNNNN`."""
-    return os.path.join(root, f"step-{step:08d}")
+    """The checkpoint of `step` (an int >= 0) in `root`: `root/step-NNNNNNNN`."""
+    return os.path.join(_path(root, "root"), f"step-{_int(step, 'step', 0):08d}")
 
 
 def steps(root: str, mesh) -> list[int]:
     """The steps of the complete checkpoints in `root`, oldest first ([] if `root` is missing or
     empty), the same on every rank. A collective; `root` holding anything but checkpoints and the
     leftovers of interrupted saves (a file, say) raises CheckpointError on every rank."""
+    root, mesh = _path(root, "root"), _mesh(mesh)
     err, found = None, []
     if mesh.rank == 0:
         try:
             found = _scan(root)[0]
         except CheckpointError as e:
             err = str(e)
-        except OSError as e:
-            err = f"cannot list checkpoints in {root!r}: {e}"
+        except Exception as e:
+            err = f"cannot list checkpoints in {root!r}: {_reason(e)}"
     _sync(mesh, err)
     return json.loads(_bcast_text(mesh, json.dumps(found), 0))
 
@@ -529,7 +612,7 @@ def verify(path: str) -> Optional[str]:
     >>> verify(path)
     "checksum mismatch in '...part-00000.bin', tensor 'w', slice at offset [0], chunk 0: the file is corrupted"
     """
-    target = os.path.abspath(path)
+    target = os.path.abspath(_path(path))
     files: dict = {}
     try:
         with open(os.path.join(target, INDEX), "rb") as f:
@@ -550,10 +633,15 @@ def verify(path: str) -> Optional[str]:
 def newest_intact(root: str, mesh, before: Optional[int] = None) -> Optional[int]:
     """The step of the newest complete checkpoint in `root` (older than step `before`, if given)
     that `verify` passes, or None. A collective: rank 0 checks, newest first, and tells the others."""
+    before = None if before is None else _int(before, "before", 0)
     found = [s for s in steps(root, mesh) if before is None or s < before]
-    best = -1
+    best, err = -1, None
     if mesh.rank == 0:
-        best = next((s for s in reversed(found) if verify(step_path(root, s)) is None), -1)
+        try:
+            best = next((s for s in reversed(found) if verify(step_path(root, s)) is None), -1)
+        except Exception as e:
+            err = f"cannot check checkpoints in {root!r}: {_reason(e)}"
+    _sync(mesh, err)
     best = int(mesh.collectives.broadcast(np.array([best], np.int64), 0)[0])
     return None if best < 0 else best
 
@@ -562,10 +650,11 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
               chunk_bytes: int = CHUNK_BYTES) -> str:
     """`save(step_path(root, step), tensors)`, then delete all but the newest `keep` complete
     checkpoints in `root` and the leftovers of interrupted saves (after the new one is complete).
-    A collective; returns the new checkpoint's path."""
+    A collective; returns the new checkpoint's path. `step` is an int >= 0 and `keep` an int >= 1
+    (the new checkpoint is always kept), checked before anything is written."""
+    path, keep = step_path(root, step), _int(keep, "keep", 1)
     mesh = _items_and_mesh(tensors, mesh)[1]
     steps(root, mesh)  # refuses a directory of other things before writing into it
-    path = step_path(root, step)
     save(path, tensors, mesh=mesh, chunk_bytes=chunk_bytes)
     prune(root, mesh, keep)
     return path
@@ -574,7 +663,9 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
 def prune(root: str, mesh, keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints in `root` and the leftovers of
     interrupted saves (rank 0 deletes; a collective). Each checkpoint is first renamed to a
-    leftover name, so an interrupted deletion never leaves a partial `step-*` directory."""
+    leftover name, so an interrupted deletion never leaves a partial `step-*` directory. `keep` is an
+    int >= 0 (0: delete them all)."""
+    root, mesh, keep = _path(root, "root"), _mesh(mesh), _int(keep, "keep", 0)
     err = None
     if mesh.rank == 0:
         try:
@@ -585,8 +676,8 @@ def prune(root: str, mesh, keep: int) -> None:
                 leftovers.append(old)
             for name in leftovers:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except (OSError, CheckpointError) as e:
-            err = f"cannot delete old checkpoints in {root!r}: {e}"
+        except Exception as e:
+            err = f"cannot delete old checkpoints in {root!r}: {_reason(e)}"
     _sync(mesh, err)
 
 

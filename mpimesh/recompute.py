@@ -120,8 +120,8 @@ class Region:
             if a != b:
                 what = (f"{b[0]} of [{_shapes(b)}] where the first ran {a[0]} of [{_shapes(a)}]" if a[:2] != b[:2] else
                         f"{b[0]} of [{_shapes(b)}] reads another tensor from outside the block than the first run"
-                        if a[2] != b[2] else f"{b[0]} of [{_shapes(b)}] with {_params(b)} where the first run had {_params(a)} "
-                        f"(a value drawn on the host each run?)")
+                        if a[2] != b[2] else f"{b[0]} of [{_shapes(b)}] with {_params(b)} where the first run had "
+                        f"{_params(a)} (a value drawn on the host each run?)")
                 raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run (in the backward pass) differs from "
                                    f"the first at op {k}: {what}; fn must compute the same ops from the same "
                                    f"tensors (bind loop variables as arguments, not as closures)")

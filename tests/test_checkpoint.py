@@ -1,6 +1,8 @@
 """Checkpoints: save on one mesh and layout, load on another (values vs numpy), atomic replace,
 corrupted, truncated, inconsistent or mismatched (`shapes=`) checkpoints failing with CheckpointError
-on every rank, and directories of numbered checkpoints (save_step, steps, prune)."""
+on every rank, and directories of numbered checkpoints (save_step, steps, prune). Ranks that disagree on
+what they save, arguments of the wrong type or value, and unexpected errors on one rank all raise the
+same error on every rank; the dict's order does not matter."""
 from __future__ import annotations
 
 import functools
@@ -358,10 +360,15 @@ def edit(tensors_spec: list, what: str) -> None:
         spec["slices"][0]["crc32"][0] ^= 1
     elif what == "dup":
         tensors_spec.append(dict(spec))
+    elif what == "offset-str":
+        spec["slices"][-1]["byte_offset"] = str(spec["slices"][-1]["byte_offset"])
+    elif what == "offset-float":
+        spec["slices"][0]["offset"] = [float(o) for o in spec["slices"][0]["offset"]]
 
 
 @pytest.mark.parametrize("what", ["size", "dtype", "layout", "offset", "checksum", "dup", "missing-part",
-                                  "missing-index", "missing-dir", "file-name", "version"])
+                                  "missing-index", "missing-dir", "file-name", "version", "offset-str",
+                                  "offset-float"])
 def test_mismatched_metadata(shared_dir, what):
     mesh, path, glob = saved(shared_dir, f"edited-{what}")
     index = Path(path) / "index.json"
@@ -389,8 +396,12 @@ def test_mismatched_metadata(shared_dir, what):
     on_rank0(mesh, change)
     match = {"checksum": "checksum mismatch", "missing-part": "part-", "missing-index": "index",
              "missing-dir": "no checkpoint", "version": "version 99", "file-name": "escape.bin",
-             "dup": "repeated"}.get(what, "'x'" if what != "offset" else "expected")
+             "dup": "repeated", "offset-str": r"tensor 'x': slice \[.*\]: byte_offset is '\d+', expected ints >= 0",
+             "offset-float": r"tensor 'x': slice \[0.0, .*\]: offset is \[0.0, .*\], expected ints >= 0",
+             }.get(what, "'x'" if what != "offset" else "expected")
     load_everywhere(path, match)
+    if mesh.rank == 0 and what.endswith(("-str", "-float")):  # verify says it as load does
+        assert re.search(match, ckpt.verify(path))
 
 
 def test_bad_arguments(shared_dir):
@@ -455,3 +466,169 @@ def test_step_directory_keeps_the_newest_complete(shared_dir):
         with pytest.raises(mm.CheckpointError, match=r"not a directory of checkpoints: it holds \['notes.txt'\]"):
             call()
     assert listed(mesh, root) == ["notes.txt", "step-00000030"]
+
+
+def raises_on_every_rank(exc: type, fn, message: str) -> None:
+    """`fn()` raises `exc` with exactly `message` on every rank: each rank's outcome is gathered, so a
+    rank that raised something else, or nothing, fails the test on every rank instead of hanging it."""
+    try:
+        fn()
+        got = (None, "<nothing raised>")
+    except Exception as e:  # anything: every rank must reach the allgather
+        got = (type(e).__name__, str(e))
+    every = MPI.COMM_WORLD.allgather(got)
+    assert every == [(exc.__name__, message)] * N, every
+
+
+def ranks(rs: list[int]) -> str:
+    return f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}"
+
+
+@pytest.mark.parametrize("differ", ["name", "shape", "dtype", "count", "chunk_bytes", "path"])
+def test_save_refuses_ranks_that_disagree(shared_dir, differ):
+    """The last rank passes another dict, chunk_bytes or path: a CheckpointError on every rank naming
+    what differs and what each rank has, before anything is written; then the agreed save loads."""
+    if N == 1:
+        pytest.skip("needs ranks that can disagree")
+    mesh, last = world(f"all:{N}"), N - 1
+    root = shared_dir / f"disagree-{differ}"
+    on_rank0(mesh, root.mkdir)
+    path = str(root / "ck")
+    a, b = np.arange(8.0), np.arange(8.0) * 100
+    d = {"A": mesh.from_numpy(a, "a:8", "a:all"), "B": mesh.from_numpy(b, "b:8", "b:all")}
+    a32 = mesh.from_numpy(a.astype(np.float32), "a:8", "a:all")  # made on every rank, used on the last
+    odd = mesh.rank == last
+    mine = {"name": {"Z" if k == "A" and odd else k: t for k, t in d.items()},
+            "shape": {"A": d["B"] if odd else d["A"], "B": d["B"]},
+            "dtype": {"A": a32 if odd else d["A"], "B": d["B"]},
+            "count": {"A": d["A"]} if odd else d}.get(differ, d)
+    kwargs = {"chunk_bytes": 16 if odd and differ == "chunk_bytes" else 64}
+    where = path + "-other" if odd and differ == "path" else path
+    a_is = "[a:8] float64 layout {'a': 'all'}"
+    has = {"name": (f"tensor 'A': {ranks(list(range(last)))}: {a_is}; rank {last}: no such tensor"),
+           "shape": (f"tensor 'A': {ranks(list(range(last)))}: {a_is}; rank {last}: [b:8] float64 layout {{'b': 'all'}}"),
+           "dtype": (f"tensor 'A': {ranks(list(range(last)))}: {a_is}; rank {last}: [a:8] float32 layout {{'a': 'all'}}"),
+           "count": (f"tensor 'B': {ranks(list(range(last)))}: [b:8] float64 layout {{'b': 'all'}}; "
+                     f"rank {last}: no such tensor"),
+           "chunk_bytes": f"chunk_bytes: {ranks(list(range(last)))}: 64; rank {last}: 16",
+           "path": f"path: {ranks(list(range(last)))}: {path!r}; rank {last}: {path + '-other'!r}"}[differ]
+    raises_on_every_rank(mm.CheckpointError, lambda: mm.save(where, mine, **kwargs),
+                         f"cannot save checkpoint {path!r}: the ranks disagree on {has}")
+    assert listed(mesh, str(root)) == []  # not even a temporary directory
+    mm.save(path, d, chunk_bytes=64)
+    loaded = mm.load(path, mesh, "")
+    np.testing.assert_array_equal(loaded["A"].to_numpy(), a)
+    np.testing.assert_array_equal(loaded["B"].to_numpy(), b)
+
+
+def test_save_is_by_name_whatever_the_dict_order(shared_dir):
+    """Ranks whose dicts list the same tensors in other orders save the same checkpoint as if all
+    had rank 0's order: each tensor loads back with its own values, in rank 0's order."""
+    mesh = world(f"all:{N}")
+    glob = arrays(8)
+    names = list(glob)
+    order = names if mesh.rank % 2 == 0 else names[::-1]
+    made = tensors(mesh, glob, "a:all;h:all")
+    path = str(shared_dir / "dict-order")
+    mm.save(path, {k: made[k] for k in order}, chunk_bytes=40)
+    for rules in ["", "b:all", "c:all"]:
+        assert_values(mm.load(path, mesh, rules), glob)  # names in rank 0's order, which is glob's
+    if mesh.rank == 0:
+        assert ckpt.verify(path) is None
+
+
+def test_argument_types_on_every_rank(shared_dir):
+    """A path, mesh, shapes, chunk_bytes, step, keep or before of the wrong type or value raises on
+    every rank, naming the argument, before anything is written (a TypeError from os.path on rank 0
+    alone used to leave the others waiting); Path objects and numpy ints are accepted."""
+    mesh = world(f"all:{N}")
+    root = shared_dir / "arg-types"
+    on_rank0(mesh, root.mkdir)
+    path = str(root / "ck")
+    g = np.arange(6.0).reshape(2, 3)
+    d = {"w": mesh.from_numpy(g, "a:2;b:3", "b:all")}
+    what = "must be a str or os.PathLike naming a directory, got"
+    for exc, fn, msg in [
+        (TypeError, lambda: mm.save(None, d), f"path {what} NoneType"),
+        (TypeError, lambda: mm.save(7, d), f"path {what} int"),
+        (TypeError, lambda: mm.save(path.encode(), d), f"path {what} bytes"),
+        (mm.CheckpointError, lambda: mm.save("", d), "path is empty"),
+        (TypeError, lambda: mm.save(path, d, chunk_bytes="x"), "chunk_bytes must be an int >= 1, got str 'x'"),
+        (TypeError, lambda: mm.save(path, d, chunk_bytes=None), "chunk_bytes must be an int >= 1, got NoneType None"),
+        (mm.CheckpointError, lambda: mm.save(path, d, chunk_bytes=0), "chunk_bytes must be an int >= 1, got 0"),
+        (TypeError, lambda: mm.save(path, {}, mesh="all:1"), "mesh must be a Mesh, got str"),
+        (TypeError, lambda: mm.load(None, mesh), f"path {what} NoneType"),
+        (TypeError, lambda: mm.load(mesh, path), f"path {what} Mesh: the path comes first, then the mesh"),
+        (TypeError, lambda: mm.load(path, None), "mesh must be a Mesh, got NoneType"),
+        (TypeError, lambda: mm.load(path, mesh, shapes=["w"]), "shapes must be a dict of name -> shape, got list"),
+        (TypeError, lambda: ckpt.verify(None), f"path {what} NoneType"),
+        (TypeError, lambda: ckpt.steps(3, mesh), f"root {what} int"),
+        (TypeError, lambda: ckpt.save_step(None, 1, d), f"root {what} NoneType"),
+        (TypeError, lambda: ckpt.save_step(str(root), 1, d, keep="2"), "keep must be an int >= 1, got str '2'"),
+        (TypeError, lambda: ckpt.prune(str(root), mesh, keep=1.0), "keep must be an int >= 0, got float 1.0"),
+        (TypeError, lambda: ckpt.newest_intact(str(root), mesh, before="3"), "before must be an int >= 0, got str '3'"),
+    ]:
+        raises_on_every_rank(exc, fn, msg)
+    assert listed(mesh, str(root)) == []
+    mm.save(root / "ck", d, chunk_bytes=np.int64(16))  # a Path and a numpy int
+    np.testing.assert_array_equal(mm.load(root / "ck", mesh, "a:all", shapes={"w": "a:2;b:3"})["w"].to_numpy(), g)
+    assert listed(mesh, str(root)) == ["ck"]
+
+
+@pytest.mark.parametrize("step,keep,exc,msg", [
+    (5, 0, mm.CheckpointError, "keep must be an int >= 1, got 0"),
+    (5, -1, mm.CheckpointError, "keep must be an int >= 1, got -1"),
+    (-1, 2, mm.CheckpointError, "step must be an int >= 0, got -1"),
+    ("5", 2, TypeError, "step must be an int >= 0, got str '5'"),
+    (5.0, 2, TypeError, "step must be an int >= 0, got float 5.0"),
+    (True, 2, TypeError, "step must be an int >= 0, got bool True"),
+])
+def test_save_step_checks_step_and_keep(shared_dir, step, keep, exc, msg):
+    """A step that is not an int >= 0 or a keep that is not an int >= 1 raises on every rank before
+    anything is written (keep=0 used to delete the new checkpoint, step -1 to make 'step--0000001');
+    step 0 and keep 1 work, and a numpy int step too."""
+    mesh = world(f"all:{N}")
+    root = str(shared_dir / f"step-args-{step!r}-{keep}")
+    g = np.arange(10.0)
+    d = {"v": mesh.from_numpy(g, "n:10", "n:all")}
+    raises_on_every_rank(exc, lambda: ckpt.save_step(root, step, d, keep=keep), msg)
+    assert ckpt.steps(root, mesh) == [] and not os.path.exists(root)
+    assert ckpt.save_step(root, 0, d, keep=1) == ckpt.step_path(root, 0)
+    assert ckpt.save_step(root, np.int64(3), {"v": d["v"] * 2.0}, keep=1) == os.path.join(root, "step-00000003")
+    assert ckpt.steps(root, mesh) == [3] and listed(mesh, root) == ["step-00000003"]
+    np.testing.assert_array_equal(mm.load(ckpt.step_path(root, 3), mesh)["v"].to_numpy(), g * 2.0)
+    raises_on_every_rank(mm.CheckpointError, lambda: ckpt.prune(root, mesh, keep=-1),
+                         "keep must be an int >= 0, got -1")
+    assert ckpt.newest_intact(root, mesh, before=np.int64(4)) == 3
+
+
+def test_unexpected_errors_on_one_rank_reach_every_rank(shared_dir, monkeypatch):
+    """Any exception inside a block that only rank 0 runs (listing, writing the index, deleting old
+    steps), or inside one rank's read, becomes the same CheckpointError on every rank, not a hang."""
+    mesh = world(f"all:{N}")
+    root = str(shared_dir / "unexpected")
+    g = np.arange(12.0).reshape(3, 4)
+    d = {"m": mesh.from_numpy(g, "p:3;q:4", "q:all")}
+    ckpt.save_step(root, 1, d)
+    at = (lambda r: "" if N == 1 else f" (rank {r})")
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    for name, call, message in (
+            ("_swap_in", lambda: mm.save(ckpt.step_path(root, 2), d),
+             f"cannot save checkpoint {ckpt.step_path(root, 2)!r}"),
+            ("_scan", lambda: ckpt.steps(root, mesh), f"cannot list checkpoints in {root!r}"),
+            ("_scan", lambda: ckpt.prune(root, mesh, 1), f"cannot delete old checkpoints in {root!r}"),
+            ("verify", lambda: ckpt.newest_intact(root, mesh), f"cannot check checkpoints in {root!r}")):
+        with monkeypatch.context() as m:
+            m.setattr(ckpt, name, boom)
+            raises_on_every_rank(mm.CheckpointError, call, f"{message}: RuntimeError: boom{at(0)}")
+    with monkeypatch.context() as m:
+        read = ckpt._read_block
+        m.setattr(ckpt, "_read_block", lambda *a: boom() if mesh.rank == N - 1 else read(*a))
+        raises_on_every_rank(mm.CheckpointError, lambda: mm.load(ckpt.step_path(root, 1), mesh),
+                             f"cannot load checkpoint {ckpt.step_path(root, 1)!r}: RuntimeError: boom{at(N - 1)}")
+    assert listed(mesh, root) == ["step-00000001"]
+    assert ckpt.newest_intact(root, mesh) == 1
+    np.testing.assert_array_equal(mm.load(ckpt.step_path(root, 1), mesh, "p:all")["m"].to_numpy(), g)

@@ -156,6 +156,19 @@ def test_reading_values_on_the_host_while_recording_names_the_line():
         mm.compile(lambda x: "done")(x)
 
 
+def test_saving_a_checkpoint_while_recording_names_the_line(tmp_path):
+    """mm.save in a compiled step would save once, when recorded: a host read, refused by name."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+
+    def saves(x):
+        y = x * 2.0
+        mm.save(str(tmp_path / "ck"), {"y": y})
+        return y
+    with pytest.raises(mm.CompileError, match=r"\(mm\.save\('.*ck'\)\) at .*test_compile\.py:\d+"):
+        mm.compile(saves)(mesh.ones("a:3"))
+    assert not (tmp_path / "ck").exists()
+
+
 def test_one_tensor_passed_twice_is_its_own_signature():
     """f(x, x) records one input for both; f(y, x) after it must record again, not replay with y
     in both places (it gave [30, 30, 30] for [21, 22, 23]). A NaN argument replays like any value."""
