@@ -536,6 +536,18 @@ def test_capacity_one_without_min_capacity():
         np.testing.assert_allclose(float(aux), raux, rtol=1e-10, err_msg=routing)
 
 
+def test_no_tokens():
+    """A group of 0 tokens: an empty output and zero gradients (the dispatch kernel indexed an empty
+    token axis); the auxiliary loss is a mean over no token, NaN as numpy's."""
+    mesh = hand_mesh()
+    p = init_moe(mesh, 0, f"d_model:{M}", f"experts:{E}", f"d_ff:{H}")
+    with mm.trace():
+        y, aux = moe(p, mesh.ones(f"group:{G};tokens:0;d_model:{M}"), "group")
+        (g,) = mm.gradients([mm.reduce_sum(y)], [p["wi"]])
+    assert y.shape == mm.Shape(f"group:{G};tokens:0;d_model:{M}") and np.isnan(float(aux))
+    np.testing.assert_array_equal(g.to_numpy(), 0.0)
+
+
 def test_routing_capacity_zero_and_token_sizes():
     """With a capacity dim of size 0, dispatch_slots gives empty buffers and combine_slots zeros (and a
     zero gradient); x's tokens must have the slots' size."""

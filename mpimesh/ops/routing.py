@@ -297,6 +297,8 @@ def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_s
         xp = ctx.xp
         a = xp.transpose(a, xperm)
         lead, n_tok, tail = a.shape[:len(batch)], a.shape[len(batch)], a.shape[len(batch) + 1:]
+        if n_tok == 0:  # no token here (a tokens dim of 0, or an empty block): every slot empty
+            return xp.transpose(xp.zeros((e.size,) + lead + (c.size,) + tail, a.dtype), operm)
         nb = math.prod(lead)
         a = a.reshape(nb, n_tok, math.prod(tail))
         rows = xp.arange(nb)[:, None]
