@@ -481,7 +481,9 @@ def raises_on_every_rank(exc: type, fn, message: str) -> None:
 
 
 def ranks(rs: list[int]) -> str:
-    return f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}"
+    """How the message names ranks: the first four, then how many more."""
+    more = f" and {len(rs) - 4} more" if len(rs) > 4 else ""
+    return f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs[:4]))}{more}"
 
 
 @pytest.mark.parametrize("differ", ["name", "shape", "dtype", "count", "chunk_bytes", "path"])

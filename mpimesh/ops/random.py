@@ -189,7 +189,7 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
 
     def fill(xp, i, seed):
         y = minval + (maxval - minval) * uniform01(xp, i, seed)
-        y = (y if is_float(dt) else xp.floor(y)).astype(dt)  # whole numbers: floor, in [minval, maxval)
+        y = (xp.floor(y) if dt.kind in "iu" else y).astype(dt)  # whole numbers: floor, in [minval, maxval)
         if is_float(dt) and maxval > minval:  # rounding to dt may reach maxval: clamp below it
             top = dt.type(maxval)
             top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
@@ -202,7 +202,7 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
 def random_normal(mesh, shape: ShapeLike, seed, mean=0.0, stddev=1.0, dtype="float32", layout=None):
     """Normal values (Box-Muller) that depend only on `seed` (an int or a seed tensor) and `shape`."""
     dt = as_dtype(dtype)
-    if not is_float(dt):
+    if not (is_float(dt) or dt.kind == "c"):
         raise DTypeError(f"random_normal: dtype {dt.name} cannot hold normal values: draw a float dtype")
     seed = check_seed(seed, "random_normal")
     mean, stddev = _real(mean, "random_normal: mean"), _real(stddev, "random_normal: stddev")
