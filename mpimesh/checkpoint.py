@@ -64,7 +64,7 @@ from .errors import CheckpointError
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
 from .mesh import AbstractMesh, Mesh
 from .shape import Shape, ShapeLike
-from .tensor import host_reads
+from .tensor import host_read
 
 FORMAT, VERSION, INDEX = "mpimesh-checkpoint", 1, "index.json"
 CHUNK_BYTES = 4 << 20  # one CRC-32 per chunk of about this many bytes
@@ -246,8 +246,8 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
     path = _path(path)
     chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
     items, mesh = _items_and_mesh(tensors, mesh)
-    if host_reads and items:  # recording a compiled step: it would save once, never in a replay
-        host_reads[-1](items[0][1], f"mm.save({str(path)!r})")
+    for _, t in items[:1]:  # (a compiled step would save once, never in a replay)
+        host_read(t, f"mm.save({str(path)!r})")
     items = _agree(mesh, os.path.abspath(path), chunk_bytes, items)
     plan = _plan(items, mesh.shape, chunk_bytes)
 

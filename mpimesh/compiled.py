@@ -35,8 +35,6 @@ runs eagerly (its ops recorded there, for gradients through it).
 from __future__ import annotations
 
 import math
-import os
-import traceback
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -49,11 +47,8 @@ from .errors import MpimeshError
 from .graphs import for_engine
 from .program import Program, ProgramError
 from .tensor import DistTensor, host_reads
-from .trace import current_trace, trace
+from .trace import current_trace, trace, user_frame
 from .tree import flatten, unflatten
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
 
 class CompileError(ProgramError):
     """A step `mm.compile` cannot record: it reads values on the host, or returns something other
@@ -128,7 +123,7 @@ class Compiled:
         return out, _Entry(tr, leaves, out_leaves, out_tree)
 
     def _host_read(self, t, what: str) -> None:
-        where = _user_frame()
+        where = user_frame()
         raise CompileError(f"mm.compile({self.__name__}): the step reads the values of a {t.shape} {t.dtype} "
                            f"tensor on the host ({what}) at {where}. A compiled step runs its kernels again "
                            f"without running Python, so it cannot read or branch on values: return the "
@@ -367,11 +362,3 @@ def _signature(v) -> tuple:
         raise CompileError(f"mm.compile: an argument of type {type(v).__name__} is neither a tensor nor "
                            f"hashable: pass tensors, numbers, strings, and tuples, lists or dicts of them") from None
     return ("value", type(v).__name__, v)
-
-
-def _user_frame() -> str:
-    """`file:line` of the innermost caller outside the mpimesh package."""
-    for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(_PACKAGE + os.sep):
-            return f"{frame.filename}:{frame.lineno}"
-    return "an unknown place"

@@ -35,6 +35,27 @@ def describe(t) -> str:
     return f"[{t.shape}] {t.dtype} tensor laid out {{{layout}}}"
 
 
+def _no_values_read(trace, ops: list, inputs: set, error, what: str) -> None:
+    """`error` if the trace read on the host the values of a tensor that depends on the program's
+    `inputs` (ids) before an op the program runs: a number taken from it (`float(loss)` in a scale,
+    a branch) is fixed in the program, which runs no Python. Reads after its last op are fine."""
+    if not ops or not trace.host_reads:
+        return
+    at = {id(rec): k for k, rec in enumerate(trace.ops)}
+    last = max(at[id(rec)] for rec in ops)
+    reach = {i: None for i in inputs}  # id -> a tensor of the trace that depends on the inputs
+    for rec in trace.ops:
+        if any(id(t) in reach for t in rec.inputs):
+            reach.update((id(t), t) for t in rec.outputs)
+    for i, shape, dtype, how, where, recorded in trace.host_reads:
+        t = reach.get(i, False)
+        if t is not False and recorded <= last and (t is None or (t.shape, t.dtype) == (shape, dtype)):
+            raise error(f"{what}: the trace read the values of a {shape} {dtype} tensor computed from the "
+                        f"{what}'s inputs on the host ({how}) at {where}, before ops the {what} runs: a number "
+                        f"taken from it there is fixed in the recording, so the {what} would compute with the "
+                        f"old one. Compute with ops on the tensor instead, or read values once the ops are done")
+
+
 class Program:
     """The ops of `trace` that `outputs` depend on, in order (`ops`); `inputs` given by the caller
     (each an input of the trace: read by it, not produced); `constants`: the other tensors of the
@@ -74,6 +95,7 @@ class Program:
                 raise error(f"op {rec.name!r} ({rec!r}) has no kernel (lower={rec.lower!r}): it cannot be "
                             f"run again")
         produced = {id(t) for rec in self.ops for t in rec.outputs}
+        _no_values_read(trace, self.ops, set(given), error, what)
         self.constants: dict[int, object] = {}
         self.readers: dict[int, object] = {}  # a constant's first reader (an op record, or None: the outputs)
         for t, rec in [(t, rec) for rec in self.ops for t in rec.inputs] + [(t, None) for t in outputs]:

@@ -18,12 +18,20 @@ from .collectives.counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
-from .trace import dispatch, tensor_type
+from .trace import dispatch, note_host_read, tensor_type
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
 
 host_reads: list = []  # while `mm.compile` records a step: its hook, told of every read of values on the host
+
+
+def host_read(t, what: str) -> None:
+    """`t`'s values are read on the host (`what`): told to a recording `mm.compile` (which refuses
+    it) and noted in the open traces (`trace.note_host_read`)."""
+    if host_reads:
+        host_reads[-1](t, what)
+    note_host_read(t, what)
 
 
 @tensor_type
@@ -58,8 +66,7 @@ class DistTensor:
         if getattr(self.mesh, "dry", False):
             raise MpimeshError(f"this [{self.shape}] {self.dtype} tensor is on {self.mesh!r}: a dry run's "
                                f"tensors have shapes and layouts, no values")
-        if host_reads:
-            host_reads[-1](self, "to_numpy()")
+        host_read(self, "to_numpy()")
         x = self.local
         coll = self.mesh.collectives
         for axis, m in enumerate(self.tensor_layout):
@@ -99,8 +106,7 @@ class DistTensor:
     def __float__(self) -> float:
         if self.shape.size != 1:
             raise ShapeError(f"float() needs a one-element tensor, got shape {self.shape}")
-        if host_reads:
-            host_reads[-1](self, "float()")
+        host_read(self, "float()")
         return float(self.to_numpy().reshape(()))
 
 

@@ -17,7 +17,9 @@ ops) have no inputs and name their mesh.
 """
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -110,6 +112,7 @@ def _release(t, records) -> None:
     for tr in _open_traces:  # its id may be reused by a new tensor from now on
         tr._produced.discard(i)
         tr._seen.discard(i)
+        tr.host_reads = [(id(stub),) + r[1:] if r[0] == i else r for r in tr.host_reads]
     _kept.forget(i)
 
 
@@ -123,6 +126,7 @@ class Trace:
         self._produced: set[int] = set()
         self._seen: set[int] = set()
         self.inputs: list = []
+        self.host_reads: list = []  # (tensor id, shape, dtype, what, where, ops recorded by then): `note_host_read`
 
     def _append(self, rec: OpRecord) -> None:
         for t in rec.inputs:
@@ -281,6 +285,27 @@ def trace() -> Iterator[Trace]:
         _kept.depth -= 1
         if not _kept.depth:
             _kept.reset()
+
+
+def note_host_read(t, what: str) -> None:
+    """A read of `t`'s values on the host (`what`: `to_numpy()`, `float()`, ...) while traces are
+    open: noted in each (`Trace.host_reads`: id, shape, dtype, what, where, ops recorded by then), so
+    that a program made from the trace refuses to fix a value it computes (`mpimesh.program`)."""
+    if _open_traces:
+        where = user_frame()
+        for tr in _open_traces:
+            tr.host_reads.append((id(t), t.shape, t.dtype, what, where, len(tr.ops)))
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_frame() -> str:
+    """`file:line` of the innermost caller outside the mpimesh package."""
+    for frame in reversed(traceback.extract_stack()):
+        if not os.path.abspath(frame.filename).startswith(_PACKAGE + os.sep):
+            return f"{frame.filename}:{frame.lineno}"
+    return "an unknown place"
 
 
 def current_trace() -> Optional[Trace]:

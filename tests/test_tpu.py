@@ -709,6 +709,14 @@ def test_errors():
         mm.tpu.replay(tr, [x], [other], devices=DEVICES)
     with pytest.raises(mm.MpimeshError, match="mode must be one of"):
         mm.tpu.replay(tr, [x], [z], mode="pjit", devices=DEVICES)
+    for args, kw, words in (((None, [x], [z]), {}, "trace must be a trace"),
+                            ((tr, x, [z]), {}, "inputs must be a list"),
+                            ((tr, [x], [z]), {"devices": "cpu"}, "devices must be JAX devices"),
+                            ((tr, [x], [z]), {"donate": "a"}, "donate must be a list")):
+        with pytest.raises(TypeError, match=words):
+            mm.tpu.replay(*args, **kw)
+    with pytest.raises(mm.tpu.ReplayError, match=r"donate names input positions 0\.\.0, got 3"):
+        mm.tpu.replay(tr, [x], [z], devices=DEVICES, donate=[3])
     if mesh.size > 1:  # a split tensor the trace reads must be an input
         with pytest.raises(mm.tpu.ReplayError, match=r"split over the mesh and not among the replay inputs"):
             mm.tpu.replay(tr, [], [z], devices=DEVICES)
@@ -723,6 +731,25 @@ def test_errors():
     with pytest.raises(mm.ShapeError, match=r"input 0 has shape \(4, 24\), the trace's tensor has \(24, 4\)"):
         fn(np.zeros((4, 24), np.float32))
     assert issubclass(mm.tpu.ReplayError, mm.MpimeshError)
+
+
+def test_values_read_on_the_host_before_the_ops_are_refused():
+    """`x * float(sum(x))` in a trace: the replay would keep the recorded sum (it gave 6 for 4 on
+    ones). Refused, naming the line; a value read once the replay's ops are done is fine."""
+    mesh = _mesh(0, "a:M0")
+    xa = global_array("a:24;b:4", 3)
+    x = mesh.from_numpy(xa, "a:24;b:4")
+    with mm.trace() as tr:
+        y = x * float(mm.reduce_sum(x))
+    with pytest.raises(mm.tpu.ReplayError, match=r"read the values of a \[\] float\d+ tensor computed from the "
+                                                 r"replay's inputs on the host \(float\(\)\) at .*test_tpu\.py:\d+"):
+        mm.tpu.replay(tr, [x], [y], devices=DEVICES)
+    with mm.trace() as tr:
+        z = mm.exp(x) * 2.0
+        total = float(mm.reduce_sum(z))  # after the replay's last op
+    (got,) = mm.tpu.replay(tr, [x], [z], devices=DEVICES)(np.ones_like(xa))
+    np.testing.assert_allclose(np.asarray(got), np.full(xa.shape, 2 * np.e), rtol=1e-5)
+    np.testing.assert_allclose(total, 2 * np.exp(xa).sum(), rtol=1e-4)
 
 
 def test_import_does_not_load_jax():

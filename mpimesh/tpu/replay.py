@@ -53,7 +53,7 @@ from ..extras import require
 from ..layout import LayoutRules, block_sizes, local_sizes, plan_layout, splitting
 from ..program import Program, ProgramError
 from ..shape import Shape
-from ..trace import Released
+from ..trace import Released, Trace
 from .collectives import JaxCollectives, pad_blocks, unpad_blocks
 
 MODES = ("shard_map", "gspmd")
@@ -484,6 +484,21 @@ def _spec(shape: Shape, jax_shape: Shape, rules) -> tuple:
                           f"jax mesh {jax_shape}: {e}") from None
 
 
+def _arguments(trace, inputs, outputs, devices, donate) -> None:
+    """TypeError or ReplayError for arguments of the wrong kind, before anything is planned."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"replay: trace must be a trace (with mm.trace() as tr: ...), got a {type(trace).__name__}")
+    for what, v in (("inputs", inputs), ("outputs", outputs), ("donate", donate)):
+        if hasattr(v, "tensor_layout") or isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise TypeError(f"replay: {what} must be a list, got a {type(v).__name__}")
+    if isinstance(devices, (str, bytes)):
+        raise TypeError(f"replay: devices must be JAX devices (jax.devices()) or a jax.sharding.Mesh, got {devices!r}")
+    n = len(list(inputs))
+    for d in donate:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < n:
+            raise ReplayError(f"replay: donate names input positions 0..{n - 1}, got {d!r}")
+
+
 def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
            devices: Optional[Any] = None, layout=None, donate: Sequence[int] = ()) -> Replay:
     """A jitted JAX function computing `outputs` of `trace` from the global values of `inputs`.
@@ -517,6 +532,7 @@ def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
     require("jax", "tpu", "mm.tpu.replay")
     if mode not in MODES:
         raise MpimeshError(f"replay mode must be one of {MODES}, got {mode!r}")
+    _arguments(trace, inputs, outputs, devices, donate)
     plan = _Plan(trace, inputs, outputs)
     if layout is None:
         return Replay(plan, _jax_mesh(plan.mesh.shape, devices), mode, donate=donate)
