@@ -242,6 +242,19 @@ def test_cross_entropy_hard_and_soft_targets_stable():
         mm.layers.softmax_cross_entropy_with_logits(lg, mesh.ones(f"batch:{B};length:{L}"), "vocab")
     with pytest.raises(mm.ShapeError, match="'vocab2'"):
         mm.layers.softmax_cross_entropy_with_logits(lg, mesh.ones(f"batch:{B};length:{L}"), "vocab2")
+    xent = mm.layers.softmax_cross_entropy_with_logits
+    ids = mesh.from_numpy(targets, f"batch:{B};length:{L}")
+    for call, kind, words in (
+            (lambda: xent(lg, mesh.from_numpy(targets[:, 0], f"batch:{B}"), "vocab"), mm.ShapeError,
+             "a missing dim would be broadcast"),  # it was: each batch row's target for every position
+            (lambda: xent(lg, targets, "vocab"), TypeError, "targets is a ndarray"),
+            (lambda: xent(mm.cast(lg, "int32"), ids, "vocab"), mm.DTypeError, "logits is a .* int32 tensor"),
+            (lambda: xent(lg, mm.cast(mesh.from_numpy(soft, f"batch:{B};length:{L};vocab:{V}"), "int32"), "vocab"),
+             mm.DTypeError, "targets is a .* int32 tensor"),
+            (lambda: xent(lg, ids, ["vocab", "length"]), mm.ShapeError, "vocab_dim must be one dim"),
+            (lambda: xent(lg, ids, mm.Dimension("vocab", V + 1)), mm.ShapeError, f"vocab:{V + 1}")):
+        with pytest.raises(kind, match=words):
+            call()
 
 
 def test_init_is_layout_independent():

@@ -23,6 +23,7 @@ from ..ops.elementwise import cast, square
 from ..ops.nn import log_softmax, softmax_cross_entropy
 from ..ops.reduce import reduce_logsumexp, reduce_sum
 from ..shape import dim_names
+from ..tensor import tensor_arg
 
 
 def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float = 0.0):
@@ -30,20 +31,31 @@ def softmax_cross_entropy_with_logits(logits, targets, vocab_dim, z_loss: float 
 
     Args:
       logits: `[..., vocab]` floats.
-      targets: integer class ids with logits' dims but vocab (hard targets), or a float
-        distribution with logits' dims (soft targets, Mesh-TensorFlow's convention).
+      targets: integer class ids with logits' dims but vocab (hard targets; an id outside
+        [0, vocab) picks no logit: its loss is the log-partition alone, so mask such positions),
+        or a float distribution with logits' dims (soft targets, Mesh-TensorFlow's convention).
       vocab_dim: the class dim (name or Dimension).
       z_loss: adds `z_loss · logsumexp(logits)²` (Mesh-TensorFlow's auxiliary loss).
     Returns:
       the loss with logits' dims but vocab.
     """
-    (v,) = dim_names(vocab_dim)
+    what = "softmax_cross_entropy_with_logits"
+    tensor_arg(what, logits, "logits", floats=True), tensor_arg(what, targets, "targets")
+    names = dim_names(vocab_dim, logits.shape, what)
+    if len(names) != 1:
+        raise ShapeError(f"{what}: vocab_dim must be one dim, got {vocab_dim!r}")
+    (v,) = names
     if v not in logits.shape:
-        raise ShapeError(f"softmax_cross_entropy_with_logits: vocab dim {v!r} is not in logits {logits.shape}")
+        raise ShapeError(f"{what}: vocab dim {v!r} is not in logits {logits.shape}")
     vocab = logits.shape[v]
+    rest = logits.shape.without([v])
+    if sorted(targets.shape.without([v]).names) != sorted(rest.names):
+        raise ShapeError(f"{what}: targets {targets.shape} must have the dims of logits {logits.shape} (the vocab "
+                         f"dim {v!r} only for soft targets); a missing dim would be broadcast, not matched")
     if accumulation_dtype(logits.dtype) != logits.dtype:
         logits = cast(logits, accumulation_dtype(logits.dtype))
     if v in targets.shape:  # soft targets
+        tensor_arg(what, targets, "targets", floats=True)
         if targets.shape[v] != vocab:
             raise ShapeError(f"softmax_cross_entropy_with_logits: targets {targets.shape} and logits "
                              f"{logits.shape} disagree on {v!r}")
