@@ -217,6 +217,13 @@ def test_errors():
         mm.conv2d(x, mesh.ones("fh:3;fw:3;ci:4;co:2"), strides=(1, 0))
     with pytest.raises(mm.ShapeError, match="'b'"):
         mm.conv2d(x, mesh.ones("fh:3;fw:3;ci:4;b:2"))
+    k = mesh.ones("fh:3;fw:3;ci:4;co:2")
+    with pytest.raises(mm.ShapeError, match=r"the bias \[zz:3\] has dims the output .* lacks"):  # it was broadcast
+        mm.layers.conv2d({"kernel": k, "bias": mesh.zeros("zz:3")}, x)
+    with pytest.raises(mm.MpimeshError, match=r"params lack 'kernel'; they have \['bias'\]"):
+        mm.layers.conv2d({"bias": mesh.zeros("co:2")}, x)
+    with pytest.raises(TypeError, match="conv2d: x is a ndarray"):
+        mm.layers.conv2d({"kernel": k}, global_array(X2))
 
 
 def grad_layouts(mesh: mm.Mesh, dims: tuple) -> list[dict]:

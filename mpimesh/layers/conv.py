@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, Union
 
-from ..errors import ShapeError
+from ..errors import MpimeshError, ShapeError
 from ..ops.conv import conv2d as _conv2d_op
 from ..shape import Dimension, Shape
+from ..tensor import tensor_arg
 from .core import ACTIVATIONS, DimLike, Params, as_dim, subseed
 
 __all__ = ["init_conv2d", "conv2d"]
@@ -74,9 +75,15 @@ def conv2d(params: Params, x, strides: Union[int, Sequence[int]] = (1, 1), paddi
     if activation is not None and not callable(activation) and activation not in ACTIVATIONS:
         raise ValueError(f"conv2d: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)} "
                          "or pass a callable")
+    if "kernel" not in params:
+        raise MpimeshError(f"conv2d: params lack 'kernel'; they have {list(params)} (see init_conv2d)")
+    tensor_arg("conv2d", x)
     y = _conv2d_op(x, params["kernel"], strides=strides, padding=padding, dilation=dilation)
     if "bias" in params:
-        y = y + params["bias"]
+        b = params["bias"]
+        if any(d not in y.shape for d in b.shape):
+            raise ShapeError(f"conv2d: the bias {b.shape} has dims the output {y.shape} lacks")
+        y = y + b
     if activation is not None:
         y = activation(y) if callable(activation) else ACTIVATIONS[activation](y)
     return y
