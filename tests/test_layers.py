@@ -346,3 +346,21 @@ def test_cross_entropy_gradients():
                         [logits, targets], [shape_l, "batch:4;length:2"], wrt=[0])
         check_gradients(mesh, lambda lg, t: mm.layers.softmax_cross_entropy_with_logits(lg, t, "vocab"),
                         [logits, soft], [shape_l, shape_l], wrt=[0, 1])
+
+
+def test_params_with_missing_or_misspelt_keys():
+    """A missing key is named (a bare KeyError before); a misspelt one too (layer_norm skipped a
+    "scal" silently); a negative epsilon is refused (NaN before)."""
+    mesh = mm.Mesh(mesh_shapes()[0])
+    x = mesh.ones("b:2;d:4")
+    ln = mm.layers.init_layer_norm(mesh, "d:4")
+    for call, words in (
+            (lambda: mm.layers.layer_norm({"scal": ln["scale"]}, x, "d"), r"params have \['scal'\], none of"),
+            (lambda: mm.layers.layer_norm(ln, x, "d", epsilon=-1.0), "epsilon must be >= 0, got -1.0"),
+            (lambda: mm.layers.dense({"bias": ln["bias"]}, x), r"dense: params lack \['kernel'\]"),
+            (lambda: mm.layers.embedding({}, x), r"embedding: params lack \['weights'\]"),
+            (lambda: mm.layers.feed_forward({"wi": {}}, x), r"feed_forward: params lack \['wo'\]")):
+        with pytest.raises(mm.MpimeshError, match=words):
+            call()
+    np.testing.assert_allclose(mm.layers.layer_norm({}, mesh.from_numpy(np.array([[1.0, 3.0]]), "b:1;d:2"),
+                                                    "d").to_numpy(), [[-1.0, 1.0]], rtol=1e-5)

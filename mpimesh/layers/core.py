@@ -25,7 +25,7 @@ import zlib
 from typing import Callable, Mapping, Optional, Union
 
 from ..backend import is_float
-from ..errors import ShapeError
+from ..errors import MpimeshError, ShapeError
 from ..ops.activation import bias_activation
 from ..ops.einsum import einsum
 from ..ops.elementwise import cast, gelu, relu, tanh
@@ -65,6 +65,24 @@ def like(w, x):
     if w.dtype != x.dtype and is_float(w.dtype) and is_float(x.dtype):
         return cast(w, x.dtype)
     return w
+
+
+def checked(params, what: str, need: tuple, may: tuple = ()) -> Mapping:
+    """`params` if it is a dict with every key of `need` and no key beyond `need` and `may` (a
+    misspelt "scale" would be skipped silently), else an error naming the keys.
+
+    >>> checked({"kernel": 1, "bais": 2}, "dense", ("kernel",), ("bias",))
+    Traceback (most recent call last):
+    mpimesh.errors.MpimeshError: dense: params have ['bais'], none of ['kernel', 'bias']
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{what}: params must be a dict, got a {type(params).__name__}")
+    missing, extra = [k for k in need if k not in params], [k for k in params if k not in need + may]
+    if missing:
+        raise MpimeshError(f"{what}: params lack {missing}; they have {list(params)}")
+    if extra:
+        raise MpimeshError(f"{what}: params have {extra}, none of {list(need + may)}")
+    return params
 
 
 def as_dim(d: DimLike) -> Dimension:
@@ -136,7 +154,7 @@ def dense(params: Params, x, reduced_dims=None, activation: Optional[str] = None
     >>> mm.layers.dense(p, mesh.ones("batch:2;d_model:3")).shape
     Shape('[batch:2, heads:2, d_kv:4]')
     """
-    w = params["kernel"]
+    w = checked(params, "dense", ("kernel",), ("bias",))["kernel"]
     if reduced_dims is None:
         reduced = tuple(n for n in w.shape.names if n in x.shape)
     else:
@@ -173,6 +191,9 @@ def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     >>> np.round(mm.layers.layer_norm(p, x, "d").to_numpy(), 4).tolist()
     [[-1.0, 1.0], [0.0, 0.0]]
     """
+    checked(params, "layer_norm", (), ("scale", "bias"))
+    if not epsilon >= 0:
+        raise MpimeshError(f"layer_norm: epsilon must be >= 0, got {epsilon}")
     return normalize(x, dim_names(dim), params.get("scale"), params.get("bias"), epsilon)
 
 
@@ -197,7 +218,7 @@ def embedding(params: Params, ids, dtype=None):
     >>> mm.layers.embedding(p, mesh.from_numpy(np.array([2, 0]), "length:2")).to_numpy().tolist()
     [[4.0, 5.0], [0.0, 1.0]]
     """
-    w = params["weights"]
+    w = checked(params, "embedding", ("weights",))["weights"]
     return gather(w, ids, w.shape[0].name, dtype=dtype)
 
 
@@ -223,4 +244,5 @@ def feed_forward(params: Params, x, activation: str = "relu"):
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"feed_forward: unknown activation {activation!r}; choose from {sorted(ACTIVATIONS)}")
+    checked(params, "feed_forward", ("wi", "wo"))
     return dense(params["wo"], dense(params["wi"], x, activation=activation))
