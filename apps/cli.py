@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from typing import Callable, Dict, Optional
 
@@ -57,19 +58,40 @@ def _fail(line: str):
     sys.exit(2)
 
 
-def layout_help(dims: Dict[str, str], example: str) -> str:
-    """The epilog: what layout rules are, on this app's dims."""
+MESH = '--mesh, e.g. "rows:2;cols:2"'
+
+
+def layout_help(dims: Dict[str, str], example: str, mesh: str = MESH) -> str:
+    """The epilog: what layout rules are, on this app's dims (`mesh`: where the mesh comes from)."""
     width = max(len(d) for d in dims)
     rows = "\n".join(f"  {d:<{width}}  {what}" for d, what in dims.items())
-    return (f"layouts:\n  Ranks form a mesh with named dims (--mesh, e.g. \"rows:2;cols:2\"). Layout rules "
+    return (f"layouts:\n  Ranks form a mesh with named dims ({mesh}). Layout rules "
             f"such as\n  \"{example}\" say which tensor dims are split over which mesh dims;\n  dims the rules "
             f"do not name are replicated. Layouts change speed and memory,\n  never results. This model's "
             f"tensor dims:\n{rows}")
 
 
-def parser(description: str, dims: Dict[str, str], example: str) -> argparse.ArgumentParser:
+def parser(description: str, dims: Dict[str, str], example: str, mesh: str = MESH) -> argparse.ArgumentParser:
     """An ArgumentParser with defaults in the help, the layout epilog, and one-line errors."""
-    return _Parser(description=description, epilog=layout_help(dims, example), formatter_class=_Formatter)
+    return _Parser(description=description, epilog=layout_help(dims, example, mesh), formatter_class=_Formatter)
+
+
+def check_at_least(args: argparse.Namespace, low: float, *names: str, above: bool = False) -> None:
+    """Refuse every flag of `names` (`args`' attributes) whose value is not a finite number of at
+    least `low` (`above`: greater than `low`), naming each.
+
+    >>> try:
+    ...     check_at_least(argparse.Namespace(lr=float("nan"), steps=-1, seed=0), 0, "lr", "steps", "seed", above=True)
+    ... except UsageError as e:
+    ...     print(e)
+    --lr nan, --steps -1, --seed 0: must be finite and above 0
+    """
+    values = {n: getattr(args, n) for n in names}
+    bad = {n: v for n, v in values.items() if not (math.isfinite(v) and (v > low if above else v >= low))}
+    if bad:
+        flags = ", ".join(f"--{n.replace('_', '-')} {v}" for n, v in bad.items())
+        finite = "" if all(map(math.isfinite, bad.values())) else "finite and "
+        raise UsageError(f"{flags}: must be {finite}{'above' if above else 'at least'} {low:g}")
 
 
 def check_layout(rules: str, dims: Dict[str, str], flag: str = "--layout") -> None:

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
 import numpy as np  # noqa: E402
-from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
+from apps.cli import UsageError, check_at_least, check_layout, main_guard, parser  # noqa: E402
 from mpimesh.layers.conv import conv2d, init_conv2d  # noqa: E402
 from mpimesh.layers.core import flatten, unflatten  # noqa: E402
 
@@ -203,10 +203,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.blur < 1 or args.blur % 2 == 0:
         raise UsageError(f"--blur must be odd and positive, got {args.blur}")
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-           if k in ("size", "batch", "depth", "width", "steps", "print_every") and v < 1]
-    if bad:
-        raise UsageError(f"{', '.join(bad)}: must be at least 1")
+    check_at_least(args, 1, "size", "batch", "depth", "width", "steps", "print_every")
+    check_at_least(args, 0, "noise", "seed")
     check_layout(args.layout, model_dims(args.depth))
     world = mm.MPI.COMM_WORLD
     mesh = mm.Mesh(args.mesh or balanced_2d(world.Get_size()), layout=args.layout)

@@ -101,7 +101,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
 import numpy as np  # noqa: E402
-from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
+from apps.cli import UsageError, check_at_least, check_layout, main_guard, parser  # noqa: E402
 from mpimesh import checkpoint, layers  # noqa: E402
 from mpimesh.extras import require  # noqa: E402
 
@@ -320,9 +320,10 @@ def load_corpus(path: Optional[str] = None, max_bytes: int = 4 << 20, heldout: f
     tr, he = b"\n".join(train), b"\n".join(held)
     if len(he) < 4096 or len(tr) < 4096:
         why = f" ({binary} of {len(files)} files skipped as binary: a NUL byte in their first 4 KiB)" if binary else ""
-        raise UsageError(f"--data: {where} gives {len(tr)} training and {len(he)} held-out bytes{why}; "
-                         f"need 4 KiB of text for each")
-    desc = f"{where}: {len(train) + len(held)} files, {len(tr):,} training + {len(he):,} held-out bytes"
+        raise UsageError(f"--data: {where} gives {len(tr)} training and {len(he)} held-out bytes{why} with "
+                         f"--max-bytes {max_bytes} and --heldout {heldout}; need 4 KiB of text for each")
+    desc = (f"{where}: {1 if len(files) == 1 else len(train) + len(held)} files, {len(tr):,} training + "
+            f"{len(he):,} held-out bytes")
     return np.frombuffer(tr, np.uint8), np.frombuffer(he, np.uint8), desc
 
 
@@ -561,7 +562,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "'experts', 'experts:<the mesh dim of batch>' is added (GShard: experts on the groups' "
                          "mesh dim; the dispatch and combine are alltoalls over it)")
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
-    ap.add_argument("--remat", nargs="?", type=int, const=-1, default=0, metavar="N",
+    ap.add_argument("--remat", nargs="?", type=int, const=math.inf, default=0, metavar="N",
                     help="rematerialise the first N blocks (all without N; mm.remat on each of their two "
                     "sublayers): their activations are recomputed in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
                     "auto, mm.auto_layout remats the fewest blocks that let a layout fit when memory is short")
@@ -605,7 +606,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "once and replayed without per-op Python, mm.compile; the same values)")
     ap.add_argument("--samples", type=int, default=3, help="sampled lines at the end")
     ap.add_argument("--sample-bytes", type=int, default=120, help="bytes per sampled line")
-    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature")
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
     args = ap.parse_args(argv)
     if args.resume is not None and not args.checkpoint and (args.resume == "newest" or args.resume.isdigit()):
         ap.error(f"--resume{'' if args.resume == 'newest' else ' ' + args.resume} needs --checkpoint DIR "
@@ -614,15 +615,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--overwrite needs --checkpoint DIR")
     if args.resume is not None and args.overwrite:
         ap.error("--resume continues the checkpoint that --overwrite deletes: give one of them")
+    if args.resume is not None and args.resume.lstrip("+-").isdigit() and not args.resume.isdigit():
+        ap.error(f"--resume {args.resume}: a step is at least 0 (a checkpoint path: --resume ./{args.resume})")
+    check_at_least(args, 1, *sizes, "steps", "log_every", "eval_every", "eval_batches", "save_every", "max_bytes")
+    check_at_least(args, 0, "moe_every", "experts", "warmup", "seed", "samples", "sample_bytes", "temperature",
+                   *(["remat"] if args.remat != math.inf else []))  # inf: --remat without N, all blocks
     if args.moe_every > 0 and args.experts < 2:
         ap.error(f"--moe-every {args.moe_every} needs --experts E with E >= 2, got {args.experts}")
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-           if k in (*sizes, "steps", "log_every", "eval_every", "eval_batches", "save_every") and v < 1]
-    if bad:
-        ap.error(f"{', '.join(bad)}: must be at least 1")
+    if args.experts and not args.moe_every:
+        ap.error(f"--experts {args.experts} needs --moe-every K: which layers are mixtures of experts")
+    if args.moe_every > args.layers:
+        ap.error(f"--moe-every {args.moe_every} with --layers {args.layers} makes no layer a mixture of experts: "
+                 f"K must be at most --layers")
+    if args.recalibrate and args.layout != "auto":
+        ap.error("--recalibrate needs --layout auto: it measures the machine for the cost model")
     if not 0 < args.heldout < 1:
         ap.error(f"--heldout {args.heldout}: a fraction between 0 and 1")
+    if args.log_json:  # rank 0 writes it: its answer, on every rank, before any work
+        why = mm.MPI.COMM_WORLD.bcast(unwritable(args.log_json) if mm.MPI.COMM_WORLD.Get_rank() == 0 else None)
+        if why:
+            ap.error(f"--log-json {args.log_json!r}: {why}")
+    if args.save_every != ap.get_default("save_every") and not args.checkpoint and mm.MPI.COMM_WORLD.Get_rank() == 0:
+        print(f"note: --save-every {args.save_every} does nothing without --checkpoint DIR", file=sys.stderr)
     return args
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why the file `path` cannot be written (None if it can), without creating it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(folder):
+        return f"no directory {folder!r}"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"no permission to write {'it' if os.path.exists(path) else 'in ' + repr(folder)}"
+    return None
 
 
 def _jax_helper():
@@ -659,7 +686,7 @@ def main(argv=None) -> None:
     cfg = Config(**{k: getattr(args, k) for k in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length",
                                                   "batch", "activation", "optimizer", "lr", "warmup",
                                                   "moe_every", "experts", "dtype")},
-                 remat=args.layers if args.remat < 0 else min(args.remat, args.layers))
+                 remat=min(args.remat, args.layers))
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     world = mm.MPI.COMM_WORLD.Get_size()
@@ -672,6 +699,11 @@ def main(argv=None) -> None:
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)
+    train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
+    if min(len(train), len(held)) <= cfg.length + 1:
+        raise UsageError(f"--length {cfg.length}: the text gives {len(train)} training and {len(held)} held-out "
+                         f"bytes (--max-bytes {args.max_bytes}, --heldout {args.heldout}); each needs more than "
+                         f"--length + 1")
     if args.device == "gpu" and args.backend == "jax":
         raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
                          "devices JAX sees")
@@ -706,7 +738,6 @@ def main(argv=None) -> None:
             say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is the "
                 f"total step count; pass a larger --steps to train on")
             return
-    train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
     base = unigram_bits_per_byte(train)
     n_params = sum(t.shape.size for t in params.values())
     if args.backend == "jax":

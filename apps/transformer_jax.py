@@ -24,15 +24,25 @@ import mpimesh as mm
 from mpimesh.tpu import distributed
 
 
+MAX_LOCAL_DEVICES = 64  # host devices per process: with hundreds, XLA's CPU collectives stall
+
+
 def jax_mesh(mesh_shape: str, comm=None):
     """The global jax Mesh of `mesh_shape` over every process's devices (`comm`'s ranks, one JAX
-    process each, each with an equal share of the processors), and which dims span processes."""
+    process each, each with an equal share of the processors, 1 to MAX_LOCAL_DEVICES), and which
+    dims span processes."""
     comm = comm or mm.MPI.COMM_WORLD
     ms = mm.Shape(mesh_shape)
+    if min(ms.sizes, default=0) < 1:
+        raise mm.MeshError(f"--mesh {mesh_shape!r}: every mesh dim needs a size of at least 1")
     if ms.size % comm.Get_size():
-        raise mm.MeshError(f"--backend jax: the mesh {ms} has {ms.size} processors, which {comm.Get_size()} "
-                           f"processes cannot share equally")
-    distributed.initialize(comm, ms.size // comm.Get_size())
+        raise mm.MeshError(f"--mesh {mesh_shape!r}: --backend jax: the mesh has {ms.size} processors, which "
+                           f"{comm.Get_size()} processes cannot share equally")
+    local = ms.size // comm.Get_size()
+    if local > MAX_LOCAL_DEVICES:
+        raise mm.MeshError(f"--mesh {mesh_shape!r}: --backend jax: {local} devices for each of {comm.Get_size()} "
+                           f"process(es), at most {MAX_LOCAL_DEVICES} (run more processes, or a smaller mesh)")
+    distributed.initialize(comm, local)
     mesh = distributed.global_mesh(ms)
     return mesh, distributed.spans(mesh)
 

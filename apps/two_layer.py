@@ -35,8 +35,9 @@ from typing import Dict, NamedTuple, Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import mpimesh as mm  # noqa: E402
-from apps.cli import UsageError, check_layout, main_guard, parser  # noqa: E402
+from apps.cli import UsageError, check_at_least, check_layout, main_guard, parser  # noqa: E402
 
+MESH_DIMS = ("all", "rows", "cols", "planes")  # the dims of mesh_shape_for's meshes
 LAYOUTS = ["", "batch:all", "hidden:all", "batch:rows;hidden:cols", "batch:rows;hidden:cols;io:planes"]
 Params = Dict[str, "mm.DistTensor"]
 
@@ -139,6 +140,18 @@ def mesh_shape_for(rules: str, n: int) -> str:
     if used & {"rows", "cols"}:
         return "rows:{};cols:{}".format(*balanced(n, 2))
     return f"all:{n}"
+
+
+def check_mesh_dims(rules: str) -> None:
+    """Refuse rules naming a mesh dim that `mesh_shape_for` does not make, or `all` beside the others."""
+    used = {m for _, m in mm.LayoutRules(rules).pairs}
+    unknown = sorted(used - set(MESH_DIMS))
+    if unknown:
+        raise UsageError(f"--layouts {rules!r} names mesh dim {', '.join(map(repr, unknown))}, which this app's "
+                         f"meshes do not have; their dims are all (1-D), rows, cols (2-D) and planes (3-D)")
+    if "all" in used and len(used) > 1:
+        raise UsageError(f"--layouts {rules!r} names 'all' (the 1-D mesh all:N) beside "
+                         f"{', '.join(sorted(used - {'all'}))} (2-D and 3-D meshes): use rows, cols and planes")
 
 
 def _split(mesh: mm.Mesh, rules: mm.LayoutRules, dim: str) -> tuple[Optional[str], int]:
@@ -258,7 +271,8 @@ DIMS = {"batch": "examples per step (--batch)", "io": "input and output features
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = parser(__doc__.split("\n")[0] + ", each timed; rank 0 prints.", DIMS, "batch:rows;hidden:cols")
+    p = parser(__doc__.split("\n")[0] + ", each timed; rank 0 prints.", DIMS, "batch:rows;hidden:cols",
+               mesh="all:N, or rows:r;cols:c and rows:r;cols:c;planes:p\n  for rules that name those dims")
     p.add_argument("--batch", type=int, default=256, help="examples per step")
     p.add_argument("--d-io", type=int, default=512, help="input and output features")
     p.add_argument("--d-hidden", type=int, default=2048, help="hidden units")
@@ -270,14 +284,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--no-input-grad", dest="input_grad", action="store_false",
                    help="skip the input gradient dx (a first layer needs none)")
     args = p.parse_args(argv)
-    args.lr = 4.0 / args.d_hidden if args.lr is None else args.lr
     layouts = LAYOUTS if args.layouts is None else ["" if r.strip() in ("[]", "") else r for r in args.layouts]
     for rules in layouts:
         check_layout(rules, DIMS, "--layouts")
-    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-           if k in ("batch", "d_io", "d_hidden") and v < 1 or k == "steps" and v < 0]
-    if bad:
-        raise UsageError(f"{', '.join(bad)}: sizes must be positive and --steps at least 0")
+        check_mesh_dims(rules)
+    check_at_least(args, 1, "batch", "d_io", "d_hidden")
+    check_at_least(args, 0, "steps")
+    args.lr = 4.0 / args.d_hidden if args.lr is None else args.lr
+    check_at_least(args, 0, "lr", above=True)
     s = Sizes.of(args.batch, args.d_io, args.d_hidden)
     n = mm.MPI.COMM_WORLD.Get_size()
     if mm.MPI.COMM_WORLD.Get_rank() == 0:

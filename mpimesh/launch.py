@@ -96,7 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Parse ``-n N [--timeout S] script [args...]`` and run the script under MPI."""
     parser = argparse.ArgumentParser("python -m mpimesh.launch", description=__doc__.split("\n")[0])
     parser.add_argument("-n", "--np", type=int, default=1, metavar="N", help="number of ranks")
-    parser.add_argument("--timeout", type=int, metavar="SECONDS", help="kill the job after this long")
+    parser.add_argument("--timeout", type=int, metavar="SECONDS", help="kill the job after this long (default: "
+                        "no limit)")
     parser.add_argument("--hostfile", metavar="FILE", help="the machines to run on (host, host:slots or "
                         "host slots=N per line)")
     parser.add_argument("--launcher-args", default="", metavar="ARGS",
@@ -104,10 +105,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("script", help="the Python script every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
+    if ns.np < 1:
+        parser.error(f"-n {ns.np}: the number of ranks must be at least 1")
+    if ns.timeout is not None and ns.timeout < 1:
+        parser.error(f"--timeout {ns.timeout}: must be at least 1 second (leave it out for no limit)")
+    try:
+        launcher_args = shlex.split(ns.launcher_args)
+    except ValueError as e:
+        parser.error(f"--launcher-args {ns.launcher_args!r}: {e}")
     try:
         mpiexec = find_mpiexec()
         hosts = hostfile_args(mpiexec, ns.hostfile) if ns.hostfile and read_hostfile(ns.hostfile) else []
-        cmd = [mpiexec, *hosts, *shlex.split(ns.launcher_args), "-n", str(ns.np), sys.executable, ns.script, *ns.args]
+        cmd = [mpiexec, *hosts, *launcher_args, "-n", str(ns.np), sys.executable, ns.script, *ns.args]
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"error: {e}\n")
     env = dict(os.environ, **({} if ns.timeout is None else {"MPIEXEC_TIMEOUT": str(ns.timeout)}))

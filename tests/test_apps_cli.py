@@ -117,3 +117,109 @@ def test_transformer_says_above_when_worse_than_the_baseline():
                  __import__("re").search(r"= ([\d.]+) bits per byte.*baseline ([\d.]+)", line).groups())
     assert bpb > base and "bits above the unigram baseline" in line and "-" not in line.split("bits per byte,")[1]
     assert "BLAS threads per rank" in proc.stdout
+
+
+def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """The job's one error line (exit status 2, no traceback), which holds every one of `words`."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "loss" not in proc.stdout, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert all(w in line for w in words), line
+    return line
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--length", "10000"], ["--length 10000", "20288 training and 8695 held-out", "--max-bytes", "--heldout"]),
+    (["--length", "25000"], ["--length 25000", "--max-bytes", "--heldout"]),
+    (["--max-bytes", "5000"], ["3500 training and 1500 held-out", "--max-bytes 5000", "--heldout 0.3"]),
+    (["--log-json", "/nonexistent/dir/x.json"], ["--log-json", "no directory '/nonexistent/dir'"]),
+    (["--log-json", "/"], ["--log-json '/'", "is a directory"]),
+    (["--temperature", "nan"], ["--temperature nan", "finite"]),
+    (["--temperature", "-1"], ["--temperature -1.0", "at least 0"]),
+    (["--experts", "5"], ["--experts 5 needs --moe-every"]),
+    (["--moe-every", "-1", "--experts", "4"], ["--moe-every -1", "at least 0"]),
+    (["--moe-every", "2", "--experts", "4"], ["--moe-every 2 with --layers 1"]),
+    (["--remat", "-5"], ["--remat -5", "at least 0"]),
+    (["--max-bytes", "-1"], ["--max-bytes -1", "at least 1"]),
+    (["--warmup", "-3"], ["--warmup -3", "at least 0"]),
+    (["--seed", "-1"], ["--seed -1", "at least 0"]),
+    (["--recalibrate"], ["--recalibrate needs --layout auto"]),
+    (["--resume", "-1", "--checkpoint", "ck"], ["--resume -1", "--resume ./-1"])])
+def test_transformer_refuses_bad_values_naming_the_flag(args, words):
+    _one_line(_run("transformer", *TINY, "--steps", "1", *args), *words)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
+@pytest.mark.parametrize("mesh,words", [("rows:0;cols:2", ["size of at least 1"]),
+                                        ("rows:1000;cols:1", ["1000 devices", "at most 64"])])
+def test_transformer_jax_mesh_beyond_the_devices_names_mesh(mesh, words):
+    proc = _run("transformer", *TINY, "--steps", "1", "--backend", "jax", "--compile-cache", "none", "--mesh", mesh,
+                ranks=1)
+    _one_line(proc, f"--mesh {mesh!r}", *words)
+
+
+def test_transformer_edge_values_run(tmp_path):
+    """The smallest accepted values: greedy sampling, an MoE in every layer, --remat without N, a log file."""
+    log = tmp_path / "log.jsonl"
+    proc = _run("transformer", *TINY, "--steps", "1", "--temperature", "0", "--samples", "1", "--sample-bytes", "2",
+                "--moe-every", "1", "--experts", "2", "--remat", "--warmup", "0", "--log-json", str(log), ranks=1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--- sample 1" in proc.stdout and "MoE: layers [0]" in proc.stdout
+    assert "tests/data/corpus.txt: 1 files" in proc.stdout
+    assert log.read_text().count('"loss"') == 1
+
+
+def test_transformer_save_every_without_checkpoint_says_so():
+    proc = _run("transformer", *TINY, "--steps", "1", "--save-every", "3", ranks=1)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--save-every 3 does nothing without --checkpoint" in proc.stderr
+
+
+@pytest.mark.parametrize("app,args,words", [
+    ("two_layer", ["--layouts", "batch:row"], ["mesh dim 'row'", "all", "rows", "cols", "planes"]),
+    ("two_layer", ["--layouts", "batch:all;hidden:cols"], ["names 'all'", "cols"]),
+    ("two_layer", ["--lr", "-1"], ["--lr -1.0", "above 0"]),
+    ("two_layer", ["--lr", "nan"], ["--lr nan", "finite"]),
+    ("two_layer", ["--d-hidden", "0"], ["--d-hidden 0", "at least 1"]),
+    ("segment", ["--noise", "-1"], ["--noise -1.0", "at least 0"]),
+    ("segment", ["--seed", "-2"], ["--seed -2", "at least 0"])])
+def test_two_layer_and_segment_refuse_bad_values(app, args, words):
+    small = ["--batch", "8", "--d-io", "4", "--d-hidden", "8"] if app == "two_layer" else ["--size", "9"]
+    _one_line(_run(app, *small, "--steps", "1", *args), *words)
+
+
+def test_two_layer_help_names_its_meshes_not_a_mesh_flag():
+    text = subprocess.run([sys.executable, str(ROOT / "apps" / "two_layer.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, env=job_env()).stdout
+    assert "--mesh" not in text and "rows:r;cols:c;planes:p" in text
+
+
+def test_two_layer_given_layout_runs():
+    proc = _run("two_layer", "--batch", "8", "--d-io", "4", "--d-hidden", "8", "--steps", "1", "--lr", "0.01",
+                "--layouts", "batch:rows;hidden:cols")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "MATCH" in proc.stdout and "skipped" not in proc.stdout
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpimesh.launch", *args], env=job_env(), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("args,words", [(["-n", "0"], ["-n 0", "at least 1"]), (["-n", "-1"], ["-n -1"]),
+                                        (["--timeout", "0"], ["--timeout 0", "no limit"]),
+                                        (["--timeout", "-5"], ["--timeout -5"]),
+                                        (["--launcher-args", '"x'], ["--launcher-args", "No closing quotation"])])
+def test_launch_refuses_bad_values_naming_the_flag(args, words, tmp_path):
+    proc = _launch(*args, str(tmp_path / "never_run.py"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("python -m mpimesh.launch: error: ") and all(w in line for w in words), line
+
+
+def test_launch_runs_the_script(tmp_path):
+    script = tmp_path / "hi.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\nsys.stdout.write(f'rank {MPI.COMM_WORLD.Get_rank()}\\n')\n")
+    proc = _launch("-n", "2", "--timeout", "60", str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
