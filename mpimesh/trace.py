@@ -112,7 +112,8 @@ def _release(t, records) -> None:
     for tr in _open_traces:  # its id may be reused by a new tensor from now on
         tr._produced.discard(i)
         tr._seen.discard(i)
-        tr.host_reads = [(id(stub),) + r[1:] if r[0] == i else r for r in tr.host_reads]
+        if tr.host_reads:  # (a read of `t` now names its stand-in, which the records hold)
+            tr.host_reads = [(id(stub),) + r[1:] if r[0] == i else r for r in tr.host_reads]
     _kept.forget(i)
 
 

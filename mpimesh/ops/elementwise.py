@@ -91,7 +91,7 @@ def _layout_for(x, out_shape: Shape, out_layout):
 @lru_cache(maxsize=4096)
 def _refusal(kernel: Callable, args: tuple):
     """numpy's TypeError message for `kernel` on arguments like `args` (dtypes: empty arrays of
-    them; Python and numpy scalar types: a 1 of that type), None if it takes them: what a dtype
+    them; Python and numpy scalar types (`_kind`): a 1 of that type), None if it takes them: what a dtype
     cannot do (`-` of bools) is found once per op and dtypes, from dtypes alone, so every rank
     refuses alike, before any kernel runs."""
     try:
@@ -103,14 +103,15 @@ def _refusal(kernel: Callable, args: tuple):
     return None
 
 
-def _check_dtypes(name: str, kernel: Callable, *operands) -> None:
-    """A DTypeError naming the op and its operands where numpy refuses their dtypes."""
-    kinds = tuple(np.dtype(v.dtype) if _is_tensor(v) else
-                  np.dtype(v.dtype).type if hasattr(v, "dtype") else type(v) for v in operands)
-    why = _refusal(kernel, kinds)
-    if why is not None:
-        what = " and ".join(f"a {v.shape} {v.dtype} tensor" if _is_tensor(v) else f"the number {v!r}" for v in operands)
-        raise DTypeError(f"{name} of {what}: {why}")
+def _refuse(name: str, why: str, *operands):
+    """The DTypeError for a `_refusal`, naming the op and its operands."""
+    what = " and ".join(f"a {v.shape} {v.dtype} tensor" if _is_tensor(v) else f"the number {v!r}" for v in operands)
+    return DTypeError(f"{name} of {what}: {why}")
+
+
+def _kind(v):
+    """What `_refusal` probes with for a number `v`: its type (a numpy scalar's: its dtype's)."""
+    return np.dtype(v.dtype).type if hasattr(v, "dtype") else type(v)
 
 
 def _keeping(kernel: Callable, dtype) -> Callable:
@@ -131,7 +132,9 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: 
                                             (0,) if "x" in reads else (), (0,) if "y" in reads else ())
 
     def op(x):
-        _check_dtypes(name, kernel, tensor_arg(name, x))
+        why = _refusal(kernel, (tensor_arg(name, x).dtype,))  # (cached: the door of every elementwise op)
+        if why is not None:
+            raise _refuse(name, why, x)
         x = to_layout(x, x.mesh.plan(x.shape))
         k = _keeping(kernel, x.dtype)
         (y,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a), None, rule)
@@ -171,7 +174,9 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
         if not _is_tensor(y):
             y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
-            _check_dtypes(name, kernel, x, y)
+            why = _refusal(kernel, (x.dtype, _kind(y)))
+            if why is not None:
+                raise _refuse(name, why, x, y)
             x = to_layout(x, x.mesh.plan(x.shape))
             k = _keeping(kernel, x.dtype) if _weak(y) else kernel
             (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a, y),
@@ -179,7 +184,9 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             return z
         if not _is_tensor(x):
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
-            _check_dtypes(name, kernel, x, y)
+            why = _refusal(kernel, (_kind(x), y.dtype))
+            if why is not None:
+                raise _refuse(name, why, x, y)
             y = to_layout(y, y.mesh.plan(y.shape))
             k = _keeping(kernel, y.dtype) if _weak(x) else kernel
             (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
@@ -189,7 +196,9 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
         if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
                             f"or two meshes of one shape)")
-        _check_dtypes(name, kernel, x, y)
+        why = _refusal(kernel, (x.dtype, y.dtype))
+        if why is not None:
+            raise _refuse(name, why, x, y)
         out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name,
                                                                   kernel)
         if x.tensor_layout != x_layout:
