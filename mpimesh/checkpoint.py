@@ -60,7 +60,7 @@ import numpy as np
 
 from . import env
 from .backend import BFLOAT16, to_host
-from .errors import CheckpointError
+from .errors import CheckpointError, by_rank
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
 from .mesh import AbstractMesh, Mesh
 from .shape import Shape, ShapeLike
@@ -147,11 +147,7 @@ def _agree(mesh, target: str, chunk_bytes: int, items: list) -> list:
     fixed = ["path", "chunk_bytes"]
     key = next(k for k in fixed + sorted({k for d in every for k in d} - set(fixed))
                if len({d.get(k) for d in every}) > 1)
-    groups: dict = {}
-    for r, d in enumerate(every):
-        groups.setdefault(d.get(key, "no such tensor"), []).append(r)
-    has = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs[:4]))}"
-                    f"{f' and {len(rs) - 4} more' if len(rs) > 4 else ''}: {v}" for v, rs in groups.items())
+    has = by_rank([d.get(key, "no such tensor") for d in every])
     raise CheckpointError(f"cannot save checkpoint {first['path']}: the ranks disagree on {key}: {has}")
 
 

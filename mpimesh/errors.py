@@ -8,6 +8,9 @@ Traceback (most recent call last):
 ...
 mpimesh.errors.LayoutError: dim 'batch' is laid out on mesh dim 'planes', but the mesh has dims ['rows', 'cols']
 """
+from __future__ import annotations
+
+from typing import Sequence
 
 
 class MpimeshError(ValueError):
@@ -47,3 +50,17 @@ class CollectiveTimeoutError(MpimeshError):
 
 class MissingDependencyError(MpimeshError, ImportError):
     """An optional package a feature needs is not installed; names the extra that brings it."""
+
+
+def by_rank(values: Sequence) -> str:
+    """Each distinct value of `values` (rank r's is `values[r]`) with the ranks that have it, at
+    most four named: how a message says what the ranks disagree on.
+
+    >>> by_rank(["a", "a", "b", "a", "a", "a"])
+    'ranks 0, 1, 3, 4 and 1 more: a; rank 2: b'
+    """
+    groups: dict = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs[:4]))}"
+                     f"{f' and {len(rs) - 4} more' if len(rs) > 4 else ''}: {v}" for v, rs in groups.items())

@@ -22,7 +22,7 @@ from .backend import array_module, resolve_backend
 from .collectives import make
 from .collectives.liveness import Watch
 from .collectives.placement import choose
-from .errors import MeshError, ShapeError
+from .errors import MeshError, ShapeError, by_rank
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
                      plan_layout)
 from .shape import Shape, ShapeLike
@@ -135,11 +135,7 @@ def _same_everywhere(comm: MPI.Comm, mine: tuple) -> None:
         return
     every = comm.allgather(mine)
     if len(set(every)) > 1:
-        ranks: dict = {}
-        for r, v in enumerate(every):
-            ranks.setdefault(v, []).append(r)
-        what = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: mesh {v[0]}, layout "
-                         f"{v[1]!r}, backend {v[2]}" for v, rs in ranks.items())
+        what = by_rank([f"mesh {shape}, layout {rules!r}, backend {backend}" for shape, rules, backend in every])
         raise MeshError(f"the ranks build different meshes ({what}): every rank must pass the same shape, "
                         f"layout and backend")
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .backend import as_dtype, check_dtype, is_float, to_host
 from .collectives.counters import paused
-from .errors import DTypeError, MpimeshError, ShapeError
+from .errors import DTypeError, MpimeshError, ShapeError, by_rank
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
 from .trace import dispatch, note_host_read, tensor_type
@@ -183,16 +183,10 @@ def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
     wrong = [f"rank {r} passes shape {g}, its block is {w}" for r, (g, w, _, _) in enumerate(every) if g != w]
     if wrong:
         raise ShapeError(f"{where} must be each rank's block: {'; '.join(wrong)}")
-    unreadable: dict = {}
-    for r, (_, _, _, b) in enumerate(every):
-        if b is not None:
-            unreadable.setdefault(b, []).append(str(r))
-    if unreadable:
-        why = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {b}" for b, rs in unreadable.items())
-        raise DTypeError(f"{where} must hold numbers: {why}")
+    if any(b is not None for *_, b in every):
+        raise DTypeError(f"{where} must hold numbers: {by_rank([b or 'numbers' for *_, b in every])}")
     if len({n for _, _, n, _ in every}) > 1:
-        raise DTypeError(f"{where} must have one dtype on every rank: "
-                         f"{', '.join(f'rank {r} {n}' for r, (_, _, n, _) in enumerate(every))}")
+        raise DTypeError(f"{where} must have one dtype on every rank: {by_rank([n for _, _, n, _ in every])}")
     return DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
 
 
