@@ -64,7 +64,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .errors import MpimeshError
 
-__all__ = ["flag", "whole", "number", "choice", "text", "early", "raise_kept", "kept"]
+__all__ = ["flag", "whole", "number", "choice", "text", "early", "raise_kept"]
 
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")
@@ -197,11 +197,6 @@ def early(read: Callable[..., Any], name: str, default: Any, **options) -> Any:
         return default
     _kept.pop(name, None)
     return value
-
-
-def kept() -> dict:
-    """The errors kept by `early`, by variable name (a copy)."""
-    return dict(_kept)
 
 
 def raise_kept(*names: str) -> None:
