@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -74,14 +75,21 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
     out = union_shape([xs, ys], name)
     out_layout = plan_layout(out, mesh_shape, rules)
     xd, yd, od = xs.names, ys.names, out.names
+    first = _first(kernel)
     if xd == od and yd == od:
         def lower(ctx, a, b):
-            return kernel(ctx.xp, a, b)
+            return kernel(first(ctx), a, b)
     else:
         def lower(ctx, a, b):
-            return kernel(ctx.xp, align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
+            return kernel(first(ctx), align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
             tuple(out_layout[out.index(n)] for n in ys.names), lower)
+
+
+def _first(kernel: Callable) -> Callable:
+    """What `kernel` takes first, from a lowering's context: the context itself for a kernel that
+    must agree with the other ranks (`with_ctx`: `power`), else its array module."""
+    return (lambda ctx: ctx) if getattr(kernel, "with_ctx", False) else (lambda ctx: ctx.xp)
 
 
 def _layout_for(x, out_shape: Shape, out_layout):
@@ -95,12 +103,16 @@ def _refusal(kernel: Callable, args: tuple):
     cannot do (`-` of bools) is found once per op and dtypes, from dtypes alone, so every rank
     refuses alike, before any kernel runs."""
     try:
-        kernel(np, *(np.empty(0, a) if isinstance(a, np.dtype) else a(1) for a in args))
+        first = _PROBE if getattr(kernel, "with_ctx", False) else np
+        kernel(first, *(np.empty(0, a) if isinstance(a, np.dtype) else a(1) for a in args))
     except TypeError as e:
         return str(e)
     except Exception:  # (a kernel that needs elements to run at all: nothing learned)
         return None
     return None
+
+
+_PROBE = SimpleNamespace(xp=np, any_rank=bool)  # what a `with_ctx` kernel is probed with (one process)
 
 
 def _refuse(name: str, why: str, *operands):
@@ -169,6 +181,8 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
                  saving(lambda op, dz: rule(op, dz), (0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ()),
                  saving(lambda op, dz: rule(op, dz), (0,) if "y" in reads[1] else (), (0,) if "z" in reads[1] else ()))
 
+    first = _first(kernel)
+
     def op(x, y):
         if not _is_tensor(x) and not _is_tensor(y):
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
@@ -179,7 +193,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
                 raise _refuse(name, why, x, y)
             x = to_layout(x, x.mesh.plan(x.shape))
             k = _keeping(kernel, x.dtype) if _weak(y) else kernel
-            (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a, y),
+            (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(first(ctx), a, y),
                             {"scalar": y, "side": "right"}, rules[1])
             return z
         if not _is_tensor(x):
@@ -189,7 +203,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
                 raise _refuse(name, why, x, y)
             y = to_layout(y, y.mesh.plan(y.shape))
             k = _keeping(kernel, y.dtype) if _weak(x) else kernel
-            (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(ctx.xp, x, b),
+            (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(first(ctx), x, b),
                             {"scalar": x, "side": "left"}, rules[2])
             return z
         mesh = x.mesh
@@ -275,21 +289,27 @@ divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
                  lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"))
 
 
-def _power(xp, a, b):
-    """a ** b, where numpy raises for an integer to a negative integer power: a DTypeError."""
-    if is_eager(xp) and hasattr(b, "dtype") and xp.result_type(a, b).kind in "iu" and bool((b < 0).any()):
-        raise DTypeError("power: an integer to a negative integer power (the exponent tensor holds one here); "
-                         "numpy, JAX and PyTorch refuse it too: cast to a float dtype first")
+def _power(ctx, a, b):
+    """a ** b, where numpy raises for an integer to a negative integer power: a DTypeError on every
+    rank, where any rank's block of the exponent holds one (`any_rank`; for integer results only)."""
+    xp = ctx.xp
+    if is_eager(xp) and hasattr(b, "dtype") and xp.result_type(a, b).kind in "iu" \
+            and ctx.any_rank(bool((b < 0).any())):
+        raise DTypeError("power: an integer to a negative integer power (the exponent tensor holds one on some "
+                         "rank); numpy, JAX and PyTorch refuse it too: cast to a float dtype first")
     return a ** b
+
+
+_power.with_ctx = True
 
 
 _power_op = _binary("power", _power, "", _pow_grad)
 
 
 def power(x, y):
-    """x ** y. An integer to a negative integer power is a DTypeError, as in numpy: where the
-    exponent is a number, on every rank before anything runs; where it is a tensor, on the ranks
-    whose blocks hold a negative exponent (uncaught, it ends the job through `mpimesh.abort`)."""
+    """x ** y. An integer to a negative integer power is a DTypeError on every rank, as in numpy:
+    where the exponent is a number, before anything runs; where it is an integer tensor, once the
+    ranks have agreed (`any_rank`) that some block of it holds a negative number."""
     if _is_tensor(x) and np.dtype(x.dtype).kind in "iu" and isinstance(y, (int, np.integer)) \
             and not isinstance(y, bool) and y < 0:
         raise DTypeError(f"power: a {x.shape} {x.dtype} tensor to the negative integer power {y}; numpy, JAX and "
