@@ -14,8 +14,12 @@ Beside each mpimesh time, the same run times two plain references on the same pe
 alone, what this CPU's BLAS can do), and "numpy+MPI": a hand-written step with preallocated
 buffers, in-place elementwise ops and raw mpi4py `Allreduce` (what careful hand-written code
 gets); and "numpy, no MPI", the same step without its allreduces: the local step alone, below
-which no step with communication can go (the verdicts print its ratio too). Runs are interleaved;
-the median of N is reported (a run's time is its slowest rank's).
+which no step with communication can go (the verdicts print its ratio too). Data-parallel on one
+node, two more hand-written references: the gradients summed through shared memory as mpimesh sums
+its buckets ("with shared-memory sums": mpimesh's algorithm without mpimesh), and that with a
+ZeRO-1 style sharded SGD ("a sharded update": rank j updates block j of each parameter as it sums
+it, and writes it into every rank's copy); the three summed references give the same values, bitwise.
+Runs are interleaved; the median of N is reported (a run's time is its slowest rank's).
 The communication share is the time spent completing mpimesh's collectives (waiting for the other
 rank, and the shared-memory sums of gradient buckets) over the step time, from separately
 instrumented runs. "ratio" is mpimesh's
@@ -33,17 +37,19 @@ another machine, and only ratios carry over between machines.
 import common  # noqa: F401  (first: clean BLAS environment, may re-exec)
 
 import argparse
+import mmap
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 import mpimesh as mm
 from mpimesh.collectives import shm
+from mpimesh.layout import block_span
 from common import WORLD, compare, kernel_report, load_average, rank0_print, table, verdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
@@ -74,19 +80,30 @@ def matmul_reference(b: int, dio: int, dh: int) -> Callable[[], None]:
 
 
 def numpy_mpi_step(comm: MPI.Comm, b: int, b_global: int, dio: int, dh: int,
-                   reduce_y: bool, reduce_grads: bool) -> Callable[[], None]:
-    """A hand-written step on this rank's slices (batch b of b_global, hidden dh), in place,
-    with raw `Allreduce`s: of y when hidden is split, of the gradients when batch is split."""
+                   reduce_y: bool, grads: str) -> Callable[[], None]:
+    """A hand-written step on this rank's slices (batch b of b_global, hidden dh), in place: with a raw
+    `Allreduce` of y when hidden is split (`reduce_y`); the gradients, when batch is split, summed by
+    `grads`: "mpi" (raw `Allreduce`s), "shm" (summed through shared memory as mpimesh sums its buckets,
+    `SharedSums`), "sharded" (the same, each rank also updating only its block of every parameter,
+    `SharedSums.sum`), or "none" (not summed: the local step alone)."""
     rng = np.random.default_rng(comm.Get_rank())
+    shared = SharedSums(comm) if grads in ("shm", "sharded") else None
+    alloc = shared.empty if shared is not None else (lambda shape: np.empty(shape, np.float32))
     x, t = rng.standard_normal((b, dio), np.float32), rng.standard_normal((b, dio), np.float32)
-    w = rng.standard_normal((dio, dh), np.float32) / np.float32(np.sqrt(dio))
-    v = rng.standard_normal((dh, dio), np.float32) / np.float32(np.sqrt(dh))
+    own = alloc if grads == "sharded" else (lambda shape: np.empty(shape, np.float32))  # the others write it
+    w, v = own((dio, dh)), own((dh, dio))
+    init = np.random.default_rng(0)  # the parameters: the same on every rank (the data: each rank its own)
+    w[...] = init.standard_normal((dio, dh), np.float32) / np.float32(np.sqrt(dio))
+    v[...] = init.standard_normal((dh, dio), np.float32) / np.float32(np.sqrt(dh))
     bias = np.zeros(dh, np.float32)
     hpre, h, dhb = (np.empty((b, dh), np.float32) for _ in range(3))
     y = np.empty((b, dio), np.float32)
-    dv, dw, db = np.empty((dh, dio), np.float32), np.empty((dio, dh), np.float32), np.empty(dh, np.float32)
+    dv, dw, db = alloc((dh, dio)), alloc((dio, dh)), np.empty(dh, np.float32)
     mask = np.empty((b, dh), bool)
     lr, inv_b = np.float32(LR), np.float32(1.0 / b_global)
+    pairs = ((w, dw), (v, dv), (bias, db))
+    if shared is not None:
+        shared.connect()  # every rank maps the others' buffers
 
     def run() -> None:
         np.matmul(x, w, out=hpre)
@@ -103,13 +120,86 @@ def numpy_mpi_step(comm: MPI.Comm, b: int, b_global: int, dio: int, dh: int,
         np.multiply(dhb, mask, out=dhb)
         np.sum(dhb, axis=0, out=db)
         np.matmul(x.T, dhb, out=dw)
-        if reduce_grads:
-            for g in (dw, dv, db):
+        todo = pairs
+        if grads == "mpi":
+            for _, g in pairs:
                 comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-        for p, g in ((w, dw), (v, dv), (bias, db)):
+        elif shared is not None:
+            comm.Allreduce(MPI.IN_PLACE, db, op=MPI.SUM)  # (small; also: every rank's gradients are complete)
+            for p, g in pairs[:2]:
+                shared.sum(g, p if grads == "sharded" else None, lr)
+            comm.Barrier()  # every block is written everywhere
+            todo = pairs[2:] if grads == "sharded" else pairs
+        for p, g in todo:
             np.multiply(g, lr, out=g)
             np.subtract(p, g, out=p)
     return run
+
+
+def _map(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def one_node(comm: MPI.Comm) -> bool:
+    """Whether the ranks of `comm` share a node (so `SharedSums` can map each other's memory)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    alone = node.Get_size() == comm.Get_size()
+    node.Free()
+    return comm.allreduce(alone and hasattr(os, "memfd_create"), op=MPI.LAND)
+
+
+class SharedSums:
+    """In-place sums of float32 arrays over the ranks of `comm` (one node) through shared memory, as
+    `mpimesh/collectives/shm.py` sums gradient buckets: rank j sums block j of every rank's array,
+    256 KB at a time, and writes the sum into all of them. With a parameter, ZeRO-1 style (no
+    optimizer state to shard for SGD): rank j also updates block j of the parameter right after
+    summing it (while it is in cache) and writes it into every rank's copy, so each rank updates
+    1/k of each parameter instead of all of it. The arrays are memfds of this object's own (not
+    mpimesh's pool, whose buffers mpimesh's steps use), mapped by the others through /proc."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm, self.mine, self.peers = comm, [], {}
+
+    def empty(self, shape: tuple) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * 4
+        fd = os.memfd_create("mlp-step-reference")
+        os.ftruncate(fd, nbytes)
+        a = np.frombuffer(mmap.mmap(fd, nbytes), np.float32).reshape(shape)
+        self.mine.append((a, fd))  # the descriptor stays open: the others open it by its number
+        return a
+
+    def connect(self) -> None:
+        """Map every other rank's arrays (a collective)."""
+        every = self.comm.allgather((os.getpid(), [fd for _, fd in self.mine]))
+        me = self.comm.Get_rank()
+        for i, (a, _) in enumerate(self.mine):
+            self.peers[id(a)] = [a if q == me else np.frombuffer(_map(f"/proc/{pid}/fd/{fds[i]}"), np.float32)
+                                 .reshape(a.shape) for q, (pid, fds) in enumerate(every)]
+        self.scratch = np.empty(shm._BLOCK // 4, np.float32)
+
+    def sum(self, g: np.ndarray, p: Optional[np.ndarray], lr: np.float32) -> None:
+        """Sum `g` over the ranks in place (this rank's block); with `p`, update that block of `p`
+        by SGD in every rank's copy."""
+        k, j = self.comm.Get_size(), self.comm.Get_rank()
+        gs = [a.reshape(-1) for a in self.peers[id(g)]]
+        ps = [a.reshape(-1) for a in self.peers[id(p)]] if p is not None else None
+        start, n = block_span(gs[0].size, k, j)
+        for a in range(start, start + n, self.scratch.size):
+            e = min(a + self.scratch.size, start + n)
+            parts = [q[a:e] for q in gs]
+            total = shm.tree_reduce(parts, np.add)  # (parts[0])
+            for part in parts[1:]:
+                np.copyto(part, total)
+            if ps is not None:
+                step = np.multiply(total, lr, out=self.scratch[:e - a])
+                mine = np.subtract(ps[j][a:e], step, out=ps[j][a:e])
+                for i, q in enumerate(ps):
+                    if i != j:
+                        np.copyto(q[a:e], mine)
 
 
 def comm_share(mesh: mm.Mesh, step: Callable[[], object], runs: int) -> float:
@@ -165,10 +255,13 @@ def bench_mode(name: str, rules: str, comm: MPI.Comm, s: "tl.Sizes", repeat: int
             step(params, x, target)
         lb = b // n if rules == "batch:all" else b
         lh = dh // n if rules == "hidden:all" else dh
+        split_batch = rules == "batch:all" and n > 1
         fns = {"mpimesh": ours, "compiled": compiled, "matmul": matmul_reference(lb, dio, lh),
                "numpy+MPI": numpy_mpi_step(comm, lb, b, dio, lh, rules == "hidden:all" and n > 1,
-                                           rules == "batch:all" and n > 1),
-               "local": numpy_mpi_step(comm, lb, b, dio, lh, False, False)}
+                                           "mpi" if split_batch else "none"),
+               "local": numpy_mpi_step(comm, lb, b, dio, lh, False, "none")}
+        if split_batch and one_node(comm):
+            fns.update({g: numpy_mpi_step(comm, lb, b, dio, lh, False, g) for g in ("shm", "sharded")})
         res = compare(fns, repeat=repeat, warmup=2, comm=comm)
         share = comm_share(mesh, ours, max(3, repeat // 2)) if n > 1 else 0.0
     flops = 5 * 2 * lb * dio * lh
@@ -225,12 +318,14 @@ def main() -> None:
                             f"numpy with no MPI {r['local'] / r['matmul']:.2f}"))
     if "data-parallel" in results:
         r = results["data-parallel"]
+        shared = (f", with shared-memory sums {r['shm'] / r['matmul']:.2f}, and a sharded update "
+                  f"{r['sharded'] / r['matmul']:.2f}") if "shm" in r else ""
         for kind, key, of_min in (("eager", "mpimesh", "min_ratio"), ("compiled", "compiled", "compiled_min_ratio")):
             ratio = r[key] / r["matmul"]
             rank0_print(verdict(f"mlp_step data-parallel on {n} ranks, {kind}, within {DATA_PARALLEL_RATIO}x of its "
                                 f"local matmuls", ratio <= DATA_PARALLEL_RATIO,
                                 f"median ratio {ratio:.2f}, of the fastest runs {r[of_min]:.2f}; hand-written "
-                                f"numpy+MPI {r['numpy+MPI'] / r['matmul']:.2f}, numpy with no MPI "
+                                f"numpy+MPI {r['numpy+MPI'] / r['matmul']:.2f}{shared}, numpy with no MPI "
                                 f"{r['local'] / r['matmul']:.2f}"))
 
 
