@@ -635,8 +635,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = mm.MPI.COMM_WORLD.bcast(unwritable(args.log_json) if mm.MPI.COMM_WORLD.Get_rank() == 0 else None)
         if why:
             ap.error(f"--log-json {args.log_json!r}: {why}")
-    if args.save_every != ap.get_default("save_every") and not args.checkpoint and mm.MPI.COMM_WORLD.Get_rank() == 0:
-        print(f"note: --save-every {args.save_every} does nothing without --checkpoint DIR", file=sys.stderr)
+    notes = []  # flags that change nothing here: said, not refused (scripts pass them to every run)
+    if args.save_every != ap.get_default("save_every") and not args.checkpoint:
+        notes.append(f"--save-every {args.save_every} does nothing without --checkpoint DIR")
+    if args.warmup != ap.get_default("warmup") and args.optimizer == "adafactor":
+        notes.append(f"--warmup {args.warmup} does nothing with --optimizer adafactor: it is Adam's linear warmup")
+    for note in notes if mm.MPI.COMM_WORLD.Get_rank() == 0 else ():
+        print(f"note: {note}", file=sys.stderr)
     return args
 
 

@@ -169,10 +169,13 @@ def test_transformer_edge_values_run(tmp_path):
     assert log.read_text().count('"loss"') == 1
 
 
-def test_transformer_save_every_without_checkpoint_says_so():
-    proc = _run("transformer", *TINY, "--steps", "1", "--save-every", "3", ranks=1)
+def test_transformer_flags_that_change_nothing_say_so():
+    proc = _run("transformer", *TINY, "--steps", "1", "--save-every", "3", "--warmup", "7", ranks=1)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "--save-every 3 does nothing without --checkpoint" in proc.stderr
+    assert "--warmup 7 does nothing with --optimizer adafactor" in proc.stderr
+    proc = _run("transformer", *TINY, "--steps", "1", "--warmup", "7", "--optimizer", "adam", ranks=1)
+    assert proc.returncode == 0 and "note:" not in proc.stderr, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("app,args,words", [
