@@ -240,10 +240,11 @@ def accumulation_dtype(dtype) -> np.dtype:
 
 
 def wire_dtype(dtype) -> np.dtype:
-    """The dtype MPI moves `dtype`'s words as: uint16 for bfloat16 (mpi4py cannot export it; a
-    transfer that only moves data is exact on the raw words), `dtype` itself otherwise."""
+    """The dtype MPI moves `dtype`'s words as: uint16 for the 16-bit floats (mpi4py cannot export
+    bfloat16, nor float16 under Open MPI, which has no MPI type for it; a transfer that only moves
+    data is exact on the raw words), `dtype` itself otherwise."""
     dt = np.dtype(dtype)
-    return np.dtype(np.uint16) if dt == BFLOAT16 else dt
+    return np.dtype(np.uint16) if dt in _LOW else dt
 
 
 def result_type(*dtypes) -> np.dtype:

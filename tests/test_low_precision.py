@@ -91,7 +91,7 @@ def test_dtype_policy() -> None:
     assert not is_float("complex64") and not is_float("bool")
     assert accumulation_dtype(bf) == np.float32 and accumulation_dtype("float16") == np.float32
     assert accumulation_dtype("float64") == np.float64 and accumulation_dtype("int32") == np.int32
-    assert wire_dtype(bf) == np.uint16 and wire_dtype("float16") == np.float16 and wire_dtype("f4") == np.float32
+    assert wire_dtype(bf) == np.uint16 and wire_dtype("float16") == np.uint16 and wire_dtype("f4") == np.float32
     assert result_type(bf, "float16") == np.float32 and result_type(bf, "int8") == bf and result_type(bf, bf) == bf
     with pytest.raises(mm.DTypeError, match="V4"):
         as_dtype("V4")

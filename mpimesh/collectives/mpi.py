@@ -18,8 +18,9 @@ array), a float32 reduction of those blocks in rank order, and an allgather of t
 a reduce-scatter stops after the reduction. That is half the bytes of a float32 allreduce, and it
 is counted as the one allreduce (reduce-scatter) it is, at the dtype's width. A non-blocking one
 (`iallreduce`) starts the alltoall and leaves the rest to its `wait()`, the one point where every
-rank of the group is sure to start the allgather in the same order as its other collectives. bfloat16, which
-mpi4py cannot export, travels as uint16 views (`backend.wire_dtype`).
+rank of the group is sure to start the allgather in the same order as its other collectives. 16-bit
+floats travel as uint16 views (`backend.wire_dtype`): mpi4py cannot export bfloat16, nor float16
+under Open MPI.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
@@ -34,7 +35,7 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import BFLOAT16, accumulation_dtype, is_low_precision, wire_dtype
+from ..backend import accumulation_dtype, is_low_precision, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
 from . import counters, shm
@@ -205,7 +206,8 @@ class MpiCollectives(Collectives):
         if self._device and not isinstance(send, np.ndarray):  # CUDA-aware MPI reads GPU memory:
             self.xp.cuda.get_current_stream().synchronize()    # the kernels that wrote `send` must be done
         in_place = send is recv  # an allreduce into its input
-        if send.dtype == BFLOAT16:  # move the raw words (never reduced: see `_exchange16`)
+        if is_low_precision(send.dtype):  # move the raw words (16-bit floats are never reduced by MPI:
+            assert op is None, kind        # `_exchange16` moves them, float32 sums them)
             send, recv = send.view(wire_dtype(send.dtype)), recv.view(wire_dtype(recv.dtype))
         if in_place:
             send = MPI.IN_PLACE
