@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from functools import lru_cache
 from typing import Dict, List, Optional
 
 def find_mpiexec() -> str:
@@ -68,26 +69,46 @@ def read_hostfile(path: str) -> List[tuple]:
     return hosts
 
 
-def hostfile_args(mpiexec: str, path: str) -> List[str]:
-    """The launcher's options for hostfile `path`: Open MPI's `--hostfile`, else MPICH's `-f`."""
+@lru_cache(maxsize=None)
+def is_open_mpi(mpiexec: str) -> bool:
+    """Whether the launcher `mpiexec` is Open MPI's (its `--version` says "Open MPI", or "OpenRTE" in
+    4.x), else MPICH's or another that takes MPICH's options."""
     try:
         version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         version = ""
-    return ["--hostfile", path] if "Open MPI" in version or "OpenRTE" in version else ["-f", path]
+    return "Open MPI" in version or "OpenRTE" in version
+
+
+def hostfile_args(mpiexec: str, path: str) -> List[str]:
+    """The launcher's options for hostfile `path`: Open MPI's `--hostfile`, else MPICH's `-f`."""
+    return ["--hostfile", path] if is_open_mpi(mpiexec) else ["-f", path]
+
+
+# The variables a launcher sets in each rank for its own job: MPICH's Hydra (PMI_*, HYDRA*, HYDI_*: its
+# control socket, which a nested launcher would write to), PMIx, the MPIR debugger interface, and Open
+# MPI's ORTE (4.x) and PRRTE (5.x). A nested Open MPI mpiexec that sees them refuses ("does not support
+# recursive calls"), and a child that starts MPI alone tries to join the enclosing job. Settings of the
+# user's own (OMPI_MCA_btl, ...) are not among them and are kept.
+_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDRA", "HYDI_", "MPIR", "MPI_LOCAL", "OMPI_COMM_WORLD_", "OMPI_UNIVERSE_SIZE",
+                  "OMPI_FIRST_RANKS", "OMPI_FILE_LOCATION", "OMPI_APP_CTX_", "OMPI_NUM_APP_CTX", "OMPI_ARGV",
+                  "OMPI_COMMAND", "OMPI_MCA_ess", "OMPI_MCA_orte_", "OMPI_MCA_pmix", "OMPI_MCA_initial_wdir",
+                  "OMPI_MCA_shmem_RUNTIME_QUERY_hint", "OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_prte_", "ORTE_",
+                  "PRTE_")
 
 
 def job_env(**extra: str) -> Dict[str, str]:
-    """This process's environment minus the enclosing MPI job's variables (PMI_*, PMIX_*, HYDRA*,
-    HYDI_* (Hydra's control socket, which a nested launcher would write to), MPIR*, MPI_LOCAL*),
-    plus `extra`: for starting a new job from inside one (a test under mpiexec, a front end).
+    """This process's environment minus the enclosing MPI job's variables (`_JOB_VARIABLES`: what
+    MPICH's and Open MPI's launchers set in each rank), plus `extra`: for starting a new job from
+    inside one (a test under mpiexec, a front end). More ranks than cores are allowed under Open MPI
+    too (`OMPI_MCA_rmaps_base_oversubscribe`, unless set: MPICH allows them, and ignores it).
 
     >>> env = job_env(MPIEXEC_TIMEOUT="60")
-    >>> env["MPIEXEC_TIMEOUT"], any(k.startswith(("PMI_", "HYDRA", "HYDI_")) for k in env)
+    >>> env["MPIEXEC_TIMEOUT"], any(k.startswith(("PMI_", "HYDRA", "HYDI_", "OMPI_COMM_WORLD_")) for k in env)
     ('60', False)
     """
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA", "HYDI_", "MPIR", "MPI_LOCAL"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     env.update(extra)
     return env
 
@@ -119,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cmd = [mpiexec, *hosts, *launcher_args, "-n", str(ns.np), sys.executable, ns.script, *ns.args]
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"error: {e}\n")
-    env = dict(os.environ, **({} if ns.timeout is None else {"MPIEXEC_TIMEOUT": str(ns.timeout)}))
+    env = job_env(**({} if ns.timeout is None else {"MPIEXEC_TIMEOUT": str(ns.timeout)}))
     mpi = sys.modules.get("mpi4py.MPI")  # imported by mpimesh/__init__ before this module runs
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()  # else exec skips it and leaks this process's /dev/shm segment

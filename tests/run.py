@@ -30,15 +30,14 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def find_mpiexec() -> str:
-    """``mpimesh.launch.find_mpiexec``, loaded from its file alone: importing the package would run
+def _launch():
+    """``mpimesh/launch.py``, loaded from its file alone: importing the package would run
     ``mpimesh/__init__`` (initialising MPI in this process, or failing on a half-written module)."""
     spec = importlib.util.spec_from_file_location("_mpimesh_launch", ROOT / "mpimesh" / "launch.py")
     assert spec is not None and spec.loader is not None
     launch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launch)
-    found: str = launch.find_mpiexec()
-    return found
+    return launch
 
 
 _EXIT_NAMES = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
@@ -82,8 +81,10 @@ def main(extra: List[str]) -> int:
     backend, extra = backend_option(extra)
     ranks = [int(n) for n in os.environ.get("MPIMESH_TEST_RANKS", "1 2 3 4 8").split()]
     timeout = int(os.environ.get("MPIMESH_TEST_TIMEOUT", "900"))
-    mpiexec = find_mpiexec()
-    env: Dict[str, str] = dict(os.environ, MPIEXEC_TIMEOUT=str(timeout), MPIMESH_TEST_QUIET_NONZERO="1")
+    launch = _launch()
+    mpiexec = launch.find_mpiexec()
+    # (job_env: also more ranks than cores under Open MPI, as MPICH allows them)
+    env: Dict[str, str] = launch.job_env(MPIEXEC_TIMEOUT=str(timeout), MPIMESH_TEST_QUIET_NONZERO="1")
     if backend is not None:
         why = check_backend(backend)
         if why is not None:

@@ -23,8 +23,13 @@ pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="starts j
 
 
 def _run(app: str, *args: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    """The app's job; its stderr without Open MPI's launcher's own notices (blocks between lines of
+    dashes: "Primary job terminated normally, but 1 process returned a non-zero exit code ..."),
+    which follow any rank's non-zero exit there (MPICH's launcher adds none)."""
     cmd = [find_mpiexec(), "-n", str(ranks), sys.executable, str(ROOT / "apps" / f"{app}.py"), *args]
-    return subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc.stderr = re.sub(r"^-{40,}\n.*?^-{40,}\n", "", proc.stderr, flags=re.S | re.M)
+    return proc
 
 
 @pytest.mark.parametrize("app", sorted(APPS))
@@ -226,3 +231,21 @@ def test_launch_runs_the_script(tmp_path):
     proc = _launch("-n", "2", "--timeout", "60", str(script))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+def test_job_env_leaves_out_the_enclosing_jobs_variables(monkeypatch):
+    """What MPICH's and Open MPI's launchers set in a rank goes (a nested Open MPI mpiexec refuses to
+    start under them); the user's own settings stay; more ranks than cores are allowed under Open MPI
+    unless the user says otherwise."""
+    job = {"PMI_RANK": "0", "HYDI_CONTROL_FD": "7", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_MCA_ess_base_jobid": "1", "OMPI_MCA_orte_hnp_uri": "x", "OMPI_MCA_pmix": "^s1", "PRTE_MCA_x": "1",
+           "OMPI_UNIVERSE_SIZE": "2", "OMPI_FILE_LOCATION": "/tmp/x", "OMPI_MCA_mpi_oversubscribe": "1"}
+    own = {"OMPI_MCA_btl": "self,vader", "OMPI_ALLOW_RUN_AS_ROOT": "1", "MPIMESH_COLLECTIVE_TIMEOUT": "30"}
+    for k, v in {**job, **own}.items():
+        monkeypatch.setenv(k, v)
+    env = job_env(EXTRA="1")
+    assert not set(job) & set(env), sorted(set(job) & set(env))
+    assert {k: env[k] for k in own} == own and env["EXTRA"] == "1"
+    assert env["OMPI_MCA_rmaps_base_oversubscribe"] == "1"
+    monkeypatch.setenv("OMPI_MCA_rmaps_base_oversubscribe", "0")
+    assert job_env()["OMPI_MCA_rmaps_base_oversubscribe"] == "0"
