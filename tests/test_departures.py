@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from mpimesh.launch import find_mpiexec, job_env
+from mpimesh.launch import find_mpiexec, is_open_mpi, job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +48,9 @@ def _job(tmp_path: Path, ranks: int, body: str, wrap: bool = False,
     script = tmp_path / "job.py"
     script.write_text("import os, sys, time\nimport mpimesh as mm\n" + textwrap.dedent(WAIT) + textwrap.dedent(body))
     launch, rank = [find_mpiexec(), "-n", str(ranks)], [sys.executable, str(script)]
-    if wrap:
-        launch, rank = [launch[0], "-disable-auto-cleanup", *launch[1:]], ["sh", "-c", f'"{rank[0]}" "{rank[1]}"; exit $?']
+    if wrap:  # (Open MPI's launcher: keep running after a rank's non-zero exit)
+        keep = ["--mca", "orte_abort_on_non_zero_status", "0"] if is_open_mpi(launch[0]) else ["-disable-auto-cleanup"]
+        launch, rank = [launch[0], *keep, *launch[1:]], ["sh", "-c", f'"{rank[0]}" "{rank[1]}"; exit $?']
     clean = job_env(PYTHONPATH=str(ROOT), **env)
     for var in ("MPIMESH_COLLECTIVE_TIMEOUT", "MPIMESH_SPMD_CHECK", "MPIMESH_NO_ABORT"):
         clean.pop(var, None)
