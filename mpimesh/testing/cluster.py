@@ -39,7 +39,7 @@ import time
 from typing import Optional, Sequence
 
 from ..collectives.liveness import _alive
-from ..launch import find_mpiexec, job_env
+from ..launch import find_mpiexec, is_open_mpi, job_env
 
 PREFIX = "mpimesh"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-\d+-(?:sw|h\d+)$")
@@ -66,6 +66,12 @@ def unavailable() -> Optional[str]:
     for name in ("ip", "tc", "unshare", "setpriv", "hostname"):
         if tool(name) == name:
             return f"`{name}` is missing (Debian: apt-get install iproute2 util-linux hostname)"
+    try:
+        if is_open_mpi(find_mpiexec()):
+            return ("its hosts' ranks start through MPICH's launcher options (-f, -launcher-exec), and this "
+                    "mpiexec is Open MPI's")
+    except FileNotFoundError as e:
+        return str(e)
     return None
 
 
