@@ -43,11 +43,12 @@ import numpy as np
 from .backend import matmul_precision
 from .buckets import bucket_bytes, next_slot, slot_step
 from .collectives import counters
+from .collectives.guard import user_frame
 from .errors import MpimeshError
 from .graphs import for_engine
 from .program import Program, ProgramError
 from .tensor import DistTensor, host_reads
-from .trace import current_trace, trace, user_frame
+from .trace import current_trace, trace
 from .tree import flatten, unflatten
 
 class CompileError(ProgramError):

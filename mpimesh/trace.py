@@ -17,14 +17,13 @@ ops) have no inputs and name their mesh.
 """
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import env
 from .collectives import counters
+from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
 from .layout import local_sizes
 
@@ -296,17 +295,6 @@ def note_host_read(t, what: str) -> None:
         where = user_frame()
         for tr in _open_traces:
             tr.host_reads.append((id(t), t.shape, t.dtype, what, where, len(tr.ops)))
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def user_frame() -> str:
-    """`file:line` of the innermost caller outside the mpimesh package."""
-    for frame in reversed(traceback.extract_stack()):
-        if not os.path.abspath(frame.filename).startswith(_PACKAGE + os.sep):
-            return f"{frame.filename}:{frame.lineno}"
-    return "an unknown place"
 
 
 def current_trace() -> Optional[Trace]:
