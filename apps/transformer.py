@@ -19,7 +19,8 @@ Every rank reads the same bytes and builds the same global batch from `(seed, st
 
 The training step is compiled (`mm.compile`): the first step runs op by op and is recorded, every
 later one replays the recorded kernels and collectives without per-op Python, with the same values
-bitwise; `--eager` runs every step op by op. Each step's seed is a seed tensor (`step_seed`), so
+bitwise, and updates the parameters and optimizer state in place (they are donated to it:
+`donate_argnums`); `--eager` runs every step op by op. Each step's seed is a seed tensor (`step_seed`), so
 the MoE layers' random choices are new in every replayed step.
 
 Rank 0 prints the corpus, the unigram baseline (entropy of the training bytes' frequencies, in bits
@@ -776,8 +777,8 @@ def main(argv=None) -> None:
             + (f"persistent cache {args.compile_cache})" if args.compile_cache != "none" else "no cache)"))
     else:
         timer = CommTimer(mesh)
-        if not args.eager:
-            train_step = mm.compile(train_step)
+        if not args.eager:  # the parameters and optimizer state given to the step: updated in place
+            train_step = mm.compile(train_step, donate_argnums=(0, 1))
     log = open(args.log_json, "w") if args.log_json and first_rank else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one

@@ -23,6 +23,18 @@ which are constants of the recording: a replay uses the values they had then. Wh
 one tensor passed twice is part of the signature. Called inside an open `mm.trace()`, the step
 runs eagerly (its ops recorded there, for gradients through it).
 
+Donation (`donate_argnums`, as `jax.jit`'s): the tensors in those positional arguments are given to
+the step, which may write its results into their blocks. A replay then updates parameters and
+optimizer state in place (`p - lr * g` into p's block: a pass over memory and a parameter-sized
+array less) and frees each donated block after its last reader. After every call, eager or
+replayed, a donated tensor raises `MpimeshError` wherever it is used: use what the step returned
+(`params = step(params, ...)`). A donated tensor also passed in a position that is not donated, or
+returned as it is, stays valid and is not written. A block is written only where the replay holds
+the only reference to it and owns its memory, so nothing else can see it change (a numpy array you
+gave `mm.from_local` and still hold is not overwritten). Inside an open trace donation is ignored.
+How a kernel writes in place: its function has `into = {output index: input index}`, and the engine
+passes `into=` the outputs it may write over their inputs (see `_Engine`).
+
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> step = mm.compile(lambda x, w: mm.einsum([x, w], output_shape="b:2") * 2.0)
@@ -35,6 +47,7 @@ runs eagerly (its ops recorded there, for gradients through it).
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -47,7 +60,7 @@ from .collectives.guard import user_frame
 from .errors import MpimeshError
 from .graphs import for_engine
 from .program import Program, ProgramError
-from .tensor import DistTensor, host_reads
+from .tensor import DistTensor, Donated, host_reads
 from .trace import current_trace, trace
 from .tree import flatten, unflatten
 
@@ -56,21 +69,28 @@ class CompileError(ProgramError):
     than tensors (in tuples, lists and dicts)."""
 
 
-def compile(fn: Callable, cache_size: int = 8) -> "Compiled":  # noqa: A001 - the API's name
-    """`fn` recorded once per signature and replayed without per-op Python (see the module)."""
+def compile(fn: Callable, cache_size: int = 8, donate_argnums=()) -> "Compiled":  # noqa: A001 - the API's name
+    """`fn` recorded once per signature and replayed without per-op Python; the tensors in the
+    positional arguments `donate_argnums` (an int or a tuple of them) are given to the step (see the module)."""
     if not callable(fn):
         raise TypeError(f"mm.compile needs a function, got {type(fn).__name__}")
     if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
         raise MpimeshError(f"mm.compile: cache_size must be a whole number >= 1, got {cache_size!r}")
-    return Compiled(fn, cache_size)
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) and not isinstance(donate_argnums, bool) \
+        else donate_argnums
+    if not isinstance(donate, (tuple, list)) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                     for i in donate):
+        raise MpimeshError(f"mm.compile: donate_argnums must be a position (an int >= 0) or a tuple of them, "
+                           f"got {donate_argnums!r}")
+    return Compiled(fn, cache_size, tuple(sorted(set(donate))))
 
 
 class Compiled:
     """A compiled step: call it as `fn`. `recordings` and `replays` count the calls of each kind;
     `signatures()` lists the signatures held, most recent last."""
 
-    def __init__(self, fn: Callable, cache_size: int):
-        self.fn, self.cache_size = fn, cache_size
+    def __init__(self, fn: Callable, cache_size: int, donate: tuple = ()):
+        self.fn, self.cache_size, self.donate = fn, cache_size, donate
         self.cache: OrderedDict = OrderedDict()
         self.recordings = self.replays = 0
         self.__name__ = getattr(fn, "__name__", "step")
@@ -92,6 +112,7 @@ class Compiled:
         seen: dict = {}  # one tensor passed twice is one input of the recording: part of its signature
         aliases = tuple(seen.setdefault(id(v), i) for i, v in enumerate(leaves) if isinstance(v, DistTensor))
         key = (tree, aliases, _settings(leaves), tuple(_signature(v) for v in leaves))
+        donated = self._donated(args, kwargs) if self.donate else []
         entry = self.cache.get(key)
         if entry is None:
             out, entry = self._record(args, kwargs, leaves, tree)
@@ -99,10 +120,31 @@ class Compiled:
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
             self.recordings += 1
+            returned = {id(t) for t in flatten(out)[0]}
+            self._give_up([t for t in donated if id(t) not in returned])
             return out
         self.cache.move_to_end(key)
         self.replays += 1
-        return entry.run(leaves)
+        return entry.run(leaves, donated, self._give_up)
+
+    def _donated(self, args: tuple, kwargs: dict) -> list:
+        """The tensors of the donated arguments that no other argument holds."""
+        if self.donate[-1] >= len(args):
+            raise MpimeshError(f"mm.compile({self.__name__}): donate_argnums={self.donate} names positional "
+                               f"argument {self.donate[-1]}, but the step was called with {len(args)}")
+        given = {id(t): t for i in self.donate for t in flatten(args[i])[0] if isinstance(t, DistTensor)}
+        others = [a for i, a in enumerate(args) if i not in self.donate] + [kwargs]
+        for t in flatten(others)[0]:
+            given.pop(id(t), None)
+        return list(given.values())
+
+    def _give_up(self, tensors: list) -> None:
+        """Mark donated tensors: any later use raises, naming this step."""
+        for t in tensors:
+            t.local = Donated(f"this {t.shape} {t.local.dtype} tensor was donated to the compiled step "
+                              f"{self.__name__} (mm.compile(..., donate_argnums={self.donate})), whose results "
+                              f"may now be in its memory: use the tensors that step returned instead "
+                              f"(params = step(params, ...))")
 
     def _record(self, args, kwargs, leaves, tree) -> tuple:
         host_reads.append(self._host_read)
@@ -165,11 +207,21 @@ class _Entry:
         self.program = program.strip()  # the engine has its constants' arrays
         self.metas = [(t.mesh, t.shape, t.tensor_layout) for t in unique]
 
-    def run(self, leaves: list):
+    def run(self, leaves: list, donated: list = (), give_up=None):
+        """The step's results for the arguments `leaves`; the `donated` tensors are given up
+        (`give_up`) before the engine runs, so that it holds their blocks' only references."""
         results = []
+        if donated:
+            returned = {id(leaves[o[1]]) for o in self.outs if o is not None and o[0] == "arg"}
+            donated = [t for t in donated if id(t) not in returned]
         if self.engine is not None:
-            arrays = self.engine.run([leaves[i].local for i in self.input_leaves])
+            blocks = [leaves[i].local for i in self.input_leaves]
+            if donated:
+                give_up(donated)
+            arrays = self.engine.run(blocks)
             results = [DistTensor(mesh, shape, layout, a) for (mesh, shape, layout), a in zip(self.metas, arrays)]
+        elif donated:
+            give_up(donated)
         flat = [None if o is None else leaves[o[1]] if o[0] == "arg" else results[o[1]] for o in self.outs]
         return unflatten(self.out_tree, flat)
 
@@ -177,7 +229,12 @@ class _Entry:
 class _Engine:
     """The program as a flat list of steps over a list of arrays (the inputs' slots first, then the
     constants', then each op's outputs'): `("op", name, kernel, input slots, output slots, slots to
-    free, flops)`. A gradient bucket (the psum records of one `mpimesh.buckets` bucket) is a flat
+    free, flops, into)`. `into`: `(output index, input slot)` pairs, where the kernel can write that
+    output over that input (its `into` map) and the op is the input's last reader; the output is
+    written there when, as the op runs, the engine holds the input array's only reference
+    (`_sole`: a donated block, or a temporary) and the array owns its memory.
+
+    A gradient bucket (the psum records of one `mpimesh.buckets` bucket) is a flat
     buffer made each run before the einsum of its first member (an op, `"bucket"`), that each
     member's einsum writes its slot of (its kernel takes the buffer as one more input), then
     `("start", bucket)` where its last member was recorded (one non-blocking allreduce in place,
@@ -199,7 +256,7 @@ class _Engine:
                 last[slot(id(t))] = k
             for t in rec.outputs:
                 slot(id(t))
-        keep = {slots[i] for i in program.input_ids + program.output_ids} | {s for s, _ in self.constants}
+        keep = {slots[i] for i in program.output_ids} | {s for s, _ in self.constants}  # (inputs: freed)
         frees: dict[int, list] = {}
         for s, k in last.items():
             if s not in keep:
@@ -218,14 +275,15 @@ class _Engine:
         for k, rec in enumerate(program.ops):
             for b in waits.get(k, ()):
                 self.steps.append(("wait", b))
-            self.steps += [("op", "bucket", b.make, [], [b.flat], [], 0) for b in makes.get(k, ())]
+            self.steps += [("op", "bucket", b.make, [], [b.flat], [], 0, ()) for b in makes.get(k, ())]
+            ins, outs, dead = [slots[id(t)] for t in rec.inputs], [slots[id(t)] for t in rec.outputs], frees.get(k, [])
             if k in writers:
                 b, j = writers[k]
-                self.steps.append(("op", rec.name, b.writer(j, rec.lower), [slots[id(t)] for t in rec.inputs] + [b.flat],
-                                   [slots[id(t)] for t in rec.outputs], frees.get(k, []), rec.flops))
+                self.steps.append(("op", rec.name, b.writer(j, rec.lower), ins + [b.flat], outs, dead, rec.flops, ()))
             elif k not in members:
-                self.steps.append(("op", rec.name, rec.lower, [slots[id(t)] for t in rec.inputs],
-                                   [slots[id(t)] for t in rec.outputs], frees.get(k, []), rec.flops))
+                into = tuple((j, ins[i]) for j, i in getattr(rec.lower, "into", {}).items()
+                             if ins[i] in dead and ins.count(ins[i]) == 1)
+                self.steps.append(("op", rec.name, rec.lower, ins, outs, dead, rec.flops, into))
             if k in starts:
                 self.steps.append(("start", starts[k]))
         self.steps += [("wait", b) for b in waits.get(len(program.ops), ())]
@@ -234,7 +292,10 @@ class _Engine:
         self.outputs = [slots[i] for i in program.output_ids]
 
     def run(self, arrays: list) -> list:
+        """The outputs' arrays for the inputs' `arrays` (the list is emptied: the engine's slots
+        hold the only references a donated block has, and drop them after its last reader)."""
         env = self.start_env(arrays)
+        arrays.clear()
         self.run_steps(self.steps, env, {})
         return [env[s] for s in self.outputs]
 
@@ -253,8 +314,12 @@ class _Engine:
         counting = count and counters._open
         for step in steps:
             if step[0] == "op":
-                _, name, lower, ins, outs, frees, flops = step
-                result = run(name, lower, [env[s] for s in ins], len(outs), ctx)
+                _, name, lower, ins, outs, frees, flops, into = step
+                mine = frozenset(j for j, s in into if _sole(env, s)) if into else None
+                if mine:
+                    result = run(name, lower, [env[s] for s in ins], len(outs), ctx, into=mine)
+                else:
+                    result = run(name, lower, [env[s] for s in ins], len(outs), ctx)
                 for s, r in zip(outs, result):
                     env[s] = r
                 for s in frees:
@@ -267,6 +332,23 @@ class _Engine:
                 flying[id(step[1])] = step[1].start(self.mesh, env)
             else:
                 step[1].finish(flying.pop(id(step[1])), env)
+
+
+def _refs(env: list, s: int) -> int:
+    return sys.getrefcount(env[s])
+
+
+_ONLY = _refs([np.empty(0)], 0)  # the count when a list holds an array's only reference
+
+
+def _sole(env: list, s: int) -> bool:
+    """Whether `env` holds the only reference to slot s's array (no tensor, view or caller's
+    variable holds it: numpy's own test before it reuses a temporary), a writable array that owns
+    its memory: then an op may write its output over it."""
+    if _refs(env, s) != _ONLY:  # (first: a name bound to it here would count)
+        return False
+    a = env[s]
+    return getattr(a, "base", 0) is None and getattr(getattr(a, "flags", None), "writeable", True)
 
 
 class _ReplayBucket:

@@ -34,6 +34,30 @@ def host_read(t, what: str) -> None:
     note_host_read(t, what)
 
 
+class Donated:
+    """What a tensor donated to a compiled step holds instead of its block (`mm.compile`'s
+    `donate_argnums`): every use of it raises `MpimeshError` with `why` (the block's memory may
+    now hold the step's results), on every rank alike, since every rank donates the same tensors."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        object.__setattr__(self, "why", why)
+
+    def __getattr__(self, name: str):
+        raise MpimeshError(self.why)
+
+    def __array__(self, *args, **kwargs):
+        raise MpimeshError(self.why)
+
+    def _refuse(self, *args, **kwargs):
+        raise MpimeshError(self.why)
+
+    __len__ = __iter__ = __getitem__ = __setitem__ = __float__ = __int__ = __bool__ = __index__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __pow__ = __neg__ = __matmul__ = __rmatmul__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+
 @tensor_type
 class DistTensor:
     """A tensor with named dims whose data is split over a mesh; each rank holds `local`."""
@@ -86,6 +110,8 @@ class DistTensor:
          [1. 1. 1.]]
         """
         layout = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
+        if isinstance(self.local, Donated):
+            return f"DistTensor {self.shape}, layout {{{layout}}}, mesh {self.mesh.shape}\n({self.local.why})"
         head = f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, mesh {self.mesh.shape}"
         if getattr(self.mesh, "dry", False):
             return f"{head}\n(a dry run: no values)"

@@ -28,6 +28,7 @@ from ..shape import Shape, union_shape
 from ..tensor import DistTensor, tensor_arg
 from ..trace import dispatch, saving
 from .einsum import sum_to
+from .inplace import axpy_into
 from .relayout import to_layout
 from .reshape import transpose
 
@@ -357,9 +358,11 @@ def axpy(alpha, x, y):
     xd, yd = x.shape.names, y.shape.names
     low = x.dtype if is_low_precision(x.dtype) and not scaled else None  # numpy computes bf16 * 0.5 in float32
 
-    def lower(ctx, *arrays):
+    def lower(ctx, *arrays, into=()):
         xp = ctx.xp
         a, xa, ya = arrays if scaled else (alpha, *arrays)
+        if into:  # y's block is the replay's alone (y donated to a compiled step): the result goes there
+            return axpy_into(xp, a, xa, ya)
         ya = align(xp, ya, yd, xd)
         out = xp.multiply(xa, a)
         out = _round_to(out, low) if low is not None else out
@@ -378,6 +381,8 @@ def axpy(alpha, x, y):
     saving(rule, (0, 1) if scaled else ())
     (z,) = dispatch("axpy", [alpha, x, y] if scaled else [x, y], [(x.shape, layout)], lower,
                     {} if scaled else {"alpha": alpha}, rule)
+    if xd == yd and low is None and z.dtype == x.dtype == y.dtype and (not scaled or alpha.dtype == x.dtype):
+        lower.into = {0: 2 if scaled else 1}  # (same dims, order and dtype: y's block can hold the result)
     return z
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from ..backend import is_eager, name
 from ..errors import MpimeshError
 from ..trace import dispatch
+from .inplace import axpy_into, scale_add_into
 from .relayout import to_layout
 
 ADAM_SOURCE = """
@@ -85,11 +86,13 @@ def _quotient(xp, a, b):
 
 
 def _fused(op: str, kernel, groups: Sequence[tuple], shared: Sequence, n_out: int, params: dict,
-           flops_per_element: int, scratch: int, dtype=None) -> list:
-    """Dispatch `op`: `kernel(xp, shared_arrays, *group_arrays)` -> n_out arrays, for each group
-    (a parameter's tensors, the parameter first); returns each group's n_out output tensors.
+           flops_per_element: int, scratch: int, dtype=None, into: dict = None) -> list:
+    """Dispatch `op`: `kernel(xp, shared_arrays, *group_arrays, into=...)` -> n_out arrays, for each
+    group (a parameter's tensors, the parameter first); returns each group's n_out output tensors.
     `scratch`: how many parameter-sized temporaries (in `dtype`, default the parameter's, plus a
-    copy of p and g where they are narrower) the kernel holds at once, for the cost model."""
+    copy of p and g where they are narrower) the kernel holds at once, for the cost model.
+    `into`: `{output: input}` positions within a group that the kernel can write in place (passed
+    `into=` the outputs a compiled replay lets it: `mpimesh.compiled`)."""
     if not groups:
         return []
     first = groups[0][0]
@@ -105,13 +108,17 @@ def _fused(op: str, kernel, groups: Sequence[tuple], shared: Sequence, n_out: in
     sizes = [len(g) for g in groups]
     n_shared = len(shared)
 
-    def lower(ctx, *arrays):
+    def lower(ctx, *arrays, into=()):
         xp, out, i = ctx.xp, [], n_shared
         values = arrays[:n_shared]
-        for k in sizes:
-            out.extend(kernel(xp, values, *arrays[i:i + k]))
+        for g, k in enumerate(sizes):
+            mine = {j for j in range(n_out) if g * n_out + j in into}
+            out.extend(kernel(xp, values, *arrays[i:i + k], into=mine))
             i += k
         return tuple(out) if len(out) > 1 else out[0]  # (dispatch takes one output bare)
+    if into:
+        starts = [n_shared + sum(sizes[:g]) for g in range(len(sizes))]
+        lower.into = {g * n_out + j: starts[g] + i for g in range(len(sizes)) for j, i in into.items()}
     specs = [(g[0].shape, g[0].tensor_layout) for g in groups for _ in range(n_out)]
     flops = flops_per_element * sum(math.prod(g[0].local.shape) for g in groups)
     widest = max(math.prod(g[0].local.shape) * np.dtype(dtype or g[0].dtype).itemsize
@@ -137,10 +144,14 @@ def sgd_update(groups: Sequence[tuple], lr, momentum: float = 0.0, dtype=None) -
     """
     scaled = hasattr(lr, "tensor_layout")
 
-    def kernel(xp, shared, p, g, v=None):
+    def kernel(xp, shared, p, g, v=None, into=()):
         pdt = p.dtype
-        p, g = _widened(p, g, dtype)
         neg_lr = -shared[0] if scaled else -lr
+        if into and _in_place(xp, dtype, p, g, v, neg_lr):
+            v1 = g if v is None else scale_add_into(xp, momentum, v, g) if 1 in into else _axpy(xp, momentum, v, g)
+            p1 = axpy_into(xp, neg_lr, v1, p) if 0 in into else _axpy(xp, neg_lr, v1, p)
+            return (p1, v1) if v is not None else (p1,)
+        p, g = _widened(p, g, dtype)
         if name(xp) == "cupy" and v is not None:
             p1, v1 = _kernel(xp, "sgd")(p, g, v, neg_lr, momentum, True)
         else:
@@ -150,7 +161,8 @@ def sgd_update(groups: Sequence[tuple], lr, momentum: float = 0.0, dtype=None) -
         return (p1, v1) if v is not None else (p1,)
     n_out = 2 if momentum else 1
     return _fused("sgd_update", kernel, groups, [lr] if scaled else [], n_out,
-                  {"momentum": momentum, "lr": None if scaled else lr}, 2 * n_out, 0, dtype)
+                  {"momentum": momentum, "lr": None if scaled else lr}, 2 * n_out, 0, dtype,
+                  {0: 0, 1: 2} if momentum else {0: 0})
 
 
 def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsilon: float,
@@ -162,14 +174,16 @@ def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsi
     scaled = hasattr(lr, "tensor_layout")
     b1, b2, eps, wd = beta1, beta2, epsilon, weight_decay
 
-    def kernel(xp, shared, p, g, m, v):
+    def kernel(xp, shared, p, g, m, v, into=()):
         tt = shared[0]
         lr_ = shared[1] if scaled else lr
         pdt = p.dtype
-        p, g = _widened(p, g, dtype)
         c1, c2 = xp.asarray(1.0 - b1 ** tt), xp.asarray(1.0 - b2 ** tt)
         neg_lr = -lr_
         neg_lr_wd = -(lr_ * wd)
+        if into and _in_place(xp, dtype, p, g, m, v, c1, c2, neg_lr, neg_lr_wd):
+            return _adam_into(xp, into, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, wd)
+        p, g = _widened(p, g, dtype)
         if name(xp) == "cupy":
             p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, 1.0 - b1, 1.0 - b2,
                                              eps, bool(wd))
@@ -182,4 +196,27 @@ def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsi
         return (p1.astype(pdt) if p1.dtype != pdt else p1), m1, v1
     return _fused("adam_update", kernel, groups, [t, lr] if scaled else [t], 3,
                   {"beta1": b1, "beta2": b2, "epsilon": eps, "weight_decay": wd,
-                   "lr": None if scaled else lr}, 12, 2, dtype)
+                   "lr": None if scaled else lr}, 12, 2, dtype, {0: 0, 1: 2, 2: 3})
+
+
+def _in_place(xp, dtype, p, *values) -> bool:
+    """Whether the in-place kernels give the usual kernel's values: on numpy, with no widening, and
+    every other array and number of the update in p's dtype (a Python number adapts to it; numpy's
+    scalars do not), so that no intermediate is computed wider and rounded back."""
+    if name(xp) != "numpy" or (dtype is not None and np.dtype(dtype) != p.dtype):
+        return False
+    return all(v is None or type(v) in (int, float) or getattr(v, "dtype", None) == p.dtype for v in values)
+
+
+def _adam_into(xp, into, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, wd) -> tuple:
+    """`adam_update`'s numpy kernel with the new p, m, v (outputs 0, 1, 2 in `into`) written over
+    the old: the same operations in the same order, so the same values."""
+    m1 = axpy_into(xp, 1.0 - b1, g, np.multiply(m, b1, out=m)) if 1 in into else _axpy(xp, 1.0 - b1, g, b1 * m)
+    v1 = axpy_into(xp, 1.0 - b2, g * g, np.multiply(v, b2, out=v)) if 2 in into else _axpy(xp, 1.0 - b2, g * g, b2 * v)
+    u = _quotient(xp, m1 / c1, _plus(xp, xp.sqrt(v1 / c2), eps))
+    decay = np.multiply(p, neg_lr_wd) if wd else None  # (of the old p)
+    if 0 not in into:
+        p1 = _axpy(xp, neg_lr, u, p)
+        return (_axpy(xp, neg_lr_wd, p, p1) if wd else p1), m1, v1
+    p1 = axpy_into(xp, neg_lr, u, p)
+    return (np.add(p1, decay, out=p1) if wd else p1), m1, v1
