@@ -252,20 +252,35 @@ def step_seed(mesh: mm.Mesh, seed: int, step: int):
     return mesh.from_numpy(np.array(layers.subseed(seed, f"step{step}"), np.int64), ())
 
 
+def loss_scale(cfg: Config) -> Optional[mm.optim.DynamicLossScale]:
+    """The dynamic loss scale float16 activations need (None for other dtypes)."""
+    return mm.optim.DynamicLossScale() if cfg.dtype == "float16" else None
+
+
+def init_state(cfg: Config, optimizer, params: Params) -> dict:
+    """The optimizer's fresh state, with the loss scale's tensors in it for float16."""
+    state = optimizer.init(params)
+    scaler = loss_scale(cfg)
+    return state if scaler is None else scaler.init(state)
+
+
 def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
     `seed` (an int, or a seed tensor: `step_seed`) draws the MoE layers' random second-expert choices. `release`: autodiff gives each
     activation back as soon as the backward pass is done with it (a lower peak). With float16
-    activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`): a step whose
-    gradients overflow is skipped on every rank."""
-    scaler = mm.optim.DynamicLossScale() if cfg.dtype == "float16" else None
+    activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`), its scale held in
+    `opt_state` (`init_state`): a step whose gradients overflow is skipped on every rank, compiled
+    or not."""
+    scaler = loss_scale(cfg)
 
     def train_step(params: Params, opt_state: dict, batch: dict, seed: int = 0):
         names = list(params)
+        if scaler is not None and "loss_scale" not in opt_state:
+            opt_state = scaler.init(opt_state)
         with mm.trace():
             loss = loss_fn(params, batch, cfg, True, seed)
-            target = loss if scaler is None else scaler.scaled(loss)
+            target = loss if scaler is None else scaler.scaled(loss, opt_state)
             grads = dict(zip(names, mm.gradients([target], [params[n] for n in names], release=release)))
             if scaler is None:
                 params, opt_state = optimizer.update(params, grads, opt_state)
@@ -502,8 +517,8 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
     machine = cache.calibrated(mesh, redo=recalibrate)
     t1 = time.perf_counter()
     step = make_train_step(replace(cfg, remat=cfg.layers), optimizer)  # auto_layout decides which blocks remat
-    plan = mm.auto_layout(step, (params, optimizer.init(params), {"inputs": tokens, "targets": tokens}), mesh,
-                          machine=machine)
+    state = init_state(cfg, optimizer, params)
+    plan = mm.auto_layout(step, (params, state, {"inputs": tokens, "targets": tokens}), mesh, machine=machine)
     if mesh.rank == 0:
         how = (f"measured in {t1 - t0:.1f} s and kept in {where}" if fresh else
                f"kept from an earlier run in {where} (--recalibrate measures again)")
@@ -699,9 +714,6 @@ def main(argv=None) -> None:
     auto, predicted = args.layout == "auto", None
     if auto and args.backend == "jax":
         raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
-    if auto and cfg.dtype == "float16":
-        raise UsageError("--layout auto cannot record a float16 step: its loss scaling reads values on the host "
-                         "(a dry run has none); use --dtype bfloat16")
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)
@@ -736,7 +748,7 @@ def main(argv=None) -> None:
     from_path = on_first_rank(lambda: resume_point(args, mesh)) if args.backend == "jax" else resume_point(args, mesh)
     params = init_params(mesh, cfg, args.seed)
     optimizer = make_optimizer(cfg)
-    opt_state = optimizer.init(params)
+    opt_state = init_state(cfg, optimizer, params)
     start = 0
     if from_path:
         params, opt_state, start = resume(from_path, args, mesh, params, opt_state)

@@ -297,9 +297,12 @@ def as_dtype(dtype) -> np.dtype:
 
 
 def contiguous(xp, a):
-    """`a` C-contiguous where the array module has strides (numpy, cupy); as is otherwise (JAX)."""
+    """`a` C-contiguous where the array module has strides (numpy, cupy); as is otherwise (JAX).
+    Its shape is kept: a 0-d array stays 0-d (a copy: `ascontiguousarray` would make it 1-d)."""
     f = getattr(xp, "ascontiguousarray", None)
-    return a if f is None else f(a)
+    if f is None:
+        return a
+    return a.copy() if a.ndim == 0 else f(a)
 
 
 @lru_cache(maxsize=4096)

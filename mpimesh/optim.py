@@ -48,8 +48,9 @@ from .backend import accumulation_dtype, is_float
 from .errors import DTypeError, MeshError, MpimeshError, ShapeError
 from .mesh import layout_scope
 from .ops.einsum import einsum
-from .ops.elementwise import axpy, cast, maximum, minimum, rsqrt, sqrt, square
-from .ops.reduce import reduce_mean
+from .ops.elementwise import abs as abs_
+from .ops.elementwise import axpy, cast, equal, greater_equal, less, maximum, minimum, rsqrt, sqrt, square, where
+from .ops.reduce import reduce_mean, reduce_min
 from .ops.relayout import to_layout
 from .ops.adafactor import adafactor_update
 from .ops.updates import adam_update, sgd_update
@@ -464,6 +465,28 @@ class Adafactor(Optimizer):
                                 self.epsilon2, work)
 
 
+def _held_scale(state) -> Optional[dict]:
+    """`state["loss_scale"]` (`DynamicLossScale.init`'s tensors), or None in the Python mode."""
+    if not isinstance(state, Mapping) or "loss_scale" not in state:
+        return None
+    held = state["loss_scale"]
+    if not (isinstance(held, Mapping) and all(isinstance(held.get(k), DistTensor) and not held[k].shape.rank
+                                              for k in ("scale", "good_steps"))):
+        raise MpimeshError("DynamicLossScale: state['loss_scale'] must be the dict init() makes: "
+                           "{'scale': a 0-d float32 tensor, 'good_steps': a 0-d int32 tensor}")
+    return held
+
+
+def _keep_unless(ok) -> Callable:
+    """`keep(new, old)`: new where `ok` (a 0-d bool tensor), else old, for dicts of tensors alike
+    (each in old's layout)."""
+    def keep(new, old):
+        if isinstance(new, Mapping):
+            return {k: keep(v, old[k]) for k, v in new.items()}
+        return to_layout(where(ok, new, old), old.tensor_layout)
+    return keep
+
+
 class DynamicLossScale:
     """Dynamic loss scaling for float16 training (as in PyTorch's `GradScaler`).
 
@@ -471,7 +494,8 @@ class DynamicLossScale:
     every gradient is finite on every rank (agreed by one allreduce), the gradients are unscaled
     and the optimizer applied; otherwise the step is skipped and the scale multiplied by
     `backoff`. After `interval` applied steps in a row the scale is multiplied by `growth`. The
-    scale is a Python float, the same on every rank.
+    scale is a Python float, the same on every rank; or, for a step that `mm.compile` replays, a
+    tensor in the optimizer state (`init(state)`), the same skipping decided with no host read.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -495,9 +519,26 @@ class DynamicLossScale:
         self.good_steps = 0
         """Steps applied in a row since the scale last changed (the scale grows when it reaches `interval`)."""
 
-    def scaled(self, loss):
-        """`loss * scale`, the value to differentiate."""
-        return loss * self.scale
+    def init(self, state: Mapping) -> dict:
+        """An optimizer's `state` (from its `init`) with this scale in it as tensors, key
+        `"loss_scale"`: `{"scale": float32 0-d, "good_steps": int32 0-d}`, from `scale` and
+        `good_steps` now. Given such a state, `scaled` and `step` read and update those tensors, not
+        the Python attributes, and decide with no value read on the host: a skipped step is a
+        `where` that keeps the old params and state, so a compiled step (`mm.compile`) scales and
+        skips by itself, and the scale is saved and restored with the state. With power-of-two
+        scales (the defaults), the values are those of the Python mode, bitwise."""
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if not isinstance(step, DistTensor):
+            raise MpimeshError(f"DynamicLossScale.init: state must be an optimizer's state (the dict its init() "
+                               f"makes, with a 'step' tensor), got {type(state).__name__}")
+        mesh = step.mesh
+        return dict(state, loss_scale={"scale": full(mesh, Shape(()), self.scale, "float32", ()),
+                                       "good_steps": full(mesh, Shape(()), self.good_steps, "int32", ())})
+
+    def scaled(self, loss, state: Optional[Mapping] = None):
+        """`loss * scale`, the value to differentiate (the scale in `state`, where `init` put one)."""
+        held = _held_scale(state)
+        return loss * self.scale if held is None else loss * cast(held["scale"], loss.dtype)
 
     def finite(self, grads: Mapping) -> bool:
         """Whether every gradient is finite, agreed across all ranks of the mesh."""
@@ -523,6 +564,9 @@ class DynamicLossScale:
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"DynamicLossScale.step: optimizer must be an mm.optim.Optimizer, "
                             f"got a {type(optimizer).__name__}")
+        held = _held_scale(state)
+        if held is not None:
+            return self._step_held(optimizer, params, grads, state, held)
         optimizer._check(params, grads, state)
         if not self.finite(grads):
             self.scale *= self.backoff
@@ -537,3 +581,32 @@ class DynamicLossScale:
             self.scale *= self.growth
             self.good_steps = 0
         return new_params, new_state, True
+
+    def _step_held(self, optimizer: Optimizer, params: Mapping, grads: Mapping, state: Mapping, held: dict) -> tuple:
+        """`step` with the scale in `state` (see `init`): `applied` is a 0-d bool tensor."""
+        inner = {k: v for k, v in state.items() if k != "loss_scale"}
+        optimizer._check(params, grads, inner)
+        scale, good = held["scale"], held["good_steps"]
+        ok = self._all_finite(grads, scale)
+        inv = 1.0 / scale
+        new_params, new_state = optimizer.update(  # (zeros where a step is skipped: no inf / inf to warn of)
+            params, {k: None if g is None else where(ok, cast(g, accumulation_dtype(g.dtype)) * inv, 0.0)
+                     for k, g in grads.items()}, inner)
+        keep = _keep_unless(ok)
+        grown = greater_equal(good + 1, self.interval)
+        held = {"scale": where(ok, where(grown, scale * self.growth, scale), scale * self.backoff),
+                "good_steps": where(ok, where(grown, 0, good + 1), 0)}
+        return keep(new_params, params), dict(keep(new_state, inner), loss_scale=held), ok
+
+    @staticmethod
+    def _all_finite(grads: Mapping, like) -> DistTensor:
+        """A 0-d bool tensor, the same on every rank: whether every gradient is finite (|g| < inf:
+        no inf - inf or inf * 0 to warn about)."""
+        if not isinstance(grads, Mapping):
+            raise TypeError(f"DynamicLossScale: grads must be a dict of DistTensors, got a {type(grads).__name__}")
+        every = None
+        for g in grads.values():
+            if g is not None:
+                ok = reduce_min(cast(less(abs_(g), np.inf), "float32"))  # (reduced over every split dim)
+                every = ok if every is None else minimum(every, ok)
+        return greater_equal(like, 0.0) if every is None else equal(every, 1.0)

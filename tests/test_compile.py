@@ -91,6 +91,7 @@ TRANSFORMERS = {
     "dense adafactor": dict(optimizer="adafactor"),
     "dense adam": dict(optimizer="adam", lr=3e-3, warmup=4),
     "moe": dict(optimizer="adam", lr=3e-3, warmup=4, moe_every=1, experts=4),
+    "float16": dict(optimizer="adam", lr=3e-3, warmup=4, dtype="float16"),  # the loss scale in the state
 }
 
 
@@ -108,7 +109,7 @@ def test_transformer_compiled_equals_eager_bitwise(which, layout):
     data = _corpus()
     opt = T.make_optimizer(cfg)
     params = T.init_params(mesh, cfg, seed=3)
-    state = opt.init(params)
+    state = T.init_state(cfg, opt, params)
     plain = T.make_train_step(cfg, opt)
     step = mm.compile(plain)
     eager = compiled = (params, state)

@@ -426,7 +426,8 @@ def test_rules_naming_dims_the_step_lacks():
 
 def test_transformer_layout_auto_prints_plan_and_trains_with_it(capsys):
     """`apps/transformer.py --layout auto`: rank 0 prints the chosen rules and the top 5
-    alternatives with predicted times, then trains under the chosen rules."""
+    alternatives with predicted times, then trains under the chosen rules; in float16 too (its
+    loss scale is held in the optimizer state, so the dry run records it)."""
     import os
     import re
     import sys
@@ -447,6 +448,8 @@ def test_transformer_layout_auto_prints_plan_and_trains_with_it(capsys):
         assert table[0] == ("chosen", chosen.group(1)) and (2 if WORLD.Get_size() > 1 else 1) <= len(table) <= 6
     else:
         assert out == ""
-    for flags, message in ((["--dtype", "float16"], "float16 step"), (["--backend", "jax"], "needs --backend mpi")):
-        with pytest.raises(Exception, match=message):
-            T.main(tiny + ["--layout", "auto"] + flags)
+    with pytest.raises(Exception, match="needs --backend mpi"):
+        T.main(tiny + ["--layout", "auto", "--backend", "jax"])
+    T.main(tiny + ["--layout", "auto", "--dtype", "float16"])  # (its loss scale lives in the state: no host read)
+    out = capsys.readouterr().out
+    assert WORLD.Get_rank() or re.search(r"--layout auto on mesh .*predicted", out) and "step     2/2" in out, out

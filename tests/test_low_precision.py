@@ -34,6 +34,7 @@ from mpimesh.collectives import counters  # noqa: E402
 DTYPES = ["bfloat16", "float16"]
 EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 SHAPES = mesh_shapes()
+Scale = mm.optim.DynamicLossScale
 N = MPI.COMM_WORLD.Get_size()
 
 
@@ -502,3 +503,65 @@ def test_loss_scale_skips_overflow_on_every_rank() -> None:
         assert applied
     assert ls.scale == 8.0  # two good steps in a row: grown
     np.testing.assert_array_equal(new["w"].to_numpy(), np.arange(8.0) - 1.0)  # 2 steps of 0.5 * 4 / 4
+
+
+@pytest.mark.mpi
+def test_a_loss_scale_held_in_the_state_skips_alike_and_compiles() -> None:
+    """`DynamicLossScale.init` puts the scale in the optimizer state: steps with an inf or a nan in
+    one rank's block are skipped on every rank, the scale halves and grows as in the Python mode
+    (the same params, scale and good-step count, bitwise, AdamW's step count advancing only on
+    applied steps), and the step compiles (`mm.compile`, donated state): its replays, skipped
+    steps included, give the eager values bitwise."""
+    mesh, dims = mesh_and_dims(SHAPES[0])
+    lay = {"a": dims[0]} if dims else {}
+    opt = mm.optim.Adam(0.25, weight_decay=0.5)
+    blocks = []
+    for k, bad in enumerate([np.inf, None, None, None, np.nan, None, None, -np.inf, None]):
+        g = (np.arange(8.0, dtype=np.float32) - 3.0) * np.float32(2.0 ** (3 - k % 3))
+        if bad is not None:
+            g[7] = bad  # the last rank's block
+        blocks.append(g)
+
+    def fresh():
+        return {"w": mesh.from_numpy(np.linspace(-1.0, 1.0, 8, dtype=np.float32), "a:8", layout=lay)}
+
+    py, py_state = Scale(scale=8.0, interval=2), opt.init(fresh())
+    held = Scale(scale=8.0, interval=2)
+    eager, eager_state = fresh(), held.init(opt.init(fresh()))
+    compiled = mm.compile(lambda p, s, g: held.step(opt, p, {"w": g}, s), donate_argnums=(0, 1))
+    comp, comp_state = fresh(), held.init(opt.init(fresh()))
+    py_params, applied_steps = fresh(), 0
+    for k, g in enumerate(blocks):
+        grad = mesh.from_numpy(g, "a:8", layout=lay)
+        py_params, py_state, applied = py.step(opt, py_params, {"w": grad}, py_state)
+        eager, eager_state, ok = held.step(opt, eager, {"w": grad}, eager_state)
+        comp, comp_state, comp_ok = compiled(comp, comp_state, grad)
+        applied_steps += applied
+        assert applied == (g[7] == g[7] and abs(g[7]) != np.inf) and bool(ok.to_numpy()) == applied == \
+            bool(comp_ok.to_numpy()), k
+        want = py_params["w"].to_numpy()
+        for got in (eager["w"].to_numpy(), comp["w"].to_numpy()):
+            assert got.tobytes() == want.tobytes(), (k, got, want)
+        for s in (eager_state, comp_state):
+            assert float(s["loss_scale"]["scale"].to_numpy()) == py.scale, k
+            assert int(s["loss_scale"]["good_steps"].to_numpy()) == py.good_steps, k
+            assert int(s["step"].to_numpy()) == int(py_state["step"].to_numpy()) == applied_steps, k
+            for slot in ("m", "v"):
+                assert s[slot]["w"].to_numpy().tobytes() == py_state[slot]["w"].to_numpy().tobytes(), (k, slot)
+    assert (compiled.recordings, compiled.replays) == (1, len(blocks) - 1)
+    assert held.scale == 8.0 and held.good_steps == 0  # (the Python attributes are not the held scale)
+    loss = mesh.from_numpy(np.array(3.0, np.float32), [])
+    assert float(held.scaled(loss, eager_state).to_numpy()) == 3.0 * py.scale
+
+
+def test_a_held_loss_scale_must_be_inits() -> None:
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    params = {"w": mesh.ones("a:2")}
+    opt, ls = mm.optim.SGD(0.1), Scale()
+    with pytest.raises(mm.MpimeshError, match=r"^DynamicLossScale.init: state must be an optimizer's state"):
+        ls.init({"w": params["w"]})
+    bad = dict(opt.init(params), loss_scale={"scale": 2.0})
+    with pytest.raises(mm.MpimeshError, match=r"^DynamicLossScale: state\['loss_scale'\] must be the dict init"):
+        ls.step(opt, params, params, bad)
+    with pytest.raises(mm.MpimeshError, match=r"^DynamicLossScale: state\['loss_scale'\] must be the dict init"):
+        ls.scaled(params["w"], bad)

@@ -358,6 +358,19 @@ def test_axpy(mesh: mm.Mesh) -> None:
 
 
 @pytest.mark.mpi
+def test_0d_tensors_stay_0d(mesh: mm.Mesh) -> None:
+    """A 0-d tensor's block is a 0-d array through where (nested: a where of wheres), broadcast and
+    arithmetic, each value numpy's (a loss scale's update is all 0-d)."""
+    s, t = mesh.from_numpy(np.array(4.0), []), mesh.from_numpy(np.array(-1.0), [])
+    yes = mm.greater(s, 0.0)
+    inner = mm.where(yes, s * 2.0, t)
+    outer = mm.where(mm.less(t, 0.0), mm.where(yes, inner, t), s * 0.5)
+    for got, want in ((inner, 8.0), (outer, 8.0), (mm.where(mm.less(s, 0.0), s, 7), 7.0),
+                      (mm.broadcast(t, mm.Shape([])), -1.0), (mm.where(yes, 1, t) + s, 5.0)):
+        assert got.shape.rank == 0 and got.local.shape == () and float(got.to_numpy()) == want, (got, want)
+
+
+@pytest.mark.mpi
 def test_operator_size_mismatch(mesh: mm.Mesh) -> None:
     x = mesh.from_numpy(X, "a:8;b:16")
     y = mesh.from_numpy(np.ones((8, 8)), "b:8;c:8")
