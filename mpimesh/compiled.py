@@ -147,6 +147,12 @@ class Compiled:
                               f"(params = step(params, ...))")
 
     def _record(self, args, kwargs, leaves, tree) -> tuple:
+        # fn gets its own tensor objects (the same blocks): a tensor it also reads from a closure is
+        # then a constant there, whether or not it was passed in as well
+        own: dict = {}
+        inner = [own.setdefault(id(v), DistTensor(v.mesh, v.shape, v.tensor_layout, v.local))
+                 if isinstance(v, DistTensor) else v for v in leaves]
+        args, kwargs = unflatten(tree, inner)
         host_reads.append(self._host_read)
         try:
             with trace() as tr:
@@ -154,7 +160,7 @@ class Compiled:
         finally:
             host_reads.pop()
         after, after_tree = flatten((args, kwargs))
-        if after_tree != tree or any(a is not b for a, b in zip(after, leaves)):
+        if after_tree != tree or any(a is not b for a, b in zip(after, inner)):
             raise CompileError(f"mm.compile({self.__name__}): the step assigns into its arguments (a dict or list "
                                f"passed in holds other values after it ran); a replay runs no Python, so it would "
                                f"not do that again: return the new values instead (params = step(params, ...))")
@@ -163,7 +169,9 @@ class Compiled:
             if v is not None and not isinstance(v, DistTensor):
                 raise CompileError(f"mm.compile({self.__name__}): the step returns a {type(v).__name__}; a "
                                    f"compiled step returns tensors (in tuples, lists and dicts) and None")
-        return out, _Entry(tr, leaves, out_leaves, out_tree)
+        entry = _Entry(tr, inner, out_leaves, out_tree)
+        theirs = {id(own[id(v)]): v for v in leaves if isinstance(v, DistTensor)}
+        return unflatten(out_tree, [theirs.get(id(v), v) for v in out_leaves]), entry  # (arguments as passed)
 
     def _host_read(self, t, what: str) -> None:
         where = user_frame()
@@ -184,15 +192,19 @@ class _Entry:
         read = {id(t) for t in tr.inputs}
         self.input_leaves = [i for t_id, i in arg_ids.items() if t_id in read]  # the arguments the step reads
         inputs = [leaves[i] for i in self.input_leaves]
-        made = [t for t in out_leaves if t is not None and id(t) not in arg_ids]
+        known = read | {id(t) for rec in tr.ops for t in rec.outputs}  # (else made by no op: a constant)
+        made = [t for t in out_leaves if t is not None and id(t) not in arg_ids and id(t) in known]
         self.out_tree = out_tree
-        # per result leaf: ("arg", leaf index) passed through, ("out", k) the program's k-th output, None
+        # per result leaf: ("arg", leaf index) passed through, ("out", k) the program's k-th output,
+        # ("const", tensor) one no recorded op made (a closure's, `mesh.from_numpy`'s), None
         self.outs, seen = [], {}
         for t in out_leaves:
             if t is None:
                 self.outs.append(None)
             elif id(t) in arg_ids:
                 self.outs.append(("arg", arg_ids[id(t)]))
+            elif id(t) not in known:
+                self.outs.append(("const", t))
             else:
                 self.outs.append(("out", seen.setdefault(id(t), len(seen))))
         unique = list({id(t): t for t in made}.values())
@@ -222,7 +234,8 @@ class _Entry:
             results = [DistTensor(mesh, shape, layout, a) for (mesh, shape, layout), a in zip(self.metas, arrays)]
         elif donated:
             give_up(donated)
-        flat = [None if o is None else leaves[o[1]] if o[0] == "arg" else results[o[1]] for o in self.outs]
+        flat = [None if o is None else leaves[o[1]] if o[0] == "arg" else results[o[1]] if o[0] == "out"
+                else DistTensor(o[1].mesh, o[1].shape, o[1].tensor_layout, o[1].local) for o in self.outs]
         return unflatten(self.out_tree, flat)
 
 
@@ -437,8 +450,8 @@ def _settings(leaves: list) -> tuple:
 def _signature(v) -> tuple:
     if isinstance(v, DistTensor):
         return ("tensor", id(v.mesh), v.shape, v.tensor_layout, str(v.dtype))
-    if isinstance(v, float) and v != v:
-        return ("value", "float", "nan")  # (nan != nan: it would record again on every call)
+    if isinstance(v, (float, complex, np.floating, np.complexfloating)):  # by its bits: -0.0 is not 0.0, and
+        return ("value", type(v).__name__, np.asarray(v).tobytes())  # a nan is itself (nan != nan)
     try:
         hash(v)
     except TypeError:

@@ -55,7 +55,8 @@ class Donated:
 
     __len__ = __iter__ = __getitem__ = __setitem__ = __float__ = __int__ = __bool__ = __index__ = _refuse
     __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
-    __pow__ = __neg__ = __matmul__ = __rmatmul__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __pow__ = __neg__ = __matmul__ = __rmatmul__ = __lt__ = __le__ = __gt__ = __ge__ = __eq__ = __ne__ = _refuse
+    __hash__ = object.__hash__
 
 
 @tensor_type

@@ -12,6 +12,7 @@ that a namedtuple or a dict means the same to each. Everything else is a leaf.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable, Iterable, Iterator
 
 
@@ -32,8 +33,9 @@ def unflatten(structure, leaves: Iterable):
 def _walk(x, leaves: list):
     if isinstance(x, (tuple, list)):
         return (type(x), tuple(_walk(v, leaves) for v in x))
-    if isinstance(x, dict):
-        return (dict, tuple((k, _walk(v, leaves)) for k, v in x.items()))
+    if isinstance(x, dict):  # (a subclass's type kept: an OrderedDict, a defaultdict and its factory)
+        kind = dict if type(x) is dict else (defaultdict, x.default_factory) if isinstance(x, defaultdict) else type(x)
+        return (dict, tuple((k, _walk(v, leaves)) for k, v in x.items()), kind)
     leaves.append(x)
     return None
 
@@ -41,9 +43,11 @@ def _walk(x, leaves: list):
 def _build(structure, leaves: Iterator):
     if structure is None:
         return next(leaves)
-    kind, items = structure
+    kind, items = structure[:2]
     if kind is dict:
-        return {k: _build(v, leaves) for k, v in items}
+        d = {k: _build(v, leaves) for k, v in items}
+        made = structure[2]
+        return d if made is dict else defaultdict(made[1], d) if isinstance(made, tuple) else made(d)
     values = [_build(v, leaves) for v in items]
     return kind(*values) if hasattr(kind, "_fields") else kind(values)
 

@@ -182,9 +182,21 @@ def test_one_tensor_passed_twice_is_its_own_signature():
     assert step(y, y).to_numpy().tolist() == [30.0, 30.0, 30.0]  # replays the (a, a) one
     assert (step.recordings, step.replays) == (2, 2)
     scaled = mm.compile(lambda a, s: a * s)
-    for _ in range(3):
-        assert np.isnan(scaled(x, float("nan")).to_numpy()).all()
-    assert (scaled.recordings, scaled.replays) == (1, 2)
+    for nan in (float("nan"), np.float32("nan"), np.float16("nan")):
+        for _ in range(3):
+            assert np.isnan(scaled(x, nan).to_numpy()).all()
+    assert (scaled.recordings, scaled.replays) == (3, 6)
+
+
+def test_numbers_are_told_apart_by_their_bits():
+    """-0.0 == 0.0 (and hashes alike), but x * -0.0 is -0.0: a replay of 0.0's program would give +0.0."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    step = mm.compile(lambda a, s: a * s)
+    x = mesh.ones("a:3", "float64")
+    for s in (0.0, -0.0, 0.0, -0.0, np.float64(-0.0), np.float32(-0.0)):
+        got, want = step(x, s).to_numpy(), (x * s).to_numpy()
+        assert got.tobytes() == want.tobytes() and np.signbit(got).all() == np.signbit(s), s
+    assert (step.recordings, step.replays) == (4, 2)
 
 
 def test_a_step_that_assigns_into_its_arguments_is_refused():
@@ -211,6 +223,40 @@ def test_tensors_that_are_not_arguments_are_constants_and_arguments_pass_through
     second = step(x)
     assert first["y"].to_numpy().tolist() == [1.0, 2.0] and second["y"].to_numpy().tolist() == [3.0, 8.0]
     assert second["x"] is x and second["none"] is None
+
+
+def test_a_closures_tensor_stays_a_constant_when_it_is_also_passed_in():
+    """The first call passes the very tensor the step also reads from its closure: the closure's
+    read is still a constant (it gave q + q for x + p)."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    p = mesh.full("a:4", 10.0, "float64")
+    step = mm.compile(lambda x: x + p)
+    assert step(p).to_numpy().tolist() == [20.0] * 4
+    q = mesh.full("a:4", 1.0, "float64")
+    assert step(q).to_numpy().tolist() == [11.0] * 4 and (step.recordings, step.replays) == (1, 1)
+
+
+def test_a_step_may_return_tensors_no_op_made_and_keeps_its_containers():
+    """A closure's tensor, or one `from_numpy` made inside the step, is returned as a constant on
+    every call; an OrderedDict or a defaultdict comes back as one."""
+    import collections
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    mask = mesh.ones("a:4", "float64")
+
+    def fn(x):
+        made = mesh.from_numpy(np.arange(4.0), "a:4")
+        out = collections.defaultdict(list, y=x * 2.0, mask=mask, made=made)
+        return collections.OrderedDict(out=out, r=mm.range(mesh, mm.Dimension("a", 4)))
+    step = mm.compile(fn)
+    for k in range(3):
+        x = mesh.full("a:4", float(k), "float64")
+        got, want = step(x), fn(x)
+        assert type(got) is collections.OrderedDict and type(got["out"]) is collections.defaultdict
+        assert got["out"].default_factory is list
+        for a, b in ((got["out"][n], want["out"][n]) for n in ("y", "mask", "made")):
+            assert a.to_numpy().tobytes() == b.to_numpy().tobytes()
+        assert got["r"].to_numpy().tolist() == [0, 1, 2, 3]
+    assert (step.recordings, step.replays) == (1, 2)
 
 
 def test_a_replay_counts_what_eager_counts():
