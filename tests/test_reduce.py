@@ -250,3 +250,39 @@ def test_reduce_over_an_empty_dim(mshape: str) -> None:
             errs.expect(got.shape == (4, 3), f"{op} x={lay}: shape {got.shape}")
             errs.expect(np.array_equal(got, ref, equal_nan=True), f"{op} x={lay}: {got}")
     errs.check()
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_nans_bools_and_complex_numbers(mshape: str) -> None:
+    """numpy's answers on every rank and layout: a NaN anywhere makes the max and min NaN (MPI's
+    max and min keep or drop it by the order they meet it: ranks disagreed, 3 became 2); a sum of
+    bools counts them (int32) and their mean is a fraction (an einsum of bools gave their or, or
+    MPI's SUM refused bools); the max and min of bools are their or and and; complex numbers have
+    no order: a DTypeError on every rank, whatever the layout (MPI refused them, split)."""
+    mesh, errs = get_mesh(mshape), Errors()
+    rng = np.random.default_rng(7)
+    xf = rng.standard_normal((5, 3, 7))
+    xf[1, 2, 6], xf[4, 0, 0], xf[:, 1, 3] = np.nan, np.nan, np.nan
+    xb = rng.random((5, 3, 7)) < 0.3
+    xb[:, 2, :] = False
+    for lay in layouts(mesh, ["a", "b", "c"], limit=6):
+        for xa, ops in ((xf, ("reduce_max", "reduce_min")), (xf.astype(np.float32), ("reduce_max", "reduce_min")),
+                        (xb, ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min"))):
+            x = mesh.from_numpy(xa, "a:5;b:3;c:7", layout=lay)
+            for op in ops:
+                for axes, kept in (((0, 2), "b:3"), ((0, 1, 2), ""), ((1,), "a:5;c:7")):
+                    got = getattr(mm, op)(x, output_shape=kept)
+                    want = {"reduce_sum": np.sum, "reduce_mean": np.mean, "reduce_max": np.max,
+                            "reduce_min": np.min}[op](xa, axis=axes)
+                    dtype = np.int32 if op == "reduce_sum" and xa.dtype == bool else want.dtype
+                    value = got.to_numpy()
+                    errs.expect(value.dtype == dtype and np.allclose(value, want, rtol=1e-15, atol=0, equal_nan=True),
+                                f"{op} {xa.dtype} over {axes} x={lay}: {value} ({value.dtype}), numpy {want}")
+        xc = mesh.from_numpy(xf[:, :, :3] + 1j, "a:5;b:3;c:3", layout={k: v for k, v in lay.items() if k != "c"})
+        for op in ("reduce_max", "reduce_min"):
+            with pytest.raises(mm.DTypeError, match=rf"{op}: x is a \[a:5, b:3, c:3\] complex128 tensor, and complex "
+                                                    r"numbers have no order"):
+                getattr(mm, op)(xc, reduced_dims="a")
+    e = mm.einsum([mesh.from_numpy(xb, "a:5;b:3;c:7", layout=dict(zip("abc", big(mesh))))], output_shape="b:3")
+    errs.expect(np.array_equal(e.to_numpy(), np.einsum("abc->b", xb)), f"einsum of bools: {e.to_numpy()}")
+    errs.check()

@@ -257,6 +257,9 @@ class Collectives:
             self._check_out(out, x, x.shape, "allreduce")
         if self.size(dims) == 1:
             return x if out is None else _copy(out, x)
+        if x.dtype == bool:  # MPI has no sum, max or min of bools: as bytes, a sum or max is an or, a min an and
+            r = self._allreduce(x.astype(self.xp.uint8), dims, "min" if op == "min" else "max").astype(bool)
+            return r if out is None else _copy(out, r)
         if out is None:
             return self._allreduce(x, dims, op)
         return self._into(out, x, lambda o: self._allreduce(x, dims, op, **o), in_place=True)

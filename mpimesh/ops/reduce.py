@@ -18,8 +18,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..backend import accumulation_dtype
-from ..errors import ShapeError
+from ..backend import accumulation_dtype, is_eager, is_float
+from ..errors import DTypeError, ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..tensor import tensor_arg
 from ..trace import dispatch
@@ -30,8 +30,8 @@ from .relayout import to_layout
 
 
 def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims, op: str = "reduction") -> Shape:
-    tensor_arg(op, x)
     """The output shape of reducing `x`: `output_shape`, or x without `reduced_dims`, or a scalar."""
+    tensor_arg(op, x)
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("give output_shape or reduced_dims, not both")
     if output_shape is not None:
@@ -52,7 +52,12 @@ def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims, op: str 
 def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Sum over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."""
     reduced_dims = renamed_reduced_dims("reduce_sum", reduced_dims, reduced_dim)
-    return einsum([x], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
+    return einsum([_counted(x)], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
+
+
+def _counted(x):
+    """x, or a bool x as int32: a sum counts the True values (an einsum of bools would be their or)."""
+    return cast(x, "int32") if tensor_arg("reduction", x).dtype == bool else x
 
 
 def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
@@ -64,12 +69,15 @@ def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, 
     scale = 1.0 / count if count else math.nan
     if accumulation_dtype(x.dtype) != x.dtype:
         return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * scale, x.dtype)
-    return einsum([x], out) * scale
+    return einsum([_counted(x)], out) * scale
 
 
 def _local_reduce(name: str, kernel, grad, floats: bool = False):
     def op(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
         tensor_arg(name, x, floats=floats)
+        if name != "reduce_logsumexp" and np.dtype(x.dtype).kind == "c":
+            raise DTypeError(f"{name}: x is a {x.shape} {x.dtype} tensor, and complex numbers have no order "
+                             f"(MPI has no max or min of them): reduce their real parts or magnitudes")
         out = output_shape_of(x, output_shape, renamed_reduced_dims(name, reduced_dims, reduced_dim), name)
         out_layout = x.mesh.plan(out)
         (target,), reduce_mesh = contraction_plan((x.shape,), (x.tensor_layout,), out, out_layout, x.mesh.shape)
@@ -91,12 +99,43 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
     return op
 
 
-def _max(ctx, a, axes, mesh_dims):
-    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "max"), mesh_dims, "max")
+def _extreme(op: str):
+    def kernel(ctx, a, axes, mesh_dims):
+        """The max (min) over `axes` and the ranks of `mesh_dims`; NaN where any rank's block has
+        one, as numpy's. MPI's max and min keep or drop a NaN by the order they meet it in, so the
+        ranks would disagree: floats travel as integers in the same order (`_ordered`), a NaN
+        above every number for max, below for min."""
+        xp = ctx.xp
+        y = local_extreme(xp, a, axes, op)
+        if not mesh_dims or not is_eager(xp) or not is_float(y.dtype):
+            return ctx.allreduce(y, mesh_dims, op)  # (XLA's max and min keep NaNs)
+        dt = y.dtype
+        y = xp.asarray(y, accumulation_dtype(dt))  # (16-bit floats as float32: NCCL has no int16)
+        nan = xp.asarray(np.nan if op == "max" else -np.nan, y.dtype)  # (the sign bit of a NaN orders it)
+        key = _ordered(xp, xp.where(xp.isnan(y), nan, y))
+        back = _ordered(xp, ctx.allreduce(key, mesh_dims, op)).view(y.dtype)
+        return xp.where(xp.isnan(back), xp.asarray(np.nan, y.dtype), back).astype(dt)
+    return kernel
 
 
-def _min(ctx, a, axes, mesh_dims):
-    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "min"), mesh_dims, "min")
+_INTS = {4: np.int32, 8: np.int64}
+
+
+def _ordered(xp, x):
+    """IEEE floats' bits as signed integers that sort as the floats do (a negative float's
+    magnitude bits flipped), or those integers back to the bits (the map is its own inverse).
+
+    >>> f = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1.0, np.inf, np.nan], np.float32)
+    >>> k = _ordered(np, f)
+    >>> bool(np.all(np.diff(k) > 0)), np.array_equal(_ordered(np, k).view(np.float32), f, equal_nan=True)
+    (True, True)
+    """
+    ints = x if np.dtype(x.dtype).kind == "i" else x.view(_INTS[np.dtype(x.dtype).itemsize])
+    flip = xp.asarray(np.iinfo(ints.dtype).max, ints.dtype)
+    return xp.where(ints < 0, ints ^ flip, ints)
+
+
+_max, _min = _extreme("max"), _extreme("min")
 
 
 def _logsumexp(ctx, a, axes, mesh_dims):
