@@ -51,11 +51,11 @@ def _rank() -> int:
     return mm.MPI.COMM_WORLD.Get_rank()
 
 
-def _fail(line: str):
+def _fail(line: str, status: int = 2):
     if _rank() == 0:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
-    sys.exit(2)
+    sys.exit(status)
 
 
 MESH = '--mesh, e.g. "rows:2;cols:2"'
@@ -109,8 +109,8 @@ def check_layout(rules: str, dims: Dict[str, str], flag: str = "--layout") -> No
 def main_guard(main: Callable) -> Callable:
     """`main` for the command line (in-process callers get the exceptions): a UsageError,
     MpimeshError or OSError (raised on every rank alike, since the apps check their input before
-    they start) becomes one line from rank 0 and exit status 2. A time-out or divergence is left
-    to end the job with its traceback (its ranks may never meet again)."""
+    they start) becomes one line from rank 0 and exit status 2; Ctrl-C, "interrupted" and 130. A
+    time-out or divergence is left to end the job with its traceback (its ranks may never meet again)."""
     @functools.wraps(main)
     def run(argv: Optional[list] = None):
         try:
@@ -119,4 +119,6 @@ def main_guard(main: Callable) -> Callable:
             raise
         except (UsageError, mm.MpimeshError, OSError) as e:
             _fail(f"{sys.argv[0].rsplit('/', 1)[-1]}: error: {e}")
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line, not a traceback from each
+            _fail(f"{sys.argv[0].rsplit('/', 1)[-1]}: interrupted", 130)
     return run

@@ -245,8 +245,8 @@ def main(argv=None) -> None:
         train_step(params, opt, state, x, t)
     comm = prof.transfers
     say(f"step time median {np.median(times[1:] or times) * 1e3:.1f} ms; one step on rank 0: "
-        f"{prof.counters.get('flops', {}).get('flops', 0) / 1e9:.2f} GFLOP, "
-        + ", ".join(f"{k} {v['calls']} calls {v['bytes']} B" for k, v in sorted(comm.items())))
+        f"{prof.counters.get('flops', {}).get('flops', 0) / 1e9:.2f} GFLOP"
+        + "".join(f", {k} {v['calls']} calls {v['bytes']} B" for k, v in sorted(comm.items())))
 
 
 if __name__ == "__main__":

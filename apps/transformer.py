@@ -241,7 +241,7 @@ def make_optimizer(cfg: Config):
     if cfg.optimizer == "adafactor":
         return mm.optim.Adafactor(learning_rate=cfg.lr)
     if cfg.optimizer == "adam":
-        lr, warm = (cfg.lr or 3e-3), max(1, cfg.warmup)
+        lr, warm = (3e-3 if cfg.lr is None else cfg.lr), max(1, cfg.warmup)
         return mm.optim.Adam(lambda t: lr * mm.minimum(t * (1.0 / warm), 1.0))
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: choose adafactor or adam")
 
@@ -448,12 +448,30 @@ def load_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -
     return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy())
 
 
+def _unwritable(path: str) -> Optional[str]:
+    """Why this process cannot keep checkpoints in the folder `path` (made if missing), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return None  # (refused by `checkpoint.steps`, naming it a file)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None if os.access(path, os.W_OK | os.X_OK) else "permission denied"
+
+
 def resume_point(args: argparse.Namespace, mesh: mm.Mesh) -> Optional[str]:
     """The checkpoint `--resume` continues from: the newest complete one in --checkpoint, the one
     of step N there, or a path; None without --resume. Refuses (CheckpointError on every rank) a
     --checkpoint DIR holding other things, and one holding a checkpoint without --resume or
     --overwrite. Otherwise, without --resume, deletes DIR's checkpoints (--overwrite) and
-    interrupted saves."""
+    interrupted saves. A --checkpoint DIR that some rank cannot make or write into is refused
+    here, before training, not at the first save."""
+    if args.checkpoint:
+        why = _unwritable(args.checkpoint)
+        whys = mesh.comm_for(mesh.shape.names).allgather(why) if mesh.size > 1 else [why]
+        if any(whys):
+            raise UsageError(f"--checkpoint {args.checkpoint!r}: cannot write there: "
+                             + "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w))
     found = checkpoint.steps(args.checkpoint, mesh) if args.checkpoint else []
     if args.resume is None:
         if found and not args.overwrite:
@@ -485,6 +503,10 @@ def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, o
         damaged = checkpoint.verify(path) if mesh.rank == 0 else None
         damaged = mesh.collectives.any_rank(damaged is not None)  # the same answer on every rank
         match = checkpoint.STEP_DIR.fullmatch(os.path.basename(os.path.normpath(path)))
+        if not damaged and "does not fit" in str(e):
+            raise mm.CheckpointError(f"{e}; a checkpoint continues only under the flags it was saved with: the "
+                                     f"model sizes, --optimizer ({args.optimizer} now), --dtype ({args.dtype} now; "
+                                     f"float16 saves its loss scale)") from None
         if not (damaged and args.checkpoint):
             raise
         intact = checkpoint.newest_intact(args.checkpoint, mesh, before=int(match[1]) if match else None)
@@ -710,6 +732,8 @@ def main(argv=None) -> None:
                  remat=min(args.remat, args.layers))
     if cfg.vocab < 256:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
+    if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr >= 0):
+        raise UsageError(f"--lr {cfg.lr}: the learning rate must be a finite number >= 0")
     world = mm.MPI.COMM_WORLD.Get_size()
     auto, predicted = args.layout == "auto", None
     if auto and args.backend == "jax":
@@ -726,9 +750,9 @@ def main(argv=None) -> None:
         raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
                          "devices JAX sees")
     if args.backend == "jax":  # record on 1 rank per process, replay on the jax mesh (transformer_jax.py)
-        if cfg.dtype == "float16":
-            raise UsageError("--dtype float16 needs --backend mpi: its loss scaling decides on the host whether "
-                             "to skip each step, which a replay cannot; use --dtype bfloat16")
+        for flag in ("eager", "profile"):
+            if getattr(args, flag) and mm.MPI.COMM_WORLD.Get_rank() == 0:
+                print(f"note: --{flag} is for --backend mpi; the JAX replay runs as XLA compiled it")
         helper = _jax_helper()
         jax_mesh = args.mesh or default_mesh(4)
         jm, across = helper.jax_mesh(jax_mesh)

@@ -175,19 +175,26 @@ def expected_allreduces(mesh: mm.Mesh, rules, s: Sizes, input_grad: bool = True)
     one layout. An allreduce over a mesh dim of size 1 sends nothing and is not counted. This
     gives the paper's Table 1 rows: [] -> 0; batch:all -> 2·d_io·d_h + d_h; hidden:all ->
     2·b·d_io; batch:rows;hidden:cols -> 2·b·d_io/r + 2·d_io·d_h/c + d_h/c; and with io:planes
-    added, 2·b·d_h/(r·c) + 2·b·d_io/(r·p) + 2·d_io·d_h/(p·c) + d_h/c.
+    added, 2·b·d_h/(r·c) + 2·b·d_io/(r·p) + 2·d_io·d_h/(p·c) + d_h/c. Where a split is uneven,
+    each quotient is rank 0's block size, rounded up (`_first`).
     """
     rules = mm.LayoutRules(rules)
     b, dio, dh = s.batch.size, s.io.size, s.hidden.size
     (rm, r), (cm, c), (pm, p) = (_split(mesh, rules, d) for d in ("batch", "hidden", "io"))
     out: Dict[str, int] = {}
     if p > 1:
-        out[f"allreduce/{pm}"] = 2 * b * dh // (r * c)
+        out[f"allreduce/{pm}"] = 2 * _first(b, r) * _first(dh, c)
     if c > 1:
-        out[f"allreduce/{cm}"] = (2 if input_grad else 1) * b * dio // (r * p)
+        out[f"allreduce/{cm}"] = (2 if input_grad else 1) * _first(b, r) * _first(dio, p)
     if r > 1:
-        out[f"allreduce/{rm}"] = 2 * dio * dh // (p * c) + dh // c
+        out[f"allreduce/{rm}"] = 2 * _first(dio, p) * _first(dh, c) + _first(dh, c)
     return out
+
+
+def _first(n: int, k: int) -> int:
+    """The size of the first block of a dim of size n split k ways: n/k where k divides n, else
+    rounded up (rank 0's, whose counters the app prints)."""
+    return -(-n // k)
 
 
 def table1_formula(mesh: mm.Mesh, rules, input_grad: bool = True) -> str:
@@ -217,8 +224,9 @@ def measured_elements(prof) -> tuple[int, Dict[str, dict]]:
 
 # ---------------------------------------------------------------- the demo
 
-def run_layout(rules: str, s: Sizes, args, comm_size: int) -> None:
-    """One profiled step, then `args.steps` timed steps, under `rules`; rank 0 prints."""
+def run_layout(rules: str, s: Sizes, args, comm_size: int, asked: bool = False) -> None:
+    """One profiled step, then `args.steps` timed steps, under `rules`; rank 0 prints. Rules the
+    mesh cannot take are skipped, or refused where the user `asked` for them (--layouts)."""
     shape = mesh_shape_for(rules, comm_size)
     mesh = mm.Mesh(shape)
     say = print if mesh.rank == 0 else (lambda *a, **k: None)
@@ -228,6 +236,8 @@ def run_layout(rules: str, s: Sizes, args, comm_size: int) -> None:
         with mm.layout_scope(mesh, rules):
             mesh.plan(mm.Shape(list(s)))  # mesh dims known, each used once
     except mm.LayoutError as e:
+        if asked:
+            raise UsageError(f"--layouts {rules!r}: {e}") from None
         say(f"   skipped: {e}")
         return
     with mm.layout_scope(mesh, rules):
@@ -250,8 +260,10 @@ def run_layout(rules: str, s: Sizes, args, comm_size: int) -> None:
     total, comm = measured_elements(prof)
     expected = sum(expected_allreduces(mesh, rules, s, args.input_grad).values())
     detail = "; ".join(f"{k} {v['elements']:,} in {v['calls']} calls" for k, v in sorted(comm.items()))
-    sizes = ", ".join(f"{sym}={mesh.shape[m].size}" for sym, d in (("r", "batch"), ("c", "hidden"), ("p", "io"))
-                      for m in [mm.LayoutRules(rules).mesh_dim(d)] if m)
+    split = [(sym, s_.size, mesh.shape[m].size) for sym, s_ in (("r", s.batch), ("c", s.hidden), ("p", s.io))
+             for m in [mm.LayoutRules(rules).mesh_dim(s_.name)] if m]
+    sizes = ", ".join(f"{sym}={k}" for sym, _, k in split) + (
+        "; uneven: rank 0's blocks, rounded up" if any(n % k for _, n, k in split) else "")
     say(f"   allreduced elements per processor, one step: {total:,} measured"
         + (f"  [{detail}]" if detail else ""))
     say(f"   Table 1: {table1_formula(mesh, rules, args.input_grad)} = {expected:,}"
@@ -299,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"float32, {n} ranks, lr={args.lr:g}, input gradient {'on' if args.input_grad else 'off'}\n"
               f"{mm.threads.describe()}")
     for rules in layouts:
-        run_layout(rules, s, args, n)
+        run_layout(rules, s, args, n, asked=args.layouts is not None)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,11 @@ def _one_line(proc: subprocess.CompletedProcess, *words: str) -> str:
     (["--warmup", "-3"], ["--warmup -3", "at least 0"]),
     (["--seed", "-1"], ["--seed -1", "at least 0"]),
     (["--recalibrate"], ["--recalibrate needs --layout auto"]),
-    (["--resume", "-1", "--checkpoint", "ck"], ["--resume -1", "--resume ./-1"])])
+    (["--resume", "-1", "--checkpoint", "ck"], ["--resume -1", "--resume ./-1"]),
+    (["--optimizer", "adam", "--lr", "-1"], ["--lr -1.0", "finite number >= 0"]),
+    (["--lr", "nan"], ["--lr nan", "finite number >= 0"]),
+    (["--checkpoint", "/proc/mpimesh-nowhere"], ["--checkpoint '/proc/mpimesh-nowhere'", "cannot write there",
+                                                 "rank 0: No such file or directory"])])
 def test_transformer_refuses_bad_values_naming_the_flag(args, words):
     _one_line(_run("transformer", *TINY, "--steps", "1", *args), *words)
 
@@ -189,6 +193,7 @@ def test_transformer_flags_that_change_nothing_say_so():
     ("two_layer", ["--lr", "-1"], ["--lr -1.0", "above 0"]),
     ("two_layer", ["--lr", "nan"], ["--lr nan", "finite"]),
     ("two_layer", ["--d-hidden", "0"], ["--d-hidden 0", "at least 1"]),
+    ("two_layer", ["--layouts", "batch:rows;hidden:rows"], ["--layouts 'batch:rows;hidden:rows'", "both laid out"]),
     ("segment", ["--noise", "-1"], ["--noise -1.0", "at least 0"]),
     ("segment", ["--seed", "-2"], ["--seed -2", "at least 0"])])
 def test_two_layer_and_segment_refuse_bad_values(app, args, words):
@@ -207,6 +212,17 @@ def test_two_layer_given_layout_runs():
                 "--layouts", "batch:rows;hidden:cols")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "MATCH" in proc.stdout and "skipped" not in proc.stdout
+
+
+def test_two_layer_table_1_counts_uneven_blocks():
+    """Sizes the mesh does not divide: Table 1's quotients are rank 0's blocks (rounded up), which
+    its counters measure (it said MISMATCH, 1,185 measured against 1,152)."""
+    proc = _run("two_layer", "--batch", "5", "--d-io", "16", "--d-hidden", "65", "--steps", "1",
+                "--layouts", "batch:rows;hidden:cols", "batch:rows;hidden:cols;io:planes", ranks=4)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tables = [line for line in proc.stdout.splitlines() if "Table 1:" in line]
+    assert len(tables) == 2 and all(line.endswith("MATCH") and "MISMATCH" not in line for line in tables), tables
+    assert "= 1,185  (r=2, c=2; uneven: rank 0's blocks, rounded up)" in tables[0], tables
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:

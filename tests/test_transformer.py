@@ -339,3 +339,15 @@ def test_jax_backend_equals_eager_steps(corpus):
     assert int(state["step"].to_numpy()) == 3
     for name in ("embed/weights", "layer0/ffn/wi/kernel"):
         np.testing.assert_allclose(got[name].to_numpy(), eager_params[name].to_numpy(), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adafactor"])
+def test_a_learning_rate_of_0_changes_nothing(optimizer):
+    """--lr 0 is a learning rate, not "the default" (Adam trained at 3e-3 with it)."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    opt = T.make_optimizer(T.Config(optimizer=optimizer, lr=0.0))
+    params = {"w": mesh.from_numpy(np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4), "a:3;b:4")}
+    state = opt.init(params)
+    for k in range(3):
+        new, state = opt.update(params, {"w": mesh.full("a:3;b:4", 0.5 + k, "float32")}, state)
+        assert new["w"].to_numpy().tobytes() == params["w"].to_numpy().tobytes(), k
