@@ -1,7 +1,7 @@
 """`mm.compile(fn, donate_argnums=...)`: a step given its parameters and optimizer state updates
 them in place on a replay (their blocks hold the new values: no new arrays), with eager's values
-bitwise over several steps, for SGD written with `mm.axpy`, fused SGD with momentum and fused
-AdamW, on 1-D/2-D/3-D meshes with uneven blocks; a donated tensor raises wherever it is used
+bitwise over several steps, for SGD written with `mm.axpy`, fused SGD with momentum, fused
+AdamW and Adafactor (its parameters; its slots are new arrays), on 1-D/2-D/3-D meshes with uneven blocks; a donated tensor raises wherever it is used
 afterwards; a block something else still sees (another argument, a result, a view, the caller's
 own array) is never written; bad `donate_argnums` are refused with a clear error."""
 from __future__ import annotations
@@ -58,12 +58,12 @@ def _locals(tree) -> list:
 
 @pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("optimizer", ["axpy", "sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["axpy", "sgd", "adamw", "adafactor"])
 def test_a_donated_step_updates_in_place_with_eagers_values(shape, dtype, optimizer):
     mesh = get_mesh(shape)
     rules = ";".join(f"{d}:{m}" for d, m in zip(("batch", "hidden", "io"), big(mesh)))  # uneven on 4 and 8
-    opt = {"axpy": None, "sgd": mm.optim.SGD(0.05, momentum=0.9),
-           "adamw": mm.optim.Adam(1e-2, weight_decay=0.1)}[optimizer]
+    opt = {"axpy": None, "sgd": mm.optim.SGD(0.05, momentum=0.9), "adamw": mm.optim.Adam(1e-2, weight_decay=0.1),
+           "adafactor": mm.optim.Adafactor(beta1=0.9)}[optimizer]
     with mm.layout_scope(mesh, rules):
         def fresh():
             params = {n: mm.cast(mesh.from_numpy(global_array(s, i, np.float64), s), dtype)
@@ -76,12 +76,13 @@ def test_a_donated_step_updates_in_place_with_eagers_values(shape, dtype, optimi
             y = mm.cast(mesh.from_numpy(global_array("batch:12;io:6", 50 + k, np.float64), "batch:12;io:6"), dtype)
             *eager, eager_loss = plain(*eager, x, y)
             given = donated
-            before = _blocks(list(given))
+            before = _blocks(list(given) if optimizer != "adafactor" else given[0])  # (its slots: new arrays)
             *donated, loss = step(*donated, x, y)
             assert loss.local.tobytes() == eager_loss.local.tobytes(), f"loss at step {k}"
             assert [(a.dtype, a.tobytes()) for a in _locals(eager)] == \
                 [(a.dtype, a.tobytes()) for a in _locals(donated)], f"params and state at step {k}"
-            in_place = [r() is a for r, a in zip(before, _locals(donated))]
+            in_place = [r() is a for r, a in zip(before, _locals(list(donated) if optimizer != "adafactor"
+                                                             else donated[0]))]
             assert all(in_place) if k else not any(in_place), (k, in_place)  # (step 0 records eagerly)
             with pytest.raises(mm.MpimeshError, match="donated to the compiled step step"):
                 given[0]["w1"] + 1.0

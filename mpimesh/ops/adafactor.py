@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..backend import is_eager
 from ..errors import MpimeshError
 from ..trace import dispatch
 from .relayout import to_layout
@@ -64,7 +65,9 @@ def adafactor_update(groups: Sequence[tuple], factored: Sequence[Optional[tuple]
     options = (beta1, clip, scale_by_rms, epsilon1, epsilon2, dtype)
     lr_in, decay_in = hasattr(lr, "tensor_layout"), hasattr(decay, "tensor_layout")
 
-    def lower(ctx, *arrays):
+    firsts = [sum(1 + plan.n_slots for plan in plans[:j]) for j in range(len(plans))]  # each new p's output
+
+    def lower(ctx, *arrays, into=()):
         xp = ctx.xp
         i = len(shared)
         rates = list(arrays[:i])
@@ -74,8 +77,10 @@ def adafactor_update(groups: Sequence[tuple], factored: Sequence[Optional[tuple]
         for plan, k in zip(plans, sizes):
             parts.append(arrays[i:i + k])
             i += k
-        out = _update(ctx, xp, plans, parts, lr_v, decay_v, options)
+        over = [j in into for j in firsts]  # (a donated p's block takes its new value: `mpimesh.compiled`)
+        out = _update(ctx, xp, plans, parts, lr_v, decay_v, options, over)
         return tuple(out) if len(out) > 1 else out[0]
+    lower.into = {j: len(shared) + sum(sizes[:g]) for g, j in enumerate(firsts)}
     flops = 16 * sum(math.prod(g[0].local.shape) for g in groups)
     widest = max(math.prod(g[0].local.shape) * np.dtype(dtype or g[0].dtype).itemsize * 3 for g in groups)
     params = {"beta1": beta1, "clipping_threshold": clip, "multiply_by_parameter_scale": scale_by_rms,
@@ -151,7 +156,7 @@ class _Sums:
         return self.done[key[0]][key[1]]
 
 
-def _update(ctx, xp, plans, parts, lr, decay, options) -> list:
+def _update(ctx, xp, plans, parts, lr, decay, options, over) -> list:
     beta1, clip, scale_by_rms, eps1, eps2, dtype = options
     one = 1.0 - decay
     first = _Sums(ctx, xp)
@@ -194,7 +199,7 @@ def _update(ctx, xp, plans, parts, lr, decay, options) -> list:
             k["uu"] = third.add(xp.sum(_real(ctx, xp, u * u, plan.split)), plan.all_dims)
     third.run()
     out = []
-    for plan, k, (p_in, _, *slots) in zip(plans, keys, parts):
+    for plan, k, (p_in, _, *slots), mine in zip(plans, keys, parts, over):
         scale = lr
         if scale_by_rms:
             scale = lr * xp.maximum(xp.sqrt(first.get(k["pp"]) * (1.0 / plan.size)), eps2)
@@ -206,7 +211,10 @@ def _update(ctx, xp, plans, parts, lr, decay, options) -> list:
         if beta1:
             d = beta1 * slots[-1] + (1.0 - beta1) * d
             new_slots.append(d)
-        p1 = k["p"] - d
+        if mine and k["p"] is p_in and is_eager(xp):  # p - d rounded to p's dtype, as below, in p's block
+            p1 = xp.subtract(p_in, d, out=p_in)
+        else:
+            p1 = k["p"] - d
         out.append(p1.astype(p_in.dtype) if p1.dtype != p_in.dtype else p1)
         out += [s.astype(old.dtype) if s.dtype != old.dtype else s for s, old in zip(new_slots, slots)]
     return out
