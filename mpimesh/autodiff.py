@@ -147,7 +147,8 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     with Bucketer(leaves, limit, ops) as buckets:
         for y, seed in zip(ys, seeds):
             accumulate(y, seed)
-        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, release)
+        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, release,
+                    {id(x) for x in xs})
         _walk(ops, through, memory, st)
         buckets.finish()
     for x in xs:
@@ -163,9 +164,10 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
 class _State:
     """What one `gradients` walk shares with the walks of its remat regions' second runs."""
 
-    def __init__(self, tr, grads, reach, accumulate, terms, leaves, buckets, release):
+    def __init__(self, tr, grads, reach, accumulate, terms, leaves, buckets, release, wanted):
         self.tr, self.grads, self.reach, self.accumulate = tr, grads, reach, accumulate
         self.terms, self.leaves, self.buckets, self.release = terms, leaves, buckets, release
+        self.wanted = wanted  # the ids of the xs: their gradients stay where `gradients` reads them
         self.done: set = set()  # the remat regions whose backward has run
 
 
@@ -196,8 +198,8 @@ def _rematerialise(region, st: _State) -> None:
     """The backward pass of a remat region: run it again, hand its new outputs the gradients of the
     first run's, and walk the new ops back to the region's inputs."""
     outs, ops = region.run_again()
-    for old, new in zip(region.outputs, outs):
-        g = st.grads.pop(id(old), None)
+    for old, new in zip(region.outputs, outs):  # (an output among the xs keeps its gradient too)
+        g = st.grads.get(id(old)) if id(old) in st.wanted else st.grads.pop(id(old), None)
         if g is not None:
             st.grads[id(new)] = g
             st.reach.add(id(new))

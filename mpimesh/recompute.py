@@ -77,13 +77,14 @@ class Region:
     tensors it read from outside (held, so they stay until its backward pass), its outputs, and the
     signature of its ops (to check the second run against). `parent`: the region it ran in."""
 
-    __slots__ = ("fn", "args", "kwargs", "mesh", "rules", "inputs", "outputs", "flat", "ops", "parent")
+    __slots__ = ("fn", "args", "kwargs", "mesh", "rules", "inputs", "outputs", "flat", "ops", "parent", "forgotten")
 
     def __init__(self, fn, args, kwargs, parent):
         self.fn, self.args, self.kwargs, self.parent = fn, args, kwargs, parent
         self.mesh = next((t.mesh for t in tensors((args, kwargs))), None)
         self.rules = self.mesh.layout if self.mesh is not None else None
         self.inputs, self.outputs, self.flat, self.ops = [], [], [], []
+        self.forgotten = False
 
     def root(self) -> "Region":
         """The outermost region this one ran in (itself if none)."""
@@ -108,6 +109,11 @@ class Region:
     def run_again(self) -> tuple:
         """Run `fn` again under the layout rules it first ran under: `(outputs, ops)`, the new
         outputs in the order of `self.outputs` and the ops they took, recorded in the open traces."""
+        if self.forgotten:
+            raise MpimeshError(f"mm.remat({_name(self.fn)}): its inputs were let go by an earlier "
+                               f"mm.gradients(..., release=True), so it cannot run again for a second backward "
+                               f"pass; differentiate the first time without release=True (PyTorch's "
+                               f"retain_graph=True)")
         scope = layout_scope(self.mesh, self.rules) if self.mesh is not None else nullcontext()
         with scope, trace() as tr:
             out = self.fn(*self.args, **self.kwargs)
@@ -134,7 +140,7 @@ class Region:
 
     def forget(self) -> None:
         """Its backward pass is done and its values released: let its inputs go."""
-        self.args, self.kwargs, self.inputs = (), {}, []
+        self.args, self.kwargs, self.inputs, self.forgotten = (), {}, [], True
 
 
 def remat(fn: Callable) -> Callable:

@@ -178,6 +178,38 @@ def test_a_block_with_a_number_drawn_on_the_host_is_an_error():
         mm.remat(3)
 
 
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_gradients_with_respect_to_a_blocks_outputs(shape):
+    """A block's output among the xs (the hidden state between two remat blocks) gets its gradient,
+    bitwise the one without remat (it was zeros: the second run took it over)."""
+    mesh = get_mesh(shape)
+    d = mesh.shape.names[-1]
+    x = mesh.from_numpy(global_array("a:5;b:3", 1, np.float64), "a:5;b:3", layout={"a": d})
+    got = []
+    for wrap in (lambda f: f, mm.remat):
+        with mm.trace():
+            h = wrap(lambda t: mm.exp(t) * 0.5)(x)
+            y = wrap(lambda t: mm.sin(t) * t)(h)
+            loss = mm.reduce_sum(y * y)
+            got.append([g.to_numpy() for g in mm.gradients([loss], [y, h, x])])
+    hv = np.exp(x.to_numpy()) * 0.5
+    yv = np.sin(hv) * hv
+    np.testing.assert_allclose(got[0][1], 2 * yv * (np.cos(hv) * hv + np.sin(hv)), rtol=1e-12)
+    for a, b, what in zip(got[0], got[1], ("y", "h", "x")):
+        assert a.tobytes() == b.tobytes(), what
+
+
+def test_a_second_backward_after_release_is_a_clear_error():
+    mesh = get_mesh(mesh_shapes()[0])
+    x = mesh.ones("a:3", "float64")
+    with mm.trace():
+        loss = mm.reduce_sum(mm.remat(lambda t: mm.sin(mm.exp(t)))(x))
+        mm.gradients([loss], [x], release=True)
+        with pytest.raises(MpimeshError, match=r"mm.remat\(.*<lambda>\): its inputs were let go by an earlier "
+                                               r"mm.gradients\(..., release=True\).*retain_graph"):
+            mm.gradients([loss], [x])
+
+
 def test_outside_a_trace_a_plain_call():
     mesh = get_mesh(mesh_shapes()[0])
     x = mesh.from_numpy(np.array([0.0, 1.0]), "a:2")
