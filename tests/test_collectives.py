@@ -263,3 +263,71 @@ def test_counters_nested_profiles(mesh: mm.Mesh) -> None:
         assert inner.counters[f"allgather/{m}"] == {"calls": 1, "elements": 4, "bytes": 32}
         assert outer.counters[f"allgather/{m}"] == {"calls": 2, "elements": 8, "bytes": 64}
     assert len(inner.counters) == len(big) == len(outer.counters)
+
+
+def _everywhere(value) -> list:
+    return MPI.COMM_WORLD.allgather(value)
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_nans_bools_and_16_bit_edge_cases(shape):
+    """The same answers on every rank, numpy's: a max or min with a NaN on one rank (MPI's max
+    dropped or kept it by arrival order), bools in iallreduce and reduce_scatter (MPI has no sum
+    of bools), bfloat16 broadcast (mpi4py cannot export it), and a bad root a clear error."""
+    import ml_dtypes
+    mesh = get_mesh(shape)
+    coll, names = mesh.collectives, list(mesh.shape.names)
+    r, n = mesh.rank, mesh.size
+    for dt in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16):
+        x = np.array([float(r), float(-r), 1.0, 2.0]).astype(dt)
+        if r == n - 1:
+            x[2] = np.nan
+        got = [coll.allreduce(x, names, op).astype(np.float64).tolist() for op in ("max", "min")]
+        want = [[n - 1.0, 0.0, np.nan if n > 0 else 1.0, 2.0], [0.0, -(n - 1.0), np.nan, 2.0]]
+        for g in _everywhere(got):
+            assert np.array_equal(g, want, equal_nan=True), (dt, g, want)
+    flags = np.array([r == 0, False, True])
+    req = coll.iallreduce(flags, names)
+    assert req.wait().tolist() == [True, False, True] and req.result.dtype == bool
+    assert coll.iallreduce(flags, names, "min").wait().tolist() == [n == 1, False, True]
+    d = max(names, key=lambda m: mesh.shape[m].size)
+    k = mesh.shape[d].size
+    mine = np.array([mesh.coords[d] == 0, False, True])  # (True on one rank of each group along d)
+    scattered = coll.reduce_scatter(np.tile(mine[:, None], (1, 2 * k)).T.copy(), d, 0)
+    assert scattered.dtype == bool and scattered.shape == (2, 3) and scattered.tolist() == [[True, False, True]] * 2
+    b = coll.broadcast(np.full(3, r + 1.5, ml_dtypes.bfloat16), root=n - 1)
+    assert b.dtype == ml_dtypes.bfloat16 and b.astype(float).tolist() == [n + 0.5] * 3
+    for root in (n, -1, 1.0, True):
+        with pytest.raises(mm.MpimeshError, match=rf"broadcast: root must be a rank of the mesh, 0 to {n - 1}"):
+            coll.broadcast(np.arange(3.0), root=root)
+
+
+@pytest.mark.parametrize("size", [16, 300_000])  # (300,000 float32: summed through shared memory)
+def test_requests_waited_in_other_orders_pair_the_same_transfers(size):
+    """Rank 0 waits for a then b, the others for b then a: each gets its own sum (16-bit floats and
+    shared-memory sums complete in two steps: they were mixed up, or half summed)."""
+    import ml_dtypes
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}")
+    coll, r, n = mesh.collectives, mesh.rank, mesh.size
+    for dt in (np.float32, np.float16, ml_dtypes.bfloat16):
+        a, b = np.full(size, r + 1, dt), np.full(size, 10 * (r + 1), dt)
+        ra, rb = coll.iallreduce(a, ["all"]), coll.iallreduce(b, ["all"])
+        first, second = (ra, rb) if r == 0 else (rb, ra)
+        first.wait()
+        second.wait()
+        assert np.all(ra.result.astype(np.float64) == n * (n + 1) / 2), (dt, ra.result[:3])
+        assert np.all(rb.result.astype(np.float64) == 10 * n * (n + 1) / 2), (dt, rb.result[:3])
+
+
+def test_the_spmd_check_takes_a_16_bit_sum_to_a_scalar():
+    """The check compared the ranks' pieces of the 16-bit allgather (1 element against 0) instead
+    of the 0-d shape, and aborted a correct program."""
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}")
+    t = mesh.from_numpy(np.arange(8, dtype=np.float16), "b:8", layout="b:all")
+    old = guard._settings["check"]
+    mm.set_spmd_check(True)
+    try:
+        assert float(mm.reduce_sum(t).to_numpy()) == 28.0
+        assert float(mm.reduce_sum(mm.cast(t, "bfloat16")).to_numpy()) == 28.0
+    finally:
+        mm.set_spmd_check(old)

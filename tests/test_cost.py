@@ -361,6 +361,22 @@ def test_calibrate_agrees_on_every_rank():
         mm.cost.calibrate(DryMesh("x:2"))
 
 
+def test_a_noisy_latency_does_not_price_a_link_as_free(monkeypatch):
+    """α measured as long as the 4 MiB allreduce itself (a busy node) gave 4e15 B/s; β now counts at
+    least half the allreduce's time: 2 x its bytes over that time, at most."""
+    import importlib
+    cal = importlib.import_module("mpimesh.cost.calibrate")  # (the package's `calibrate` is the function)
+    mesh = mm.Mesh(f"all:{WORLD.Get_size()}")
+    if mesh.size == 1:
+        pytest.skip("no link on 1 rank")
+    t_large = 2e-3
+    monkeypatch.setattr(cal._Probe, "measure", lambda self, reps: np.array([1e-2, 1e-3, 1e-5, 2e-5, 5e-3,
+                                                                            t_large, t_large]))
+    m = mm.cost.calibrate(mesh, seconds=0.1, rounds=1)
+    moved = 2 * (mesh.size - 1) / mesh.size * 4 * (1 << 20)
+    assert m.links[0][2] == pytest.approx(moved / (0.5 * t_large)) and m.bandwidth == m.links[0][2]
+
+
 def _toy_step(x, w):
     return mm.reduce_sum(mm.relu(mm.einsum([x, w])))
 

@@ -38,6 +38,7 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
+from ..backend import accumulation_dtype, is_eager, is_float
 from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
 from ..shape import Shape
@@ -63,6 +64,20 @@ class CollectivesLike(Protocol):
     def permute(self, x, mesh_dim: str, offset: int, wrap: bool = True, out=None): ...
     def exscan(self, x, mesh_dim: str, op: str = "sum"): ...
     def any_rank(self, flag: bool) -> bool: ...
+
+
+def ordered_bits(xp, x):
+    """IEEE floats' bits as signed integers that sort as the floats do (a negative float's
+    magnitude bits flipped), or those integers back to the bits (the map is its own inverse).
+
+    >>> f = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1.0, np.inf, np.nan], np.float32)
+    >>> k = ordered_bits(np, f)
+    >>> bool(np.all(np.diff(k) > 0)), np.array_equal(ordered_bits(np, k).view(np.float32), f, equal_nan=True)
+    (True, True)
+    """
+    ints = x if np.dtype(x.dtype).kind == "i" else x.view({4: np.int32, 8: np.int64}[np.dtype(x.dtype).itemsize])
+    flip = xp.asarray(np.iinfo(ints.dtype).max, ints.dtype)
+    return xp.where(ints < 0, ints ^ flip, ints)
 
 
 class Request:
@@ -260,9 +275,24 @@ class Collectives:
         if x.dtype == bool:  # MPI has no sum, max or min of bools: as bytes, a sum or max is an or, a min an and
             r = self._allreduce(x.astype(self.xp.uint8), dims, "min" if op == "min" else "max").astype(bool)
             return r if out is None else _copy(out, r)
+        if op != "sum" and is_float(x.dtype) and is_eager(self.xp):
+            r = self._extreme(x, dims, op)
+            return r if out is None else _copy(out, r)
         if out is None:
             return self._allreduce(x, dims, op)
         return self._into(out, x, lambda o: self._allreduce(x, dims, op, **o), in_place=True)
+
+    def _extreme(self, x, dims: tuple, op: str):
+        """The max (min) of floats over the ranks of `dims`, NaN where any rank's is, as numpy's:
+        MPI's max and min keep or drop a NaN by the order they meet it in, so the ranks would
+        disagree. The floats travel as integers in the same order (`ordered_bits`; 16-bit floats as
+        float32's: NCCL has no int16), a NaN above every number for max, below for min."""
+        xp, dt = self.xp, x.dtype
+        y = xp.asarray(x, accumulation_dtype(dt))
+        nan = xp.asarray(np.nan if op == "max" else -np.nan, y.dtype)  # (the sign bit of a NaN orders it)
+        back = ordered_bits(xp, self._allreduce(ordered_bits(xp, xp.where(xp.isnan(y), nan, y)), dims, op))
+        back = back.view(y.dtype)
+        return xp.where(xp.isnan(back), xp.asarray(np.nan, y.dtype), back).astype(dt, copy=False)
 
     def _allreduce_rounded(self, x, dims: tuple, op: str, dtype):
         """`allreduce(x, dims, op, dtype=dtype)` over more than one rank: here the reduction at x's
@@ -273,13 +303,21 @@ class Collectives:
         """Start `allreduce(x, mesh_dims, op, out)` without waiting: a `Request` that owns `x` and the
         result buffer, whose `wait()` gives the result (`test()` polls). Counted in the profile as
         the allreduce it is, and, once complete, in its `overlap` (see `Overlapped`). Every rank of
-        the group starts its requests in the same order; `x` (and `out`) must not change until completion."""
+        the group starts its requests in the same order; `x` (and `out`) must not change until completion.
+        On the MPI transports an allreduce of 16-bit floats, or one summed through shared memory,
+        takes two steps, and the second starts only in a `wait()` (a point every rank reaches in
+        order): its `test()` says False until then. Its requests may be waited for in any order
+        between the same two other collectives; bools reduce as bytes (an or; min: an and)."""
         dims = self.ordered(mesh_dims)
         if out is not None:
             self._check_out(out, x, x.shape, "iallreduce")
         if self.size(dims) == 1:
             done = x if out is None else _copy(out, x)
             return Request(lambda: True, lambda: None, then=lambda: done)
+        if x.dtype == bool:  # as bytes (see `allreduce`)
+            r = self._iallreduce(x.astype(self.xp.uint8), dims, "min" if op == "min" else "max")
+            return Request(r.test, r.wait, then=lambda: r.result.astype(bool) if out is None
+                           else _copy(out, r.result.astype(bool)))
         if out is None or not self.fills_out or not _fits(self.xp, out, x, True):
             return self._iallreduce(x, dims, op) if out is None else _copied(self._iallreduce(x, dims, op), out)
         return self._iallreduce(x, dims, op, out=out)
@@ -355,6 +393,9 @@ class Collectives:
             if out is not None:
                 self._check_out(out, x, x.shape, "reduce_scatter")
             return x if out is None else _copy(out, x)
+        if x.dtype == bool:  # as bytes (see `allreduce`)
+            r = self.reduce_scatter(x.astype(self.xp.uint8), mesh_dim, axis, "min" if op == "min" else "max")
+            return r.astype(bool) if out is None else _copy(out, r.astype(bool))
         n = x.shape[axis]
         blocks = (n // k,) * k if n % k == 0 else block_sizes(n, k)
         if out is None:

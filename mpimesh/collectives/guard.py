@@ -149,7 +149,7 @@ class Guard:
         if self.watch.abandoned:  # its pending transfer would match this rank's next one
             self._refuse_abandoned()
         self.seq += 1
-        self._op = self.watch.op = (self.seq, kind, dims, x.dtype, shape or tuple(x.shape), detail)
+        self._op = self.watch.op = (self.seq, kind, dims, x.dtype, tuple(x.shape) if shape is None else shape, detail)
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()
 

@@ -104,18 +104,25 @@ class _TwoStep(Request):
     the second (reduce, then the allgather; the sum, then a barrier) starts in `start_second`, which the
     owner calls where every rank of the group does (its `wait`), never inside a `test()` poll, so
     that every rank starts its collectives in the same order. Until then `test()` only lets the
-    alltoall progress and says False."""
+    alltoall progress and says False. The second steps start in the order the requests started
+    (`queue`, the transport's): waiting for a later request first starts the earlier ones', so ranks
+    that wait for their requests in different orders still pair the same transfers."""
 
-    __slots__ = ("_first", "_second", "_req")
+    __slots__ = ("_first", "_second", "_req", "_queue")
 
-    def __init__(self, first: Request, second):
+    def __init__(self, first: Request, second, queue: list):
         super().__init__(None, None)  # no bound methods of its own: a cycle would keep the buffers until a GC
-        self._first, self._second, self._req = first, second, None
+        self._first, self._second, self._req, self._queue = first, second, None, queue
+        queue.append(self)  # (until its second step starts)
 
     def start_second(self) -> None:
-        if self._req is None:
-            self._req = self._second()
-            self._first = self._second = None  # the buffers they hold can go once the transfer has
+        while self._req is None:
+            self._queue[0]._begin()
+
+    def _begin(self) -> None:
+        self._queue.pop(0)  # (itself)
+        self._req = self._second()
+        self._first = self._second = self._queue = None  # the buffers they hold can go once the transfer has
 
     def test(self) -> bool:
         if not self._done:
@@ -148,6 +155,7 @@ class MpiCollectives(Collectives):
         self._host_pool = BufferPool(np) if self._device else self.pool
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
         self._shm_groups: dict[tuple, bool] = {}  # whether the group over dims sums through shared memory
+        self._two_steps: list = []  # the two-step allreduces whose second step has not started, in start order
 
     def _on(self, x):
         """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
@@ -254,7 +262,7 @@ class MpiCollectives(Collectives):
                 self._complete(records, dims)
                 req = run.second()
                 return Request(req.Test, req.Wait)
-            return _TwoStep(records, second)
+            return _TwoStep(records, second, self._two_steps)
         return self._post(kind, dims, send, recv, **kw)
 
     def _complete(self, req: Request, dims: tuple) -> None:
@@ -349,7 +357,7 @@ class MpiCollectives(Collectives):
         x = contiguous(self._on(x)[0], x)
         out = self._result(x, dims, op) if out is None else out
         if is_low_precision(x.dtype) and x.size:
-            req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"))
+            req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"), self._two_steps)
         else:
             req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
 
@@ -480,6 +488,8 @@ class MpiCollectives(Collectives):
         """A copy of mesh rank `root`'s numpy array `x` on every rank (into `out`, a C-contiguous
         numpy array of x's shape and dtype, where given); every rank passes an array of the same shape
         and dtype. For small control values (names, flags); like `any_rank`, not counted."""
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.mesh.size:
+            raise MpimeshError(f"broadcast: root must be a rank of the mesh, 0 to {self.mesh.size - 1}, got {root!r}")
         if out is None:
             out = np.array(x, copy=True, order="C")
         else:
@@ -490,5 +500,6 @@ class MpiCollectives(Collectives):
             out[...] = x
         if self.mesh.size > 1:  # (polled, as any_rank)
             self.guard.enter("broadcast", tuple(self.mesh.shape.names), out, f" from rank {root}")
-            self.guard.wait_mpi(self.guard.comm.Ibcast(out, root=root), None)
+            words = out.view(wire_dtype(out.dtype)) if is_low_precision(out.dtype) else out  # (mpi4py: no bfloat16)
+            self.guard.wait_mpi(self.guard.comm.Ibcast(words, root=root), None)
         return out

@@ -43,11 +43,12 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
     of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
     call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
     cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
-    2(k-1)/k of its bytes in the time beyond α). The ranks agree on the slowest rank's figure for
-    each (an allreduce max over the mesh). The MLP step is then priced with the compute figures,
-    and all of them are scaled by its measured time over that price (clipped to 0.5 to 4: what
-    the parts miss, e.g. the load of a shared node). `memory` is the host's (or the GPU's) free
-    memory over the ranks on it, at most.
+    2(k-1)/k of its bytes in the time beyond α, taken as at least half its time: on a busy node α
+    can come out as long as the whole allreduce, which priced the link as free, 4e15 B/s). The ranks
+    agree on the slowest rank's figure for each (an allreduce max over the mesh). The MLP step is
+    then priced with the compute figures, and all of them are scaled by its measured time over that
+    price (clipped to 0.5 to 4: what the parts miss, e.g. the load of a shared node). `memory` is
+    the host's (or the GPU's) free memory over the ranks on it, at most.
 
     Robustness: one untimed pass first (warm caches, allocators, sub-communicators), then `rounds`
     timed passes of medians, each figure the median over the rounds; `seconds` bounds the whole,
@@ -79,7 +80,7 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
         alpha, t_large = max(values[5 + 2 * i], 1e-7), values[6 + 2 * i]
         k = mesh.shape[d].size
         moved = 2 * (k - 1) / k * 4 * (1 << 20)
-        links.append((d, alpha, moved / max(t_large - alpha, 1e-9)))
+        links.append((d, alpha, moved / max(t_large - alpha, 0.5 * t_large, 1e-9)))  # (see the docstring)
     latency = max((a for _, a, _ in links), default=1e-6)
     bandwidth = min((b for _, _, b in links), default=1e12)
     parts = Machine(flops=flops, latency=latency, bandwidth=bandwidth, memory=memory, memory_bandwidth=mem_bw,

@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..backend import accumulation_dtype, is_eager, is_float
+from ..backend import accumulation_dtype
 from ..errors import DTypeError, ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..tensor import tensor_arg
@@ -101,38 +101,10 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
 
 def _extreme(op: str):
     def kernel(ctx, a, axes, mesh_dims):
-        """The max (min) over `axes` and the ranks of `mesh_dims`; NaN where any rank's block has
-        one, as numpy's. MPI's max and min keep or drop a NaN by the order they meet it in, so the
-        ranks would disagree: floats travel as integers in the same order (`_ordered`), a NaN
-        above every number for max, below for min."""
-        xp = ctx.xp
-        y = local_extreme(xp, a, axes, op)
-        if not mesh_dims or not is_eager(xp) or not is_float(y.dtype):
-            return ctx.allreduce(y, mesh_dims, op)  # (XLA's max and min keep NaNs)
-        dt = y.dtype
-        y = xp.asarray(y, accumulation_dtype(dt))  # (16-bit floats as float32: NCCL has no int16)
-        nan = xp.asarray(np.nan if op == "max" else -np.nan, y.dtype)  # (the sign bit of a NaN orders it)
-        key = _ordered(xp, xp.where(xp.isnan(y), nan, y))
-        back = _ordered(xp, ctx.allreduce(key, mesh_dims, op)).view(y.dtype)
-        return xp.where(xp.isnan(back), xp.asarray(np.nan, y.dtype), back).astype(dt)
+        """The max (min) over `axes` and the ranks of `mesh_dims` (NaN where any rank's block has
+        one: the collectives' max and min carry it, `Collectives._extreme`)."""
+        return ctx.allreduce(local_extreme(ctx.xp, a, axes, op), mesh_dims, op)
     return kernel
-
-
-_INTS = {4: np.int32, 8: np.int64}
-
-
-def _ordered(xp, x):
-    """IEEE floats' bits as signed integers that sort as the floats do (a negative float's
-    magnitude bits flipped), or those integers back to the bits (the map is its own inverse).
-
-    >>> f = np.array([-np.inf, -2.0, -1.0, -0.0, 0.0, 1.0, np.inf, np.nan], np.float32)
-    >>> k = _ordered(np, f)
-    >>> bool(np.all(np.diff(k) > 0)), np.array_equal(_ordered(np, k).view(np.float32), f, equal_nan=True)
-    (True, True)
-    """
-    ints = x if np.dtype(x.dtype).kind == "i" else x.view(_INTS[np.dtype(x.dtype).itemsize])
-    flip = xp.asarray(np.iinfo(ints.dtype).max, ints.dtype)
-    return xp.where(ints < 0, ints ^ flip, ints)
 
 
 _max, _min = _extreme("max"), _extreme("min")
