@@ -498,6 +498,9 @@ def _read_block(root: str, spec: dict, bounds: tuple, files: dict) -> np.ndarray
     return local
 
 
+MAX_RANKS = 1 << 24  # an index naming a larger mesh is damaged (its slices would be enumerated)
+
+
 def _parse_index(text: str, where: str) -> list[dict]:
     """Validate the index: a list of tensor specs (with Shape and dtype parsed), else CheckpointError."""
     def bad(msg: str) -> CheckpointError:
@@ -514,6 +517,8 @@ def _parse_index(text: str, where: str) -> list[dict]:
     try:
         mesh_shape = Shape([tuple(p) for p in index["mesh"]])
         files = {str(k): int(v) for k, v in index["files"].items()}
+        if mesh_shape.size > MAX_RANKS:
+            raise bad(f"mesh {mesh_shape} has {mesh_shape.size} processors, more than {MAX_RANKS}")
         specs, names = [], set()
         for t in index["tensors"]:
             name = t["name"]
@@ -531,8 +536,9 @@ def _parse_index(text: str, where: str) -> list[dict]:
                           f"{t['layout']} on mesh {mesh_shape} gives {len(want)}")
             for s, (_, bounds) in zip(t["slices"], want):
                 fields = {k: s[k] for k in ("offset", "shape", "byte_offset", "nbytes", "crc32")}
-                wrong = next((k for k, v in fields.items()
-                              if not all(type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v]))), None)
+                wrong = next((k for k, v in fields.items()  # (lists of ints: offset, shape, crc32; else one int)
+                              if isinstance(v, list) != (k in ("offset", "shape", "crc32"))
+                              or not all(type(i) is int and i >= 0 for i in (v if isinstance(v, list) else [v]))), None)
                 if wrong:
                     raise bad(f"tensor {name!r}: slice {s['offset']}: {wrong} is {s[wrong]!r}, expected ints >= 0")
                 n = math.prod(s["shape"])
@@ -543,11 +549,11 @@ def _parse_index(text: str, where: str) -> list[dict]:
                               f"does not match shape {shape}, dtype {dtype} and layout {t['layout']}")
             specs.append({"name": name, "shape": shape, "dtype": dtype, "chunk_elements": ce,
                           "slices": t["slices"], "_files": files})
+        _check_files(specs, files, bad)
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise bad(f"malformed entry ({type(e).__name__}: {e})") from None
-    _check_files(specs, files, bad)
+    except (KeyError, TypeError, ValueError, AttributeError, SyntaxError, OverflowError) as e:  # (SyntaxError:
+        raise bad(f"malformed entry ({type(e).__name__}: {e})") from None                     # a dtype string)
     return specs
 
 
@@ -652,21 +658,23 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
     mesh = _items_and_mesh(tensors, mesh)[1]
     steps(root, mesh)  # refuses a directory of other things before writing into it
     save(path, tensors, mesh=mesh, chunk_bytes=chunk_bytes)
-    prune(root, mesh, keep)
+    prune(root, mesh, keep, new=step)
     return path
 
 
-def prune(root: str, mesh, keep: int) -> None:
+def prune(root: str, mesh, keep: int, new: Optional[int] = None) -> None:
     """Delete all but the newest `keep` complete checkpoints in `root` and the leftovers of
     interrupted saves (rank 0 deletes; a collective). Each checkpoint is first renamed to a
     leftover name, so an interrupted deletion never leaves a partial `step-*` directory. `keep` is an
-    int >= 0 (0: delete them all)."""
+    int >= 0 (0: delete them all). `new`: a step just saved, kept whatever its number, with the
+    newest `keep - 1` others (a run resumed from an older step saves below the newest)."""
     root, mesh, keep = _path(root, "root"), _mesh(mesh), _int(keep, "keep", 0)
     err = None
     if mesh.rank == 0:
         try:
             done, leftovers = _scan(root)
-            for step in done[:max(0, len(done) - keep)]:
+            others = [s for s in done if s != new]
+            for step in others[:max(0, len(others) - (keep if new is None else keep - 1))]:
                 old = f".step-{step:08d}.old-{secrets.token_hex(8)}"
                 os.replace(step_path(root, step), os.path.join(root, old))
                 leftovers.append(old)

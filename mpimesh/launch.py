@@ -8,8 +8,9 @@ runs ``mpiexec -n 4 <this python> apps/transformer.py --steps 10`` with ``MPIEXE
 The launcher beside ``sys.executable`` (where ``pip install mpich`` puts it) wins over one on PATH.
 
 Across machines, ``--hostfile FILE`` (one host per line, ``host`` or ``host:slots`` as MPICH writes
-it, ``host slots=N`` as Open MPI does) is handed to the launcher in its own spelling (MPICH's
-``-f``, Open MPI's ``--hostfile``); ``--launcher-args "..."`` adds options of its own (MPICH's
+it, ``host slots=N`` as Open MPI does) is handed to the launcher as a host list in its own
+spelling (MPICH's ``-hosts a:2,b:4``, Open MPI's ``--host a:2,b:4``), so either file works with
+either launcher; ``--launcher-args "..."`` adds options of its own (MPICH's
 ``-launcher ssh -launcher-exec PROGRAM``, ``-iface eth0``). See launch/README.md.
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ def find_mpiexec() -> str:
     return found
 
 
+MAX_SLOTS = 1 << 20  # more on one host is a typo (MPICH's launcher spun forever on 10**20)
+
+
 def read_hostfile(path: str) -> List[tuple]:
     r"""`[(host, slots), ...]` of a hostfile (`host`, `host:slots` or `host slots=N` lines; `#`
     comments), or a ValueError naming the file and line.
@@ -59,10 +63,10 @@ def read_hostfile(path: str) -> List[tuple]:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        m = re.fullmatch(r"([\w.\-]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?(?:\s+.*)?", line)
-        if m is None or (m.group(2) or m.group(3) or "1") == "0":
+        m = re.fullmatch(r"([\w.\-]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?", line)
+        if m is None or not 1 <= int(m.group(2) or m.group(3) or 1) <= MAX_SLOTS:
             raise ValueError(f"hostfile {path!r} line {number}: {line!r} is not `host`, `host:slots` or "
-                             f"`host slots=N` (slots at least 1)")
+                             f"`host slots=N` (slots from 1 to {MAX_SLOTS}, nothing after them)")
         hosts.append((m.group(1), int(m.group(2) or m.group(3) or 1)))
     if not hosts:
         raise ValueError(f"hostfile {path!r} lists no hosts")
@@ -80,9 +84,12 @@ def is_open_mpi(mpiexec: str) -> bool:
     return "Open MPI" in version or "OpenRTE" in version
 
 
-def hostfile_args(mpiexec: str, path: str) -> List[str]:
-    """The launcher's options for hostfile `path`: Open MPI's `--hostfile`, else MPICH's `-f`."""
-    return ["--hostfile", path] if is_open_mpi(mpiexec) else ["-f", path]
+def hostfile_args(mpiexec: str, hosts: List[tuple]) -> List[str]:
+    """The launcher's options for the `(host, slots)` of a hostfile, whichever syntax the file used:
+    Open MPI's `--host a:2,b:4`, else MPICH's `-hosts a:2,b:4` (MPICH's own hostfile reader does not
+    take Open MPI's `host slots=N` lines)."""
+    listed = ",".join(f"{host}:{slots}" for host, slots in hosts)
+    return ["--host", listed] if is_open_mpi(mpiexec) else ["-hosts", listed]
 
 
 # The variables a launcher sets in each rank for its own job: MPICH's Hydra (PMI_*, HYDRA*, HYDI_*: its
@@ -136,7 +143,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--launcher-args {ns.launcher_args!r}: {e}")
     try:
         mpiexec = find_mpiexec()
-        hosts = hostfile_args(mpiexec, ns.hostfile) if ns.hostfile and read_hostfile(ns.hostfile) else []
+        hosts = hostfile_args(mpiexec, read_hostfile(ns.hostfile)) if ns.hostfile else []
         cmd = [mpiexec, *hosts, *launcher_args, "-n", str(ns.np), sys.executable, ns.script, *ns.args]
     except (FileNotFoundError, ValueError) as e:
         parser.exit(2, f"error: {e}\n")

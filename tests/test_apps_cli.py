@@ -249,6 +249,26 @@ def test_launch_runs_the_script(tmp_path):
     assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
 
 
+@pytest.mark.parametrize("line", ["localhost slots=2", "localhost:2"])
+def test_launch_takes_either_hostfile_syntax(tmp_path, line):
+    """Open MPI's `host slots=N` under MPICH too (MPICH's own reader failed on it): the hosts go to the
+    launcher as a list in its spelling."""
+    hosts, script = tmp_path / "hosts", tmp_path / "hi.py"
+    hosts.write_text(f"# one machine\n{line}\n")
+    script.write_text("import sys\nfrom mpi4py import MPI\nsys.stdout.write(f'rank {MPI.COMM_WORLD.Get_rank()}\\n')\n")
+    proc = _launch("-n", "2", "--timeout", "60", "--hostfile", str(hosts), str(script))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+@pytest.mark.parametrize("line", ["localhost:99999999999999999999", "localhost slots=2 max_slots=4", "localhost:0"])
+def test_launch_refuses_a_hostfile_line_it_cannot_pass_on(tmp_path, line):
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"{line}\n")
+    proc = _launch("-n", "2", "--hostfile", str(hosts), str(tmp_path / "never_run.py"))
+    assert proc.returncode == 2 and f"line 1: {line!r} is not" in proc.stderr and "slots from 1 to" in proc.stderr
+
+
 def test_job_env_leaves_out_the_enclosing_jobs_variables(monkeypatch):
     """What MPICH's and Open MPI's launchers set in a rank goes (a nested Open MPI mpiexec refuses to
     start under them); the user's own settings stay; more ranks than cores are allowed under Open MPI

@@ -634,3 +634,37 @@ def test_unexpected_errors_on_one_rank_reach_every_rank(shared_dir, monkeypatch)
     assert listed(mesh, root) == ["step-00000001"]
     assert ckpt.newest_intact(root, mesh) == 1
     np.testing.assert_array_equal(mm.load(ckpt.step_path(root, 1), mesh, "p:all")["m"].to_numpy(), g)
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda d: d["tensors"][0].__setitem__("dtype", ",f8"), "SyntaxError"),  # one bit of '<' flipped
+    (lambda d: d["tensors"][0]["slices"][0].__setitem__("byte_offset", [0]), "byte_offset is [0], expected ints"),
+    (lambda d: d["mesh"][0].__setitem__(1, 10 ** 30), "more than 16777216"),
+    (lambda d: d["mesh"][0].__setitem__(1, 10 ** 8), "more than 16777216")])
+def test_a_damaged_index_is_a_checkpoint_error(shared_dir, damage, words):
+    """Edits of index.json that reached numpy's dtype parser (SyntaxError), int() of a list, or an
+    enumeration of a mesh of 10**30 processors (OverflowError; 10**8: out of memory) give a
+    CheckpointError on every rank, and `verify` says why instead of raising."""
+    mesh, path, _ = saved(shared_dir, f"damaged-index-{words[:8]}")
+    index = Path(path) / "index.json"
+
+    def spoil():
+        d = json.loads(index.read_text())
+        damage(d)
+        index.write_text(json.dumps(d))
+    on_rank0(mesh, spoil)
+    load_everywhere(path, f"inconsistent checkpoint index .*{re.escape(words)}")
+    assert words in ckpt.verify(path)
+
+
+def test_save_step_keeps_the_step_it_saves_below_the_newest(shared_dir):
+    """A run resumed from an older step saves below the newest: that checkpoint is kept (it was
+    deleted at once, and the path returned did not exist), with the newest keep - 1 others."""
+    mesh = world(f"all:{N}")
+    root = str(shared_dir / "older-step")
+    d = {"v": mesh.from_numpy(np.arange(10.0), "n:10", "n:all")}
+    for step in (10, 20, 30):
+        ckpt.save_step(root, step, d, keep=2)
+    path = ckpt.save_step(root, 5, {"v": d["v"] * 2.0}, keep=2)
+    assert ckpt.steps(root, mesh) == [5, 30] and os.path.isdir(path)
+    np.testing.assert_array_equal(mm.load(path, mesh)["v"].to_numpy(), np.arange(10.0) * 2.0)
