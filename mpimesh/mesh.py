@@ -20,6 +20,7 @@ from mpi4py import MPI
 from . import abort, threads
 from .backend import array_module, resolve_backend
 from .collectives import make
+from .collectives.guard import arrive
 from .collectives.liveness import Watch
 from .collectives.placement import choose
 from .errors import MeshError, ShapeError, by_rank
@@ -166,6 +167,7 @@ class Mesh(AbstractMesh):
                             f"has {comm.Get_size()} ranks")
         super().__init__(shape, layout)
         self._backend = resolve_backend(backend)
+        arrive(comm, f"building mesh {shape}")  # (the blocking collectives below would wait for ever)
         _same_everywhere(comm, (str(self.shape), str(self.rules), self._backend))
         self.xp = array_module(self._backend)
         """The array module of this mesh's backend, that every `.local` belongs to: `numpy`, or `cupy`."""

@@ -207,3 +207,32 @@ def test_a_waiting_rank_backs_off(tmp_path):
     waited = re.search(r"rank 0: 4.0 after ([\d.]+) s, cpu ([\d.]+) s", proc.stdout)
     assert waited, proc.stdout
     assert float(waited.group(1)) >= 9.5 and float(waited.group(2)) < 1.0, waited.group(0)
+
+
+@pytest.mark.parametrize("first_mesh", [False, True])
+def test_a_rank_that_leaves_before_the_others_build_a_mesh(tmp_path, first_mesh):
+    """Building a mesh starts with blocking MPI calls: a rank that ended before them (before any
+    mesh, or after an earlier one) left the others waiting for ever, time-out or not. Now they raise
+    at once, naming it."""
+    proc, seconds = _job(tmp_path, 3, f"""
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+        if {first_mesh}:
+            mm.Mesh("x:3").barrier()
+        if rank == 1:
+            sys.exit(0)
+        t0 = time.monotonic()
+        try:
+            mm.Mesh("y:3")
+        except mm.CollectiveTimeoutError as e:
+            print(f"rank {{rank}} raised after {{time.monotonic() - t0:.2f}} s: {{e}}", flush=True)
+            raise
+    """)
+    assert proc.returncode != 0, proc
+    reports = _reports(proc)
+    assert reports and set(reports) <= {0, 2}, proc.stdout + proc.stderr
+    why = "its program ended " + ("after its collective #1 barrier" if first_mesh else "before it built any mesh")
+    for r, (after, message) in reports.items():
+        assert after < 5.0 and message.startswith("building mesh [y:3]: rank 1 left the job") and why in message
+    _one_paragraph(proc)
+    assert seconds < 30

@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from .. import env
 from ..errors import CollectiveTimeoutError, DivergenceError, MpimeshError
-from .liveness import ABANDONED, Watch, describe
+from .liveness import ABANDONED, Watch, departed, describe
 
 _QUERY, _REPLY = 31001, 31002  # tags of the where-are-you exchange
 _WIDTH = 400  # bytes of a rank's description of its op
@@ -370,3 +370,21 @@ class _Polled:
 
     def __init__(self, test):
         self.test = test
+
+
+def arrive(comm: MPI.Comm, what: str) -> None:
+    """Wait, polled, until every rank of `comm` is here (`what`: where, e.g. building a mesh, whose
+    first collectives block): a CollectiveTimeoutError on the ranks that wait if one of them left
+    the job (`liveness.departed`) or the time-out passes, instead of blocking forever."""
+    if comm.Get_size() == 1:
+        return
+    request, start, timeout = comm.Ibarrier(), time.monotonic(), _settings["timeout"]
+    while not request.Test():
+        gone = departed(comm)
+        if gone:
+            raise CollectiveTimeoutError(f"{what}: " + "; ".join(f"rank {r} left the job ({why})"
+                                                                for r, why in sorted(gone.items())))
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise CollectiveTimeoutError(f"{what}: not every rank of the {comm.Get_size()} arrived within "
+                                         f"{timeout:g} s (MPIMESH_COLLECTIVE_TIMEOUT)")
+        time.sleep(1e-4)

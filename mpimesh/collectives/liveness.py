@@ -1,7 +1,8 @@
 """Departures: a rank that leaves the job is noticed by every rank that waits for it.
 
 A rank whose program ends (it returned, or called `sys.exit`) posts an exit notice at interpreter
-exit to every other rank of each mesh still alive, saying what its last collective was. A rank
+exit to every other rank of each mesh still alive, saying what its last collective was (one that
+built no mesh, to every rank of COMM_WORLD: the others may be building one, `guard.arrive`). A rank
 whose process ends without one (killed, crashed, `os._exit`) is found gone by its process id, where
 it shares this machine's process table. The collectives poll for both while they wait (`guard.py`),
 so the ranks left waiting raise instead of hanging. A notice is only news: a collective that the
@@ -25,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 _EXIT = 31003  # tag of an exit notice, on a mesh's own guard communicator
+_WORLD_EXIT = 31004  # tag of the exit notice of a program that ended before it built any mesh, on COMM_WORLD
 _WIDTH = 400  # bytes of a notice's text
 _watches: "weakref.WeakSet[Watch]" = weakref.WeakSet()
 ABANDONED = "it abandoned this mesh"  # how the notice of a rank whose collective was interrupted begins
@@ -135,6 +137,41 @@ class Watch:
         return self.notify(f"its program ended {last}")
 
 
+_world: dict = {"recv": None, "buf": np.empty(_WIDTH, np.uint8), "status": None, "left": {}}
+
+
+def _poll_world() -> None:
+    """Take in the world exit notices that arrived (the receive posted on first use)."""
+    w = _world
+    if w["recv"] is None:
+        w["status"] = MPI.Status()
+        w["recv"] = MPI.COMM_WORLD.Irecv(w["buf"], MPI.ANY_SOURCE, _WORLD_EXIT)
+    while w["recv"].Test(w["status"]):
+        w["left"][w["status"].Get_source()] = bytes(w["buf"]).rstrip(b"\0").decode(errors="replace")
+        w["recv"] = MPI.COMM_WORLD.Irecv(w["buf"], MPI.ANY_SOURCE, _WORLD_EXIT)
+
+
+def departed(comm: MPI.Comm) -> dict:
+    """`{rank of comm: why}` for the ranks of `comm` known to have left the job: a program that
+    ended before building a mesh (its notice on COMM_WORLD), or one whose exit notice a live mesh's
+    watch took in (an abandoned mesh is not a departure)."""
+    _poll_world()
+    sources = [(MPI.COMM_WORLD, _world["left"])]
+    for watch in list(_watches):
+        watch.poll()
+        sources.append((watch.comm, {r: w for r, w in watch.left.items() if not w.startswith(ABANDONED)}))
+    mine, out = comm.Get_group(), {}
+    for other, left in sources:
+        if left:
+            group, ranks = other.Get_group(), sorted(left)
+            for r, here in zip(ranks, MPI.Group.Translate_ranks(group, ranks, mine)):
+                if here != MPI.UNDEFINED:
+                    out[here] = left[r]
+            group.Free()
+    mine.Free()
+    return out
+
+
 def _cancel(request: MPI.Request) -> None:
     """Withdraw a watch's posted receive (when its mesh is gone)."""
     if MPI.Is_initialized() and not MPI.Is_finalized():
@@ -157,6 +194,12 @@ def _notify_all() -> None:
             requests += watch.exit_notice()
         except MPI.Exception:  # a communicator freed by the program: nobody waits on it
             pass
+    world = MPI.COMM_WORLD.Get_size()
+    alone = not _watches and world > 1  # no mesh: the others may be building one, and wait for this rank
+    if alone:
+        text = np.frombuffer(b"its program ended before it built any mesh".ljust(_WIDTH, b"\0"), np.uint8)
+        me = MPI.COMM_WORLD.Get_rank()
+        requests += [MPI.COMM_WORLD.Isend(text, r, _WORLD_EXIT) for r in range(world) if r != me]
     deadline = time.monotonic() + 1.0
     while requests and not MPI.Request.Testall(requests) and time.monotonic() < deadline:
         time.sleep(1e-3)
@@ -165,7 +208,13 @@ def _notify_all() -> None:
         while len(watch.left) < size - 1 and time.monotonic() < deadline:
             if not watch.poll():
                 time.sleep(1e-3)
+    while alone and len(_world["left"]) < world - 1 and time.monotonic() < deadline:  # (theirs: likewise)
+        _poll_world()
+        time.sleep(1e-3)
     for watch in list(_watches):  # no receive left posted when MPI finalizes
         if watch._recv is not None:
             _cancel(watch._recv)
             watch._recv = None
+    if _world["recv"] is not None:
+        _cancel(_world["recv"])
+        _world["recv"] = None
