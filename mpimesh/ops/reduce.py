@@ -52,12 +52,12 @@ def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims, op: str 
 def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Sum over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."""
     reduced_dims = renamed_reduced_dims("reduce_sum", reduced_dims, reduced_dim)
-    return einsum([_counted(x)], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
+    return einsum([_counted(x, "reduce_sum")], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
 
 
-def _counted(x):
+def _counted(x, op: str):
     """x, or a bool x as int32: a sum counts the True values (an einsum of bools would be their or)."""
-    return cast(x, "int32") if tensor_arg("reduction", x).dtype == bool else x
+    return cast(x, "int32") if tensor_arg(op, x).dtype == bool else x
 
 
 def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
@@ -69,7 +69,7 @@ def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, 
     scale = 1.0 / count if count else math.nan
     if accumulation_dtype(x.dtype) != x.dtype:
         return cast(einsum([cast(x, accumulation_dtype(x.dtype))], out) * scale, x.dtype)
-    return einsum([_counted(x)], out) * scale
+    return einsum([_counted(x, "reduce_mean")], out) * scale
 
 
 def _local_reduce(name: str, kernel, grad, floats: bool = False):
