@@ -99,15 +99,12 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
     return op
 
 
-def _extreme(op: str):
-    def kernel(ctx, a, axes, mesh_dims):
-        """The max (min) over `axes` and the ranks of `mesh_dims` (NaN where any rank's block has
-        one: the collectives' max and min carry it, `Collectives._extreme`)."""
-        return ctx.allreduce(local_extreme(ctx.xp, a, axes, op), mesh_dims, op)
-    return kernel
+def _max(ctx, a, axes, mesh_dims):  # (a NaN on any rank: NaN on all, `Collectives._extreme`)
+    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "max"), mesh_dims, "max")
 
 
-_max, _min = _extreme("max"), _extreme("min")
+def _min(ctx, a, axes, mesh_dims):
+    return ctx.allreduce(local_extreme(ctx.xp, a, axes, "min"), mesh_dims, "min")
 
 
 def _logsumexp(ctx, a, axes, mesh_dims):
