@@ -130,9 +130,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "host slots=N per line)")
     parser.add_argument("--launcher-args", default="", metavar="ARGS",
                         help="more options for mpiexec, e.g. \"-launcher ssh -iface eth0\"")
-    parser.add_argument("script", help="the Python script every rank runs")
+    parser.add_argument("script", nargs="?", help="the Python script every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
+    if ns.script is None:  # (argparse would name the optional `args` as required too)
+        parser.error("a script to run is required, e.g. python -m mpimesh.launch -n 2 apps/transformer.py")
     if ns.np < 1:
         parser.error(f"-n {ns.np}: the number of ranks must be at least 1")
     if ns.timeout is not None and ns.timeout < 1:
@@ -141,6 +143,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         launcher_args = shlex.split(ns.launcher_args)
     except ValueError as e:
         parser.error(f"--launcher-args {ns.launcher_args!r}: {e}")
+    if not ns.hostfile and not os.path.isfile(ns.script):  # once here, not per rank (other hosts: theirs)
+        parser.error(f"script {ns.script!r}: no such file")
     try:
         mpiexec = find_mpiexec()
         hosts = hostfile_args(mpiexec, read_hostfile(ns.hostfile)) if ns.hostfile else []

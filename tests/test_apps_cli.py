@@ -285,3 +285,16 @@ def test_job_env_leaves_out_the_enclosing_jobs_variables(monkeypatch):
     assert env["OMPI_MCA_rmaps_base_oversubscribe"] == "1"
     monkeypatch.setenv("OMPI_MCA_rmaps_base_oversubscribe", "0")
     assert job_env()["OMPI_MCA_rmaps_base_oversubscribe"] == "0"
+
+
+@pytest.mark.parametrize("args, words", [([], ["a script to run is required"]),
+                                         (["-n", "2", "no_such_script.py"], ["'no_such_script.py'", "no such file"])])
+def test_launch_names_a_missing_script_once(args, words, tmp_path):
+    """No script, or one that is not there: one error line from the launcher (not one per rank from each
+    rank's interpreter, nor argparse's 'script, args' when args is optional)."""
+    proc = subprocess.run([sys.executable, "-m", "mpimesh.launch", *args], env=job_env(), capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("python -m mpimesh.launch: error: ") and all(w in line for w in words), line
+    assert proc.stderr.count("error") == 1, proc.stderr
