@@ -7,7 +7,9 @@ identical replicas of a slice only the one at coordinate 0 of every mesh dim the
 over writes it. Slices are the layout's blocks (`numpy.array_split`'s), so they may differ in shape
 and be empty. The index names each tensor (dims and sizes, dtype, layout, the mesh it was saved
 from) and each slice (file, global offset, shape, byte offset and length, a CRC-32 per chunk of
-`chunk_elements` elements). No pickle anywhere.
+`chunk_elements` elements), and a CRC-32 of its own content (`index_crc32`, over the index's
+canonical JSON without that field: a damaged index that still parses is refused, not loaded with a
+renamed tensor or a changed dtype; indexes written before it are read without). No pickle anywhere.
 
 `save` writes into a temporary directory `.<name>.tmp-<random>` beside `path`, fsyncs, and after every
 rank has finished, rank 0 renames it into place (an existing checkpoint is first renamed away, then
@@ -67,6 +69,7 @@ from .shape import Shape, ShapeLike
 from .tensor import host_read
 
 FORMAT, VERSION, INDEX = "mpimesh-checkpoint", 1, "index.json"
+INDEX_CRC, INDEX_KEYS = "index_crc32", {"format", "version", "mesh", "files", "tensors"}
 CHUNK_BYTES = 4 << 20  # one CRC-32 per chunk of about this many bytes
 STEP_DIR = re.compile(r"step-(\d{8,})")  # save_step's checkpoints
 LEFTOVER = re.compile(r"\.step-\d{8,}\.(tmp|old)-[0-9a-f]+")  # an interrupted save's or a deletion's
@@ -223,6 +226,11 @@ def _dtype_name(dtype: np.dtype) -> str:
     return "bfloat16" if dtype == BFLOAT16 else dtype.str
 
 
+def _index_crc(index: dict) -> int:
+    """The CRC-32 of `index` (without its own checksum) as canonical JSON: sorted keys, no spaces."""
+    return zlib.crc32(json.dumps(index, sort_keys=True, separators=(",", ":")).encode())
+
+
 def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:
     return [zlib.crc32(data[i:i + chunk]) for i in range(0, len(data), chunk)]
 
@@ -288,7 +296,7 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
         if mesh.rank == 0:
             try:
                 with open(os.path.join(tmp, INDEX), "w") as f:
-                    json.dump(plan, f, indent=1)
+                    json.dump({**plan, INDEX_CRC: _index_crc(plan)}, f, indent=1)
                     f.flush()
                     os.fsync(f.fileno())
                 _fsync_dir(tmp)
@@ -514,6 +522,13 @@ def _parse_index(text: str, where: str) -> list[dict]:
         raise bad(f"not an {FORMAT} index")
     if index.get("version") != VERSION:
         raise bad(f"version {index.get('version')!r}, this mpimesh reads version {VERSION}")
+    crc = index.pop(INDEX_CRC, None)  # (absent: an index written before the index had a checksum)
+    unknown = sorted(set(index) - INDEX_KEYS)
+    if unknown:
+        raise bad(f"unknown fields {unknown} (the index is damaged, or from a newer mpimesh)")
+    if crc is not None and crc != _index_crc(index):
+        raise bad(f"its checksum {crc!r} does not match its content (crc32 {_index_crc(index)}): the index is "
+                  f"damaged or was edited")
     try:
         mesh_shape = Shape([tuple(p) for p in index["mesh"]])
         files = {str(k): int(v) for k, v in index["files"].items()}

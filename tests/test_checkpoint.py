@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +347,12 @@ def test_truncated(shared_dir, which):
     load_everywhere(path, "truncated" if which == "part" else "not valid JSON")
 
 
+def reseal(meta: dict) -> dict:
+    """`meta` with its checksum made again: an edit that reaches the checks behind it."""
+    meta.pop("index_crc32", None)
+    return {**meta, "index_crc32": ckpt._index_crc(meta)}
+
+
 def edit(tensors_spec: list, what: str) -> None:
     spec = next(t for t in tensors_spec if t["name"] == "x")
     if what == "size":
@@ -391,7 +398,7 @@ def test_mismatched_metadata(shared_dir, what):
         else:
             edit(meta["tensors"], what)
         if index.exists():
-            index.write_text(json.dumps(meta))
+            index.write_text(json.dumps(reseal(meta)))
 
     on_rank0(mesh, change)
     match = {"checksum": "checksum mismatch", "missing-part": "part-", "missing-index": "index",
@@ -651,10 +658,48 @@ def test_a_damaged_index_is_a_checkpoint_error(shared_dir, damage, words):
     def spoil():
         d = json.loads(index.read_text())
         damage(d)
-        index.write_text(json.dumps(d))
+        index.write_text(json.dumps(reseal(d)))
     on_rank0(mesh, spoil)
     load_everywhere(path, f"inconsistent checkpoint index .*{re.escape(words)}")
     assert words in ckpt.verify(path)
+
+
+@pytest.mark.parametrize("damage", ["rename-tensor", "rename-dim", "dtype", "bit", "unknown-field"])
+def test_the_index_has_a_checksum_of_its_own(shared_dir, damage):
+    """An index that still parses after damage (a tensor or dim renamed, `<f4` made `<i4`, any one bit
+    of a value flipped, the checksum's own name changed) is refused on every rank and by `verify`,
+    not loaded with other names or another dtype; an index without the field (written before it
+    existed) still loads, to the same values."""
+    mesh, path, glob = saved(shared_dir, f"index-crc-{damage}")
+    index = Path(path) / "index.json"
+    meta = json.loads(index.read_text())
+    assert meta["index_crc32"] == zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != "index_crc32"},
+                                                        sort_keys=True, separators=(",", ":")).encode())
+
+    def spoil():
+        d = json.loads(index.read_text())
+        spec = d["tensors"][0]
+        if damage == "rename-tensor":
+            spec["name"] = spec["name"] + "x"
+        elif damage == "rename-dim":
+            spec["shape"][0][0] = spec["shape"][0][0].upper()
+        elif damage == "dtype":
+            spec["dtype"] = spec["dtype"].replace("f", "i")
+        elif damage == "bit":
+            spec["slices"][0]["byte_offset"] ^= 8
+        else:
+            d["index_crc33"] = d.pop("index_crc32")
+        index.write_text(json.dumps(d))
+    on_rank0(mesh, spoil)
+    words = "unknown fields" if damage == "unknown-field" else "does not match its content"
+    load_everywhere(path, f"inconsistent checkpoint index .*{words}")
+    assert words in ckpt.verify(path)
+
+    def unseal():  # as written before the index had its checksum
+        index.write_text(json.dumps({k: v for k, v in meta.items() if k != "index_crc32"}))
+    on_rank0(mesh, unseal)
+    assert ckpt.verify(path) is None
+    assert_values(mm.load(path, world(f"all:{N}"), ""), glob)
 
 
 def test_save_step_keeps_the_step_it_saves_below_the_newest(shared_dir):
