@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -219,15 +220,17 @@ def test_bad_arguments_raise() -> None:
             fn(x, output_shape="a:4")
 
 
-def test_old_spelling_reduced_dim_warns_and_still_works() -> None:
-    """One spelling, `reduced_dims`, for einsum and every reduction; `reduced_dim=` is an alias for a
-    release: same values, a FutureWarning naming the op, and both spellings at once refused."""
+def test_both_spellings_reduced_dim_and_reduced_dims() -> None:
+    """`reduced_dim=` (the contract's spelling for the reductions) and `reduced_dims=` (einsum's) are
+    one argument of einsum and every reduction: the same values, no warning (the contract's names are
+    fixed), and both at once refused."""
     mesh = get_mesh(SHAPES[0])
     g = np.arange(512.0).reshape(8, 8, 8)
     x = mesh.from_numpy(g, XSHAPE)
     for op in [*NP_OPS, "einsum"]:
         fn = (lambda t, **kw: mm.einsum([t], **kw)) if op == "einsum" else getattr(mm, op)
-        with pytest.warns(FutureWarning, match=rf"{op}\(reduced_dim=\.\.\.\) is deprecated: use reduced_dims="):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             old = fn(x, reduced_dim=["a", "c"]).to_numpy()
         new = fn(x, reduced_dims=["a", "c"]).to_numpy()
         np.testing.assert_array_equal(old, new)

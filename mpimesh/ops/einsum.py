@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import string
-import warnings
 from collections import Counter
 from functools import lru_cache
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -192,20 +191,17 @@ def default_output(in_shapes: tuple, reduced: Optional[tuple]) -> Shape:
     return Shape(tuple(d for d in all_dims if counts[d.name] == 1))
 
 
-def renamed_reduced_dims(op: str, reduced_dims, reduced_dim):
-    """`reduced_dims`, or the old spelling `reduced_dim` with a FutureWarning (not both).
+def reduced_dims_arg(op: str, reduced_dims, reduced_dim):
+    """The dims to reduce, given as `reduced_dims` or as `reduced_dim` (the contract's spelling for
+    the reductions, `mm.einsum`'s for einsum: both are accepted everywhere), not both.
 
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     renamed_reduced_dims("reduce_sum", None, "i"), str(caught[0].message)[:47]
-    ('i', 'reduce_sum(reduced_dim=...) is deprecated: use ')
+    >>> reduced_dims_arg("reduce_sum", None, "i"), reduced_dims_arg("einsum", ["i", "j"], None)
+    ('i', ['i', 'j'])
     """
     if reduced_dim is None:
         return reduced_dims
     if reduced_dims is not None:
-        raise ShapeError(f"{op}: give reduced_dims, not both reduced_dims and its old spelling reduced_dim")
-    warnings.warn(f"{op}(reduced_dim=...) is deprecated: use reduced_dims=..., the spelling mm.einsum and every "
-                  "reduction share (reduced_dim= goes in the next release)", FutureWarning, stacklevel=3)
+        raise ShapeError(f"{op}: give reduced_dims or reduced_dim (two spellings of one argument), not both")
     return reduced_dim
 
 
@@ -216,10 +212,10 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
       xs: the input tensors.
       output_shape: the output dims; default: dims in exactly one input, in order of appearance.
       reduced_dims: alternatively, the dims to sum away (all others are kept).
-      reduced_dim: the old spelling of `reduced_dims` (a FutureWarning; goes in the next release).
+      reduced_dim: another spelling of `reduced_dims` (the reductions' in the contract).
     """
     if reduced_dim is not None:
-        reduced_dims = renamed_reduced_dims("einsum", reduced_dims, reduced_dim)
+        reduced_dims = reduced_dims_arg("einsum", reduced_dims, reduced_dim)
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("einsum: give output_shape or reduced_dims, not both")
     if hasattr(xs, "tensor_layout") or not hasattr(xs, "__iter__"):

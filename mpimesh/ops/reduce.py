@@ -7,9 +7,9 @@ reduced dims that are split (`reduce_sum` is a one-input einsum).
 >>> mm.reduce_max(x, reduced_dims="i").to_numpy().tolist(), float(mm.reduce_sum(x).to_numpy())
 ([2.0, 5.0], 15.0)
 
-The dims to reduce are `reduced_dims` (one name or several), as in `mm.einsum`. The spelling
-`reduced_dim=` is still accepted for one release, with a FutureWarning. (Ops that reduce exactly
-one dim, such as `softmax`, `argmax` and `top_k`, name it `reduced_dim`.)
+The dims to reduce (one name or several) are `reduced_dim=`, the contract's spelling, or
+`reduced_dims=`, `mm.einsum`'s: the two are one argument, accepted by einsum and every reduction.
+(Ops that reduce exactly one dim, such as `softmax`, `argmax` and `top_k`, name it `reduced_dim`.)
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..errors import DTypeError, ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..tensor import tensor_arg
 from ..trace import dispatch
-from .einsum import contraction_plan, einsum, renamed_reduced_dims
+from .einsum import contraction_plan, einsum, reduced_dims_arg
 from .elementwise import cast, equal, exp
 from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
 from .relayout import to_layout
@@ -51,7 +51,7 @@ def output_shape_of(x, output_shape: Optional[ShapeLike], reduced_dims, op: str 
 
 def reduce_sum(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Sum over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."""
-    reduced_dims = renamed_reduced_dims("reduce_sum", reduced_dims, reduced_dim)
+    reduced_dims = reduced_dims_arg("reduce_sum", reduced_dims, reduced_dim)
     return einsum([_counted(x, "reduce_sum")], output_shape_of(x, output_shape, reduced_dims, "reduce_sum"))
 
 
@@ -63,7 +63,7 @@ def _counted(x, op: str):
 def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
     """Mean over the reduced dims (of 16-bit floats: summed and scaled in float32, rounded once);
     over an empty dim NaN, as numpy's mean of nothing."""
-    reduced_dims = renamed_reduced_dims("reduce_mean", reduced_dims, reduced_dim)
+    reduced_dims = reduced_dims_arg("reduce_mean", reduced_dims, reduced_dim)
     out = output_shape_of(x, output_shape, reduced_dims, "reduce_mean")
     count = math.prod(d.size for d in x.shape if d.name not in out)
     scale = 1.0 / count if count else math.nan
@@ -78,7 +78,7 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
         if name != "reduce_logsumexp" and np.dtype(x.dtype).kind == "c":
             raise DTypeError(f"{name}: x is a {x.shape} {x.dtype} tensor, and complex numbers have no order "
                              f"(MPI has no max or min of them): reduce their real parts or magnitudes")
-        out = output_shape_of(x, output_shape, renamed_reduced_dims(name, reduced_dims, reduced_dim), name)
+        out = output_shape_of(x, output_shape, reduced_dims_arg(name, reduced_dims, reduced_dim), name)
         out_layout = x.mesh.plan(out)
         (target,), reduce_mesh = contraction_plan((x.shape,), (x.tensor_layout,), out, out_layout, x.mesh.shape)
         x = to_layout(x, target)
