@@ -319,6 +319,26 @@ def test_requests_waited_in_other_orders_pair_the_same_transfers(size):
         assert np.all(rb.result.astype(np.float64) == 10 * n * (n + 1) / 2), (dt, rb.result[:3])
 
 
+@pytest.mark.parametrize("size", [16, 300_000])
+def test_requests_waited_in_other_orders_around_another_collective(size):
+    """As above, with a blocking allreduce between the two waits: rank 0 waits for a, sums c, waits for
+    b; the others wait for b (so a's and b's second steps start there), sum c, then wait for a. The
+    second steps start before any later collective (they were paired with c's transfer: wrong sums)."""
+    import ml_dtypes
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}")
+    coll, r, n = mesh.collectives, mesh.rank, mesh.size
+    for dt in (np.float32, np.float16, ml_dtypes.bfloat16):
+        a, b, c = np.full(size, r + 1, dt), np.full(size, 10 * (r + 1), dt), np.full(size, 3 * (r + 1), dt)
+        ra, rb = coll.iallreduce(a, ["all"]), coll.iallreduce(b, ["all"])
+        first, second = (ra, rb) if r == 0 else (rb, ra)
+        first.wait()
+        sc = coll.allreduce(c, ["all"])
+        second.wait()
+        assert np.all(ra.result.astype(np.float64) == n * (n + 1) / 2), (dt, ra.result[:3])
+        assert np.all(rb.result.astype(np.float64) == 10 * n * (n + 1) / 2), (dt, rb.result[:3])
+        assert np.all(sc.astype(np.float64) == 3 * n * (n + 1) / 2), (dt, sc[:3])
+
+
 def test_the_spmd_check_takes_a_16_bit_sum_to_a_scalar():
     """The check compared the ranks' pieces of the 16-bit allgather (1 element against 0) instead
     of the 0-d shape, and aborted a correct program."""

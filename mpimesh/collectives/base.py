@@ -305,9 +305,10 @@ class Collectives:
         the allreduce it is, and, once complete, in its `overlap` (see `Overlapped`). Every rank of
         the group starts its requests in the same order; `x` (and `out`) must not change until completion.
         On the MPI transports an allreduce of 16-bit floats, or one summed through shared memory,
-        takes two steps, and the second starts only in a `wait()` (a point every rank reaches in
-        order): its `test()` says False until then. Its requests may be waited for in any order
-        between the same two other collectives; bools reduce as bytes (an or; min: an and)."""
+        takes two steps, and the second starts only in a `wait()` or when a later collective starts
+        (points every rank reaches in order): its `test()` says False until then. Its requests may be
+        waited for in any order, other collectives between the waits or not; bools reduce as bytes
+        (an or; min: an and)."""
         dims = self.ordered(mesh_dims)
         if out is not None:
             self._check_out(out, x, x.shape, "iallreduce")

@@ -101,26 +101,24 @@ class BufferPool:
 class _TwoStep(Request):
     """The request of a non-blocking allreduce in two steps (of 16-bit floats, or through shared
     memory, `shm.py`): the first step's transfer (an alltoall; the records' allgather) is in flight;
-    the second (reduce, then the allgather; the sum, then a barrier) starts in `start_second`, which the
-    owner calls where every rank of the group does (its `wait`), never inside a `test()` poll, so
-    that every rank starts its collectives in the same order. Until then `test()` only lets the
-    alltoall progress and says False. The second steps start in the order the requests started
-    (`queue`, the transport's): waiting for a later request first starts the earlier ones', so ranks
-    that wait for their requests in different orders still pair the same transfers."""
+    the second (reduce, then the allgather; the sum, then a barrier) starts in a drain of its
+    transport's `SecondSteps`, which runs where every rank of the group is: at its `wait`, or at the
+    start of any later collective, never inside a `test()` poll. Until then `test()` only lets the
+    alltoall progress and says False. So every rank starts its transfers in the same order, however
+    it orders its waits and whatever collectives come between them."""
 
     __slots__ = ("_first", "_second", "_req", "_queue")
 
-    def __init__(self, first: Request, second, queue: list):
+    def __init__(self, first: Request, second, queue: "SecondSteps"):
         super().__init__(None, None)  # no bound methods of its own: a cycle would keep the buffers until a GC
         self._first, self._second, self._req, self._queue = first, second, None, queue
         queue.append(self)  # (until its second step starts)
 
     def start_second(self) -> None:
-        while self._req is None:
-            self._queue[0]._begin()
+        if self._req is None:
+            self._queue.drain()
 
     def _begin(self) -> None:
-        self._queue.pop(0)  # (itself)
         self._req = self._second()
         self._first = self._second = self._queue = None  # the buffers they hold can go once the transfer has
 
@@ -140,6 +138,31 @@ class _TwoStep(Request):
         return self._complete()
 
 
+class SecondSteps(list):
+    """The two-step requests whose second step has not started, in start order. `drain()` starts
+    them all, in that order (a second step's own transfers do not drain again). It runs before any
+    collective starts and at a wait: the same program points on every rank, so the ranks post the
+    same transfers in the same order.
+
+    >>> q, log = SecondSteps(), []
+    >>> a, b = (_TwoStep(None, lambda n=n: log.append(n), q) for n in "ab")
+    >>> b.start_second(); log, len(q)
+    (['a', 'b'], 0)
+    """
+
+    draining = False
+
+    def drain(self) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        try:
+            while self:
+                self.pop(0)._begin()
+        finally:
+            self.draining = False
+
+
 class MpiCollectives(Collectives):
     """The collectives of one mesh, over MPI sub-communicators per set of mesh dims."""
 
@@ -155,7 +178,7 @@ class MpiCollectives(Collectives):
         self._host_pool = BufferPool(np) if self._device else self.pool
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
         self._shm_groups: dict[tuple, bool] = {}  # whether the group over dims sums through shared memory
-        self._two_steps: list = []  # the two-step allreduces whose second step has not started, in start order
+        self._two_steps = SecondSteps()  # the two-step allreduces whose second step has not started
 
     def _on(self, x):
         """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
@@ -241,7 +264,9 @@ class MpiCollectives(Collectives):
 
     def _start(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
                shape=None, **kw) -> Request:
-        """Check, count and post one transfer: its request (`DONE` where nothing moves)."""
+        """Check, count and post one transfer: its request (`DONE` where nothing moves). First the
+        second steps of the two-step requests started before it (`SecondSteps`)."""
+        self._two_steps.drain()
         self.guard.enter(kind, dims, send, detail, shape)
         counters.record(kind, dims, elements, nbytes)
         if self.mesh.size > 1 and not self.mesh.has_comm(dims):
