@@ -11,6 +11,7 @@ methods (`mesh.zeros`, `mesh.random_normal`, ...) are attached by `mpimesh.creat
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Optional
 
@@ -27,6 +28,29 @@ from .errors import MeshError, ShapeError, by_rank
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
                      plan_layout)
 from .shape import Shape, ShapeLike
+
+
+_released: list = []  # the communicators of meshes that are gone, freed when the next mesh is built
+
+
+def _release(comms: list, subcomms: dict) -> None:
+    """(A dropped mesh's finalizer.) Its communicators go to `_released`, not freed here: a garbage
+    collection may run inside an MPI call of another mesh."""
+    for c in comms + list(subcomms.values()):
+        if all(c is not d for d in _released):
+            _released.append(c)
+
+
+def _free_released() -> None:
+    """Free the communicators of the meshes dropped so far (MPI has a few thousand: a notebook that
+    builds a mesh in a cell run again and again ran out of them)."""
+    while _released:
+        c = _released.pop()
+        if MPI.Is_initialized() and not MPI.Is_finalized() and c != MPI.COMM_NULL:
+            try:
+                c.Free()
+            except MPI.Exception:
+                pass
 
 
 def _mesh_shape(shape: ShapeLike) -> Shape:
@@ -172,17 +196,24 @@ class Mesh(AbstractMesh):
         self.xp = array_module(self._backend)
         """The array module of this mesh's backend, that every `.local` belongs to: `numpy`, or `cupy`."""
         self._device, self._transport = choose(comm, self._backend, device, transport)
-        if self.shape.rank:
-            self._cart = comm.Create_cart(list(self.shape.sizes), [True] * self.shape.rank, reorder=False)
-            self._coords = dict(zip(self.shape.names, self._cart.Get_coords(self._cart.Get_rank())))
-        else:
-            self._cart = comm.Dup()
-            self._coords = {}
+        _free_released()
+        try:
+            if self.shape.rank:
+                self._cart = comm.Create_cart(list(self.shape.sizes), [True] * self.shape.rank, reorder=False)
+                self._coords = dict(zip(self.shape.names, self._cart.Get_coords(self._cart.Get_rank())))
+            else:
+                self._cart = comm.Dup()
+                self._coords = {}
+            self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
+        except MPI.Exception as e:
+            raise MeshError(f"cannot make the communicators of mesh {shape}: MPI says "
+                            f"{e.Get_error_string().strip().splitlines()[-1].strip()!r} (too many meshes alive? each holds its own "
+                            f"communicators until it is dropped)") from None
         self._rank = self._cart.Get_rank()
         self._coords_key = tuple(self._coords.items())
-        self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
         self._watch = Watch(self._guard_comm)  # who is still in the job (exit notices, process ids)
         self._subcomms: dict[tuple, MPI.Comm] = {}
+        weakref.finalize(self, _release, [self._cart, self._guard_comm], self._subcomms).atexit = False
         self._collectives = None
         abort.install()
         threads.configure_for(comm)
