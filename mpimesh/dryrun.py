@@ -172,7 +172,9 @@ class _Uncacheable(Exception):
 def _key(v, depth: int = 0):
     """A hashable stand-in for a kernel's closure value (`_Uncacheable` where there is none that
     is safe: an object known only by its address, a large array, a deep nest)."""
-    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, np.dtype, type)):
+    if isinstance(v, (bool, int, float, complex)):  # by type too: 2 == 2.0 == True, whose results differ
+        return type(v), v
+    if v is None or isinstance(v, (str, bytes, np.dtype, type)):
         return v
     if depth > 6:
         raise _Uncacheable

@@ -161,6 +161,25 @@ def test_record_finds_tensors_in_namedtuples():
     assert [op.name for op in named.ops] == [op.name for op in plain.ops] == ["einsum", "tanh", "exp", "einsum"]
 
 
+
+def test_a_dry_run_gives_each_op_its_own_dtype_whatever_ran_before():
+    """The dry run's kernel cache took 2 and 2.0 (and True and 1) for one key: an int32 tensor times 2
+    after times 2.0 came out float64 (and the other way round int32), so `record`'s bytes depended on
+    which ops ran first. Against eager numpy's dtypes, in both orders."""
+    from mpimesh.dryrun import placeholder
+    mesh_np = np.ones(4, np.int32)  # eager numpy: the dtypes to match
+    for order in ((2.0, 2, True, 1.0, 1), (1, 1.0, True, 2, 2.0)):
+        t = placeholder(DryMesh("x:2", layout="a:x"), "a:4", dtype="int32")
+        for v in order:
+            assert (t * v).dtype == (mesh_np * v).dtype and (t + v).dtype == (mesh_np + v).dtype, (order, v)
+
+    def step(x):
+        y = x * 2
+        return y, x * 2.0
+    rec = mm.cost.record(step, (mm.cost.ArgSpec("a:1000", "int32"),), "x:1")
+    alone = mm.cost.record(lambda x: x * 2.0, (mm.cost.ArgSpec("a:1000", "int32"),), "x:1")
+    assert alone.activation_bytes == 8000 and rec.activation_bytes >= 8000 + 4000
+
 @pytest.mark.parametrize("shape", mesh_shapes())
 def test_estimate_collectives_equal_the_mpi_profile(shape):
     """The step run for real under mm.profile on rank 0 (coordinate 0) counts exactly the
