@@ -28,6 +28,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -172,7 +173,8 @@ class Session:
         sys.displayhook = self._display
         try:
             self.interrupts.armed = True
-            exec(self.compile(source, "<stdin>", "single"), self.namespace)
+            code_obj = self.compile(source, "<stdin>", "single")  # None: unfinished (input ended in a block)
+            exec(code_obj if code_obj is not None else compile(source, "<stdin>", "single"), self.namespace)
         except SystemExit as e:
             code = 0 if e.code is None else e.code
         except (SyntaxError, OverflowError, ValueError) as e:
@@ -352,9 +354,9 @@ def read_statement() -> Optional[str]:
             print("\nKeyboardInterrupt", flush=True)
             lines = []
             continue
-        except EOFError:
+        except EOFError:  # the statement typed so far runs (an unfinished one: its SyntaxError), as Python's REPL
             print(flush=True)
-            return None
+            return "\n".join(lines) + "\n" if lines else None
         if complete("\n".join(lines)):
             return "\n".join(lines)
 
@@ -476,6 +478,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         launcher = shlex.split(ns.launcher.format(n=ns.np)) if ns.launcher else [find_mpiexec(), "-n", str(ns.np)]
     except FileNotFoundError as e:
         parser.exit(2, f"error: {e}\n")
+    except (KeyError, IndexError, ValueError) as e:  # a {field} other than {n}, or an unclosed quote
+        parser.error(f"--launcher {ns.launcher!r}: {'unknown field {' + str(e.args[0]) + '}' if isinstance(e, KeyError) else e}"
+                     f" (the one field is {{n}}, the rank count)")
+    if not launcher or shutil.which(launcher[0]) is None:
+        parser.error(f"--launcher {ns.launcher!r}: no program {launcher[0] if launcher else ''!r} on PATH")
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()  # this process only drives the job
     return FrontEnd([*launcher, sys.executable, "-m", "mpimesh.repl", "--serve"], ns.np).loop()

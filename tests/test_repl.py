@@ -134,6 +134,30 @@ def test_piped_statements_on_4_ranks():
 
 
 @spawns
+@pytest.mark.parametrize("tail, shown", [("for i in range(2):\n    print('loop', i)\n", ["loop 0", "loop 1"]),
+                                         ("for i in range(2):\n", ["IndentationError: expected an indented block"])])
+def test_input_that_ends_inside_a_block_runs_it(tail, shown):
+    """Piped input whose last statement is a block with no blank line after it: the block runs (it
+    was dropped without a word), or an unfinished one is its SyntaxError, as Python's own REPL."""
+    proc = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m", "mpimesh.repl"],
+                          input="print('first')\n" + tail, env=ENV, cwd=str(ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "first" in proc.stdout and all(proc.stdout.count(w) == 1 for w in shown), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("launcher, words", [("no_such_launcher_zz -n {n}", "no program 'no_such_launcher_zz'"),
+                                             ("srun -n {n} --x={y}", "unknown field {y}"),
+                                             ("mpiexec -n {}", "the one field is {n}"),
+                                             ('srun -n {n} "', "No closing quotation")])
+def test_a_bad_launcher_is_one_error_line(launcher, words):
+    proc = subprocess.run([sys.executable, "-m", "mpimesh.repl", "-n", "2", "--launcher", launcher], env=ENV,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("mpimesh-repl: error: --launcher") and words in proc.stderr
+
+
+@spawns
 def test_terminal_front_end_multiline_ctrl_c_and_ctrl_d():
     script = Path(sys.executable).parent / "mpimesh-repl"  # the console script pip installs
     assert script.exists(), f"no {script}: install the package (pip install -e .)"
