@@ -524,3 +524,39 @@ def test_errors() -> None:
         mm.gather(x, i, "z")
     with pytest.raises(mm.ShapeError, match="'b'"):
         mm.gather(x, mesh.from_numpy(np.zeros(3, np.int32), "b:3"), "v")
+
+
+@pytest.mark.parametrize("mshape", SHAPES)
+@pytest.mark.parametrize("dtype, vocab", [(np.int8, 300), (np.uint8, 600), (np.int16, 200), (np.int8, 200)])
+def test_gather_with_narrow_index_dtypes(mshape: str, dtype, vocab: int) -> None:
+    """int8/uint8/int16 indices over a split vocabulary: each rank's block start (150, 300, ...) did not
+    fit the index dtype (numpy's OverflowError on some ranks only), and int8 -100 - 100 wrapped into a
+    block (row 156 looked up); out-of-range ids look up zeros, as on one rank."""
+    mesh, errs = get_mesh(mshape), Errors()
+    info = np.iinfo(dtype)
+    w = global_array(f"v:{vocab};d:2", 7)
+    idx = np.array([info.min, -100, -1, 0, 3, 127, info.max, 150, 151, 299], np.int64)
+    idx = idx[(idx >= info.min) & (idx <= info.max)].astype(dtype)
+    ref = gather_ref(w, idx.astype(np.int64))
+    for lw in layouts(mesh, ["v", "d"], limit=4):
+        x = mesh.from_numpy(w, f"v:{vocab};d:2", layout=lw)
+        i = mesh.from_numpy(idx, f"b:{idx.size}")
+        errs.result(f"{np.dtype(dtype)} v={vocab} w={lw}", mm.gather(x, i, "v"), ref, ("b", "d"), {})
+    errs.check()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64, np.int8, np.uint8])
+def test_top_k_at_the_ends_of_integer_ranges(dtype) -> None:
+    """The most negative int and unsigned values past 2**63 (top_k negated int64 keys, which overflows
+    at the minimum, and cast uint64 to int64, which wraps): the largest win, as argmax says, against
+    numpy's stable sort."""
+    mesh = get_mesh(f"all:{mm.MPI.COMM_WORLD.Get_size()}")
+    info = np.iinfo(dtype)
+    g = np.array([[info.min, 0, 5, info.max, info.max - 1, info.min + 1, 1, info.max // 2 + 3]], dtype)
+    x = mesh.from_numpy(g, "r:1;v:8", layout="v:all")
+    for k in (1, 3, 8):
+        values, positions = mm.top_k(x, "v", mm.Dimension("k", k))
+        order = np.argsort(-g.astype(object)[0], kind="stable")[:k].astype(np.int64)
+        np.testing.assert_array_equal(positions.to_numpy()[0], order, err_msg=f"{np.dtype(dtype)} k={k}")
+        np.testing.assert_array_equal(values.to_numpy()[0], g[0][order])
+    assert mm.argmax(x, "v").to_numpy()[0] == 3

@@ -167,6 +167,7 @@ def gather(weights, indices, dim, dtype=None):
     mv = splitting(wl[weights.shape.index(vdim.name)], mesh.shape)
     ns, no = p["n_shared"], p["n_oonly"]
     out_dtype = None if dtype is None else as_dtype(dtype)
+    wide = np.int32 if vdim.size < 2 ** 31 else np.int64  # block positions of the looked-up dim fit
 
     def lower(ctx, w, i):
         xp = ctx.xp
@@ -177,6 +178,8 @@ def gather(weights, indices, dim, dtype=None):
         i = i.reshape(i.shape[:p["n_iother"]] + (sflat,))
         nv = w.shape[0]
         if nv:  # a padded block (JAX replay) looks up zeros past its end: the next block's rows are the next's
+            if np.dtype(i.dtype).kind == "u" or np.dtype(i.dtype).itemsize < np.dtype(wide).itemsize:
+                i = i.astype(wide)  # (int8 -100 - 100 wrapped into the block; a block start past int8 raised)
             i = i - ctx.span(vdim.size, mv)[0]  # position inside this rank's block
             valid = (i >= 0) & (i < nv)
             if xp is np and sflat == 1:  # a plain lookup: `take`, the same rows as the fancy index
@@ -264,11 +267,11 @@ def _top(xp, a, axis: int, k: int):
     For small k a partition finds the k-th largest value t; the winners are every value above t
     and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
     instead of a full sort). NaNs, and JAX's traced arrays, take the full stable sort."""
-    key = a.astype(np.int64) if a.dtype.kind in "biu" else a
+    key = a.astype(np.int8) if a.dtype.kind == "b" else a
     n = a.shape[axis]
     eager = getattr(xp, "__name__", "") in ("numpy", "cupy")  # not jax: a traced shape must not vary
     if not eager or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
-        order = _take(_argsort(xp, -key, axis), axis, k)
+        order = _take(_argsort(xp, _reversed(key), axis), axis, k)
         return xp.take_along_axis(a, order, axis=axis), order
     key = xp.moveaxis(key, axis, -1)
     t = xp.partition(key, n - k, axis=-1)[..., n - k:n - k + 1]
@@ -276,9 +279,15 @@ def _top(xp, a, axis: int, k: int):
     need = k - above.sum(-1, keepdims=True)
     chosen = above | (tied & (xp.cumsum(tied, -1) <= need))  # exactly k per row, in position order
     pos = xp.nonzero(chosen)[-1].reshape(key.shape[:-1] + (k,))
-    order = _argsort(xp, -xp.take_along_axis(key, pos, -1), -1)
+    order = _argsort(xp, _reversed(xp.take_along_axis(key, pos, -1)), -1)
     pos = xp.moveaxis(xp.take_along_axis(pos, order, -1), -1, axis)
     return xp.take_along_axis(a, pos, axis=axis), pos
+
+
+def _reversed(key):
+    """Keys in the opposite order: `~key` for integers (-key overflows at the most negative int, and
+    an unsigned one cast to int64 wrapped), `-key` for floats."""
+    return ~key if np.dtype(key.dtype).kind in "iu" else -key
 
 
 def top_k(x, reduced_dim, k_dim):
