@@ -536,9 +536,13 @@ class DynamicLossScale:
                                        "good_steps": full(mesh, Shape(()), self.good_steps, "int32", ())})
 
     def scaled(self, loss, state: Optional[Mapping] = None):
-        """`loss * scale`, the value to differentiate (the scale in `state`, where `init` put one)."""
+        """`loss * scale`, the value to differentiate (the scale in `state`, where `init` put one). A
+        16-bit loss is scaled in float32 (2**16 is inf in float16, and so was any loss times it); its
+        gradient is still a 16-bit number, so a float16 loss caps the scale at 2**15: compute the loss
+        in float32 (as PyTorch's autocast does) where scales should grow past that."""
         held = _held_scale(state)
-        return loss * self.scale if held is None else loss * cast(held["scale"], loss.dtype)
+        wide = cast(loss, accumulation_dtype(loss.dtype)) if isinstance(loss, DistTensor) else loss
+        return wide * self.scale if held is None else wide * cast(held["scale"], wide.dtype)
 
     def finite(self, grads: Mapping) -> bool:
         """Whether every gradient is finite, agreed across all ranks of the mesh."""

@@ -554,6 +554,22 @@ def test_a_loss_scale_held_in_the_state_skips_alike_and_compiles() -> None:
     assert float(held.scaled(loss, eager_state).to_numpy()) == 3.0 * py.scale
 
 
+def test_a_16_bit_loss_is_scaled_in_float32() -> None:
+    """A float16 loss times a scale of 2**16 was inf (the scale rounded to float16 first), in both
+    modes: it is scaled in float32, against float64; the gradient into the 16-bit graph stays 16-bit."""
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    for dt in (np.float16, "bfloat16"):
+        loss = mm.cast(mesh.from_numpy(np.array(0.001, np.float32), []), dt)
+        want = float(np.float64(loss.to_numpy().astype(np.float64)) * 2.0 ** 16)
+        ls = Scale(scale=2.0 ** 16)
+        for got in (ls.scaled(loss), ls.scaled(loss, ls.init({"step": mesh.zeros([], "int32")}))):
+            assert got.dtype == np.float32 and float(got.to_numpy()) == want, (dt, got.to_numpy())
+        with mm.trace():
+            x = mm.cast(mesh.from_numpy(np.array(0.5, np.float32), []), dt)
+            (g,) = mm.gradients([Scale(scale=2.0 ** 15).scaled(x * 0.5)], [x])
+        assert g.dtype == x.dtype and float(g.to_numpy()) == 2.0 ** 14
+
+
 def test_a_held_loss_scale_must_be_inits() -> None:
     mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
     params = {"w": mesh.ones("a:2")}
