@@ -99,10 +99,18 @@ def _hyper(owner: str, arg: str, value, rule: str, *, schedule: bool = False, op
         forms = (["an int" if integer else "a real number"] + ["a schedule f(t)"] * schedule + ["None"] * optional
                  + ["a 0-d float DistTensor"] * (mesh is not None))
         raise TypeError(f"{owner}: {arg} must be {' or '.join(forms)}, got {value!r} ({type(value).__name__})")
-    if not ((integer or math.isfinite(value)) and _RULES[rule](value)):
+    if not ((integer or _finite(value)) and _RULES[rule](value)):
         raise MpimeshError(f"{owner}: {arg} must be {'an int' if integer else 'a finite number'} {rule}, "
                            f"got {value!r}")
     return int(value) if integer else float(value)
+
+
+def _finite(value) -> bool:
+    """Whether a real number is finite as a float (an int past 1.8e308 is not: float() overflows)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _value(opt: "Optimizer", arg: str, t):

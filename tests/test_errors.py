@@ -236,6 +236,12 @@ def test_dtypes_an_op_cannot_take(mesh: mm.Mesh) -> None:
     np.testing.assert_array_equal((i ** 2).to_numpy(), np.arange(1, 9) ** 2)  # what numpy allows still runs
     np.testing.assert_array_equal((b + b).to_numpy(), np.arange(8) % 2 == 0)
     np.testing.assert_allclose((i ** -1.0).to_numpy(), 1.0 / np.arange(1, 9))
+    import ml_dtypes  # a 16-bit float to an integer power is a float: numpy's values and dtype (it was refused)
+    h = mm.cast(mesh.from_numpy(np.arange(1.0, 9.0), "a:8", layout={"a": m}), "bfloat16")
+    for e in (np.int64(2), np.int32(-2), i):
+        want = np.arange(1.0, 9.0).astype(ml_dtypes.bfloat16) ** (e.to_numpy() if isinstance(e, mm.DistTensor) else e)
+        got = h ** e
+        assert got.dtype == want.dtype and np.array_equal(got.to_numpy(), want, equal_nan=True), (e, got.to_numpy())
     x = mesh.from_numpy(np.arange(16, dtype=np.int32).reshape(2, 8), "b:2;a:8", layout={"a": m})
     for op, fn in (("softmax", lambda: mm.softmax(x, "a")), ("log_softmax", lambda: mm.log_softmax(x, "a")),
                    ("reduce_logsumexp", lambda: mm.reduce_logsumexp(x)),

@@ -537,3 +537,30 @@ def test_loss_scale_checks_its_inputs():
     new, _, applied = ls.step(opt, params, grads, state)
     assert applied and ls.scale == 4.0
     np.testing.assert_array_equal(new["w"].to_numpy(), np.array([1.0, 2.0]) - 0.5 * np.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("shape", ["a:0;b:3", "a:4;b:0", "a:0"])
+@pytest.mark.parametrize("kw", [{}, {"beta1": 0.9}])
+def test_adafactor_leaves_an_empty_parameter_alone(shape, kw):
+    """A parameter with a dim of size 0 beside a normal one: Adafactor raised ZeroDivisionError (its
+    RMS of nothing); the empty one stays empty and the other is updated as if alone (as SGD and Adam)."""
+    import warnings
+    mesh = mm.Mesh(mesh_shapes()[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no 0/0 either)
+        params, grads = {"w": mesh.zeros(shape), "v": mesh.ones("c:3")}, {"w": mesh.ones(shape), "v": mesh.ones("c:3")}
+        opt = mm.optim.Adafactor(**kw)
+        new, _ = opt.update(params, grads, opt.init(params))
+        alone, _ = opt.update({"v": params["v"]}, {"v": grads["v"]}, opt.init({"v": params["v"]}))
+    assert new["w"].shape == params["w"].shape and new["w"].to_numpy().size == 0
+    np.testing.assert_array_equal(new["v"].to_numpy(), alone["v"].to_numpy())
+    assert not np.array_equal(new["v"].to_numpy(), np.ones(3))
+
+
+def test_hyperparameters_past_the_float_range_are_refused_by_name():
+    """An int past 1.8e308 raised a raw OverflowError from math.isfinite."""
+    for make, words in [(lambda: mm.optim.Adam(10 ** 400), "Adam: lr must be a finite number"),
+                        (lambda: mm.optim.SGD(0.1, momentum=10 ** 400), "SGD: momentum must be a finite number"),
+                        (lambda: mm.optim.DynamicLossScale(scale=10 ** 400), "scale must be a finite number")]:
+        with pytest.raises(mm.MpimeshError, match=words):
+            make()

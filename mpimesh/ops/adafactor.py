@@ -177,8 +177,8 @@ def _update(ctx, xp, plans, parts, lr, decay, options, over) -> list:
     second = _Sums(ctx, xp)
     for plan, k, (_, _, *slots) in zip(plans, keys, parts):
         if plan.factored:
-            vr = decay * slots[0] + one * (first.get(k["r"]) * (1.0 / plan.n0) + eps1)
-            vc = decay * slots[1] + one * (first.get(k["c"]) * (1.0 / plan.n1) + eps1)
+            vr = decay * slots[0] + one * (first.get(k["r"]) * (1.0 / max(plan.n0, 1)) + eps1)
+            vc = decay * slots[1] + one * (first.get(k["c"]) * (1.0 / max(plan.n1, 1)) + eps1)
             k["vr"], k["vc"] = vr, vc
             masked = _real(ctx, xp, vr, [(a - (a > plan.ax0), n, m) for a, n, m in plan.split if a != plan.ax0])
             k["row"] = second.add(xp.sum(masked, axis=plan.ax1_in_vr, keepdims=True), plan.d1_dims)
@@ -188,7 +188,7 @@ def _update(ctx, xp, plans, parts, lr, decay, options, over) -> list:
     third = _Sums(ctx, xp)
     for plan, k in zip(plans, keys):
         if plan.factored:
-            row_mean = second.get(k["row"]) * (1.0 / plan.n1)
+            row_mean = second.get(k["row"]) * (1.0 / max(plan.n1, 1))
             r = 1.0 / xp.sqrt(k["vr"] / row_mean)
             c = 1.0 / xp.sqrt(k["vc"])
             u = k["g"] * (xp.expand_dims(r, plan.ax0) * xp.expand_dims(c, plan.ax1))
@@ -202,9 +202,9 @@ def _update(ctx, xp, plans, parts, lr, decay, options, over) -> list:
     for plan, k, (p_in, _, *slots), mine in zip(plans, keys, parts, over):
         scale = lr
         if scale_by_rms:
-            scale = lr * xp.maximum(xp.sqrt(first.get(k["pp"]) * (1.0 / plan.size)), eps2)
+            scale = lr * xp.maximum(xp.sqrt(first.get(k["pp"]) * (1.0 / max(plan.size, 1))), eps2)
         if clip is not None:
-            rms_u = xp.sqrt(third.get(k["uu"]) * (1.0 / plan.size))
+            rms_u = xp.sqrt(third.get(k["uu"]) * (1.0 / max(plan.size, 1)))
             scale = scale / xp.maximum(rms_u * (1.0 / clip), 1.0)
         d = k["u"] * scale
         new_slots = [k["vr"], k["vc"]] if plan.factored else [k["v"]]

@@ -290,11 +290,16 @@ divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
                  lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"))
 
 
+def _kind_letter(v) -> str:
+    """The dtype kind of an array or a number (`xp.result_type` fails on ml_dtypes' 16-bit floats)."""
+    return np.dtype(v.dtype).kind if hasattr(v, "dtype") else np.asarray(v).dtype.kind
+
+
 def _power(ctx, a, b):
     """a ** b, where numpy raises for an integer to a negative integer power: a DTypeError on every
     rank, where any rank's block of the exponent holds one (`any_rank`; for integer results only)."""
     xp = ctx.xp
-    if is_eager(xp) and hasattr(b, "dtype") and xp.result_type(a, b).kind in "iu" \
+    if is_eager(xp) and hasattr(b, "dtype") and _kind_letter(a) in "biu" and _kind_letter(b) in "biu" \
             and ctx.any_rank(bool((b < 0).any())):
         raise DTypeError("power: an integer to a negative integer power (the exponent tensor holds one on some "
                          "rank); numpy, JAX and PyTorch refuse it too: cast to a float dtype first")
