@@ -53,7 +53,7 @@ def _free_released() -> None:
                 pass
 
 
-def _mesh_shape(shape: ShapeLike) -> Shape:
+def mesh_shape_of(shape: ShapeLike) -> Shape:
     """`shape` as a mesh shape: a MeshError for a bad string or a dim of size 0."""
     try:
         shape = Shape(shape)
@@ -84,7 +84,7 @@ class AbstractMesh:
     """
 
     def __init__(self, shape: ShapeLike, layout: RulesLike = ""):
-        self._shape = _mesh_shape(shape)
+        self._shape = mesh_shape_of(shape)
         self.rules = LayoutRules(layout)
         check_rules(self.rules, self._shape)
         self._scopes: list[LayoutRules] = []
@@ -182,7 +182,7 @@ class Mesh(AbstractMesh):
 
     def __init__(self, shape: ShapeLike, layout: RulesLike = "", comm: Optional[MPI.Comm] = None,
                  backend: Optional[str] = None, device: Optional[int] = None, transport: Optional[str] = None):
-        shape = _mesh_shape(shape)
+        shape = mesh_shape_of(shape)
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise MeshError(f"a mesh is built over an MPI intra-communicator (e.g. MPI.COMM_WORLD), got {comm!r}")

@@ -488,3 +488,14 @@ def test_transformer_layout_auto_prints_plan_and_trains_with_it(capsys):
     T.main(tiny + ["--layout", "auto", "--dtype", "float16"])  # (its loss scale lives in the state: no host read)
     out = capsys.readouterr().out
     assert WORLD.Get_rank() or re.search(r"--layout auto on mesh .*predicted", out) and "step     2/2" in out, out
+
+
+def test_a_bad_mesh_string_is_a_mesh_error_in_the_cost_model_too():
+    """`record` and `estimate` parse a mesh string as `mm.Mesh` does (they raised ShapeError)."""
+    args = (mm.cost.ArgSpec("batch:8;d:4", "float32"),)
+    step = (lambda x: mm.reduce_sum(mm.square(x)))
+    with pytest.raises(mm.MeshError, match=r"bad mesh shape 'rows=2'"):
+        mm.cost.record(step, args, "rows=2")
+    rec = mm.cost.record(step, args, "rows:2", "batch:rows")
+    with pytest.raises(mm.MeshError, match=r"bad mesh shape 'rows:2;cols'"):
+        mm.cost.estimate(rec, "batch:rows", "rows:2;cols", mm.cost.TPUV2)

@@ -43,6 +43,7 @@ from ..backend import as_dtype, is_low_precision
 from ..collectives import counters
 from ..errors import LayoutError, MpimeshError
 from ..layout import LayoutRules
+from ..mesh import mesh_shape_of
 from ..shape import Shape
 from ..tree import is_tensor, map_leaves, tensors
 from .machine import Machine
@@ -136,7 +137,7 @@ class Recording:
     def rerun(self, rules=None, mesh_shape=None) -> "Recording":
         """This program recorded on `mesh_shape` under `rules` (None: this recording's); kept."""
         rules = self.rules if rules is None else LayoutRules(rules)
-        mesh_shape = self.mesh_shape if mesh_shape is None else Shape(mesh_shape)
+        mesh_shape = self.mesh_shape if mesh_shape is None else mesh_shape_of(mesh_shape)
         if (rules, mesh_shape) == (self.rules, self.mesh_shape):
             return self
         if self.fn is None:
@@ -338,7 +339,7 @@ def record(fn, args, mesh, rules=None) -> Recording:
     from ..trace import _open_traces
     check_step("record", fn, args)
     if isinstance(mesh, (str, Shape, list, tuple)):
-        mesh_shape, in_force = Shape(mesh), LayoutRules("")
+        mesh_shape, in_force = mesh_shape_of(mesh), LayoutRules("")
     elif isinstance(mesh, AbstractMesh):
         mesh_shape, in_force = mesh.shape, mesh.layout
     else:
@@ -485,7 +486,7 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
         trace = programs[-1]
     if isinstance(trace, (Trace, Program)):
         rec = from_trace(trace) if isinstance(trace, Trace) else from_program(trace)
-        mesh_shape = None if mesh_shape is None else Shape(mesh_shape)
+        mesh_shape = None if mesh_shape is None else mesh_shape_of(mesh_shape)
         if (rules is not None and LayoutRules(rules) != rec.rules) or \
                 (mesh_shape is not None and mesh_shape != rec.mesh_shape):
             rec.rerun(rules, mesh_shape)  # raises: a plain trace cannot run again
