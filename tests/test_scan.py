@@ -66,6 +66,32 @@ def test_cumsum(mshape: str, dtype) -> None:
     errs.check()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mshape", SHAPES)
+def test_a_16_bit_cumsum_sums_in_float32(mshape: str, dtype) -> None:
+    """3001 values in [0.5, 1.5]: a bfloat16 running sum stalled at 512 on one rank (1024 on two: each
+    block's), the layout changed the answer. Summed in float32 and rounded once: within one 16-bit
+    rounding of the float64 reference, and the same on every layout."""
+    mesh, errs = get_mesh(mshape), Errors()
+    a = np.random.default_rng(7).uniform(0.5, 1.5, (2, 3001)).astype(dtype if dtype == "float16" else np.float32)
+    x = mm.cast(mesh.from_numpy(a, "a:2;i:3001"), dtype)
+    a = x.to_numpy()
+    eps = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -11
+    seen = None
+    for lay in layouts(mesh, ["a", "i"], limit=4):
+        xl = mesh.from_numpy(a, "a:2;i:3001", layout=lay)
+        for exclusive, reverse in MODES:
+            y = mm.cumsum(xl, "i", exclusive=exclusive, reverse=reverse).to_numpy()
+            ref = ref_cumsum(a.astype(np.float64), 1, exclusive, reverse)
+            errs.expect(y.dtype == a.dtype and np.all(np.abs(y.astype(np.float64) - ref) <= eps * np.abs(ref) + 1e-6),
+                        f"{dtype} x={lay} excl={exclusive} rev={reverse}: max error "
+                        f"{np.max(np.abs(y.astype(np.float64) - ref))}")
+            if (exclusive, reverse) == (False, False):
+                errs.expect(seen is None or np.array_equal(y, seen), f"{dtype} x={lay}: another layout, other values")
+                seen = y
+    errs.check()
+
+
 @pytest.mark.parametrize("mshape", SHAPES)
 def test_cumsum_3d_each_axis(mshape: str) -> None:
     mesh, errs = get_mesh(mshape), Errors()

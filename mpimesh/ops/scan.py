@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Union
 
+from ..backend import accumulation_dtype
 from ..layout import splitting
 from ..shape import Dimension
 from ..trace import dispatch, saving
@@ -40,7 +41,8 @@ def _local_cumsum(xp, a, axis: int, exclusive: bool, reverse: bool):
 
 def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool = False):
     """Cumulative sum of x along `dim` (`exclusive`: the sum of the elements strictly before;
-    `reverse`: from the end). Gradient: the cumulative sum of dy the other way round."""
+    `reverse`: from the end); 16-bit floats are summed in float32 and rounded once. Gradient: the
+    cumulative sum of dy the other way round."""
     name = _dim_name(x, dim, "cumsum")
     axis = x.shape.index(name)
     layout = x.mesh.plan(x.shape)
@@ -48,19 +50,22 @@ def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool
     m = splitting(layout[axis], x.mesh.shape)
     k = x.mesh.shape[m].size if m else 1
     exclusive, reverse = bool(exclusive), bool(reverse)
+    wide = accumulation_dtype(x.dtype)  # 16-bit floats sum in float32, rounded once (bfloat16 stalled at 512)
 
     def lower(ctx, a):
         xp = ctx.xp
+        low, a = a.dtype, (a.astype(wide) if wide != x.dtype else a)
         c = _local_cumsum(xp, a, axis, exclusive, reverse)
-        if m is None:
-            return c
-        total = xp.sum(a, axis=axis, keepdims=True, dtype=c.dtype)
-        if not reverse:
-            return c + ctx.exscan(total, m)
-        totals = ctx.allgather(total, m, axis)  # k totals along `axis` (one per rank), in coordinate order
-        after = (xp.arange(k) > ctx.coord(m)).reshape((1,) * axis + (k,) + (1,) * (a.ndim - axis - 1))
-        later = xp.where(after, totals, xp.zeros((), dtype=c.dtype))
-        return c + xp.sum(later, axis=axis, keepdims=True, dtype=c.dtype)
+        if m is not None:
+            total = xp.sum(a, axis=axis, keepdims=True, dtype=c.dtype)
+            if not reverse:
+                c = c + ctx.exscan(total, m)
+            else:
+                totals = ctx.allgather(total, m, axis)  # k totals along `axis` (one per rank), in coordinate order
+                after = (xp.arange(k) > ctx.coord(m)).reshape((1,) * axis + (k,) + (1,) * (a.ndim - axis - 1))
+                later = xp.where(after, totals, xp.zeros((), dtype=c.dtype))
+                c = c + xp.sum(later, axis=axis, keepdims=True, dtype=c.dtype)
+        return c.astype(low) if c.dtype != low and low != bool else c
 
     (y,) = dispatch("cumsum", [x], [(x.shape, layout)], lower,
                     {"dim": name, "exclusive": exclusive, "reverse": reverse}, _cumsum_grad)
