@@ -141,3 +141,71 @@ def _rank_of(pid: int):
         return env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK", b"")).decode()
     except OSError:
         return None
+
+
+REPLAY_CALLS = r'''
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np
+from mpi4py import MPI
+import jax
+import mpimesh as mm
+from mpimesh.tpu import distributed
+W = MPI.COMM_WORLD
+n = W.Get_size()
+distributed.initialize(W, 1)
+jmesh = distributed.global_mesh(mm.Shape(f"all:{n}"))
+a = np.arange(24, dtype=np.float32).reshape(8, 3)
+one = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+x = one.from_numpy(a, "b:8;i:3")
+with mm.trace() as tr:
+    y = mm.exp(x * 0.1)
+f = mm.tpu.replay(tr, [x], [y], devices=jmesh, layout="b:all")
+mesh = mm.Mesh(f"all:{n}", layout="b:all")
+x2 = mesh.from_numpy(a, "b:8;i:3")
+with mm.trace() as tr2:
+    y2 = mm.exp(x2 * 0.1)
+g = mm.tpu.replay(tr2, [x2], [y2], devices=jmesh)
+want = np.exp(a.astype(np.float64) * 0.1)
+said = []
+for name, fn, arg in [("layout=, numpy", f, a), ("shard_map, numpy", g, a), ("fed back", g, g(a)[0]),
+                      ("resharded", g, jax.device_put(a, jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec())))]:
+    (out,) = fn(arg)
+    got = np.asarray(jax.experimental.multihost_utils.process_allgather(out, tiled=True))
+    if name == "fed back":
+        got_want = np.exp(want.astype(np.float32).astype(np.float64) * 0.1)
+    else:
+        got_want = want
+    assert np.allclose(got, got_want, rtol=1e-5), (name, got[:2], got_want[:2])
+    said.append(f"{W.Get_rank()} {name} ok")
+x5 = mesh.from_numpy(a[:5], "b:5;i:3")
+with mm.trace() as tr3:
+    s = mm.reduce_sum(x5, reduced_dims="b")
+try:
+    mm.tpu.replay(tr3, [x5], [s], devices=jmesh)
+    said.append(f"{W.Get_rank()} uneven built")
+except mm.MpimeshError as e:
+    said.append(f"{W.Get_rank()} uneven refused: {e}")
+every = W.gather(said, root=0)
+if W.Get_rank() == 0:
+    print("\n".join(line for lines in every for line in lines), flush=True)
+'''
+
+
+def test_a_replay_across_processes_takes_host_arrays_and_any_sharding(tmp_path):
+    """Across 2 JAX processes: a replay called with global numpy arrays (as the docs say: it was a raw
+    JAX error, only `put` worked), with its own output fed back, and with an array placed another way;
+    values against numpy in float64. A trace of uneven blocks recorded on both ranks is refused on both
+    (rank 1 alone raised, and rank 0 went on by itself)."""
+    script = tmp_path / "calls.py"
+    script.write_text(REPLAY_CALLS)
+    env = job_env(PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1")
+    env.pop("XLA_FLAGS", None)
+    r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, str(script)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        for name in ("layout=, numpy", "shard_map, numpy", "fed back", "resharded"):
+            assert f"{rank} {name} ok" in r.stdout, r.stdout + r.stderr[-2000:]
+        assert f"{rank} uneven refused: the trace has a tensor [b:5, i:3]" in r.stdout and "across 2 JAX processes" \
+            in r.stdout, r.stdout + r.stderr[-2000:]

@@ -30,7 +30,9 @@ dropout, top_k's and argmax's candidates) take this device's block start, traced
 length (`JaxCollectives.span`). Ops whose kernels cannot run on padded blocks raise ReplayError
 when they meet uneven blocks. Many kernels keep the recording rank's local sizes (a reshape's or
 a broadcast's target sizes, an einsum's contraction path), so a replay of uneven blocks is built
-on rank 0 (which holds the largest) and is refused on a rank that holds a smaller block. A jit's
+on rank 0 (which holds the largest) and is refused on a rank that holds a smaller block, and on
+every rank across JAX processes (where each builds it): record such a step on one rank and replay
+it with `layout=`. A jit's
 arguments and results can only be sharded along dims their mesh dim divides: the others are
 replicated there (`in_shardings`, `out_shardings`) and padded and cut inside.
 
@@ -128,7 +130,7 @@ class _Plan:
     """What to replay: the program (`mpimesh.program.Program`: the needed op records in order,
     inputs, outputs) and its constants as host arrays, each the whole tensor."""
 
-    def __init__(self, trace, inputs: Sequence, outputs: Sequence):
+    def __init__(self, trace, inputs: Sequence, outputs: Sequence, processes: int = 1):
         program = Program(trace, inputs, outputs, ReplayError)
         self.mesh, self.ops = program.mesh, program.ops
         self.inputs, self.outputs, self.input_ids = program.inputs, program.outputs, program.input_ids
@@ -141,14 +143,22 @@ class _Plan:
                 raise ReplayError(f"the trace reads a {_describe(t)} (by {by}) that is split over the mesh "
                                   f"and not among the replay inputs: list it in `inputs`")
             self.constants[i] = np.array(to_host(t.local), copy=True)
-        self._padding()
+        self._padding(processes)
 
-    def _padding(self) -> None:
+    def _padding(self, processes: int) -> None:
         """Each tensor's uneven axes (`uneven`) and padded local shape (`local_shapes`: coordinate
-        0's block, the largest); ReplayError for an op that cannot run on padded blocks."""
+        0's block, the largest); ReplayError for an op that cannot run on padded blocks, and, on
+        every rank alike, for uneven blocks replayed across `processes` > 1 JAX processes."""
         ms = self.mesh.shape
         tensors = self.tensors
         self.uneven = {i: _uneven_axes(t.shape, t.tensor_layout, ms) for i, t in tensors.items()}
+        t = next((t for i, t in tensors.items() if self.uneven[i]), None)
+        if t is not None and processes > 1:  # (decided from shapes and layouts: the same on every rank)
+            raise ReplayError(f"the trace has a {_describe(t)} with {_blocks(t, self.uneven[id(t)][0])}: across "
+                              f"{processes} JAX processes every rank builds the replay, but the kernels of uneven "
+                              f"blocks are the largest block's (rank 0's); record the step on one rank "
+                              f"(mm.Mesh('all:1', comm=MPI.COMM_SELF)) and replay it with layout=, which lays "
+                              f"uneven dims out by itself, or split that dim evenly")
         self.local_shapes = {i: local_sizes(t.shape, ms, t.tensor_layout, dict.fromkeys(ms.names, 0))
                              for i, t in tensors.items()}
         for rec in self.ops:
@@ -403,8 +413,10 @@ class Replay:
         return out
 
     def __call__(self, *arrays) -> tuple:
-        """The global output arrays (JAX arrays, sharded as the outputs' layouts) for global inputs."""
-        args = self._args(arrays)
+        """The global output arrays (JAX arrays, sharded as the outputs' layouts) for global inputs:
+        host arrays (the same on every process), or JAX arrays sharded any way (an output of this or
+        another replay fed back), each placed as its input is sharded first (`put`)."""
+        args = self.put(arrays)
         with _x64(), _matmul_precision():
             return (self._compiled or self.jitted)(*args)
 
@@ -533,10 +545,10 @@ def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
     if mode not in MODES:
         raise MpimeshError(f"replay mode must be one of {MODES}, got {mode!r}")
     _arguments(trace, inputs, outputs, devices, donate)
-    plan = _Plan(trace, inputs, outputs)
+    import jax
+    plan = _Plan(trace, inputs, outputs, processes=jax.process_count() if layout is None else 1)
     if layout is None:
         return Replay(plan, _jax_mesh(plan.mesh.shape, devices), mode, donate=donate)
-    import jax
     if plan.mesh.shape.size != 1:
         raise ReplayError(f"replay with layout= needs a trace recorded on a one-processor mesh (the global "
                           f"program); this trace's mesh is {plan.mesh.shape}")
