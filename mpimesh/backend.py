@@ -210,6 +210,24 @@ def to_device(xp, array):
     return xp.asarray(array)
 
 
+def index_constant(xp, values: tuple, dtype="int64"):
+    """A small constant array of `values` on `xp`'s device, made once per device and kept (a kernel's
+    index terms: a host copy inside a CUDA-graph capture would be captured reading a pinned staging
+    buffer that CuPy reuses, or would split the graph). On numpy, a fresh array.
+
+    >>> index_constant(np, (0, 3, 5)).tolist()
+    [0, 3, 5]
+    """
+    if name(xp) != "cupy":
+        return np.asarray(values, dtype)
+    return _device_constant(xp, int(xp.cuda.runtime.getDevice()), tuple(int(v) for v in values), np.dtype(dtype).str)
+
+
+@lru_cache(maxsize=1024)
+def _device_constant(xp, device: int, values: tuple, dtype: str):
+    return to_device(xp, np.asarray(values, dtype))  # (read only: shared by every caller)
+
+
 _KINDS = "biufc"  # bool, signed and unsigned integers, floats, complex: what the collectives can move
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's name for it once ml_dtypes is imported: "bfloat16"
 _LOW = (np.dtype(np.float16), BFLOAT16)  # the 16-bit floats: computed and summed in float32

@@ -142,6 +142,7 @@ class GraphEngine:
     def _capture(self, arrays: list) -> list:
         engine, cap = self.engine, self.cap
         env = engine.start_env(arrays)
+        arrays.clear()  # (as the flat engine's run: a donated block's only reference is its slot's)
         steps, flying, probe = engine.steps, {}, _Probe(self.mesh.collectives)
         constant = {s for s, _ in engine.constants}
         graph_made: set = set()
@@ -216,6 +217,7 @@ class GraphEngine:
     def _replay(self, arrays: list) -> list:
         engine, cap = self.engine, self.cap
         env = engine.start_env(arrays)
+        arrays.clear()  # (a donated block goes after its static copy, or its last reader on the host)
         flying: dict = {}
         with cap.scope():
             for entry in self.plan:

@@ -560,14 +560,15 @@ class DynamicLossScale:
         for name, g in grads.items():
             if g is not None and not isinstance(g, DistTensor):
                 raise TypeError(f"DynamicLossScale: grads[{name!r}] is a {type(g).__name__}, not a DistTensor")
-        mesh, bad = None, False
+        mesh, total = None, None
         for g in grads.values():
             if g is None:
                 continue
             mesh = g.mesh
             with np.errstate(invalid="ignore"):  # inf * 0: nan where g holds inf or nan
                 probe = reduce_sum(cast(g, accumulation_dtype(g.dtype)) * 0.0)
-            bad = bad or not bool(np.isfinite(probe.to_numpy()))
+                total = probe if total is None else total + probe
+        bad = total is not None and not bool(np.isfinite(total.to_numpy()))  # (one read: one sync on a GPU)
         return mesh is None or not mesh.collectives.any_rank(bad)
 
     def step(self, optimizer: Optimizer, params: Mapping, grads: Mapping, state: Mapping) -> tuple:

@@ -20,7 +20,7 @@ import numbers
 
 import numpy as np
 
-from ..backend import name
+from ..backend import index_constant, name
 from ..errors import MpimeshError
 from ..trace import dispatch, saving
 from .random import check_seed, global_index, index_terms, key, seed_inputs, uniform01
@@ -50,10 +50,10 @@ _cuda: dict = {}
 
 def _masked(xp, a, rate: float, scale: float, seed, starts: list, strides: list):
     """`DROPOUT_SOURCE` on the local block `a` (compiled on first use; its index terms are tiny
-    device arrays)."""
+    device arrays, made once: no host copy when a CUDA graph captures it)."""
     if "kernel" not in _cuda:
         _cuda["kernel"] = xp.ElementwiseKernel(*DROPOUT_PARAMS, DROPOUT_SOURCE, "mpimesh_dropout")
-    terms = [xp.asarray(np.asarray(v, dtype=np.uint64)) for v in (a.shape, starts, strides)]
+    terms = [index_constant(xp, tuple(v), np.uint64) for v in (a.shape, starts, strides)]
     return _cuda["kernel"](a, *terms, np.int32(a.ndim), key(xp, seed, _STREAM), rate, a.dtype.type(scale))
 
 

@@ -266,11 +266,12 @@ def _top(xp, a, axis: int, k: int):
 
     For small k a partition finds the k-th largest value t; the winners are every value above t
     and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
-    instead of a full sort). NaNs, and JAX's traced arrays, take the full stable sort."""
+    instead of a full sort). NaNs, JAX's traced arrays and CuPy's take the full stable sort."""
     key = a.astype(np.int8) if a.dtype.kind == "b" else a
     n = a.shape[axis]
-    eager = getattr(xp, "__name__", "") in ("numpy", "cupy")  # not jax: a traced shape must not vary
-    if not eager or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
+    # not jax (a traced shape must not vary), nor cupy (the NaN probe and nonzero's size are host reads)
+    partition = getattr(xp, "__name__", "") == "numpy"
+    if not partition or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
         order = _take(_argsort(xp, _reversed(key), axis), axis, k)
         return xp.take_along_axis(a, order, axis=axis), order
     key = xp.moveaxis(key, axis, -1)

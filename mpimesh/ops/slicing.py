@@ -35,6 +35,7 @@ import numbers
 from functools import lru_cache
 from typing import Optional, Sequence, Union
 
+from ..backend import index_constant
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, block, block_sizes, splitting
 from ..shape import Dimension, Shape
@@ -152,8 +153,10 @@ def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets:
     g = at(starts, j) + e + shift  # the global input index of each output element here
     valid = (g >= 0) & (g < n) & (e < at(starts, j + 1) - at(starts, j))
     g = xp.clip(g, 0, max(n - 1, 0))
-    q = xp.searchsorted(xp.asarray(ins[1:]), g, side="right")  # the input block holding it
-    r = g - xp.asarray(ins)[q]  # its index inside that block
+    # the input blocks' starts on the device, made once (no host copy when a CUDA graph captures this)
+    edges = index_constant(xp, tuple(ins)) if isinstance(j, numbers.Integral) else ins
+    q = xp.searchsorted(edges[1:], g, side="right")  # the input block holding it
+    r = g - edges[q]  # its index inside that block
     if a.shape[axis] < b:  # a short block: padded, so that every rank sends the same width
         a = xp.pad(a, [(0, 0)] * axis + [(0, b - a.shape[axis])] + [(0, 0)] * len(tail))
     out = xp.zeros(a.shape[:axis] + (c,) + a.shape[axis + 1:], dtype=a.dtype)

@@ -153,7 +153,7 @@ def sgd_update(groups: Sequence[tuple], lr, momentum: float = 0.0, dtype=None) -
             return (p1, v1) if v is not None else (p1,)
         p, g = _widened(p, g, dtype)
         if name(xp) == "cupy" and v is not None:
-            p1, v1 = _kernel(xp, "sgd")(p, g, v, neg_lr, momentum, True)
+            p1, v1 = _kernel(xp, "sgd")(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
         else:
             v1 = _axpy(xp, momentum, v, g) if v is not None else g
             p1 = _axpy(xp, neg_lr, v1, p)
@@ -185,6 +185,7 @@ def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsi
             return _adam_into(xp, into, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, wd)
         p, g = _widened(p, g, dtype)
         if name(xp) == "cupy":
+            c1, c2, neg_lr, neg_lr_wd = (_typed(u, p.dtype) for u in (c1, c2, neg_lr, neg_lr_wd))
             p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, 1.0 - b1, 1.0 - b2,
                                              eps, bool(wd))
         else:
@@ -197,6 +198,12 @@ def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsi
     return _fused("adam_update", kernel, groups, [t, lr] if scaled else [t], 3,
                   {"beta1": b1, "beta2": b2, "epsilon": eps, "weight_decay": wd,
                    "lr": None if scaled else lr}, 12, 2, dtype, {0: 0, 1: 2, 2: 3})
+
+
+def _typed(value, dtype):
+    """A 0-d array in `dtype` (a Python number as it is): a CuPy ElementwiseKernel refuses arrays of
+    two dtypes for one type placeholder (a float64 schedule's lr beside float32 parameters)."""
+    return value.astype(dtype) if hasattr(value, "astype") and value.dtype != dtype else value
 
 
 def _in_place(xp, dtype, p, *values) -> bool:
