@@ -345,6 +345,11 @@ def test_axpy(mesh: mm.Mesh) -> None:
             _check(mm.axpy(mesh.from_numpy(np.array(3.0, np.float32), []), x, y), 3 * X + XP, "a:8;b:16")
     s, t = mesh.from_numpy(np.array(2.0), []), mesh.from_numpy(np.array(3.0), [])  # 0-d x and y
     _check(mm.axpy(0.5, s, t), np.array(4.0), "")
+    b16, f16 = mm.cast(mesh.from_numpy(X, "a:8;b:16"), "bfloat16"), mm.cast(mesh.from_numpy(XP, "a:8;b:16"), "float16")
+    z = mm.axpy(0.5, b16, f16)  # (numpy finds no common dtype: it was a raw DTypePromotionError) float32, as +
+    assert z.dtype == (b16 + f16).dtype == np.float32
+    np.testing.assert_array_equal(z.to_numpy(), np.float32(0.5) * b16.to_numpy().astype(np.float32)
+                                  + f16.to_numpy().astype(np.float32))
     x, y = mesh.from_numpy(X, "a:8;b:16"), mesh.from_numpy(Y, "b:16;c:8")
     for fn, kind, words in ((lambda: mm.axpy(2.0, x, y), mm.ShapeError, "the same dims"),
                             (lambda: mm.axpy(x, x, x), mm.ShapeError, "0-d tensor"),

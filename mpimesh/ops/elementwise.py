@@ -357,6 +357,8 @@ def axpy(alpha, x, y):
         raise ShapeError(f"axpy: x has shape {x.shape}, y has {y.shape}: they must have the same dims")
     if scaled and alpha.shape.rank:
         raise ShapeError(f"axpy: alpha must be a number or a 0-d tensor, got shape {alpha.shape}")
+    if x.dtype != y.dtype and is_low_precision(x.dtype) and is_low_precision(y.dtype):  # bfloat16 and float16:
+        x, y = cast(x, "float32"), cast(y, "float32")  # float32, as x + y (numpy finds no common dtype)
     alpha = to_layout(alpha, ()) if scaled else _scalar(alpha, "axpy", x.dtype)
     layout = x.mesh.plan(x.shape)
     x, y = to_layout(x, layout), to_layout(y, _layout_for(y, x.shape, layout))
