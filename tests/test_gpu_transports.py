@@ -69,6 +69,24 @@ def test_every_collective_on_gpu_matches_numpy(transport):
             assert prof.counters["d2h/all"]["calls"] == prof.counters["h2d/all"]["calls"] >= 5
 
 
+@pytest.mark.parametrize("dtype", ["int16", "uint16", "complex64", "complex128"])
+def test_nccl_moves_and_sums_the_dtypes_it_lacks(dtype):
+    """NCCL has no int16, uint16 or complex type: they move as bytes, a complex sum goes as float
+    pairs, an int16 sum or max in int32 (each raised an error); against numpy on the global values."""
+    if N > GPUS:
+        pytest.skip(f"nccl needs a GPU per rank: {N} ranks, {GPUS} GPU(s)")
+    import cupy
+    mesh = mm.Mesh(f"all:{N}", backend="cupy", transport="nccl")
+    coll = mesh.collectives
+    every = [(np.arange(6) * (1 + 1j if "complex" in dtype else 1) + 10 * r).astype(dtype) for r in range(N)]
+    x = cupy.asarray(every[mesh.rank])
+    np.testing.assert_array_equal(to_host(coll.allreduce(x, ["all"])), sum(every).astype(dtype))
+    np.testing.assert_array_equal(to_host(coll.allgather(x, "all", 0)), np.concatenate(every))
+    np.testing.assert_array_equal(to_host(coll.permute(x, "all", 1)), every[(mesh.rank - 1) % N])
+    if "int" in dtype:
+        np.testing.assert_array_equal(to_host(coll.allreduce(x, ["all"], "max")), np.max(every, axis=0))
+
+
 def test_ops_make_no_host_round_trips():
     mesh = mm.Mesh(f"all:{N}", backend="cupy", layout="batch:all")
     x = mesh.random_normal(f"batch:{4 * N};d:8", seed=0)

@@ -6,7 +6,9 @@ current CuPy stream, so it is ordered with the kernels around it and nothing syn
 Alltoall and permute are grouped point-to-point sends and receives; exscan is an allgather followed
 by a masked local reduction. Unequal blocks (see `base`) are never padded: allgather and alltoall
 become grouped sends and receives of each block's real length, reduce-scatter one grouped reduce
-per block rooted at its owner, so the profile counts what was sent. Host arrays (control values)
+per block rooted at its owner, so the profile counts what was sent. Dtypes NCCL lacks move as
+their bytes (int16, uint16, complex), and sum as float pairs (complex) or in int32 (int16, uint16).
+Host arrays (control values)
 take MPI, as on the `mpi` transport. With a time-out set, completion is polled through a CUDA
 event, and a group that times out is aborted (`ncclCommAbort`) before the error is raised.
 
@@ -67,15 +69,33 @@ class NcclCollectives(MpiCollectives):
         return comm
 
     def _dtype(self, x):
-        name = "bfloat16" if x.dtype.name == "bfloat16" else np.dtype(x.dtype).name
-        if name not in _DTYPES:
-            from ..errors import MpimeshError
-            raise MpimeshError(f"the nccl transport cannot send dtype {x.dtype}")
-        return getattr(self._nccl, _DTYPES[name])
+        return getattr(self._nccl, _DTYPES[_name(x)])
+
+    def _post_as(self, kind, dims, send, recv, op, dest, src, counts) -> Request:
+        """A transfer of a dtype NCCL lacks (int16, uint16, complex): a move as its raw bytes, a
+        complex sum as its real and imaginary parts, an int16/uint16 reduction widened to int32 and
+        rounded back (exact: int32 sums wrap to the int16 ones), enqueued after it on the stream."""
+        name = _name(send)
+        if op is None or (name.startswith("complex") and op == "sum"):
+            wire = np.dtype(np.uint8 if op is None else {"complex64": np.float32, "complex128": np.float64}[name])
+            k = np.dtype(send.dtype).itemsize // wire.itemsize
+            counts = None if counts is None else tuple(tuple(c * k for c in side) for side in counts)
+            return self._post(kind, dims, send.reshape(-1).view(wire), recv.reshape(-1).view(wire), op, dest, src,
+                              counts)
+        if name in ("int16", "uint16"):
+            wide = send.astype(np.int32)
+            out = wide if recv is send else self.xp.empty(recv.shape, np.int32)
+            req = self._post(kind, dims, wide, out, op, dest, src, counts)
+            recv[...] = out.astype(recv.dtype)
+            return req
+        from ..errors import DTypeError
+        raise DTypeError(f"the nccl transport cannot {op}-reduce dtype {send.dtype}")
 
     def _post(self, kind, dims, send, recv, op=None, dest=None, src=None, counts=None) -> Request:
         if isinstance(send, np.ndarray):
             return super()._post(kind, dims, send, recv, op, dest, src, counts)  # host control values: MPI
+        if _name(send) not in _DTYPES:
+            return self._post_as(kind, dims, send, recv, op, dest, src, counts)
         nccl, comm = self._nccl, self._comm(dims)
         stream = self.xp.cuda.get_current_stream()
         s, dt, n = stream.ptr, self._dtype(send), send.size
@@ -167,6 +187,11 @@ class NcclCollectives(MpiCollectives):
             return xp.zeros_like(x)
         before = every[:c]
         return {"sum": before.sum, "max": before.max, "min": before.min}[op](axis=0).astype(x.dtype, copy=False)
+
+
+def _name(x) -> str:
+    """The dtype name NCCL's table knows it by."""
+    return "bfloat16" if x.dtype.name == "bfloat16" else np.dtype(x.dtype).name
 
 
 def _starts(counts) -> tuple:
