@@ -160,3 +160,18 @@ def test_stop_gradient(mshape: str) -> None:
         np.testing.assert_array_equal(g_blocked.to_numpy(), np.zeros_like(a))  # nothing flows through
         np.testing.assert_allclose(g_half.to_numpy(), a, rtol=1e-14)  # d(s*x)/dx with s held constant
         assert g_blocked.layout == x.layout
+
+
+@pytest.mark.parametrize("dtype, lo, hi", [("int8", 0, 1000), ("uint8", -5, 3), ("float16", 0.0, 1e6),
+                                           ("int16", -40000, 0)])
+def test_random_uniform_refuses_a_range_its_dtype_cannot_hold(dtype, lo, hi) -> None:
+    """int8 [0, 1000) gave values from -128 to 127 (wrapped), uint8 [-5, 3) values up to 255, float16
+    [0, 1e6) mostly 65504 (saturated): a DTypeError naming the dtype and range, on every rank, before
+    anything is drawn; the widest range that fits is drawn inside it."""
+    mesh = self_mesh()
+    with pytest.raises(mm.DTypeError, match=rf"random_uniform: \[{lo}.*, {hi}.*\) does not fit dtype {dtype}"):
+        mesh.random_uniform("a:100", seed=0, minval=lo, maxval=hi, dtype=dtype)
+    info = np.iinfo(dtype) if np.dtype(dtype).kind in "iu" else None
+    if info is not None:
+        v = mesh.random_uniform("a:1000", seed=0, minval=int(info.min), maxval=int(info.max) + 1, dtype=dtype).to_numpy()
+        assert v.dtype == np.dtype(dtype) and v.min() >= info.min and v.max() <= info.max

@@ -146,3 +146,41 @@ def test_bias_activation(shape, activation):
         fused, tr = _values_and_grads(lambda x, b: bias_activation(x, b, activation), (x, bias), dy)
         _close(fused, _values_and_grads(lambda x, b: act(x + b), (x, bias), dy)[0], activation)
         assert _count(tr, f"bias_{activation}") == 1 and _count(tr, f"bias_{activation}_grad") == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_edges_of_the_fused_ops_are_the_same_on_every_layout(shape):
+    """Found by an audit, each on every layout and rank count: a bias of another dtype than x gets its
+    gradient in the wider one (a float32 bias got a bfloat16 gradient through the fused softmax and
+    bias_activation, float32 through `x + b`); cross-entropy over an empty vocab is one ShapeError (a
+    value when vocab was split, an IndexError when not); layer_norm over an empty dim is an empty
+    result (ZeroDivisionError), and of a 0-d tensor over no dims 0 (a raw TypeError)."""
+    from mpimesh.ops.activation import bias_activation
+    mesh = get_mesh(shape)
+    rules = [""] + [f"k:{m}" for m in big(mesh)]
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((3, 5))
+    for r in rules:
+        with mm.layout_scope(mesh, r):
+            x = mm.cast(mesh.from_numpy(xs, "i:3;k:5"), "bfloat16")
+            for bias_dtype in ("float32", "bfloat16"):
+                b = mm.cast(mesh.from_numpy(rng.standard_normal(5), "k:5"), bias_dtype)
+                for fused, plain in ((lambda: mm.softmax(x, "k", bias=b), lambda: mm.softmax(x + b, "k")),
+                                     (lambda: bias_activation(x, b, "gelu"), lambda: mm.gelu(x + b))):
+                    with mm.trace():
+                        (g_fused,) = mm.gradients([mm.reduce_sum(mm.cast(fused(), "float32"))], [b])
+                    with mm.trace():
+                        (g_plain,) = mm.gradients([mm.reduce_sum(mm.cast(plain(), "float32"))], [b])
+                    assert g_fused.dtype == g_plain.dtype == np.dtype(bias_dtype), (r, bias_dtype, g_fused.dtype)
+                    np.testing.assert_allclose(g_fused.to_numpy(), g_plain.to_numpy(), rtol=0.05, atol=0.05)
+            empty = mesh.from_numpy(np.zeros((2, 0)), "b:2;k:0")
+            with pytest.raises(mm.ShapeError, match=r"vocab dim k:0 of logits \[b:2, k:0\] is empty"):
+                softmax_cross_entropy(empty, mesh.from_numpy(np.zeros(2, np.int32), "b:2"), "k")
+            y = mm.layers.layer_norm({}, mesh.ones("b:3;k:0", "float64"), "k")
+            assert y.shape == mm.Shape("b:3;k:0") and y.to_numpy().shape == (3, 0)
+            with mm.trace():
+                e = mesh.ones("b:3;k:0", "float64")
+                (ge,) = mm.gradients([mm.reduce_sum(layer_norm(e, ["k"]))], [e])
+            assert ge.to_numpy().shape == (3, 0)
+            assert float(mm.layers.layer_norm({}, mesh.from_numpy(np.array(2.0), []), []).to_numpy()) == 0.0

@@ -20,8 +20,7 @@ from ..backend import align, name
 from ..errors import ShapeError
 from ..partials import partial_for
 from ..trace import dispatch, saving
-from .einsum import sum_to
-from .elementwise import _gelu, _keeping
+from .elementwise import _gelu, _keeping, bias_grad
 from .relayout import laid_out_within, to_layout
 
 _C = math.sqrt(2.0 / math.pi)
@@ -120,7 +119,7 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
         if len(op.inputs) == 1:
             return [dx]
         with partial_for(op.inputs[1]):
-            db = sum_to(dx, op.inputs[1].shape) if need[1] else None
+            db = bias_grad(dx, op.inputs[1]) if need[1] else None
         return [dx if need[0] else None, db]
     saving(rule, "all")
     (y,) = dispatch(op_name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision
+from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_precision, result_type
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes, plan_layout
 from ..partials import partial_for
@@ -333,6 +333,19 @@ greater = _binary("greater", lambda xp, a, b: a > b, "x > y (no gradient).")
 greater_equal = _binary("greater_equal", lambda xp, a, b: a >= b, "x >= y (no gradient).")
 equal = _binary("equal", lambda xp, a, b: a == b, "x == y (no gradient).")
 not_equal = _binary("not_equal", lambda xp, a, b: a != b, "x != y (no gradient).")
+
+
+def bias_grad(dx, bias):
+    """A fused op's gradient `dx` summed back to its `bias`'s shape, in the wider of their dtypes (a
+    float32 bias of a bfloat16 input gets a float32 gradient, as `x + bias` gives it).
+
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> bias_grad(cast(mesh.ones("a:2;b:3"), "bfloat16"), mesh.ones("b:3")).dtype
+    dtype('float32')
+    """
+    wide = result_type(dx.dtype, bias.dtype)
+    return sum_to(cast(dx, wide) if dx.dtype != wide else dx, bias.shape)
 
 
 def axpy(alpha, x, y):

@@ -36,7 +36,7 @@ from ..partials import partial_for
 from ..shape import dim_names
 from ..tensor import tensor_arg
 from ..trace import dispatch, saving
-from .einsum import sum_to
+from .elementwise import bias_grad
 from .relayout import laid_out_within, to_layout
 from .rowwise import row_dot, row_sum
 
@@ -161,7 +161,7 @@ def _normalize(name: str, log: bool, doc: str):
             if len(op.inputs) == 1:
                 return [dx]
             with partial_for(op.inputs[1]):
-                db = sum_to(dx, op.inputs[1].shape) if (op.needs or (True, True))[1] else None
+                db = bias_grad(dx, op.inputs[1]) if (op.needs or (True, True))[1] else None
             return [dx, db]
         saving(rule, (), (0,))
         (y,) = dispatch(name, inputs, [(x.shape, layout)], lower,
@@ -236,6 +236,9 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
     (v,) = dim_names(vocab_dim, logits.shape, "softmax_cross_entropy")
     if v not in logits.shape:
         raise ShapeError(f"softmax_cross_entropy: vocab dim {v!r} is not in logits {logits.shape}")
+    if logits.shape[v].size == 0:  # (a value on some layouts, an IndexError on others)
+        raise ShapeError(f"softmax_cross_entropy: vocab dim {v}:0 of logits {logits.shape} is empty: there is no "
+                         f"class to predict")
     mesh = logits.mesh
     layout = mesh.plan(logits.shape)
     logits = to_layout(logits, layout)

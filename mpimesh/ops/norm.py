@@ -46,7 +46,7 @@ def _plan(x, dims: tuple, what: str):
     axes = tuple(x.shape.index(n) for n in dims)
     splits = tuple((i, x.shape[i].size, layout[i]) for i in axes if splitting(layout[i], x.mesh.shape))
     mdims = tuple(m for m in x.mesh.shape.names if m in {s[2] for s in splits})
-    count = math.prod(x.shape[n].size for n in dims)
+    count = max(1, math.prod(x.shape[n].size for n in dims))  # (an empty dim: an empty result, no statistic)
     return layout, axes, mdims, count, splits
 
 
@@ -158,8 +158,9 @@ def _layer_norm_grad(op, dy, dims, has):
 def _in_place(xp):
     """`(multiply, add)` of a kernel's own array by another, into the first on numpy and CuPy (the
     same values, one array fewer), plain on JAX."""
-    if is_eager(xp):
-        return (lambda a, b: xp.multiply(a, b, out=a)), (lambda a, b: xp.add(a, b, out=a))
+    if is_eager(xp):  # (a 0-d result may be a numpy scalar, which takes no `out`)
+        return ((lambda a, b: xp.multiply(a, b, out=a) if isinstance(a, xp.ndarray) else a * b),
+                (lambda a, b: xp.add(a, b, out=a) if isinstance(a, xp.ndarray) else a + b))
     return (lambda a, b: a * b), (lambda a, b: a + b)
 
 

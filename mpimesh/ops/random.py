@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 
-from ..backend import as_dtype, is_float
+from ..backend import as_dtype, finfo, is_float
 from ..errors import DTypeError, MpimeshError
 from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
@@ -186,6 +186,11 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
                          "(mesh.random_uniform(...) < p)")
     if maxval < minval:
         raise MpimeshError(f"random_uniform: minval {minval} is above maxval {maxval}")
+    lo, top = (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) if dt.kind in "iu" else \
+        (-float(finfo(dt).max), float(finfo(dt).max))
+    if minval < lo or maxval > top + (dt.kind in "iu"):  # (astype would wrap or saturate: values outside the range)
+        raise DTypeError(f"random_uniform: [{minval}, {maxval}) does not fit dtype {dt.name}, which holds {lo} to "
+                         f"{top}: narrow the range or widen the dtype")
 
     def fill(xp, i, seed):
         y = minval + (maxval - minval) * uniform01(xp, i, seed)
