@@ -80,7 +80,7 @@ def _rules_of(op):
     return layout_scope(mesh, op.rules)
 
 
-def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys: Optional[Sequence] = None,
+def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr: Optional[Trace] = None, *,
               release: bool = False, bucket_bytes: Optional[int] = None) -> list:
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
@@ -91,7 +91,8 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     `grad_ys`: one tensor per y, of its shape and dtype (the cotangents, as TensorFlow's `grad_ys` or
     the argument of JAX's `vjp` function): the gradients are then those of the sum of all elements
     of `y * grad_y` over the ys, without computing that product (e.g. a loss's gradient dy, fed
-    back through the layers that made y). Default: ones.
+    back through the layers that made y). Default: ones. The third positional argument, as in the
+    contract (`mm.gradients(ys, xs, grad_ys=None)`); a trace there is taken as `tr`, as before.
 
     An open trace keeps, of the tensors nothing else holds, only those some gradient rule reads
     (`trace.saving`); the others' arrays are freed during the forward pass already. With
@@ -110,6 +111,8 @@ def gradients(ys: Sequence, xs: Sequence, tr: Optional[Trace] = None, *, grad_ys
     backward pass goes on. The values are the same as without buckets.
     """
 
+    if isinstance(grad_ys, Trace):  # gradients(ys, xs, tr): the trace, given where grad_ys goes
+        tr, grad_ys = grad_ys, None
     tr = tr if tr is not None else current_trace()
     if tr is None:
         raise MpimeshError("mm.gradients needs an open trace: run the forward pass inside `with mm.trace():`")
@@ -379,7 +382,7 @@ def _only_in_records(tensors: dict, t_id: int, record_refs: int) -> bool:
 
 def _trace_gradients(self: Trace, ys, xs) -> list:
     """Gradients of the sum of `ys` with respect to each of `xs` (see `mm.gradients`)."""
-    return gradients(ys, xs, self)
+    return gradients(ys, xs, tr=self)
 
 
 Trace.gradients = _trace_gradients  # type: ignore[attr-defined]

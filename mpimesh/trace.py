@@ -118,7 +118,7 @@ def _release(t, records) -> None:
 
 class Trace:
     """The ops recorded while the trace was open, in order; tensors used but not produced
-    inside it are its `inputs`. `tr.gradients(ys, xs)` is `mm.gradients(ys, xs, tr)` (bound by
+    inside it are its `inputs`. `tr.gradients(ys, xs)` is `mm.gradients(ys, xs, tr=tr)` (bound by
     `mpimesh.autodiff`, which sits above this module)."""
 
     def __init__(self):

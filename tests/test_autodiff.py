@@ -351,7 +351,13 @@ def test_grad_ys_are_cotangents(shape):
         y, z = mm.tanh(mm.einsum([x, w])), mm.square(x)
         gx, gw = mm.gradients([y], [x, w], grad_ys=[c])
         gx2, = mm.gradients([y, z], [x], grad_ys=[c, mesh.from_numpy(da, "a:8;k:16")])
+        gx3, = mm.gradients([y], [x], [c])  # the contract's third positional argument (it was the trace)
+    with mm.layout_scope(mesh, rules), mm.trace() as tr:
+        y = mm.tanh(mm.einsum([x, w]))
+        gx4, = mm.gradients([y], [x], tr)  # a trace there still means the trace
     dh = (1 - np.tanh(xa @ wa) ** 2) * ca
+    np.testing.assert_array_equal(gx3.to_numpy(), gx.to_numpy())
+    np.testing.assert_allclose(gx4.to_numpy(), (1 - np.tanh(xa @ wa) ** 2) @ wa.T, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gx.to_numpy(), dh @ wa.T, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gw.to_numpy(), xa.T @ dh, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(gx2.to_numpy(), dh @ wa.T + 2 * xa * da, rtol=1e-10, atol=1e-12)
