@@ -27,7 +27,7 @@ class LayoutRules:
     True
     """
 
-    __slots__ = ("pairs", "_map")
+    __slots__ = ("pairs", "_map", "_hash")
     pairs: tuple[tuple[str, str], ...]
     """The rules as `(tensor_dim, mesh_dim)` pairs in order, each tensor dim once:
     `(('batch', 'rows'), ('hidden', 'cols'))`."""
@@ -60,6 +60,7 @@ class LayoutRules:
             mapping[tdim] = mdim
         object.__setattr__(self, "pairs", tuple(mapping.items()))
         object.__setattr__(self, "_map", mapping)
+        object.__setattr__(self, "_hash", hash(self.pairs))  # (a key of the op plans' caches: hashed per op)
 
     def __setattr__(self, key, value):
         raise AttributeError("LayoutRules is immutable")
@@ -72,7 +73,7 @@ class LayoutRules:
         return isinstance(other, LayoutRules) and self.pairs == other.pairs
 
     def __hash__(self) -> int:
-        return hash(self.pairs)
+        return self._hash
 
     def __repr__(self) -> str:
         return f"LayoutRules({str(self)!r})"

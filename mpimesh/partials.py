@@ -30,6 +30,12 @@ def partial_for(x) -> Iterator[None]:
         _claims.pop()
 
 
+def pending() -> bool:
+    """Whether the innermost `partial_for` block may still hand an einsum's sum to a bucket (the
+    einsum's cheap test, before it works out its result dtype for `claim`)."""
+    return bool(_claims) and _claims[-1] is not None
+
+
 def claim(dtype) -> Optional[object]:
     """For an einsum whose result has `dtype`: the Bucketer its allreduce may be left to (once per
     `partial_for` block), or None; None too where `dtype` is not the leaf's (float64 activations

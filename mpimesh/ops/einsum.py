@@ -29,7 +29,7 @@ from ..backend import accumulation_dtype, align, contiguous, is_low_precision, n
 from ..collectives import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
-from ..partials import claim, partial_for
+from ..partials import claim, partial_for, pending
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch, saving
@@ -240,7 +240,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     mesh_shape, coords = mesh.shape, mesh.coords_key
     out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape, mesh.layout, coords,
                                                 dtypes)
-    bucket = claim(result_type(*dtypes))  # a gradient's sum that may wait in a bucket (`mpimesh.buckets`)
+    bucket = claim(result_type(*dtypes)) if pending() else None  # a gradient's sum that may wait in a bucket
     if bucket is not None and reduce_mesh:
         plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True)
     else:
@@ -250,9 +250,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
     into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
         if bucket else None
-    (y,) = dispatch("einsum", xs, [(out, out_layout)], plan.lower,
-                    {"subscripts": plan.subscripts, "reduce_mesh_dims": plan.summed}, _einsum_grad, plan.flops,
-                    out=into)
+    (y,) = dispatch("einsum", xs, [(out, out_layout)], plan.lower, plan.params, _einsum_grad, plan.flops, out=into)
     return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
 
 
@@ -278,6 +276,7 @@ class _Plan(NamedTuple):
     summed: tuple
     out_dtype: Optional[object]
     lower: Callable
+    params: dict  # the op record's (shared by every record of this plan: never written)
 
 
 @lru_cache(maxsize=4096)
@@ -300,7 +299,7 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
     lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded)
     if pair is not None and pair[1] and not low and not summed:
         lower = _pair_lowering(pair, local, dtypes, lower)
-    return _Plan(targets, subs, flops, summed, out_dtype, lower)
+    return _Plan(targets, subs, flops, summed, out_dtype, lower, {"subscripts": subs, "reduce_mesh_dims": summed})
 
 
 def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) -> Callable:

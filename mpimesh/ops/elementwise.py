@@ -77,7 +77,10 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
     out_layout = plan_layout(out, mesh_shape, rules)
     xd, yd, od = xs.names, ys.names, out.names
     first = _first(kernel)
-    if xd == od and yd == od:
+    if xd == od and yd == od and not getattr(kernel, "with_ctx", False):
+        def lower(ctx, a, b):  # (the common case: no alignment, the array module first)
+            return kernel(ctx.xp, a, b)
+    elif xd == od and yd == od:
         def lower(ctx, a, b):
             return kernel(first(ctx), a, b)
     else:
@@ -185,9 +188,10 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
     first = _first(kernel)
 
     def op(x, y):
-        if not _is_tensor(x) and not _is_tensor(y):
+        xt, yt = _is_tensor(x), _is_tensor(y)
+        if not xt and not yt:
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
-        if not _is_tensor(y):
+        if not yt:
             y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
             why = _refusal(kernel, (x.dtype, _kind(y)))
             if why is not None:
@@ -197,7 +201,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(first(ctx), a, y),
                             {"scalar": y, "side": "right"}, rules[1])
             return z
-        if not _is_tensor(x):
+        if not xt:
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
             why = _refusal(kernel, (_kind(x), y.dtype))
             if why is not None:
