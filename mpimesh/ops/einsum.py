@@ -314,8 +314,12 @@ def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) 
     if va[3] or vb[3]:
         return general
     out_shape = tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b)
+    same = (va[0] is None and not va[2] and va[1] == sa, vb[0] is None and not vb[2] and vb[1] == sb,
+            va[1][:-1] + vb[1][-1:] == out_shape)  # (views and the result's shape that are the arrays as they are)
 
-    def view(x, plan):
+    def view(x, plan, as_is: bool):
+        if as_is:  # (a 2-D matmul: no view to make, per-op time)
+            return x
         perm, shape, turn, _ = plan
         m = (x if perm is None else x.transpose(perm)).reshape(shape)
         return m.swapaxes(-1, -2) if turn else m
@@ -326,8 +330,8 @@ def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) 
         if a.shape != sa or b.shape != sb or not (getattr(a, "flags", None) and a.flags.c_contiguous
                                                   and b.flags.c_contiguous):
             return general(ctx, *((b, a) if swap else (a, b)), out=out)
-        y = _into(ctx.xp, _matmul, view(a, va), view(b, vb), out)
-        return y.reshape(out_shape) if out is None else out
+        y = _into(ctx.xp, _matmul, view(a, va, same[0]), view(b, vb, same[1]), out)
+        return out if out is not None else y if same[2] else y.reshape(out_shape)
     return lower
 
 
