@@ -1,4 +1,4 @@
-"""The Mesh-TensorFlow paper's two-layer example (section 8), one SGD step under five layouts.
+"""The Mesh-TensorFlow paper's two-layer example (section 8), one SGD step under five layouts
 
 The model is two fully-connected layers, y = relu(x·w + bias)·v, with x[batch, io],
 w[io, hidden], bias[hidden], v[hidden, io], trained by plain SGD on a fixed regression target made

@@ -29,7 +29,7 @@ the others: bars 0.95x PyTorch eager in fp32, 0.8x in tf32 and bf16 on a GPU, 1.
 model in fp32 (the one bar judged on the CPU).
 `--attention sdpa` gives PyTorch its fused attention instead of mpimesh's written-out one.
 `--device cpu` (`--size tiny`; the default without a GPU) runs the same checks, steps and table on
-numpy and PyTorch's CPU build, one thread each, and judges no bar.
+numpy and PyTorch's CPU build, one thread each, and judges only the compiled fp32 bar.
 
 `--profile`: where one mpimesh step's time goes, per precision, after the timings: wall time per step
 against the summed time of its GPU kernels (torch.profiler's CUDA activity, which CUPTI gives for
