@@ -534,9 +534,9 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
     params = init_params(DryMesh(mesh_shape), cfg, seed)
     tokens = mm.cost.ArgSpec([cfg.dim("batch"), cfg.dim("length")], "int32")
     t0 = time.perf_counter()
-    where = cache.cache_file(mesh)
+    where = cache.cache_file(mesh, cfg.dtype)
     fresh = recalibrate or not os.path.exists(where)
-    machine = cache.calibrated(mesh, redo=recalibrate)
+    machine = cache.calibrated(mesh, redo=recalibrate, dtype=cfg.dtype)
     t1 = time.perf_counter()
     step = make_train_step(replace(cfg, remat=cfg.layers), optimizer)  # auto_layout decides which blocks remat
     state = init_state(cfg, optimizer, params)

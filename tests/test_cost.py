@@ -380,6 +380,24 @@ def test_calibrate_agrees_on_every_rank():
         mm.cost.calibrate(DryMesh("x:2"))
 
 
+def test_calibrate_measures_in_the_dtype_the_step_computes_in(tmp_path, monkeypatch):
+    """`calibrate(mesh, dtype=...)` times its probes in that dtype (numpy's float16 is emulated, and a
+    float32 calibration priced float16 steps 2x fast; no timing is asserted here); `calibrated`
+    keeps one file per dtype; `auto_layout` calibrates in its arguments' dtype."""
+    from mpimesh.cost import cache
+    from mpimesh.cost.search import compute_dtype
+    monkeypatch.setenv("MPIMESH_CACHE_DIR", str(tmp_path))
+    mesh = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    wide, half = (mm.cost.calibrate(mesh, seconds=0.3, rounds=1, dtype=dt) for dt in ("float32", "float16"))
+    assert "float16" in half.name and "float32" in wide.name
+    assert half.flops > 0 and half.memory_bandwidth > 0 and half != wide
+    with pytest.raises(mm.MpimeshError, match="calibrate: dtype must be a float dtype .* got int32"):
+        mm.cost.calibrate(mesh, dtype="int32")
+    assert cache.cache_file(mesh, "bfloat16") != cache.cache_file(mesh) == cache.cache_file(mesh, "float32")
+    args = ({"w": mm.cost.ArgSpec("a:64;b:64", "float16")}, mm.cost.ArgSpec("t:100", "int32"))
+    assert compute_dtype(args) == "float16" and compute_dtype((mm.cost.ArgSpec("t:3", "int32"),)) == "float32"
+
+
 def test_a_noisy_latency_does_not_price_a_link_as_free(monkeypatch):
     """α measured as long as the 4 MiB allreduce itself (a busy node) gave 4e15 B/s; β now counts at
     least half the allreduce's time: 2 x its bytes over that time, at most."""

@@ -28,6 +28,7 @@ from typing import Optional
 import numpy as np
 
 from .. import env
+from ..backend import as_dtype
 from .calibrate import calibrate
 from .machine import Machine
 
@@ -49,9 +50,9 @@ def _cpu() -> str:
         return ""
 
 
-def machine_key(mesh) -> dict:
+def machine_key(mesh, dtype="float32") -> dict:
     """What a calibration depends on: this host and its CPU, the mesh shape, backend and device, the
-    ranks per node, BLAS threads per rank, and mpimesh's version."""
+    dtype it computes in, the ranks per node, BLAS threads per rank, and mpimesh's version."""
     from .. import threads
     info = threads.settings()
     device = ""
@@ -59,13 +60,13 @@ def machine_key(mesh) -> dict:
         device = mesh.xp.cuda.runtime.getDeviceProperties(mesh.device)["name"].decode(errors="replace")
     from .. import __version__
     return {"format": FORMAT, "host": socket.gethostname(), "cpu": _cpu(), "cores": info["cores"],
-            "mesh": str(mesh.shape), "backend": mesh.backend, "device": device,
+            "mesh": str(mesh.shape), "backend": mesh.backend, "device": device, "dtype": str(as_dtype(dtype)),
             "ranks_per_node": info["local_ranks"] or 1, "threads": info["threads"], "mpimesh": __version__}
 
 
-def cache_file(mesh) -> str:
-    """The file that keeps `mesh`'s calibration on this machine."""
-    digest = hashlib.sha1(json.dumps(machine_key(mesh), sort_keys=True).encode()).hexdigest()[:16]
+def cache_file(mesh, dtype="float32") -> str:
+    """The file that keeps `mesh`'s calibration in `dtype` on this machine."""
+    digest = hashlib.sha1(json.dumps(machine_key(mesh, dtype), sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), f"calibration-{digest}.json")
 
 
@@ -91,18 +92,19 @@ def _write(path: str, key: dict, machine: Machine) -> None:
     os.replace(tmp, path)
 
 
-def calibrated(mesh, redo: bool = False, seconds: float = 3.0) -> Machine:
-    """This mesh's `Machine`: the cached calibration, or a new one (`redo`, `MPIMESH_RECALIBRATE=1`,
-    or none cached), then kept. A collective: every rank calls it and gets the same machine."""
+def calibrated(mesh, redo: bool = False, seconds: float = 3.0, dtype="float32") -> Machine:
+    """This mesh's `Machine` in `dtype` (`calibrate`'s): the cached calibration, or a new one (`redo`,
+    `MPIMESH_RECALIBRATE=1`, or none cached), then kept. A collective: every rank calls it and gets
+    the same machine."""
     redo = redo or env.flag("MPIMESH_RECALIBRATE", False)
-    path, key = cache_file(mesh), machine_key(mesh)
+    path, key = cache_file(mesh, dtype), machine_key(mesh, dtype)
     found = None if redo or mesh.rank != 0 else _read(path, key)
     text = _from_rank_0(mesh, "" if found is None else json.dumps(dataclasses.asdict(found)))
     if text:  # rank 0 had one: every rank takes its figures
         fields = json.loads(text)
         fields["links"] = tuple(tuple(link) for link in fields["links"])
         return Machine(**fields)
-    machine = calibrate(mesh, seconds)
+    machine = calibrate(mesh, seconds, dtype=dtype)
     if mesh.rank == 0:
         try:
             _write(path, key, machine)

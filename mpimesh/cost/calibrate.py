@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..backend import as_dtype, is_float
 from ..errors import MpimeshError
 from .machine import Machine
 from .model import estimate, record
@@ -32,14 +33,16 @@ def _median(fn, reps: int, sync=lambda: None) -> float:
     return float(np.median(times))
 
 
-def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
+def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> Machine:
     """Measure this mesh's `Machine` in a few seconds; every rank returns the same one.
 
-    Each rank times, on replicated tensors: a dense layer's `mm.einsum` ([2048, 256] x [256, 256]:
+    Each rank times, on replicated tensors of `dtype` (the dtype the steps it prices compute in: a
+    GPU's bfloat16 matmuls run at several times float32's rate, numpy's float16 at a fraction): a
+    dense layer's `mm.einsum` ([2048, 256] x [256, 256]:
     FLOP/s, beyond its fixed cost), a tiny `mm.einsum` (the fixed cost of an einsum), a tiny
-    training step (forward, `mm.gradients`, update: the fixed cost of any other op), a product
-    over a 16 MiB array with the mesh's array module (memory bandwidth: bytes in and out over the
-    time), a mid-size MLP training step ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
+    training step (forward, `mm.gradients`, update: the fixed cost of any other op), a 16 MiB
+    tensor times a number (memory bandwidth: bytes in and out over the time; an emulated dtype's
+    elementwise ops are priced at their own, lower, rate), a mid-size MLP training step ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
     of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
     call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
     cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
@@ -62,8 +65,11 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
     if not hasattr(mesh, "collectives") or getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
         raise MpimeshError(f"calibrate needs a Mesh with processors, got {mesh!r} (give a Machine by hand instead)")
     reps = max(3, int(seconds * 5 / max(1, rounds)))  # about seconds / 3 in all on one core
+    dtype = as_dtype(dtype)
+    if not is_float(dtype):
+        raise MpimeshError(f"calibrate: dtype must be a float dtype (the one the priced steps compute in), got {dtype}")
     with counters.paused():
-        probe = _Probe(mesh)
+        probe = _Probe(mesh, dtype)
         probe.measure(1)  # the warm-up pass
         busy = [_others_running(mesh)]
         passes = []
@@ -74,7 +80,7 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
         memory = _free_memory(mesh)
     t_big, t_mem, t_op, t_einsum, t_ref = values[:5]
     flops = 2 * math.prod(probe.big) / max(t_big - t_einsum, 1e-9)
-    mem_bw = 2 * probe.x.nbytes / t_mem
+    mem_bw = 2 * probe.x.shape.size * probe.x.dtype.itemsize / t_mem
     links = []
     for i, d in enumerate(probe.dims):
         alpha, t_large = max(values[5 + 2 * i], 1e-7), values[6 + 2 * i]
@@ -91,25 +97,28 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3) -> Machine:
     load = f"; the node was busy: {others:.1f} other processes running" if others >= 1 else ""
     return replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
                    einsum_overhead=t_einsum * scale,
-                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, median of {len(passes)} "
+                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, {dtype}, median of {len(passes)} "
                         f"rounds; compute x{scale:.2f} from a reference step{load})")
 
 
 class _Probe:
     """The tensors and timings of one calibration (see `calibrate`); `measure(reps)` is one pass."""
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, dtype=np.float32):
         xp = mesh.xp
+
+        def ones(shape: str):  # (2**-6: float16's sums of products stay finite)
+            return mesh.full(shape, 2.0 ** -6, dtype=dtype, layout="")
         self.mesh, self.sync = mesh, _sync(xp)
         self.big = (2048, 256, 256)  # a dense layer's matmul: [batch, d_in] x [d_in, d_out]
-        self.a = mesh.ones(f"calib_a:{self.big[0]};calib_b:{self.big[1]}", layout="")
-        self.b = mesh.ones(f"calib_b:{self.big[1]};calib_c:{self.big[2]}", layout="")
-        self.x = xp.ones(4 << 20, np.float32)
-        self.u, self.v = mesh.ones("calib_a:2;calib_b:3", layout=""), mesh.ones("calib_b:3;calib_c:2", layout="")
-        self.ref = _reference_step(mesh)
+        self.a = ones(f"calib_a:{self.big[0]};calib_b:{self.big[1]}")
+        self.b = ones(f"calib_b:{self.big[1]};calib_c:{self.big[2]}")
+        self.x = ones(f"calib_x:{(16 << 20) // np.dtype(dtype).itemsize}")  # 16 MiB (emulated dtypes: slower)
+        self.u, self.v = ones("calib_a:2;calib_b:3"), ones("calib_b:3;calib_c:2")
+        self.ref = _reference_step(ones)
         self.dims = [d.name for d in mesh.shape if d.size > 1]
-        self.p = mesh.ones("calib_a:512;calib_b:256", layout="")
-        self.q = mesh.ones("calib_b:256;calib_c:256", layout="")
+        self.p = ones("calib_a:512;calib_b:256")
+        self.q = ones("calib_b:256;calib_c:256")
         self.one, self.many = xp.ones(1, np.float32), xp.ones(1 << 20, np.float32)
 
     def measure(self, reps: int) -> np.ndarray:
@@ -118,7 +127,7 @@ class _Probe:
         from ..ops.einsum import einsum
         mesh, sync, xp = self.mesh, self.sync, self.mesh.xp
         t_big = _median(lambda: einsum([self.a, self.b]), reps, sync)
-        t_mem = _median(lambda: self.x * np.float32(1.5), reps, sync)
+        t_mem = _median(lambda: self.x * 1.5, reps, sync)
         t_einsum = _median(lambda: einsum([self.u, self.v]), 20 * reps)
         t_op = _tiny_step_overhead(self.u, self.v, t_einsum, 5 * reps)
         ref, ref_args = self.ref
@@ -150,8 +159,8 @@ def _others_running(mesh) -> float:
     return others
 
 
-def _reference_step(mesh):
-    """A replicated two-layer MLP training step of mid-size tensors: `(step, args)`."""
+def _reference_step(ones):
+    """A replicated two-layer MLP training step of mid-size tensors (made by `ones(shape)`): `(step, args)`."""
     from ..autodiff import gradients
     from ..ops.einsum import einsum
     from ..ops.elementwise import relu, square, subtract
@@ -163,8 +172,7 @@ def _reference_step(mesh):
             y = einsum([relu(einsum([x, w1])), w2])
             g1, g2 = gradients([reduce_sum(square(y - x))], [w1, w2])
             return subtract(w1, g1 * 0.01), subtract(w2, g2 * 0.01)
-    return step, (mesh.ones("calib_a:512;calib_b:256", layout=""), mesh.ones("calib_b:256;calib_c:512", layout=""),
-                  mesh.ones("calib_c:512;calib_b:256", layout=""))
+    return step, (ones("calib_a:512;calib_b:256"), ones("calib_b:256;calib_c:512"), ones("calib_c:512;calib_b:256"))
 
 
 def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:

@@ -19,14 +19,34 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
+from ..backend import as_dtype, is_float
 from ..errors import MpimeshError
 from ..layout import LayoutRules
 from ..recompute import remat_policy
 from .cache import calibrated
 from .machine import Machine, number
-from .model import Recording, check_step, estimate, record
+from ..tree import flatten, is_tensor
+from .model import ArgSpec, Recording, check_step, estimate, record
 
-_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mesh -> {dtype: Machine}
+
+
+def compute_dtype(args) -> str:
+    """The float dtype a step on `args` computes in, for its calibration: that of the most float
+    elements among the tensors (DistTensors or ArgSpecs) in `args`; float32 where there are none.
+
+    >>> from mpimesh.cost import ArgSpec
+    >>> compute_dtype((ArgSpec("a:1000", "bfloat16"), ArgSpec("b:10", "float32"), ArgSpec("c:5000", "int32")))
+    'bfloat16'
+    """
+    count: dict = {}
+    for t in flatten(args)[0]:
+        if not (is_tensor(t) or isinstance(t, ArgSpec)):
+            continue
+        dt = as_dtype(t.dtype)
+        if is_float(dt):
+            count[str(dt)] = count.get(str(dt), 0) + t.shape.size
+    return max(count, key=count.get) if count else "float32"
 
 
 @dataclass(frozen=True)
@@ -136,9 +156,10 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
     if machine is None:
         if getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
             raise MpimeshError(f"auto_layout on {mesh!r} (no processors) needs machine=... (mm.cost.TPUV2, ...)")
-        machine = _calibrated.get(mesh)
+        dtype = compute_dtype(args)
+        machine = _calibrated.setdefault(mesh, {}).get(dtype)
         if machine is None:
-            machine = _calibrated[mesh] = calibrated(mesh)
+            machine = _calibrated[mesh][dtype] = calibrated(mesh, dtype=dtype)
     limit = machine.memory if memory_per_rank is None else memory_per_rank
     calls: list = []
     with remat_policy(lambda k: calls.append(k) or False):
