@@ -63,7 +63,8 @@ class NcclCollectives(MpiCollectives):
             uid = np.zeros(128, np.int64)
             if group.Get_rank() == 0:
                 uid[:] = self._nccl.get_unique_id()
-            group.Bcast(uid, root=0)
+            # polled: a rank that never comes is named under the time-out (NCCL's init then meets every rank)
+            self.guard.wait_mpi(group.Ibcast(uid, root=0), f"making the NCCL communicator over {'+'.join(dims)}", dims)
             comm = self._nccl.NcclCommunicator(group.Get_size(), tuple(int(v) for v in uid), group.Get_rank())
             self._comms[dims] = comm
         return comm
