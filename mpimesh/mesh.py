@@ -206,9 +206,9 @@ class Mesh(AbstractMesh):
                 self._coords = {}
             self._guard_comm = self._cart.Dup() if self.size > 1 else self._cart  # the SPMD check's own
         except MPI.Exception as e:
-            raise MeshError(f"cannot make the communicators of mesh {shape}: MPI says "
-                            f"{e.Get_error_string().strip().splitlines()[-1].strip()!r} (too many meshes alive? each holds its own "
-                            f"communicators until it is dropped)") from None
+            said = e.Get_error_string().strip().splitlines()[-1].strip()
+            raise MeshError(f"cannot make the communicators of mesh {shape}: MPI says {said!r} (too many meshes "
+                            f"alive? each holds its own communicators until it is dropped)") from None
         self._rank = self._cart.Get_rank()
         self._coords_key = tuple(self._coords.items())
         self._watch = Watch(self._guard_comm)  # who is still in the job (exit notices, process ids)

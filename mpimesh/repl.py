@@ -479,8 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except FileNotFoundError as e:
         parser.exit(2, f"error: {e}\n")
     except (KeyError, IndexError, ValueError) as e:  # a {field} other than {n}, or an unclosed quote
-        parser.error(f"--launcher {ns.launcher!r}: {'unknown field {' + str(e.args[0]) + '}' if isinstance(e, KeyError) else e}"
-                     f" (the one field is {{n}}, the rank count)")
+        what = f"unknown field {{{e.args[0]}}}" if isinstance(e, KeyError) else str(e)
+        parser.error(f"--launcher {ns.launcher!r}: {what} (the one field is {{n}}, the rank count)")
     if not launcher or shutil.which(launcher[0]) is None:
         parser.error(f"--launcher {ns.launcher!r}: no program {launcher[0] if launcher else ''!r} on PATH")
     if MPI.Is_initialized() and not MPI.Is_finalized():

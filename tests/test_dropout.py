@@ -173,5 +173,6 @@ def test_random_uniform_refuses_a_range_its_dtype_cannot_hold(dtype, lo, hi) -> 
         mesh.random_uniform("a:100", seed=0, minval=lo, maxval=hi, dtype=dtype)
     info = np.iinfo(dtype) if np.dtype(dtype).kind in "iu" else None
     if info is not None:
-        v = mesh.random_uniform("a:1000", seed=0, minval=int(info.min), maxval=int(info.max) + 1, dtype=dtype).to_numpy()
+        v = mesh.random_uniform("a:1000", seed=0, minval=int(info.min), maxval=int(info.max) + 1,
+                                dtype=dtype).to_numpy()
         assert v.dtype == np.dtype(dtype) and v.min() >= info.min and v.max() <= info.max

@@ -168,8 +168,9 @@ with mm.trace() as tr2:
 g = mm.tpu.replay(tr2, [x2], [y2], devices=jmesh)
 want = np.exp(a.astype(np.float64) * 0.1)
 said = []
+anywhere = jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec())  # replicated: not the input's sharding
 for name, fn, arg in [("layout=, numpy", f, a), ("shard_map, numpy", g, a), ("fed back", g, g(a)[0]),
-                      ("resharded", g, jax.device_put(a, jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec())))]:
+                      ("resharded", g, jax.device_put(a, anywhere))]:
     (out,) = fn(arg)
     got = np.asarray(jax.experimental.multihost_utils.process_allgather(out, tiled=True))
     if name == "fed back":

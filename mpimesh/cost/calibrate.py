@@ -42,7 +42,8 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> M
     FLOP/s, beyond its fixed cost), a tiny `mm.einsum` (the fixed cost of an einsum), a tiny
     training step (forward, `mm.gradients`, update: the fixed cost of any other op), a 16 MiB
     tensor times a number (memory bandwidth: bytes in and out over the time; an emulated dtype's
-    elementwise ops are priced at their own, lower, rate), a mid-size MLP training step ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
+    elementwise ops are priced at their own, lower, rate), a mid-size MLP training step
+    ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
     of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
     call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
     cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
@@ -97,7 +98,8 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> M
     load = f"; the node was busy: {others:.1f} other processes running" if others >= 1 else ""
     return replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
                    einsum_overhead=t_einsum * scale,
-                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, {dtype}, median of {len(passes)} "
+                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, {dtype}, median of "
+                        f"{len(passes)} "
                         f"rounds; compute x{scale:.2f} from a reference step{load})")
 
 
