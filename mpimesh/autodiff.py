@@ -115,7 +115,8 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr
         tr, grad_ys = grad_ys, None
     tr = tr if tr is not None else current_trace()
     if tr is None:
-        raise MpimeshError("mm.gradients needs an open trace: run the forward pass inside `with mm.trace():`")
+        raise MpimeshError("mm.gradients needs an open trace: call it inside the `with mm.trace():` block that ran "
+                           "the forward pass (or pass that trace: mm.gradients(ys, xs, tr=tr))")
     ys, xs = _tensors("ys", ys), _tensors("xs", xs)
     if not ys:
         raise MpimeshError("mm.gradients: ys is empty: give the tensors to differentiate (e.g. [loss])")

@@ -251,7 +251,7 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
     chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
     items, mesh = _items_and_mesh(tensors, mesh)
     for _, t in items[:1]:  # (a compiled step would save once, never in a replay)
-        host_read(t, f"mm.save({str(path)!r})")
+        host_read(t, f"mm.save({str(path)!r})", effect=True)
     items = _agree(mesh, os.path.abspath(path), chunk_bytes, items)
     plan = _plan(items, mesh.shape, chunk_bytes)
 

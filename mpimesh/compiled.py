@@ -153,12 +153,19 @@ class Compiled:
         inner = [own.setdefault(id(v), DistTensor(v.mesh, v.shape, v.tensor_layout, v.local))
                  if isinstance(v, DistTensor) else v for v in leaves]
         args, kwargs = unflatten(tree, inner)
-        host_reads.append(self._host_read)
+        reads: list = []  # the host reads of this rank, refused once every rank is done (`_refuse_reads`)
+
+        def read(t, what: str, effect: bool) -> None:
+            reads.append((t, what, user_frame()))
+            if effect:  # (mm.save: nothing written; every rank makes it alike, so all raise here)
+                self._refuse_reads(reads, [])
+        host_reads.append(read)
         try:
             with trace() as tr:
                 out = self.fn(*args, **kwargs)
         finally:
             host_reads.pop()
+        self._refuse_reads(reads, [v for v in leaves if isinstance(v, DistTensor)] + list(tr.inputs))
         after, after_tree = flatten((args, kwargs))
         if after_tree != tree or any(a is not b for a, b in zip(after, inner)):
             raise CompileError(f"mm.compile({self.__name__}): the step assigns into its arguments (a dict or list "
@@ -173,10 +180,18 @@ class Compiled:
         theirs = {id(own[id(v)]): v for v in leaves if isinstance(v, DistTensor)}
         return unflatten(out_tree, [theirs.get(id(v), v) for v in out_leaves]), entry  # (arguments as passed)
 
-    def _host_read(self, t, what: str) -> None:
-        where = user_frame()
-        raise CompileError(f"mm.compile({self.__name__}): the step reads the values of a {t.shape} {t.dtype} "
-                           f"tensor on the host ({what}) at {where}. A compiled step runs its kernels again "
+    def _refuse_reads(self, reads: list, tensors: list) -> None:
+        """CompileError on every rank where any rank's step read values on the host while recording (a
+        read on rank 0 alone, `if rank == 0: print(float(loss))`, left the others replaying alone): the
+        first read of this rank, or the word that another rank read. Agreed on the mesh of the first
+        tensor the step took or read (one flag, once per recording)."""
+        mesh = next((t.mesh for t in tensors if hasattr(getattr(t, "mesh", None), "collectives")), None)
+        anyone = bool(reads) if mesh is None else mesh.collectives.any_rank(bool(reads))
+        if not anyone:
+            return
+        why = (f"reads the values of a {reads[0][0].shape} {reads[0][0].dtype} tensor on the host ({reads[0][1]}) "
+               f"at {reads[0][2]}" if reads else "reads values on the host on another rank (its error names the line)")
+        raise CompileError(f"mm.compile({self.__name__}): the step {why}. A compiled step runs its kernels again "
                            f"without running Python, so it cannot read or branch on values: return the "
                            f"tensor and read it after the step, or call the function without mm.compile")
 
@@ -224,7 +239,8 @@ class _Entry:
         (`give_up`) before the engine runs, so that it holds their blocks' only references."""
         results = []
         if donated:
-            returned = {id(leaves[o[1]]) for o in self.outs if o is not None and o[0] == "arg"}
+            returned = {id(leaves[o[1]]) if o[0] == "arg" else id(o[1]) for o in self.outs  # (returned as they
+                        if o is not None and o[0] != "out"}                                  # are: kept)
             donated = [t for t in donated if id(t) not in returned]
         if self.engine is not None:
             blocks = [leaves[i].local for i in self.input_leaves]

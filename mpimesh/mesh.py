@@ -11,6 +11,7 @@ methods (`mesh.zeros`, `mesh.random_normal`, ...) are attached by `mpimesh.creat
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Mapping, Optional
@@ -58,7 +59,7 @@ def mesh_shape_of(shape: ShapeLike) -> Shape:
     try:
         shape = Shape(shape)
     except ShapeError as e:
-        raise MeshError(f"bad mesh shape {shape!r}: {e}") from None
+        raise MeshError(f"bad mesh shape {shape!r}: {e} (a mesh dim's size is at least 1)") from None
     small = [repr(d.name) for d in shape if d.size < 1]
     if small:
         raise MeshError(f"mesh {shape}: every mesh dim needs size >= 1, but {', '.join(small)} "
@@ -187,8 +188,12 @@ class Mesh(AbstractMesh):
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise MeshError(f"a mesh is built over an MPI intra-communicator (e.g. MPI.COMM_WORLD), got {comm!r}")
         if shape.size != comm.Get_size():
-            raise MeshError(f"mesh {shape} has {shape.size} processors, but the communicator "
-                            f"has {comm.Get_size()} ranks")
+            n = comm.Get_size()
+            script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") and "ipykernel" not in sys.argv[0] \
+                else "..."
+            how = f": launch {shape.size} ranks (mpiexec -n {shape.size} python {script})" if comm == MPI.COMM_WORLD else ""
+            raise MeshError(f"mesh {shape} has {shape.size} processors, but the communicator has {n} "
+                            f"rank{'' if n == 1 else 's'}{how}")
         super().__init__(shape, layout)
         self._backend = resolve_backend(backend)
         arrive(comm, f"building mesh {shape}")  # (the blocking collectives below would wait for ever)
@@ -258,7 +263,8 @@ class Mesh(AbstractMesh):
     def comm_for(self, mesh_dims: Iterable[str]) -> MPI.Comm:
         """The sub-communicator over `mesh_dims`: ranks whose coordinates differ only there (cached).
 
-        A single name may be given as a string; a name the mesh lacks is a MeshError."""
+        A single name may be given as a string; a name the mesh lacks is a MeshError. It is the
+        mesh's own: freed once the mesh is dropped (`.Dup()` it to keep one beyond the mesh)."""
         if isinstance(mesh_dims, str):
             mesh_dims = (mesh_dims,)
         try:

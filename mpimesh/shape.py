@@ -37,11 +37,11 @@ _SEP = re.compile(r"[;,\s]+")
 def parse_pairs(text: str, what: str, error: type) -> list[tuple[str, str]]:
     """Split `"a:x;b:y"` (separators `;` `,` or whitespace) into `[("a", "x"), ("b", "y")]`.
 
-    >>> parse_pairs("batch:rows, hidden:cols", "layout", ValueError)
+    >>> parse_pairs("batch:rows, hidden: cols", "layout", ValueError)
     [('batch', 'rows'), ('hidden', 'cols')]
     """
     pairs = []
-    for item in _SEP.split(text.strip()):
+    for item in _SEP.split(_AROUND_COLON.sub(":", text.strip())):  # ("rows: 2" is rows:2)
         if not item:
             continue
         parts = item.split(":")
@@ -51,6 +51,7 @@ def parse_pairs(text: str, what: str, error: type) -> list[tuple[str, str]]:
     return pairs
 
 
+_AROUND_COLON = re.compile(r"[ \t]*:[ \t]*")
 _BAD_NAME_CHARS = re.compile(r"[:;,\s]")
 _DIGITS = re.compile(r"[0-9]+")
 

@@ -26,11 +26,12 @@ PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many 
 host_reads: list = []  # while `mm.compile` records a step: its hook, told of every read of values on the host
 
 
-def host_read(t, what: str) -> None:
+def host_read(t, what: str, effect: bool = False) -> None:
     """`t`'s values are read on the host (`what`): told to a recording `mm.compile` (which refuses
-    it) and noted in the open traces (`trace.note_host_read`)."""
+    it; at once for a read with an `effect` outside the program, such as `mm.save`, which every rank
+    makes alike) and noted in the open traces (`trace.note_host_read`)."""
     if host_reads:
-        host_reads[-1](t, what)
+        host_reads[-1](t, what, effect)
     note_host_read(t, what)
 
 
@@ -116,6 +117,8 @@ class DistTensor:
         head = f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, mesh {self.mesh.shape}"
         if getattr(self.mesh, "dry", False):
             return f"{head}\n(a dry run: no values)"
+        if host_reads and (not self.layout or self.shape.size <= PREVIEW_MAX):  # (values are read below: a
+            host_reads[-1](self, "print() or repr()", False)                     # recording mm.compile refuses it)
         if not self.layout:  # every rank holds every value: numpy's own summary, no communication
             return f"{head}\n{np.array2string(to_host(self.local), threshold=PREVIEW_MAX)}"
         if self.shape.size > PREVIEW_MAX:

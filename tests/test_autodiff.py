@@ -407,6 +407,11 @@ def test_gradients_arguments_checked(shape):
             mm.gradients([mm.reduce_sum(mm.cast(xi, "float64"))], [xi])
         (g,) = mm.gradients(loss, x)  # one tensor each
         np.testing.assert_allclose(g.to_numpy(), 2 * xa, rtol=1e-12)
+        with pytest.raises(TypeError, match=r"einsum: input 0 is a ndarray, not a DistTensor \(mesh.from_numpy"):
+            mm.einsum([xa, x])
+    with pytest.raises(mm.MpimeshError, match=r"call it inside the `with mm.trace\(\):` block that ran the forward"):
+        mm.gradients([loss], [x])  # (after the block: the hint said to run the forward pass inside one)
+    with mm.trace():
         (gx,) = mm.gradients([x], [x])  # an x among the ys: the identity
         np.testing.assert_array_equal(gx.to_numpy(), np.ones_like(xa))
 

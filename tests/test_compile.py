@@ -6,6 +6,7 @@ line, and a replay's profile counters are eager's."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import numpy as np
@@ -155,6 +156,33 @@ def test_reading_values_on_the_host_while_recording_names_the_line():
         mm.compile(reads)(x)
     with pytest.raises(mm.CompileError, match="returns a str"):
         mm.compile(lambda x: "done")(x)
+    for t in (x, mesh.from_numpy(np.ones((4, 2)), "b:4;c:2", layout={"b": "all"})):  # replicated, and split
+        with pytest.raises(mm.CompileError, match=r"\(print\(\) or repr\(\)\) at .*test_compile\.py:\d+"):
+            mm.compile(lambda y: print(y * 2.0) or y)(t)  # (it printed once, at the recording; or said to_numpy())
+    with mm.trace():
+        assert "[2. 2. 2.]" in repr(x * 2.0)  # (outside mm.compile a print is a print)
+
+
+def test_a_host_read_on_one_rank_is_refused_on_every_rank():
+    """`if rank == 0: print(float(loss))` in a step: only rank 0 raised, the others recorded, replayed
+    alone, and timed out in a collective; now every rank raises CompileError, rank 0 naming the line."""
+    mesh = mm.Mesh(f"all:{MPI.COMM_WORLD.Get_size()}")
+    x = mesh.from_numpy(np.arange(8.0), "a:8", layout={"a": "all"})
+
+    def logs(x):
+        loss = mm.reduce_sum(x * x)
+        if mesh.rank == 0:
+            print(float(loss))
+        return x * 2.0
+    step = mm.compile(logs)
+    for _ in range(2):  # (nothing is cached on any rank: the second call is refused alike)
+        with pytest.raises(mm.CompileError) as e:
+            step(x)
+        if mesh.rank == 0:
+            assert re.search(r"\(float\(\)\) at .*test_compile\.py:\d+", str(e.value)), str(e.value)
+        else:
+            assert "reads values on the host on another rank" in str(e.value)
+    assert step.recordings == step.replays == 0 and not step.signatures()
 
 
 def test_saving_a_checkpoint_while_recording_names_the_line(tmp_path):

@@ -171,3 +171,20 @@ def test_donating_an_argument_the_step_was_not_given_is_refused_on_every_rank():
     with pytest.raises(mm.MpimeshError, match=r"donate_argnums=\(0, 1\) names positional argument 1, but the "
                                               r"step was called with 1"):
         step(mesh.ones("a:3"))
+
+
+def test_a_closure_tensor_returned_and_fed_back_as_donated_is_kept():
+    """The step returns a tensor of its closure as it is (a reset value), and the caller feeds the
+    results back, donated: that tensor stays usable, and so do later replays' results (the replay
+    gave it up, and every later call returned a given-up tensor). Values against numpy."""
+    mesh = get_mesh("all:%d" % mm.MPI.COMM_WORLD.Get_size())
+    reset = mesh.from_numpy(np.zeros(4), "a:4", layout={"a": "all"})
+    x = mesh.from_numpy(np.ones(4), "a:4", layout={"a": "all"})
+    step = mm.compile(lambda s, x: {"total": s["total"] + x, "aux": reset}, donate_argnums=0)
+    state = {"total": mesh.from_numpy(np.ones(4), "a:4"), "aux": reset}  # (total: laid out as the sum is)
+    for k in range(4):
+        state = step(state, x)
+        np.testing.assert_array_equal(state["total"].to_numpy(), np.full(4, 2.0 + k))
+        np.testing.assert_array_equal(state["aux"].to_numpy(), np.zeros(4))
+    np.testing.assert_array_equal(reset.to_numpy(), np.zeros(4))
+    assert step.replays == 3

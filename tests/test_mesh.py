@@ -126,6 +126,16 @@ def test_mesh_size_mismatch() -> None:
             raised, msg = True, str(e)
         assert all_raised(raised), spec
         assert str(mm.Shape(spec).size) in msg and str(n) in msg
+        size = mm.Shape(spec).size  # how to launch it (over COMM_WORLD), and "1 rank" in the singular
+        assert f"launch {size} ranks (mpiexec -n {size} python" in msg and (f"has {n} rank:" if n == 1 else
+                                                                          f"has {n} ranks:") in msg, msg
+
+
+def test_spaces_around_the_colon_are_allowed():
+    """"rows: 2" was refused as an entry 'rows:' with a misleading 'expected name:value'."""
+    assert mm.Shape("rows: 2; cols :3") == mm.Shape("rows:2;cols:3")
+    assert mm.LayoutRules("batch : rows, hidden:\tcols") == mm.LayoutRules("batch:rows;hidden:cols")
+    assert mm.Mesh("all :1", comm=MPI.COMM_SELF).shape == mm.Shape("all:1")
 
 
 @pytest.mark.mpi

@@ -226,7 +226,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     mesh = getattr(xs[0], "mesh", None)
     for i, x in enumerate(xs):
         if type(x) is not DistTensor and not hasattr(x, "tensor_layout"):
-            raise TypeError(f"einsum: input {i} is a {type(x).__name__}, not a DistTensor")
+            raise TypeError(f"einsum: input {i} is a {type(x).__name__}, not a DistTensor (mesh.from_numpy makes one)")
         if x.mesh is not mesh:
             raise MeshError(f"einsum: inputs live on different meshes ({', '.join(str(x.mesh.shape) for x in xs)})")
     out_spec = output_shape if output_shape is None or isinstance(output_shape, (str, Shape)) else Shape(output_shape)
