@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from . import env
 from .collectives import counters
+from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
 from .layout import local_sizes
@@ -345,8 +346,13 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
             _checked.add(key)
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
     arrays = [t.local for t in inputs]
-    result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
-        mesh.run(name, lower, arrays, 1, out=out)
+    if guard._settings.get("check"):  # (the SPMD check keys each collective by its op too)
+        guard.in_op[0] = f"{name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
+    try:
+        result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
+            mesh.run(name, lower, arrays, 1, out=out)
+    finally:
+        guard.in_op[0] = ""
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if len(out_specs) == 1:

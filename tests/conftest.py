@@ -67,10 +67,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture(name="checked")
 def checked_fixture():
-    """The SPMD check on for one test (`mm.set_spmd_check`), off again afterwards."""
+    """The SPMD check on for one test (`mm.set_spmd_check`), as it was again afterwards (a session
+    run with MPIMESH_SPMD_CHECK=1 keeps it on)."""
     import mpimesh as mm  # here, not at the top: collecting must not initialise MPI
+    from mpimesh.collectives import guard
+    was = guard.settings()["check"]
     mm.set_spmd_check(True)
     try:
         yield
     finally:
-        mm.set_spmd_check(False)
+        mm.set_spmd_check(was)

@@ -48,6 +48,20 @@ def test_divergent_kind_raises_on_every_rank_and_mesh_stays_usable(checked):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_the_same_collectives_for_other_ops_are_a_divergence(checked):
+    """Rank 0 sums x then y, the others y then x: the same two scalar allreduces, so the check passed
+    them and each rank got the other tensor's sum. The op and its inputs' global shapes are part of
+    a collective's key now, and named in the message."""
+    mesh = mm.Mesh(f"all:{N}", layout="b:all")
+    x = mesh.from_numpy(np.arange(8.0 * N), f"b:{8 * N}")
+    y = mesh.from_numpy(-np.arange(16.0 * N), f"b:{16 * N}")
+    first, second = (x, y) if mesh.rank == 0 else (y, x)
+    message = _diverge(mesh, lambda: (mm.reduce_sum(first), mm.reduce_sum(second)))
+    assert f"in einsum of [b:{8 * N}]" in message and f"in einsum of [b:{16 * N}]" in message, message
+    assert float(mm.reduce_sum(x).to_numpy()) == float(np.arange(8.0 * N).sum())  # (nothing was sent)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_divergent_shape_and_dtype(checked):
     mesh = mm.Mesh(f"all:{N}")
     coll = mesh.collectives

@@ -63,6 +63,9 @@ def _checked_timeout(seconds: Optional[float]) -> Optional[float]:
 
 
 _settings: dict = {}
+in_op: list = [""]  # with the SPMD check on: the op whose kernel runs now (`trace.dispatch` sets it), e.g.
+#                     "reduce_sum of [batch:8, io:4]": part of each collective's key, so that ranks running
+#                     the same collectives for different ops (in another order) are told apart
 
 
 def reset() -> None:
@@ -149,6 +152,8 @@ class Guard:
         if self.watch.abandoned:  # its pending transfer would match this rank's next one
             self._refuse_abandoned()
         self.seq += 1
+        if in_op[0] and _settings["check"]:
+            detail = f"{detail} in {in_op[0]}"
         self._op = self.watch.op = (self.seq, kind, dims, x.dtype, tuple(x.shape) if shape is None else shape, detail)
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()

@@ -38,7 +38,7 @@ from mpi4py import MPI
 from ..backend import accumulation_dtype, is_low_precision, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
-from . import counters, shm
+from . import counters, guard, shm
 from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, idle, merge_front, pack,
                    split_front, unpack)
 from .guard import Guard, uneven_shape
@@ -155,12 +155,13 @@ class SecondSteps(list):
     def drain(self) -> None:
         if self.draining:
             return
-        self.draining = True
+        self.draining, op = True, guard.in_op[0]
+        guard.in_op[0] = ""  # (they belong to the ops that started them, not to the one draining them)
         try:
             while self:
                 self.pop(0)._begin()
         finally:
-            self.draining = False
+            self.draining, guard.in_op[0] = False, op
 
 
 class MpiCollectives(Collectives):
