@@ -303,6 +303,7 @@ def current_trace() -> Optional[Trace]:
     return _open_traces[-1] if _open_traces else None
 
 
+_spmd = guard._settings  # (the SPMD check's switch, read per op)
 _tensor: list = [None]  # the tensor class dispatch makes (`mpimesh.tensor` registers `DistTensor`)
 _checked: set = set()  # output specs (shape, layout) already found valid on a mesh shape
 
@@ -346,13 +347,16 @@ def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Low
             _checked.add(key)
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
     arrays = [t.local for t in inputs]
-    if guard._settings.get("check"):  # (the SPMD check keys each collective by its op too)
+    if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
         guard.in_op[0] = f"{name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
-    try:
+        try:
+            result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
+                mesh.run(name, lower, arrays, 1, out=out)
+        finally:
+            guard.in_op[0] = ""
+    else:
         result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
             mesh.run(name, lower, arrays, 1, out=out)
-    finally:
-        guard.in_op[0] = ""
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if len(out_specs) == 1:
