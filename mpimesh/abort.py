@@ -3,9 +3,11 @@
 Without this, a rank that dies (say, before its first `Mesh`, opening a missing file) leaves the
 others waiting forever in their next collective. Under MPI with more than one rank, `install()`
 wraps `sys.excepthook`: it prints the traceback with the rank's number, leaves the launcher
-`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. A collective that failed (time-out,
-departed rank, divergence) prints only its message, one paragraph that already names where each
-rank was: the traceback through mpimesh's internals would say nothing more. Set
+`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. mpimesh's own errors (`MpimeshError`:
+bad input, which the message names) show only the program's frames, not mpimesh's. A collective
+that failed (time-out, departed rank, divergence) prints only its message, one paragraph that
+already names where each rank was: the traceback through mpimesh's internals would say nothing
+more. Set
 `MPIMESH_NO_ABORT=1` (or on, true, yes) to keep Python's own hook (a debugger's post-mortem, say);
 any value but those and 0/off/false/no still installs the hook, and the first `Mesh` raises its error.
 
@@ -27,7 +29,7 @@ import traceback
 from mpi4py import MPI
 
 from . import env
-from .errors import CollectiveTimeoutError, DivergenceError
+from .errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
 ABORT_WATCHDOG = 5.0  # seconds MPI_Abort has to end this process before the watchdog does
@@ -48,8 +50,8 @@ def install() -> None:
             if isinstance(value, (CollectiveTimeoutError, DivergenceError)):
                 sys.stderr.write(f"mpimesh: rank {rank}: {kind.__name__}: {value}\nmpimesh: aborting all ranks\n")
             else:
-                sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n")
-                traceback.print_exception(kind, value, tb)
+                sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n"  # (one write:
+                                 + "".join(_shown(kind, value, tb)))                        # ranks interleave less)
             sys.stderr.flush()
             time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
         finally:
@@ -59,6 +61,20 @@ def install() -> None:
     hook._mpimesh = True  # type: ignore[attr-defined]
     hook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _shown(kind, value, tb) -> list:
+    """The traceback's lines; for mpimesh's own errors (bad input, named in the message) only the
+    program's frames, not mpimesh's internals: each rank's is a few lines, the line at fault last."""
+    shown = traceback.TracebackException(kind, value, tb)
+    if isinstance(value, MpimeshError):
+        mine = [f for f in shown.stack if not os.path.abspath(f.filename).startswith(_PACKAGE)]
+        if mine:
+            shown.stack = traceback.StackSummary.from_list(mine)
+    return list(shown.format())
 
 
 def end_self_after(seconds: float, rank: int) -> None:

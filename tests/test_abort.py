@@ -85,3 +85,17 @@ def test_a_rank_whose_abort_hangs_ends_itself_and_says_so():
                        text=True, timeout=30)
     assert r.returncode == -9 and time.monotonic() - t0 < 10, (r.returncode, r.stderr)
     assert "mpimesh: rank 7: MPI_Abort did not end this process within 0.5 s" in r.stderr
+
+
+def test_an_mpimesh_error_shows_the_programs_frames_only(tmp_path):
+    """A ShapeError (a typo in an output dim) on every rank: each rank's traceback is the program's
+    line and the message, not mpimesh's internals (57 lines from 4 ranks before, interleaved)."""
+    proc, _ = _run(tmp_path, """
+        import mpimesh as mm
+        mesh = mm.Mesh("all:2")
+        x, w = mesh.ones("batch:4;hidden:8"), mesh.ones("hidden:8;out:2")
+        y = mm.einsum([x, w], output_shape="batch:4;hiden:8")
+    """)
+    assert proc.returncode != 0
+    assert proc.stderr.count("output dim 'hiden' (size 8) is in no input") == 2, proc.stderr
+    assert proc.stderr.count('job.py", line 5') == 2 and "mpimesh/ops" not in proc.stderr, proc.stderr
