@@ -27,6 +27,17 @@ def fail(message):
     sys.exit(f"install.py: {message}")
 
 
+def known_extras():
+    """The extras pyproject.toml declares (its [project.optional-dependencies] keys; no tomllib on 3.9)."""
+    names, inside = [], False
+    for line in (ROOT / "pyproject.toml").read_text().splitlines():
+        if line.startswith("["):
+            inside = line.strip() == "[project.optional-dependencies]"
+        elif inside and "=" in line and not line[:1].isspace():
+            names.append(line.split("=", 1)[0].strip())
+    return names
+
+
 def has_pip(python):
     return subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True).returncode == 0
 
@@ -52,6 +63,9 @@ def main(argv):
     if len(extras) > 1 or extras[:1] in (["-h"], ["--help"]):
         print(__doc__, file=sys.stderr if len(extras) > 1 else sys.stdout)
         return 2 if len(extras) > 1 else 0
+    unknown = [e for e in (extras[0].split(",") if extras and extras[0] else []) if e.strip() not in known_extras()]
+    if unknown:  # (pip only warns, and installs without them)
+        fail(f"unknown extra {', '.join(map(repr, unknown))}: the extras are {', '.join(known_extras())}")
     if sys.prefix != sys.base_prefix:  # python3 is a venv's
         venv, python, which = Path(sys.prefix), Path(sys.executable), "the active"
     elif os.environ.get("VIRTUAL_ENV"):  # activated, though python3 is another

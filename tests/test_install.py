@@ -278,3 +278,13 @@ def test_inside_an_active_venv(tmp_path):
     assert not (repo / ".venv").exists()
     assert imports_from(active / "bin" / "python", env) == repo
     shutil.rmtree(tmp_path)
+
+
+def test_an_unknown_extra_is_refused_before_anything_is_installed():
+    """`install.py mpihc` (a typo) installed without it, pip only warning; now one line naming the
+    extras, and nothing made."""
+    proc = subprocess.run([sys.executable, str(ROOT / "install.py"), "mpich,mpihc"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, VIRTUAL_ENV=""))
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip() == ("install.py: unknown extra 'mpihc': the extras are mpich, test, docs, bench, "
+                                   "notebook, tpu, gpu, gpu-cuda13"), proc.stderr
