@@ -217,8 +217,11 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
 
     compiled_step = mm.compile(train_step)
 
-    def compiled() -> None:
+    def compiled_issue() -> None:
         state[0], state[1], _ = compiled_step(state[0], state[1], batch)
+
+    def compiled() -> None:
+        compiled_issue()
         syncs["mpimesh"]()
 
     def torch_step() -> None:
@@ -257,6 +260,7 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
     times = compare({"mpimesh": mm_step, "compiled": compiled, "torch": torch_step}, repeat=args.steps,
                     warmup=args.warmup, comm=mm.MPI.COMM_SELF)
 
+    say(graph_plan(compiled_step))
     with mm.profile(memory=not gpu) as prof:  # CPU: tracemalloc's peak of the step's own allocations
         mm_step()
     torch_peak = reserved = None
@@ -273,15 +277,34 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
            f"allocated, {mib(reserved)} reserved" if gpu else ", torch n/a"))
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
             "compiled_s": times["compiled"][1], "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
-            "profile": profile_step(mm_issue, syncs["mpimesh"], gpu) if args.profile else None}
+            "profile": {"eager": profile_step(mm_issue, syncs["mpimesh"], gpu),
+                        "compiled": profile_step(compiled_issue, syncs["mpimesh"], gpu, ops=len(compiled_step.programs()[-1].ops))}
+            if args.profile else None}
 
 
-def profile_step(issue: Callable, sync: Callable, gpu: bool) -> dict:
+def graph_plan(step) -> str:
+    """How the compiled step replays: its engine, and under CUDA graphs the segments and host steps (why)."""
+    engines = [e.engine for e in step.cache.values() if e.engine is not None]
+    if not engines:
+        return "compiled: not replayed yet"
+    engine = engines[-1]
+    if not hasattr(engine, "plan"):
+        return f"compiled: {type(engine).__name__}, {len(engine.steps)} steps (no CUDA graphs)"
+    why: Dict[str, int] = {}
+    for entry in engine.plan:
+        if entry[0] == "host":
+            key = entry[2] if entry[1][0] != "op" else f"{entry[1][1]}: {entry[2]}"
+            why[key[:120]] = why.get(key[:120], 0) + 1
+    return (f"compiled: {engine.segments} CUDA graph(s), {engine.host_steps} host step(s) of {len(engine.engine.steps)}"
+            + "".join(f"; {n}x {k}" for k, n in sorted(why.items(), key=lambda kv: -kv[1])[:8]))
+
+
+def profile_step(issue: Callable, sync: Callable, gpu: bool, ops: Optional[int] = None) -> dict:
     """Where one mpimesh step's time goes: wall time and the host's time to issue it (before waiting
-    for the GPU), medians of PROFILE_STEPS; the ops of one step (its `mm.trace()`); on a GPU the
-    kernels torch.profiler sees through CUPTI (CuPy's too: any CUDA activity of the process), their
-    time and count per step and the ten longest (name, calls, ms per step). On the CPU only CPU
-    activity is recorded and the kernel fields are None."""
+    for the GPU), medians of PROFILE_STEPS; the ops of one step (`ops`, else its `mm.trace()`); on a GPU
+    the kernels torch.profiler sees through CUPTI (CuPy's too: any CUDA activity of the process, kernels
+    in CUDA graphs included), their time and count per step and the ten longest (name, calls, ms per
+    step). On the CPU only CPU activity is recorded and the kernel fields are None."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     walls, hosts = [], []
@@ -292,10 +315,11 @@ def profile_step(issue: Callable, sync: Callable, gpu: bool) -> dict:
         hosts.append(time.perf_counter() - t0)
         sync()
         walls.append(time.perf_counter() - t0)
-    with mm.trace() as tr:
-        issue()
-    ops = len(tr.ops)
-    del tr  # it holds the step's tensors
+    if ops is None:
+        with mm.trace() as tr:
+            issue()
+        ops = len(tr.ops)
+        del tr  # it holds the step's tensors
     sync()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
         for _ in range(PROFILE_STEPS):
@@ -308,7 +332,7 @@ def profile_step(issue: Callable, sync: Callable, gpu: bool) -> dict:
             k[0] += 1
             k[1] += ev.time_range.elapsed_us() / 1e3
     per_step = {name: (calls / PROFILE_STEPS, ms / PROFILE_STEPS) for name, (calls, ms) in kernels.items()}
-    return {"wall_ms": float(np.median(walls)) * 1e3, "ops": ops,
+    return {"wall_ms": float(np.median(walls)) * 1e3, "host_ms": float(np.median(hosts)) * 1e3, "ops": ops,
             "host_us_per_op": float(np.median(hosts)) * 1e6 / max(ops, 1),
             "kernel_ms": sum(ms for _, ms in per_step.values()) if gpu else None,
             "kernels": sum(calls for calls, _ in per_step.values()) if gpu else None,
@@ -374,22 +398,23 @@ def report(results: Dict[str, dict], args: argparse.Namespace) -> None:
                  "MFU eager", "MFU torch",
                  "mpimesh MiB", "torch MiB", "mem ratio", "mem bar", "memory", "loss diff"), rows), flush=True)
     if args.profile:
-        report_profile({p: r["profile"] for p, r in results.items()}, gpu)
+        report_profile({(p, how): r["profile"][how] for p, r in results.items() for how in ("eager", "compiled")}, gpu)
 
 
-def report_profile(profiles: Dict[str, dict], gpu: bool) -> None:
-    """`--profile`'s table (one row per precision) and each precision's longest kernels."""
+def report_profile(profiles: Dict[tuple, dict], gpu: bool) -> None:
+    """`--profile`'s table (one row per precision and step: eager, compiled) and each one's longest kernels."""
     def n_a(value, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
-    rows = [(p, f"{r['wall_ms']:.2f}", n_a(r["kernel_ms"], ".2f"),
+    rows = [(p, how, f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", n_a(r["kernel_ms"], ".2f"),
              n_a(None if r["kernel_ms"] is None else 100 * r["kernel_ms"] / r["wall_ms"], ".0f"), r["ops"],
-             n_a(r["kernels"], ".0f"), f"{r['host_us_per_op']:.1f}") for p, r in profiles.items()]
-    print(f"\nprofile of one mpimesh step (medians of {PROFILE_STEPS}; kernels: "
+             n_a(r["kernels"], ".0f"), f"{r['host_us_per_op']:.1f}") for (p, how), r in profiles.items()]
+    print(f"\nprofile of one mpimesh step (medians of {PROFILE_STEPS}; host: the time to issue it; kernels: "
           + ("CUDA activity through CUPTI, CuPy's included)" if gpu else "n/a, cpu run: CPU activity only)"))
-    print(table(("precision", "wall ms", "kernel ms", "kernel %", "ops/step", "kernels/step", "host us/op"), rows))
-    for p, r in profiles.items():
+    print(table(("precision", "step", "wall ms", "host ms", "kernel ms", "kernel %", "ops/step", "kernels/step",
+                 "host us/op"), rows))
+    for (p, how), r in profiles.items():
         if r["top"]:
-            print(f"\n{p}: longest kernels per step")
+            print(f"\n{p} {how}: longest kernels per step")
             print(table(("ms", "calls", "kernel"), [(f"{ms:.3f}", f"{c:g}", name[:100]) for name, c, ms in r["top"]]))
     sys.stdout.flush()
 

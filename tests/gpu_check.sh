@@ -61,9 +61,9 @@ key_benchmark() {  # each precision's step time, mpimesh eager / PyTorch, and co
          t && NF > 10 { s = s sep $1 " " $2 "/" $3 " ms (" $4 "x), compiled " $8 " ms (" $9 "x)"; sep = "; " }
          END { print s }' "$1"
 }
-key_profile() {  # each precision's kernel time of its wall time, ops and kernels per step
-    awk '$1 == "precision" && $2 == "wall" { t = 1; next } t && NF < 7 { t = 0 }
-         t { s = s sep $1 " kernels " $3 " of " $2 " ms, " $5 " ops, " $6 " kernels"; sep = "; " } END { print s }' "$1"
+key_profile() {  # each precision's and step's kernel time of its wall time, ops and kernels per step
+    awk '$1 == "precision" && $2 == "step" { t = 1; next } t && NF < 9 { t = 0 }
+         t { s = s sep $1 " " $2 " kernels " $5 " of " $3 " ms, " $7 " ops, " $8 " kernels"; sep = "; " } END { print s }' "$1"
 }
 
 suite() {  # suite RANKS SECONDS [pytest args]

@@ -1,9 +1,10 @@
-"""The CUDA-graph engine of `mm.compile` (`mpimesh.graphs`), run on numpy through a capturer that
-behaves as CUDA stream capture does: a captured graph, launched, runs its kernels again on the
-buffers they were captured with and writes the buffers they made in place, so a value read from
-anywhere but those buffers, or a static buffer not refreshed, shows as a wrong value. Over 10
-steps the values equal eager's bitwise (MLP with Adam and buckets, the Transformer dense and MoE,
-uneven blocks, 1-D/2-D/3-D meshes), and only the steps that need the host run outside graphs."""
+"""The CUDA-graph engine of `mm.compile` (`mpimesh.graphs`): on a GPU (`--backend cupy`) with real
+CUDA graphs, and on numpy through a capturer that behaves as CUDA stream capture does: a captured
+graph, launched, runs its kernels again on the buffers they were captured with and writes the
+buffers they made in place, so a value read from anywhere but those buffers, or a static buffer not
+refreshed, shows as a wrong value. Over 10 steps the values equal eager's bitwise (MLP with Adam and
+buckets, the Transformer dense and MoE, uneven blocks, 1-D/2-D/3-D meshes), and only the steps that
+need the host run outside graphs."""
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ from test_compile import test_transformer_compiled_equals_eager_bitwise as trans
 
 import mpimesh as mm  # noqa: E402
 import mpimesh.compiled as compiled  # noqa: E402
+from mpimesh.backend import name as backend_name  # noqa: E402
 from mpimesh.graphs import GraphEngine, _NeedsHost  # noqa: E402
 
 pytestmark = pytest.mark.mpi
@@ -74,20 +76,49 @@ class _Capture:
 
 @pytest.fixture
 def graphs(monkeypatch):
-    """Every compiled step's engine a `GraphEngine` with the numpy capturer; yields the engines."""
-    made = []
+    """Every compiled step's engine a `GraphEngine`: on CuPy (a GPU) the real one, capturing CUDA
+    graphs (`for_engine`), its launches counted; on numpy one with the capturer above. Yields the engines."""
+    made, real = [], compiled.for_engine
 
     def engine(flat):
-        made.append(GraphEngine(flat, _Capture()))
+        if backend_name(flat.mesh.xp) == "cupy":
+            made.append(real(flat))
+            assert isinstance(made[-1], GraphEngine), "CUDA graphs are off on CuPy (MPIMESH_CUDA_GRAPHS?)"
+            _count_launches(made[-1].cap)
+        else:
+            made.append(GraphEngine(flat, _Capture()))
         return made[-1]
     monkeypatch.setattr(compiled, "for_engine", engine)
     return made
 
 
+def _count_launches(cap) -> None:
+    """`cap.graphs`: the graphs `cap` (a `CudaCapture`) made, each with its `launches` counted."""
+    cap.graphs, capture, launch = [], cap.capture, cap.launch
+
+    def counted_capture(body, env, writes):
+        graph = capture(body, env, writes)
+        cap.graphs.append(graph)
+        graph_launches[id(graph)] = 0
+        return graph
+
+    def counted_launch(graph):
+        graph_launches[id(graph)] += 1
+        launch(graph)
+    graph_launches: dict = {}
+    cap.capture, cap.launch = counted_capture, counted_launch
+    cap.launches = graph_launches
+
+
+def _launches(engine, graph) -> int:
+    return engine.cap.launches[id(graph)] if hasattr(engine.cap, "launches") else graph.launches
+
+
 def _check_plan(engine: GraphEngine) -> None:
     """Graphs were made and launched in every replay after the capture; each host step needs the
-    host (a bucket's allreduce, or an op whose kernel asked for a collective); graphs hold the rest."""
-    assert engine.segments >= 1 and all(g.launches == engine.runs - 1 for g in engine.cap.graphs)
+    host (a bucket's allreduce, or an op whose kernel asked for a collective; never an op that
+    syncs with the host, which would cut a graph on a GPU); graphs hold the rest."""
+    assert engine.segments >= 1 and all(_launches(engine, g) == engine.runs - 1 for g in engine.cap.graphs)
     host = [e for e in engine.plan if e[0] == "host"]
     for _, step, why in host:
         assert why == "bucket" if step[0] != "op" else why.startswith("_NeedsHost: "), (step[:2], why)
