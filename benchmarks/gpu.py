@@ -278,7 +278,8 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
             "compiled_s": times["compiled"][1], "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
             "profile": {"eager": profile_step(mm_issue, syncs["mpimesh"], gpu),
-                        "compiled": profile_step(compiled_issue, syncs["mpimesh"], gpu, ops=len(compiled_step.programs()[-1].ops))}
+                        "compiled": profile_step(compiled_issue, syncs["mpimesh"], gpu,
+                                                 ops=len(compiled_step.programs()[-1].ops))}
             if args.profile else None}
 
 

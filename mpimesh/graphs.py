@@ -5,9 +5,10 @@ then launched as one graph each (`mm.compile`'s engine on a GPU).
 runs the steps on its own stream (a warm-up: cuBLAS workspaces, kernels compiled). The second
 captures: from each step on, as many steps as capture cleanly become one graph segment. A step
 whose kernel calls a collective (the SPMD check, the time-out and staged transfers run on the
-host) or syncs with the host (a CUDA error while capturing) ends the segment and runs on the host,
-as do the gradient buckets' allreduces: the step becomes graph, host, graph, ... Every later
-replay launches the graphs and runs only the host steps in Python.
+host), syncs with the host (a CUDA error while capturing) or calls a library that refuses capture
+(CuPy's own cuBLAS routines; einsum's GEMMs go through `mpimesh.cublas`) ends the segment and runs
+on the host, as do the gradient buckets' allreduces: the step becomes graph, host, graph, ...
+Every later replay launches the graphs and runs only the host steps in Python.
 
 As PyTorch's CUDA graphs: what a segment reads from outside the graphs (the step's arguments, a
 host step's results) is copied into static buffers before its launch; what it makes for later
@@ -38,6 +39,9 @@ from .collectives import counters
 
 _TRANSFERS = frozenset({"allreduce", "iallreduce", "allgather", "alltoall", "reduce_scatter", "permute",
                         "exscan", "any_rank", "guard"})
+
+
+_CAPTURE_ERRORS = frozenset({"CUDARuntimeError", "CUDADriverError", "CUBLASError", "CublasCallError"})
 
 
 class _NeedsHost(Exception):
@@ -96,8 +100,10 @@ class CudaCapture:
         graph.launch(stream=self.stream)
 
     def failed(self, error: BaseException) -> bool:
-        """Whether `error`, raised while capturing, means the step must run on the host."""
-        return isinstance(error, _NeedsHost) or type(error).__name__ == "CUDARuntimeError"
+        """Whether `error`, raised while capturing, means the step must run on the host: it asked for
+        a collective, synced with the host (a CUDA error), or called a library that refuses capture
+        (CuPy's own cuBLAS routines: NotImplementedError)."""
+        return isinstance(error, (_NeedsHost, NotImplementedError)) or type(error).__name__ in _CAPTURE_ERRORS
 
 
 def for_engine(engine):

@@ -11,9 +11,11 @@ An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after t
 - JAX (a replay): `matmul(..., preferred_element_type=float32)`, which XLA lowers the same way.
 
 float32 blocks on CuPy take the same cuBLAS call, with `CUBLAS_COMPUTE_32F_FAST_TF32` (TF32 tensor
-cores) where `mm.set_matmul_precision` chose "tf32": einsum sends its batched float32 matmuls here,
-since CuPy's batched matmul ignores CuPy's TF32 setting (its dot and tensordot follow it).
-`tf32_math` switches the rest of cuBLAS (CuPy's own routines) for a block of code.
+cores) where `mm.set_matmul_precision` chose "tf32", and float64 blocks with `CUBLAS_COMPUTE_64F`
+(`gpu_matmul`): einsum sends its CuPy matmuls here, since CuPy's batched matmul ignores CuPy's TF32
+setting, and CuPy's cuBLAS bindings refuse to run while a CUDA graph is captured; this call then
+goes through `mpimesh.cublas`, which does not. `tf32_math` switches the rest of cuBLAS (CuPy's own
+routines) for a block of code.
 
 >>> import numpy as np, ml_dtypes
 >>> a = np.ones((2, 3), ml_dtypes.bfloat16)
@@ -30,36 +32,64 @@ import numpy as np
 from .backend import BFLOAT16, is_low_precision, matmul_precision, name
 
 # cuBLAS and CUDA enums (cublas_api.h, library_types.h)
-_CUDA_TYPES = {np.dtype(np.float16): 2, BFLOAT16: 14, np.dtype(np.float32): 0}  # CUDA_R_16F, _16BF, _32F
-_COMPUTE_32F, _COMPUTE_32F_FAST_TF32 = 68, 77  # cublasComputeType_t
+_CUDA_TYPES = {np.dtype(np.float16): 2, BFLOAT16: 14, np.dtype(np.float32): 0,  # CUDA_R_16F, _16BF, _32F,
+               np.dtype(np.float64): 1}  # CUDA_R_64F
+_COMPUTE_32F, _COMPUTE_32F_FAST_TF32, _COMPUTE_64F = 68, 77, 70  # cublasComputeType_t
 _TF32_TENSOR_OP_MATH = 3  # cublasMath_t
 _GEMM_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT: cuBLAS picks the algorithm (tensor cores for 16-bit inputs)
 _OP_N, _OP_T = 0, 1  # CUBLAS_OP_N, CUBLAS_OP_T
 _POINTER_MODE_HOST = 0
-_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # alpha and beta, read from host memory
+# alpha and beta, read from host memory, in the compute type's scalar type (float64 for COMPUTE_64F)
+_ONE, _ZERO, _ONE64, _ZERO64 = np.ones(1, np.float32), np.zeros(1, np.float32), np.ones(1), np.zeros(1)
 
 
 def compute_type(dtype, precision: str) -> int:
-    """cuBLAS's compute type for a GEMM of `dtype` inputs into float32 at `precision` ("highest" or
-    "tf32"): TF32 tensor cores only for float32 inputs at "tf32"; 16-bit inputs always in float32.
+    """cuBLAS's compute type for a GEMM of `dtype` inputs at `precision` ("highest" or "tf32"): TF32
+    tensor cores only for float32 inputs at "tf32"; 16-bit inputs always in float32; float64 in float64.
 
     >>> compute_type(np.float32, "tf32"), compute_type(np.float32, "highest"), compute_type(BFLOAT16, "tf32")
     (77, 68, 68)
     """
+    if np.dtype(dtype) == np.float64:
+        return _COMPUTE_64F
     return _COMPUTE_32F_FAST_TF32 if np.dtype(dtype) == np.float32 and precision == "tf32" else _COMPUTE_32F
 
 
-def widening_matmul(xp, a, b):
+def widening_matmul(xp, a, b, out=None):
     """`a @ b` in float32 for 16-bit float (or float32) `a` and `b` of shapes `[..., m, k]` and
-    `[..., k, n]` with the same leading (batch) shape, or 2-D."""
+    `[..., k, n]` with the same leading (batch) shape, or 2-D; into `out` where given (a C-contiguous
+    float32 array of the product's shape)."""
     f32 = np.float32
     kind = name(xp)
     if kind == "jax":
         return xp.matmul(a, b, preferred_element_type=f32)
-    if kind == "cupy" and a.dtype == b.dtype and (is_low_precision(a.dtype) or a.dtype == f32) \
-            and a.shape[:-2] == b.shape[:-2]:
-        return cublas_matmul(xp, _cublas(), a, b, compute_type(a.dtype, matmul_precision()))
-    return xp.matmul(a.astype(f32, copy=False), b.astype(f32, copy=False))
+    if kind == "cupy" and (is_low_precision(a.dtype) or a.dtype == f32):
+        y = gpu_matmul(xp, a, b, out)
+        if y is not None:
+            return y
+    y = xp.matmul(a.astype(f32, copy=False), b.astype(f32, copy=False))
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
+def gpu_matmul(xp, a, b, out=None):
+    """`a @ b` on CuPy by one strided-batched cuBLAS GEMM (`cublas_matmul`) for float64, float32 (in
+    the matmul precision) or 16-bit float (into float32) `a` and `b` of one dtype and the same leading
+    shape, into `out` where given (C-contiguous, the product's shape and dtype); else None."""
+    if a.dtype != b.dtype or a.dtype not in _CUDA_TYPES or a.shape[:-2] != b.shape[:-2] or a.ndim < 2 \
+            or b.ndim < 2:
+        return None
+    if out is not None and (out.dtype != _out_dtype(a.dtype) or not out.flags.c_contiguous):
+        y = gpu_matmul(xp, a, b)
+        out[...] = y
+        return out
+    return cublas_matmul(xp, _cublas(xp), a, b, compute_type(a.dtype, matmul_precision()), out)
+
+
+def _out_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
 
 
 def _gemm_operand(x):
@@ -84,9 +114,10 @@ def _gemm_operand(x):
     return None
 
 
-def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
-    """`a @ b` (same leading shape) into a new float32 array by one strided-batched cuBLAS GEMM
-    with compute type `compute` (`cublas`: CuPy's bindings, or a stand-in with the same calls).
+def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F, out=None):
+    """`a @ b` (same leading shape) into a new float32 array (float64 for float64 inputs), or into
+    `out` (C-contiguous, of that shape and dtype), by one strided-batched cuBLAS GEMM with compute
+    type `compute` (`cublas`: CuPy's or `mpimesh.cublas`'s bindings, or a stand-in with the same calls).
 
     cuBLAS is column-major: to it, a row-major `[r, c]` block is the column-major `[c, r]` matrix
     (its transpose). So the row-major `[m, n]` product C = A·B is computed as the column-major
@@ -98,7 +129,8 @@ def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
     *lead, m, k = a.shape
     n = b.shape[-1]
     batch = int(np.prod(lead, dtype=np.int64)) if lead else 1
-    out = xp.empty((*lead, m, n), np.float32)
+    if out is None:
+        out = xp.empty((*lead, m, n), _out_dtype(a.dtype))
     if out.size == 0:
         return out
     if k == 0:
@@ -117,10 +149,11 @@ def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F):
     cublas.setPointerMode(handle, _POINTER_MODE_HOST)
     try:
         cublas.gemmStridedBatchedEx(
-            handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, _ONE.ctypes.data,
+            handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k,
+            (_ONE64 if out.dtype == np.float64 else _ONE).ctypes.data,
             b.data.ptr, _CUDA_TYPES[b.dtype], ldb, sb,
             a.data.ptr, _CUDA_TYPES[a.dtype], lda, sa,
-            _ZERO.ctypes.data,
+            (_ZERO64 if out.dtype == np.float64 else _ZERO).ctypes.data,
             out.data.ptr, _CUDA_TYPES[out.dtype], n, m * n,
             batch, compute, _GEMM_DEFAULT)
     finally:
@@ -148,8 +181,14 @@ def _math_mode(xp, cublas, mode: int):
         cublas.setMathMode(handle, before)
 
 
-def _cublas():
-    """CuPy's cuBLAS bindings."""
+def _cublas(xp=None):
+    """CuPy's cuBLAS bindings; while `xp`'s current stream captures a CUDA graph, `mpimesh.cublas`'s
+    (CuPy's refuse to run then), where they find the library."""
+    if xp is not None and xp.cuda.get_current_stream().is_capturing():
+        from .cublas import capturable
+        bindings = capturable(xp)
+        if bindings is not None:
+            return bindings
     try:
         from cupy_backends.cuda.libs import cublas
     except ImportError:  # older CuPy

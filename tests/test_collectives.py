@@ -29,6 +29,8 @@ MODES = ["mpi", "staged", "mpi+guard"]
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def mesh_fixture(request):
     shape, mode = request.param
+    if mode.startswith("mpi") and _gpu_without_cuda_aware_mpi():
+        pytest.skip("transport 'mpi' on CuPy needs a CUDA-aware MPI (tests/test_gpu_transports.py)")
     mesh = get_mesh(shape, "", mode.split("+")[0])
     if mode.endswith("+guard"):
         mm.set_spmd_check(True)
@@ -37,6 +39,13 @@ def mesh_fixture(request):
         yield mesh
     finally:
         guard.reset()
+
+
+def _gpu_without_cuda_aware_mpi() -> bool:
+    """Whether meshes are on CuPy (--backend cupy) and the MPI library is not CUDA-aware."""
+    from mpimesh.backend import resolve_backend
+    from mpimesh.collectives.placement import cuda_aware_mpi
+    return resolve_backend(None) == "cupy" and not MPI.COMM_WORLD.allreduce(int(cuda_aware_mpi()), op=MPI.MIN)
 
 
 def inp(rank: int, shape: Sequence[int], seed: int = 0, dtype=np.float64) -> np.ndarray:

@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import mpimesh as mm
+from mpimesh.backend import resolve_backend
 from mpimesh.collectives import counters
 from meshes import mesh_shapes
 
@@ -256,6 +257,7 @@ def _local_bytes(tree) -> int:
     return sum(t.local.nbytes for t in tensors(tree))
 
 
+@pytest.mark.skipif(resolve_backend(None) != "numpy", reason="measures host memory (tracemalloc)")
 def test_memory_limit_shards_parameters_and_predicts_local_bytes():
     """With a limit below what the replicated step needs (parameters, Adam's state, and the
     activations its trace holds), the plan splits the parameters, and its bytes per rank are within
@@ -298,6 +300,7 @@ def _attention_step(params, x):
         return mm.gradients([mm.reduce_sum(mm.square(o))], list(params.values()))
 
 
+@pytest.mark.skipif(resolve_backend(None) != "numpy", reason="measures host memory (tracemalloc)")
 def test_bytes_per_rank_counts_views_once_with_d_model_split():
     """With d_model split (uneven on 3 ranks; on 1 rank over a mesh dim of 1, whose relayouts
     move nothing), the recorded bytes per rank are within 10% of a real run's (the arguments'

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 STEPS = 5
@@ -99,7 +100,7 @@ def test_a_donated_tensor_raises_wherever_it_is_used():
         new = step(p, mm.cast(g, "float64"))
         np.testing.assert_array_equal(new.to_numpy(), np.full((4, 6), 4.0 - k))
         for use in (lambda: p + 1.0, lambda: p.to_numpy(), lambda: mm.reduce_sum(p), lambda: p.dtype,
-                    lambda: step(p, g), lambda: p.local + 1, lambda: np.asarray(p.local), lambda: p.local[0],
+                    lambda: step(p, g), lambda: to_host(p.local) + 1, lambda: to_host(p.local), lambda: p.local[0],
                     lambda: p.local == 0):
             with pytest.raises(mm.MpimeshError, match=r"this \[a:4, b:6\] float64 tensor was donated .*"
                                                       r"donate_argnums=\(0,\).*use the tensors that step returned"):

@@ -13,6 +13,7 @@ from meshes import (  # noqa: E402
     big, collectives, Errors, expected_local, get_mesh, global_array, layouts, local_size, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 SHAPES = mesh_shapes()
 
@@ -28,7 +29,7 @@ def check_result(errs: Errors, what: str, y, ref: np.ndarray, out_names: tuple, 
     errs.expect(y.dtype == np.dtype(dtype), f"{what}: dtype {y.dtype} != {dtype}")
     want_layout = {d: m for d, m in rules.items() if d in out_names}
     errs.expect(y.layout == want_layout, f"{what}: layout {y.layout} != {want_layout}")
-    local = np.asarray(y.local)
+    local = to_host(y.local)
     want = expected_local(ref, out_names, y.layout, mesh)
     errs.expect(local.shape == want.shape, f"{what}: local shape {local.shape} != {want.shape}")
     if local.shape == want.shape:
@@ -155,7 +156,7 @@ def test_contraction_to_scalar(mshape: str) -> None:
             y_empty = mm.einsum([x, w], output_shape=[])
             y_red = mm.einsum([x, w], reduced_dims=["a", "b"])
             for name, y in (("default", y_default), ("[]", y_empty), ("reduced_dims", y_red)):
-                errs.expect(isinstance(y.local, np.ndarray), f"{name}: local is {type(y.local)}")
+                errs.expect(isinstance(y.local, mesh.xp.ndarray), f"{name}: local is {type(y.local)}")
                 check_result(errs, f"{name} x={la} w={lb}", y, ref, (), {}, np.float64)
                 errs.close(f"{name} to_numpy", y.to_numpy(), ref, rtol=1e-12)
     errs.check()

@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import mesh_fixture  # noqa: E402,F401 (mesh_fixture is the `mesh` fixture)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 from mpimesh.layout import plan_layout  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
@@ -110,13 +111,13 @@ def test_size_not_divisible_is_accepted(mesh: mm.Mesh) -> None:
     g = np.arange(40, dtype=np.float32).reshape(5, 8)
     mine = np.array_split(g, d.size, axis=0)[c]
     x = mesh.from_numpy(g, "a:5;b:8", layout={"a": d.name})
-    np.testing.assert_array_equal(x.local, mine)
+    np.testing.assert_array_equal(to_host(x.local), mine)
     assert mesh.ones("a:5;b:8", layout=f"a:{d.name}").local.shape == mine.shape
     ref = mesh.random_normal("a:5;b:8", seed=0).to_numpy()
     np.testing.assert_array_equal(mesh.random_normal("a:5;b:8", seed=0, layout=f"a:{d.name}").local,
                                   np.array_split(ref, d.size, axis=0)[c])
     r = mm.relayout(mesh.from_numpy(g, "a:5;b:8"), f"a:{d.name}")
-    np.testing.assert_array_equal(r.local, mine)
+    np.testing.assert_array_equal(to_host(r.local), mine)
     np.testing.assert_array_equal(r.to_numpy(), g)
     with mm.layout_scope(mesh, f"a:{d.name}"):
         e = mm.exp(mesh.from_numpy(g, "a:5;b:8"))
@@ -241,7 +242,8 @@ def test_dtypes_an_op_cannot_take(mesh: mm.Mesh) -> None:
     for e in (np.int64(2), np.int32(-2), i):
         want = np.arange(1.0, 9.0).astype(ml_dtypes.bfloat16) ** (e.to_numpy() if isinstance(e, mm.DistTensor) else e)
         got = h ** e
-        assert got.dtype == want.dtype and np.array_equal(got.to_numpy(), want, equal_nan=True), (e, got.to_numpy())
+        assert got.dtype == want.dtype, (e, got.dtype)  # (a GPU's float64 pow may differ from numpy's in the last bit)
+        np.testing.assert_allclose(got.to_numpy(), want, rtol=1e-15, err_msg=str(e))
     x = mesh.from_numpy(np.arange(16, dtype=np.int32).reshape(2, 8), "b:2;a:8", layout={"a": m})
     for op, fn in (("softmax", lambda: mm.softmax(x, "a")), ("log_softmax", lambda: mm.log_softmax(x, "a")),
                    ("reduce_logsumexp", lambda: mm.reduce_logsumexp(x)),

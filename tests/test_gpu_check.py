@@ -58,4 +58,5 @@ def test_steps_logs_and_table(tmp_path):
     one = r"[\d.]+/[\d.]+ ms \([\d.]+x\), compiled [\d.]+ ms \([\d.]+x\)"
     assert re.fullmatch(rf"fp32 {one}; bf16 {one}", rows[2][3]), rows[2]
     one = r"kernels n/a of [\d.]+ ms, \d+ ops, n/a kernels"
-    assert re.fullmatch(rf"fp32 eager {one}; fp32 compiled {one}; bf16 eager {one}; bf16 compiled {one}", rows[3][3]), rows[3]
+    assert re.fullmatch(rf"fp32 eager {one}; fp32 compiled {one}; bf16 eager {one}; bf16 compiled {one}",
+                        rows[3][3]), rows[3]

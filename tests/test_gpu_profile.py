@@ -1,6 +1,7 @@
-"""benchmarks/gpu.py --profile in its CPU configuration: after the step table, one row per precision and step (eager, compiled)
-with the wall time per step, the ops per step (its mm.trace) and the host's microseconds per op; the
-kernel columns read n/a (no GPU activity on the CPU). Skipped without PyTorch; the 1-rank session runs it."""
+"""benchmarks/gpu.py --profile in its CPU configuration: after the step table, one row per precision
+and step (eager, compiled) with the wall time per step, the host's time to issue it, the ops per step
+and the host's microseconds per op; the kernel columns read n/a (no GPU activity on the CPU).
+Skipped without PyTorch; the 1-rank session runs it."""
 from __future__ import annotations
 
 import subprocess

@@ -14,6 +14,7 @@ from meshes import (  # noqa: E402
     big, collectives, Errors, expected_local, get_mesh, global_array, layouts, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 SHAPES = mesh_shapes()
 XSHAPE = "a:8;b:8;c:8"
@@ -68,7 +69,7 @@ def check(errs: Errors, what: str, y, ref: np.ndarray, out: tuple, rules: dict, 
     errs.expect(y.dtype == np.dtype(dtype), f"{what}: dtype {y.dtype} != {np.dtype(dtype)}")
     want_layout = {d: m for d, m in rules.items() if d in out}
     errs.expect(y.layout == want_layout, f"{what}: layout {y.layout} != {want_layout}")
-    local, want = np.asarray(y.local), expected_local(ref, out, y.layout, mesh)
+    local, want = to_host(y.local), expected_local(ref, out, y.layout, mesh)
     errs.expect(local.shape == want.shape, f"{what}: local shape {local.shape} != {want.shape}")
     if local.shape == want.shape:
         errs.close(what, local, want, rtol=tol, atol=tol)
@@ -120,7 +121,7 @@ def test_scalar_to_numpy(mshape: str) -> None:
     ys = {op: getattr(mm, op)(x) for op in NP_OPS}
     got = {op: y.to_numpy() for op, y in ys.items()}
     for op, y in ys.items():  # a 0-d array, never a numpy scalar, whatever the mesh
-        assert isinstance(y.local, np.ndarray) and y.local.shape == () and y.shape == mm.Shape([]), op
+        assert isinstance(y.local, mesh.xp.ndarray) and y.local.shape == () and y.shape == mm.Shape([]), op
     for op, value in got.items():
         assert np.shape(value) == ()
         np.testing.assert_allclose(value, reference(op, xa, ()), rtol=1e-12, atol=1e-12, err_msg=op)
@@ -161,7 +162,7 @@ def test_size_one_mesh_dims_never_allreduce(mshape: str) -> None:
     with mm.profile() as prof:
         y = mm.reduce_sum(x, reduced_dims=["b", "c"])
     assert collectives(prof) == {}
-    np.testing.assert_allclose(y.local, xa.astype(np.float64).sum(axis=(1, 2)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_host(y.local), xa.astype(np.float64).sum(axis=(1, 2)), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ logsumexp stability
@@ -176,7 +177,7 @@ def test_logsumexp_large_and_small_values(mshape: str) -> None:
             x = mesh.from_numpy(xa, XSHAPE, layout=lay)
             for output_shape, reduced_dim, out in (SPECS[4], SPECS[6], SPECS[-1]):
                 y = mm.reduce_logsumexp(x, output_shape=output_shape, reduced_dims=reduced_dim)
-                errs.expect(bool(np.all(np.isfinite(y.local))), f"shift {shift} {out} x={lay}: {y.local}")
+                errs.expect(bool(np.all(np.isfinite(to_host(y.local)))), f"shift {shift} {out} x={lay}: {to_host(y.local)}")
                 check(errs, f"shift {shift} {out} x={lay}", y, reference("reduce_logsumexp", xa, out), out, {},
                       np.float32, 1e-5)
     errs.check()

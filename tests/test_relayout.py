@@ -17,6 +17,7 @@ from meshes import (  # noqa: E402
     big, collectives, divisible_layouts, expected_local, get_mesh, global_array, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 from mpimesh.ops.relayout import relayout_plan  # noqa: E402
 
 SHAPES = mesh_shapes()
@@ -189,7 +190,7 @@ def test_relayout_pairs_values_and_communication(mshape: str) -> None:
             what = f"{src} -> {dst}"
             if y.layout != dst:
                 errors.append(f"{what}: layout {y.layout}")
-            if not np.array_equal(np.asarray(y.local), expected_local(xa, NAMES, dst, mesh)):
+            if not np.array_equal(to_host(y.local), expected_local(xa, NAMES, dst, mesh)):
                 errors.append(f"{what}: wrong values")
             got = {k.split("/")[1]: [k.split("/")[0]] * v["calls"] for k, v in collectives(prof).items()}
             kinds, cycles = expected_kinds(as_tuple(src), as_tuple(dst), sizes)
@@ -200,7 +201,7 @@ def test_relayout_pairs_values_and_communication(mshape: str) -> None:
             why = check_minimal(got, kinds, cycles)
             if why:
                 errors.append(f"{what}: {why}; counters {collectives(prof)}")
-            if not np.array_equal(np.asarray(x.local), expected_local(xa, NAMES, src, mesh)):
+            if not np.array_equal(to_host(x.local), expected_local(xa, NAMES, src, mesh)):
                 errors.append(f"{what}: the input changed")
     assert not errors, f"{len(errors)} failures:\n" + "\n".join(errors[:6])
 
@@ -216,7 +217,7 @@ def test_unsplit_to_split_is_local(mshape: str) -> None:
                 x, y, prof = run_pair(mesh, xa, rest, {**rest, name: m})
                 if prof.counters:
                     errors.append(f"{rest} -> +{name}:{m}: {prof.counters}")
-                if not np.array_equal(y.local, expected_local(xa, NAMES, {**rest, name: m}, mesh)):
+                if not np.array_equal(to_host(y.local), expected_local(xa, NAMES, {**rest, name: m}, mesh)):
                     errors.append(f"{rest} -> +{name}:{m}: wrong values")
     assert not errors, "\n".join(errors[:6])
 
@@ -235,11 +236,11 @@ def test_split_to_unsplit_is_one_allgather(mshape: str) -> None:
             want = {f"allgather/{m}": {"calls": 1, "elements": n_local, "bytes": 4 * n_local}}
             if collectives(prof) != want:
                 errors.append(f"{name}:{m} -> unsplit (keep {keep}): {collectives(prof)} != {want}")
-            if not np.array_equal(y.local, expected_local(xa, NAMES, keep, mesh)):
+            if not np.array_equal(to_host(y.local), expected_local(xa, NAMES, keep, mesh)):
                 errors.append(f"{name}:{m} -> unsplit (keep {keep}): wrong values")
     y = run_pair(mesh, xa, dict(zip(NAMES, big(mesh))), {})[1]
     assert not errors, "\n".join(errors[:6])
-    np.testing.assert_array_equal(y.local, xa)
+    np.testing.assert_array_equal(to_host(y.local), xa)
     np.testing.assert_array_equal(y.to_numpy(), xa)
 
 
@@ -259,7 +260,7 @@ def test_move_between_tensor_dims_is_one_alltoall(mshape: str) -> None:
                 what = f"{a}:{m} -> {b}:{m} (keep {keep})"
                 if collectives(prof) != want:
                     errors.append(f"{what}: {collectives(prof)} != {want}")
-                if not np.array_equal(y.local, expected_local(xa, NAMES, {b: m, **keep}, mesh)):
+                if not np.array_equal(to_host(y.local), expected_local(xa, NAMES, {b: m, **keep}, mesh)):
                     errors.append(f"{what}: wrong values")
     assert not errors, "\n".join(errors[:6])
 
@@ -274,7 +275,7 @@ def test_swap(mshape: str) -> None:
     r, c = bd[0], bd[1]
     x, y, prof = run_pair(mesh, xa, {"a": r, "b": c}, {"a": c, "b": r})
     assert y.layout == {"a": c, "b": r}
-    np.testing.assert_array_equal(y.local, expected_local(xa, NAMES, {"a": c, "b": r}, mesh))
+    np.testing.assert_array_equal(to_host(y.local), expected_local(xa, NAMES, {"a": c, "b": r}, mesh))
     calls = {k: v["calls"] for k, v in collectives(prof).items()}
     assert sum(calls.values()) == 2 and sorted(k.split("/")[0] for k in calls) == ["allgather", "alltoall"]
     assert {k.split("/")[1] for k in calls} == {r, c}
@@ -293,19 +294,19 @@ def test_layout_spellings_and_noops(mshape: str) -> None:
     for spec in spellings:
         y = mm.relayout(x, spec)
         assert y.layout == target and y.dtype == np.float64
-        np.testing.assert_array_equal(y.local, expected_local(xa, NAMES, target, mesh))
+        np.testing.assert_array_equal(to_host(y.local), expected_local(xa, NAMES, target, mesh))
     y = mm.relayout(x, target)
     with mm.profile() as prof:
         z = mm.relayout(y, target)  # already laid out so: nothing happens
     assert collectives(prof) == {}
-    np.testing.assert_array_equal(z.local, y.local)
+    np.testing.assert_array_equal(to_host(z.local), to_host(y.local))
     ones = [d.name for d in mesh.shape if d.size == 1]
     if ones:  # a size-1 mesh dim splits nothing: moving off it costs nothing
         w = mesh.from_numpy(xa, XSHAPE, layout={"b": ones[0]})
         with mm.profile() as prof:
             v = mm.relayout(w, {})
         assert collectives(prof) == {} and v.layout == {}
-        np.testing.assert_array_equal(v.local, xa)
+        np.testing.assert_array_equal(to_host(v.local), xa)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, np.complex64, np.float16])
@@ -317,7 +318,7 @@ def test_relayout_dtypes(dtype) -> None:
     x = mesh.from_numpy(xa, XSHAPE, layout=src)
     y = mm.relayout(mm.relayout(x, dst), {})
     assert y.dtype == np.dtype(dtype)
-    np.testing.assert_array_equal(y.local, xa)
+    np.testing.assert_array_equal(to_host(y.local), xa)
 
 
 def test_bad_layouts_raise() -> None:

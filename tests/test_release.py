@@ -53,6 +53,8 @@ def test_release_lowers_the_peak():
     """A chain of 8 elementwise ops on 4 MiB tensors: without release every activation and every
     gradient lives until the end; with it, about two of each at a time."""
     mesh = get_mesh("all:1") if mm.MPI.COMM_WORLD.Get_size() == 1 else mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    if mesh.backend != "numpy":
+        pytest.skip("tracemalloc sees host memory only (the GPU's peak: tests/test_gpu_memory_peak.py)")
     x = mesh.from_numpy(np.linspace(-1, 1, 1 << 19), "a:524288")
     peaks = {}
     for release in (False, True):
@@ -111,4 +113,4 @@ def test_profile_reports_peak_memory():
     assert "peak memory (arrays)" in outer.report()
     with mm.profile() as plain:
         pass
-    assert set(plain.peak_bytes) == {"host"}
+    assert set(plain.peak_bytes) - {"gpu", "gpu_cached"} == {"host"}  # (a GPU's pool where CuPy is in use)

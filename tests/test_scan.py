@@ -16,6 +16,7 @@ from meshes import (  # noqa: E402
     big, collectives, Errors, expected_local, get_mesh, global_array, layouts, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()
@@ -60,7 +61,7 @@ def test_cumsum(mshape: str, dtype) -> None:
                 ref = ref_cumsum(a, 1, exclusive, reverse)
                 errs.expect(y.layout == rules and y.dtype == a.dtype and y.shape == x.shape,
                             f"{what}: {y.layout} {y.dtype} {y.shape}")
-                got = np.asarray(y.local)
+                got = to_host(y.local)
                 want = expected_local(ref, ("a", "i"), rules, mesh)
                 errs.expect(got.shape == want.shape and np.allclose(got, want, **tol), f"{what}: values differ")
     errs.check()
@@ -166,7 +167,7 @@ def test_cumsum_uneven_sizes(mshape: str) -> None:
                     for exclusive, reverse in MODES:
                         y = mm.cumsum(x, "i", exclusive, reverse)
                         want = expected_local(ref_cumsum(a, 1, exclusive, reverse), ("a", "i"), lay, mesh)
-                        errs.expect(y.local.shape == want.shape and np.allclose(y.local, want, rtol=1e-12, atol=1e-12),
+                        errs.expect(y.local.shape == want.shape and np.allclose(to_host(y.local), want, rtol=1e-12, atol=1e-12),
                                     f"n={n} a={na} excl={exclusive} rev={reverse} layout={lay}")
     errs.check()
 

@@ -17,6 +17,7 @@ from meshes import (  # noqa: E402
     big, collectives, Errors, expected_local, get_mesh, global_array, layouts, mesh_shapes)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()
@@ -28,7 +29,7 @@ def check_result(errs: Errors, what: str, y, ref: np.ndarray, rules: dict) -> No
     errs.expect(y.layout == want_layout, f"{what}: layout {y.layout} != {want_layout}")
     errs.expect(y.shape.sizes == ref.shape, f"{what}: shape {y.shape} != {ref.shape}")
     errs.expect(y.dtype == ref.dtype, f"{what}: dtype {y.dtype} != {ref.dtype}")
-    local = np.asarray(y.local)
+    local = to_host(y.local)
     want = expected_local(ref, y.shape.names, y.layout, y.mesh)
     errs.expect(local.shape == want.shape and np.array_equal(local, want), f"{what}: local block differs")
     got = y.to_numpy()

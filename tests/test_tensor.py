@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import global_array, layouts, mesh_fixture  # noqa: E402,F401 (mesh_fixture is the `mesh` fixture)
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 SHAPE = mm.Shape("a:8;b:16;c:8")  # uneven over 3 ranks
@@ -53,7 +54,7 @@ def test_from_numpy_roundtrip(mesh: mm.Mesh, dtype, shape) -> None:
     for lay in layouts(mesh, list(shape.names), limit=8) + [{"c": mesh.shape.names[-1]}]:
         t = mesh.from_numpy(g, shape, layout=lay)
         assert t.shape == shape and t.layout == lay and t.dtype == dtype and t.mesh is mesh
-        np.testing.assert_array_equal(t.local, local_of(g, shape, mesh, lay))
+        np.testing.assert_array_equal(to_host(t.local), local_of(g, shape, mesh, lay))
         with mm.profile() as prof:
             out = t.to_numpy()
         assert out.dtype == dtype and out.shape == g.shape
@@ -74,7 +75,7 @@ def test_from_numpy_layout_spellings(mesh: mm.Mesh) -> None:
     for spec in (f"b:{m}", [("b", m)], {"b": m}, mm.LayoutRules(f"b:{m}")):
         t = mesh.from_numpy(g, "a:8;b:16", layout=spec)
         assert t.layout == {"b": m}
-        np.testing.assert_array_equal(t.local, local_of(g, t.shape, mesh, {"b": m}))
+        np.testing.assert_array_equal(to_host(t.local), local_of(g, t.shape, mesh, {"b": m}))
     with mm.layout_scope(mesh, f"a:{m}"):  # default: the rules in force
         t = mesh.from_numpy(g, "a:8;b:16")
     assert t.layout == {"a": m}
@@ -149,7 +150,7 @@ def test_range(mesh: mm.Mesh, n: int) -> None:
     for lay in layouts(mesh, ["a"]):
         r = mm.range(mesh, dim, layout=lay)
         assert r.shape == mm.Shape([dim]) and r.dtype == np.int32 and r.layout == lay
-        np.testing.assert_array_equal(r.local, local_of(np.arange(n), r.shape, mesh, lay))
+        np.testing.assert_array_equal(to_host(r.local), local_of(np.arange(n), r.shape, mesh, lay))
         np.testing.assert_array_equal(r.to_numpy(), np.arange(n))
         f = mm.range(mesh, dim, dtype="float32", layout=lay)
         assert f.dtype == np.float32
@@ -171,7 +172,7 @@ def test_random_layout_independent(mesh: mm.Mesh, ref_mesh: mm.Mesh, kind: str, 
     for lay in layouts(mesh, list(SHAPE.names), limit=6):
         t = make(mesh, lay)
         assert t.layout == lay
-        np.testing.assert_array_equal(t.local, local_of(ref, SHAPE, mesh, lay))
+        np.testing.assert_array_equal(to_host(t.local), local_of(ref, SHAPE, mesh, lay))
         np.testing.assert_array_equal(t.to_numpy(), ref)
     m = mesh.shape.names[-1]
     with mm.layout_scope(mesh, f"b:{m}"):

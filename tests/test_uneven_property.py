@@ -17,6 +17,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import to_host  # noqa: E402
 from meshes import expected_local, get_mesh, mesh_shapes  # noqa: E402
 
 EXAMPLES = {1: 25, 2: 20, 3: 20, 4: 15}.get(MPI.COMM_WORLD.Get_size(), 10)
@@ -52,7 +53,7 @@ def agree(ok: bool, what: str) -> None:
 def check(y, want: np.ndarray, what: str, rtol: float = 1e-9) -> None:
     """`y` holds `want` globally, and this rank's block of it under y's layout."""
     got = y.to_numpy()
-    local = np.asarray(y.local)
+    local = to_host(y.local)
     block = expected_local(want, y.shape.names, y.layout, y.mesh)
     ok = got.shape == want.shape and np.allclose(got, want, rtol=rtol, atol=rtol) and \
         local.shape == block.shape and np.allclose(local, block, rtol=rtol, atol=rtol)

@@ -10,6 +10,7 @@ independently of the code under test, and the fake "device" arrays are numpy arr
 from __future__ import annotations
 
 import ctypes
+import sys
 from types import SimpleNamespace
 
 import ml_dtypes
@@ -19,7 +20,7 @@ import pytest
 from mpimesh.widen import cublas_matmul, widening_matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-_TYPES = {2: np.dtype(np.float16), 14: BF16, 0: np.dtype(np.float32)}  # cudaDataType_t values
+_TYPES = {2: np.dtype(np.float16), 14: BF16, 0: np.dtype(np.float32), 1: np.dtype(np.float64)}  # cudaDataType_t
 
 
 class DeviceArray(np.ndarray):
@@ -41,7 +42,8 @@ FAKE_XP = SimpleNamespace(ascontiguousarray=_device, empty=lambda shape, dtype: 
 class FakeCublas:
     """`gemmStridedBatchedEx` as cuBLAS documents it, on host pointers: for each batch entry i,
     C_i = alpha·A_i·B_i + beta·C_i with column-major A_i (m x k, element (r, c) at A + i·strideA + r + c·lda),
-    B_i (k x n) and C_i (m x n), no transposes; alpha and beta read as float32 from host pointers."""
+    B_i (k x n) and C_i (m x n), no transposes; alpha and beta read from host pointers as float32
+    (compute type CUBLAS_COMPUTE_32F) or float64 (CUBLAS_COMPUTE_64F, float64 operands only)."""
 
     def __init__(self):
         self.mode, self.calls = 0, 0
@@ -62,13 +64,15 @@ class FakeCublas:
 
     def gemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, sA, B, Btype, ldb, sB,
                              beta, C, Ctype, ldc, sC, batch, compute, algo):
-        assert handle == 7 and transa in (0, 1) and transb in (0, 1) and compute == 68  # OP_N/OP_T, COMPUTE_32F
+        assert handle == 7 and transa in (0, 1) and transb in (0, 1) and compute in (68, 70)  # OP_N/OP_T, 32F/64F
+        assert (compute == 70) == (Atype == Btype == Ctype == 1), "float64 operands and only they compute in 64F"
         assert self.mode == 0, "alpha and beta are host pointers: pointer mode must be host"
         # op(A) is m x k: A itself (N, stored m x k, lda >= m) or the transpose of a stored k x m (T, lda >= k)
         assert lda >= (k if transa else m) and ldb >= (n if transb else k) and ldc >= m
         self.calls += 1
         self.ops = (transa, transb)
-        al, be = (float(np.ctypeslib.as_array((ctypes.c_float * 1).from_address(p))[0]) for p in (alpha, beta))
+        scalar = ctypes.c_double if compute == 70 else ctypes.c_float
+        al, be = (float(np.ctypeslib.as_array((scalar * 1).from_address(p))[0]) for p in (alpha, beta))
         for i in range(batch):
             a = (self._matrix(A, _TYPES[Atype], k, m, lda, i * sA)[0].T if transa else
                  self._matrix(A, _TYPES[Atype], m, k, lda, i * sA)[0]).astype(np.float64)
@@ -124,6 +128,71 @@ def test_operands_cublas_cannot_read_are_copied():
                                                              a[::2, :, ::2].astype(np.float64)))
 
 
+def test_float64_products_stay_float64_and_write_into_out():
+    """float64 blocks (an einsum on CuPy in float64) take the same call with CUBLAS_COMPUTE_64F and
+    float64 alpha and beta; `out` (a bucketed gradient's slot) is written, not a new array."""
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((3, 4, 5)), rng.standard_normal((3, 5, 2))
+    fake = FakeCublas()
+    got = cublas_matmul(FAKE_XP, fake, _device(a), _device(b), compute=70)
+    assert got.dtype == np.float64 and fake.calls == 1
+    np.testing.assert_allclose(np.asarray(got), a @ b, rtol=1e-14)
+    out = _device(np.full((3, 4, 2), np.nan))
+    assert cublas_matmul(FAKE_XP, fake, _device(a), _device(b), compute=70, out=out) is out
+    np.testing.assert_allclose(np.asarray(out), a @ b, rtol=1e-14)
+
+
+def test_capturing_stream_takes_the_ctypes_bindings(monkeypatch):
+    """While the current stream captures a CUDA graph, GEMMs go through `mpimesh.cublas` (CuPy's
+    bindings refuse every cuBLAS call then); otherwise through CuPy's."""
+    import mpimesh.cublas
+    from mpimesh import widen
+    sentinel = object()
+    monkeypatch.setattr(mpimesh.cublas, "capturable", lambda cupy: sentinel)
+    capturing = [True]
+    stream = SimpleNamespace(is_capturing=lambda: capturing[0])
+    xp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: stream))
+    assert widen._cublas(xp) is sentinel
+    capturing[0] = False
+    cupys = SimpleNamespace(cublas=object())  # CuPy's bindings, where no CuPy is installed
+    for module in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):
+        monkeypatch.setitem(sys.modules, module, cupys)
+    assert widen._cublas(xp) is cupys.cublas
+
+
+class _FakeFunction:
+    """A ctypes function of a fake libcublas: records its calls, returns `status`."""
+
+    def __init__(self, name, log, status=0, value=None):
+        self.name, self.log, self.status, self.value = name, log, status, value
+
+    def __call__(self, *args):
+        self.log.append((self.name, args))
+        if self.value is not None:  # an output parameter, passed by reference
+            args[-1]._obj.value = self.value
+        return self.status
+
+
+def test_ctypes_bindings_bind_the_stream_then_call_and_check_status():
+    from mpimesh.cublas import Bindings, CublasCallError
+    log = []
+    lib = SimpleNamespace(cublasSetStream_v2=_FakeFunction("stream", log),
+                          cublasGetPointerMode_v2=_FakeFunction("get", log, value=1),
+                          cublasSetPointerMode_v2=_FakeFunction("set", log),
+                          cublasGemmStridedBatchedEx=_FakeFunction("gemm", log))
+    cublas = Bindings(lib, stream=lambda: 1234)
+    gemm_args = lib.cublasGemmStridedBatchedEx.argtypes  # 23; the batch strides are long long
+    assert len(gemm_args) == 23 and [i for i, t in enumerate(gemm_args) if t is ctypes.c_longlong] == [10, 14, 19]
+    assert cublas.getPointerMode(7) == 1
+    cublas.setPointerMode(7, 0)
+    cublas.gemmStridedBatchedEx(7, *range(22))
+    assert [n for n, _ in log] == ["get", "set", "stream", "gemm"] and log[2][1] == (7, 1234)
+    assert log[3][1] == (7, *range(22))
+    lib.cublasGemmStridedBatchedEx.status = 7
+    with pytest.raises(CublasCallError, match="cublasGemmStridedBatchedEx returned cuBLAS status 7"):
+        cublas.gemmStridedBatchedEx(7, *range(22))
+
+
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
 def test_accumulates_in_float32(dtype):
     """1 + 256 terms of 2^-9: a 16-bit accumulator would stay at 1; float32 gives 1.5 exactly."""
@@ -134,3 +203,30 @@ def test_accumulates_in_float32(dtype):
     jnp = pytest.importorskip("jax.numpy")
     got = widening_matmul(jnp, jnp.asarray(a), jnp.asarray(b))
     assert got.dtype == np.float32 and float(got[0, 0]) == 1.5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
+    """On a GPU: einsum's GEMM captured in a CUDA graph (CuPy's own cuBLAS calls refuse capture),
+    launched into a poisoned output, writes what the same call writes eagerly, bit for bit."""
+    from mpimesh.backend import device_count
+    if device_count() == 0:
+        pytest.skip("needs CuPy and a GPU")
+    import cupy
+    from mpimesh.widen import gpu_matmul
+    rng = np.random.default_rng(3)
+    a = cupy.asarray(rng.standard_normal((3, 64, 32)).astype(BF16 if dtype == "bfloat16" else dtype))
+    b = cupy.asarray(rng.standard_normal((3, 32, 48)).astype(BF16 if dtype == "bfloat16" else dtype))
+    want = gpu_matmul(cupy, a, b)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cupy.empty_like(want)
+        stream.begin_capture()
+        gpu_matmul(cupy, a, b, out)
+        graph = stream.end_capture()
+        out.fill(np.nan)
+        graph.launch(stream=stream)
+        stream.synchronize()
+    assert out.dtype == want.dtype and out.tobytes() == want.tobytes()
+    np.testing.assert_allclose(out.get(), np.matmul(a.get().astype(np.float64), b.get().astype(np.float64)),
+                               rtol=1e-2 if dtype != "float64" else 1e-12, atol=1e-2 if dtype != "float64" else 1e-12)

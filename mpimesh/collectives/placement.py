@@ -95,4 +95,9 @@ def choose(comm: MPI.Comm, backend: str, device: Optional[int], transport: Optio
                             f"or None to choose automatically")
         if transport is None:
             transport = "nccl" if has_nccl and not shared else ("mpi" if _all(comm, cuda_aware_mpi()) else "staged")
+    elif transport == "mpi" and not _all(comm, cuda_aware_mpi()):  # its collectives would hand MPI GPU pointers
+        raise MeshError("transport 'mpi' needs an MPI library that reads GPU memory (CUDA-aware), and this one "
+                        "does not say it does (MPIX_Query_cuda_support / MPIX_GPU_query_support, on some rank): "
+                        "use transport='staged' (through host memory) or None (automatic); "
+                        "MPIMESH_CUDA_AWARE_MPI=1 overrides the check")
     return int(device), transport

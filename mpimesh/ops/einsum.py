@@ -33,7 +33,7 @@ from ..partials import claim, partial_for, pending
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch, saving
-from ..widen import tf32_math, widening_matmul
+from ..widen import gpu_matmul, tf32_math, widening_matmul
 from .relayout import to_layout
 
 _LETTERS = string.ascii_letters
@@ -386,8 +386,11 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
                     counters.record("copies", (), y.size, y.nbytes)
                     y = contiguous(xp, y)
         else:
+            into = {"out": out} if out is not None and xp is np else {}  # cupy.einsum takes no `out`
             with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
-                y = expr(*arrays, backend=xp.__name__.split(".")[0], out=out)
+                y = expr(*arrays, backend=xp.__name__.split(".")[0], **into)
+            if out is not None and y is not out:
+                y = _write(out, y)
         if out is not None:  # every path above wrote the result into it
             return out
         if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
@@ -397,14 +400,15 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
 
 
 def _matmul(xp, a, b, out=None):
-    """`a @ b` (into `out`, where given: a C-contiguous array of the result's shape and dtype). A
-    batched float32 one on CuPy goes through `mpimesh.widen`'s cuBLAS call, in the matmul
-    precision: CuPy's batched matmul ignores TF32 (its dot, tensordot and 2-D matmul follow it)."""
+    """`a @ b` (into `out`, where given: a C-contiguous array of the result's shape and dtype). On
+    CuPy through `mpimesh.widen`'s cuBLAS call, in the matmul precision (CuPy's batched matmul
+    ignores TF32, and CuPy's own cuBLAS calls cannot be captured in a CUDA graph)."""
     if xp is np:
         return np.matmul(a, b, out=out)
-    if a.ndim > 2 and name(xp) == "cupy" and a.dtype == b.dtype == np.float32:
-        y = widening_matmul(xp, a, b)
-        return y if out is None else _write(out, y)
+    if name(xp) == "cupy":
+        y = gpu_matmul(xp, a, b, out)
+        if y is not None:
+            return y
     return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)  # jax.numpy takes no `out`
 
 
@@ -414,7 +418,9 @@ def _into(xp, matmul, a, b, out):
     if out is None:
         return matmul(xp, a, b)
     out = out.reshape(a.shape[:-1] + b.shape[-1:])
-    return _matmul(xp, a, b, out) if matmul is _matmul else _write(out, matmul(xp, a, b))
+    if matmul is _matmul or name(xp) == "cupy":  # numpy's matmul and cuBLAS write into it
+        return matmul(xp, a, b, out)
+    return _write(out, matmul(xp, a, b))
 
 
 def _write(out, y):

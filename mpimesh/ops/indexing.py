@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..backend import as_dtype, is_float, name
+from ..backend import as_dtype, is_float, is_low_precision, name
 from ..errors import MpimeshError, ShapeError
 from ..layout import TensorLayout, block_sizes, splitting
 from ..mesh import layout_scope
@@ -268,6 +268,8 @@ def _top(xp, a, axis: int, k: int):
     and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
     instead of a full sort). NaNs, JAX's traced arrays and CuPy's take the full stable sort."""
     key = a.astype(np.int8) if a.dtype.kind == "b" else a
+    if is_low_precision(key.dtype) and name(xp) == "cupy":  # CuPy sorts no 16-bit float: float32 holds them exactly
+        key = key.astype(np.float32)
     n = a.shape[axis]
     # not jax (a traced shape must not vary), nor cupy (the NaN probe and nonzero's size are host reads)
     partition = getattr(xp, "__name__", "") == "numpy"
