@@ -277,10 +277,48 @@ def measure(precision: str, args: argparse.Namespace) -> dict:
            f"allocated, {mib(reserved)} reserved" if gpu else ", torch n/a"))
     return {"flops": model_flops(cfg), "peak_rate": max(r for r in rates.values() if r), "mm_s": times["mpimesh"][1],
             "compiled_s": times["compiled"][1], "torch_s": times["torch"][1], "mm_bytes": mm_peak, "torch_bytes": torch_peak, "loss_rel": rel[0],
-            "profile": {"eager": profile_step(mm_issue, syncs["mpimesh"], gpu),
+            "profile": {"eager": dict(profile_step(mm_issue, syncs["mpimesh"], gpu),
+                                      op_times=op_times(mm_issue, syncs["mpimesh"], gpu)),
                         "compiled": profile_step(compiled_issue, syncs["mpimesh"], gpu,
                                                  ops=len(compiled_step.programs()[-1].ops))}
             if args.profile else None}
+
+
+def op_times(issue: Callable, sync: Callable, gpu: bool, top: int = 15) -> list:
+    """Where one eager step's device time goes, op by op: each op's kernels between two CUDA events
+    (on the CPU, wall time), summed per (op, output shape); the `top` longest as (ms, calls, op, shape)."""
+    from mpimesh.mesh import Mesh
+    real, marks = Mesh.run, []
+    if gpu:
+        import cupy
+
+        def stamp():
+            event = cupy.cuda.Event()
+            event.record()
+            return event
+        elapsed = cupy.cuda.get_elapsed_time
+    else:
+        stamp, elapsed = time.perf_counter, (lambda a, b: (b - a) * 1e3)
+
+    def timed(self, name, lower, arrays, n_out, ctx=None, **out):
+        start = stamp()
+        result = real(self, name, lower, arrays, n_out, ctx, **out)
+        marks.append((name, tuple(getattr(result[0], "shape", ())), start, stamp()))
+        return result
+    sync()
+    Mesh.run = timed
+    try:
+        issue()
+    finally:
+        Mesh.run = real
+    sync()
+    totals: Dict[tuple, List[float]] = {}
+    for name, shape, start, end in marks:
+        t = totals.setdefault((name, shape), [0, 0.0])
+        t[0] += 1
+        t[1] += elapsed(start, end)
+    return sorted(((ms, calls, name, "x".join(map(str, shape))) for (name, shape), (calls, ms) in totals.items()),
+                  reverse=True)[:top]
 
 
 def graph_plan(step) -> str:
@@ -414,6 +452,9 @@ def report_profile(profiles: Dict[tuple, dict], gpu: bool) -> None:
     print(table(("precision", "step", "wall ms", "host ms", "kernel ms", "kernel %", "ops/step", "kernels/step",
                  "host us/op"), rows))
     for (p, how), r in profiles.items():
+        if r.get("op_times"):
+            print(f"\n{p} {how}: longest ops of one step ({'device time between CUDA events' if gpu else 'wall time'})")
+            print(table(("ms", "calls", "op", "output block"), [(f"{ms:.3f}", c, n, sh) for ms, c, n, sh in r["op_times"]]))
         if r["top"]:
             print(f"\n{p} {how}: longest kernels per step")
             print(table(("ms", "calls", "kernel"), [(f"{ms:.3f}", f"{c:g}", name[:100]) for name, c, ms in r["top"]]))

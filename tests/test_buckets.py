@@ -151,7 +151,7 @@ def _group(mesh, dims) -> list:
 @pytest.mark.parametrize("transport", ["mpi", "staged"])
 @pytest.mark.parametrize("shape", mesh_shapes())
 def test_iallreduce_matches_numpy_sums(shape, transport):
-    mesh = mm.Mesh(shape, transport=transport)
+    mesh = mm.Mesh(shape, transport=transport, backend="numpy")  # host arrays (GPU ones: test_gpu_transports.py)
     coll = mesh.collectives
     names = mesh.shape.names
     dim_sets = [names[:1], names[1:], names]

@@ -51,6 +51,13 @@ def _blocks(tree) -> list:
     return [weakref.ref(tree.local)] if tree.shape.rank else []
 
 
+def _in_place(step) -> bool:
+    """Whether `step`'s engine writes donated blocks in place: the flat engine does; CUDA graphs (on a
+    GPU) do not: their static buffers take a copy of the arguments, and the donated blocks are freed."""
+    from mpimesh.graphs import GraphEngine
+    return not any(isinstance(e.engine, GraphEngine) for e in step.cache.values())
+
+
 def _locals(tree) -> list:
     if isinstance(tree, (dict, list)):
         return [a for v in (tree if isinstance(tree, list) else [tree[k] for k in sorted(tree)]) for a in _locals(v)]
@@ -84,7 +91,8 @@ def test_a_donated_step_updates_in_place_with_eagers_values(shape, dtype, optimi
                 [(a.dtype, a.tobytes()) for a in _locals(donated)], f"params and state at step {k}"
             in_place = [r() is a for r, a in zip(before, _locals(list(donated) if optimizer != "adafactor"
                                                              else donated[0]))]
-            assert all(in_place) if k else not any(in_place), (k, in_place)  # (step 0 records eagerly)
+            # (step 0 records eagerly; CUDA graphs copy the arguments into their static buffers: no block written in place)
+            assert all(in_place) if k and _in_place(step) else not any(in_place), (k, in_place)
             with pytest.raises(mm.MpimeshError, match="donated to the compiled step step"):
                 given[0]["w1"] + 1.0
             del given  # (this test holds no block of the next step's arguments)
@@ -145,7 +153,8 @@ def test_a_block_the_caller_holds_is_not_written_but_one_given_up_is():
     assert new.local is not mine and new.local.tolist() == [-1.0] * 5
     block = weakref.ref(new.local)
     newer = step(new, g)
-    assert newer.local is block() and newer.local.tolist() == [-2.0] * 5
+    assert newer.local is block() if _in_place(step) else block() is None
+    assert newer.local.tolist() == [-2.0] * 5
 
 
 def test_inside_a_trace_donation_is_ignored():

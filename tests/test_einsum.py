@@ -304,3 +304,41 @@ def test_output_mesh_dim_taken_from_contracted_dim(mshape: str) -> None:
             check_result(errs, f"m={m} rules={rules}", y, ref, ("b", "h"), rules, np.float32)
             errs.expect(prof.elements("allreduce") == 0, f"m={m} rules={rules}: {prof.counters}")
     errs.check()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu(shape, monkeypatch, dtype):
+    """A bias's or a gain's gradient ("abc->c", "abc,abc->c") is a sum of an elementwise product: on
+    CuPy it runs as one multiply and one sum (cupy.einsum took a slow cuBLAS GEMV there, which a CUDA
+    graph cannot capture). The path runs here with the array module named CuPy's: numpy's einsum on
+    the global arrays, in float64, over layouts that split the summed dims (an allreduce follows)."""
+    import mpimesh.ops.einsum as einsum_module
+    from mpimesh.ops.einsum import sum_plan
+    mesh = get_mesh(shape)
+    assert sum_plan("ab,bc->ac") is None and sum_plan("aab->b") is None and sum_plan("ab,a->b") is None
+    calls = []
+    real = einsum_module.summed_product
+    monkeypatch.setattr(einsum_module, "name", lambda xp: "cupy")
+    monkeypatch.setattr(einsum_module, "summed_product", lambda *a: calls.append(1) or real(*a))
+    einsum_module._plan.cache_clear()
+    try:
+        errs, einsums, sizes = Errors(), 0, {"a": 6, "b": 4, "c": 5}
+        a = global_array("a:6;b:4;c:5", seed=1, dtype=np.float64)
+        b = global_array("c:5;a:6;b:4", seed=2, dtype=np.float64)
+        cases = [("c", [a], "a,b,c->c"), ("b;c", [a], "abc->bc"), ("", [a], "abc->"),
+                 ("c", [a, b], "abc,cab->c"), ("c;a", [a, b], "abc,cab->ca")]
+        for out, arrays, subs in cases:
+            for lay in layouts(mesh, ["a", "b", "c"], limit=4):
+                xs = [mm.cast(mesh.from_numpy(g, s, layout=lay), dtype)
+                      for g, s in zip(arrays, ["a:6;b:4;c:5", "c:5;a:6;b:4"])]
+                y = mm.einsum(xs, output_shape=";".join(f"{d}:{sizes[d]}" for d in out.split(";") if d) or [])
+                einsums += 1
+                want = np.einsum(subs.replace("a,b,c", "abc"), *[mm.cast(x, "float64").to_numpy() for x in xs])
+                errs.close(f"{subs} {lay}", mm.cast(y, "float64").to_numpy(), want,
+                           rtol=1e-12 if dtype == "float64" else 2e-2, atol=1e-12 if dtype == "float64" else 2e-2)
+        errs.check()
+        assert len(calls) == einsums, (len(calls), einsums)
+    finally:
+        einsum_module._plan.cache_clear()

@@ -77,7 +77,7 @@ def multihead_attention(params: Params, x, length_dim: str = "length", memory=No
         default x (self-attention).
       memory_length_dim: the name the keys' sequence dim takes (a name x and the kernels lack).
       causal: mask memory positions after the query position (needs equal lengths).
-      bias: an extra additive bias broadcast onto the logits `[..., length, heads, memory_length]`.
+      bias: an extra additive bias broadcast onto the logits `[..., heads, length, memory_length]` (by dim name).
     Returns:
       `[..., length, model]`, x's dims.
     """
@@ -108,9 +108,11 @@ def multihead_attention(params: Params, x, length_dim: str = "length", memory=No
     k = rename_dimension(dense(params["k"], src), length_dim, memory_length_dim)
     v = rename_dimension(dense(params["v"], src), length_dim, memory_length_dim)
     mem = k.shape[memory_length_dim]
-    logits = einsum([q, k], output_shape=q.shape.without([kv_dim.name]) + Shape([mem]))
+    # [..., heads, length, memory_length]: the batched GEMM's own order (the heads beside the other batch
+    # dims), so that neither this product nor weights·v below copies a logits-sized array to reorder it
+    length = x.shape[length_dim]
+    logits = einsum([q, k], output_shape=q.shape.without([kv_dim.name, length_dim]) + Shape([length, mem]))
     if causal:
-        length = x.shape[length_dim]
         if length.size != mem.size:
             raise ShapeError(f"multihead_attention: causal needs equal lengths, got {length_dim}:{length.size} "
                              f"and {memory_length_dim}:{mem.size}")

@@ -123,6 +123,43 @@ def pair_plan(subscripts: str) -> Optional[tuple]:
     return None
 
 
+def sum_plan(subscripts: str) -> Optional[tuple]:
+    """`(perms, summed, out_perm)` when the einsum is a sum of its inputs' elementwise product: one
+    or two inputs over the same dims, none repeated (a bias's gradient "abc->c", a gain's "abc,abc->c").
+    `perms`: each further input's axes in the first's order; `summed`: the first's axes summed away;
+    `out_perm`: the kept axes into output order (None: already). Else None.
+
+    >>> sum_plan("abc,cab->c"), sum_plan("ab->ba"), sum_plan("ab,bc->ac")
+    (((None, (1, 2, 0)), (0, 1), None), ((None,), (), (1, 0)), None)
+    """
+    ins, out = subscripts.split("->")
+    parts = ins.split(",")
+    first = parts[0]
+    if len(parts) > 2 or any(len(set(p)) < len(p) or set(p) != set(first) for p in parts) or not set(out) <= set(first):
+        return None
+    perms = tuple(None if p == first else tuple(p.index(c) for c in first) for p in parts)
+    kept = [c for c in first if c in out]
+    return (perms, tuple(i for i, c in enumerate(first) if c not in out),
+            None if "".join(kept) == out else tuple(kept.index(c) for c in out))
+
+
+def summed_product(xp, arrays: list, plan: tuple):
+    """The einsum `sum_plan` describes, as one multiply and one sum: on CuPy, instead of
+    `cupy.einsum`'s cuBLAS GEMV (slow for these shapes, and not capturable in a CUDA graph).
+
+    >>> a, b = np.arange(6.0).reshape(2, 3), np.arange(6.0).reshape(3, 2)
+    >>> summed_product(np, [a, b], sum_plan("ab,ba->b")).tolist() == np.einsum("ab,ba->b", a, b).tolist()
+    True
+    """
+    perms, summed, out_perm = plan
+    y = arrays[0]
+    for x, perm in zip(arrays[1:], perms[1:]):
+        y = y * (x if perm is None else x.transpose(perm))
+    if summed:
+        y = y.sum(axis=summed)
+    return y if out_perm is None else y.transpose(out_perm)
+
+
 @lru_cache(maxsize=4096)
 def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
     """`(swap, perm_a, shape_a, perm_b, shape_b, shape_c, perm_c, into)`: a two-input contraction
@@ -296,7 +333,8 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
     out_dtype = result_type(*dtypes) if low else None
     summed = () if bucketed else reduce_mesh
     rounded = low and not bucketed  # a bucket sums the float32 partials, then rounds to out_dtype
-    lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded)
+    sums = None if pair is not None or bmm is not None else sum_plan(subs)
+    lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded, sums)
     if pair is not None and pair[1] and not low and not summed:
         lower = _pair_lowering(pair, local, dtypes, lower)
     return _Plan(targets, subs, flops, summed, out_dtype, lower, {"subscripts": subs, "reduce_mesh_dims": summed})
@@ -344,7 +382,7 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
-def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: bool) -> Callable:
+def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: bool, sums=None) -> Callable:
     """The einsum's kernel: `lower(ctx, *arrays, out=None)`. `out` (a bucketed gradient's slot in its
     bucket, `mpimesh.buckets`; never with `summed`): a C-contiguous array of the local result's
     shape and dtype that the GEMM writes, returned."""
@@ -385,6 +423,10 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
                 elif getattr(y, "strides", None) is not None:
                     counters.record("copies", (), y.size, y.nbytes)
                     y = contiguous(xp, y)
+        elif sums is not None and name(xp) == "cupy":
+            y = summed_product(xp, arrays, sums)
+            if out is not None:
+                y = _write(out, y)
         else:
             into = {"out": out} if out is not None and xp is np else {}  # cupy.einsum takes no `out`
             with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision

@@ -104,7 +104,8 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
             out.reshape(-1, n)[rows, i[rows]] = on
             return out
         pos = xp.arange(n) + start  # this rank's global index range (in a JAX replay, run on into the padding)
-        return xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
+        y = xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
+        return y.astype(dt, copy=False)  # (CuPy's where of two bfloat16 arrays gives float32)
     (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
                     {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
     return y
@@ -187,7 +188,7 @@ def gather(weights, indices, dim, dtype=None):
             else:
                 g = w[xp.where(valid, i, 0), xp.arange(sflat)]
             if xp is not np or not valid.all():  # (on numpy, looked at: no pass when all are in range)
-                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
+                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, xp.zeros((), g.dtype))  # (CuPy: 0 widens bf16)
         else:  # an empty block of the looked-up dim: nothing to look up here
             g = xp.zeros(i.shape + w.shape[2:], w.dtype)
         g = xp.transpose(g.reshape(gshape), p["operm"])

@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import accumulation_dtype, align, finfo, is_eager, is_float
-from ..backend import name as backend_name
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
@@ -132,8 +131,8 @@ def _normalize(name: str, log: bool, doc: str):
             a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
             if q_axis is not None:
                 future = _future(ctx, shape, layout, q_axis, axes[0])
-                if backend_name(xp) == "numpy":  # where(future, a + masked, a) as a + (masked or 0): one pass
-                    bias = np.where(future, a.dtype.type(masked), a.dtype.type(0))
+                if eager:  # where(future, a + masked, a) as a + (masked or 0): one pass over a, no temporary
+                    bias = xp.where(future, xp.asarray(masked, a.dtype), xp.asarray(0, a.dtype))  # (a mask's shape)
                     a = xp.add(a, bias, out=a) if fresh else a + bias
                     fresh = True
                 else:
