@@ -28,10 +28,13 @@ pytest.importorskip("jax")
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                                 reason="spawns its own jobs; runs in the 1-rank session")
 
-CASES = {  # name: (processes, extra flags, relative tolerance on the losses)
-    "dense float32, rows across 2 processes": (2, [], 1e-4),
+# Relative tolerances on the losses: the first step's (the same weights: rounding only) and every
+# step's (float32 training amplifies rounding differences step by step: XLA 0.10's CPU kernels drift
+# to 1.3e-4 of MPI's by step 19, where earlier versions stayed under 1e-4).
+CASES = {  # name: (processes, extra flags, (first step's tolerance, every step's))
+    "dense float32, rows across 2 processes": (2, [], (1e-6, 5e-4)),
     "MoE bfloat16, uneven heads, 4 processes": (4, ["--moe-every", "2", "--experts", "4", "--dtype", "bfloat16",
-                                                    "--heads", "3", "--d-kv", "32", "--layers", "2"], 2e-2),
+                                                    "--heads", "3", "--d-kv", "32", "--layers", "2"], (2e-2, 2e-2)),
 }
 
 
@@ -48,9 +51,12 @@ def _run(n: int, args: list, tmp: Path, name: str, timeout: float = 300) -> dict
     return {"losses": {d["step"]: d["loss"] for d in map(json.loads, log.read_text().splitlines())}, "out": r.stdout}
 
 
-def _same(a: dict, b: dict, rtol: float) -> None:
+def _same(a: dict, b: dict, rtol: tuple) -> None:
+    """The same steps, the first within rtol[0], every one within rtol[1]."""
     assert sorted(a) == sorted(b)
-    np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], rtol=rtol)
+    first = min(a)
+    np.testing.assert_allclose(a[first], b[first], rtol=rtol[0], err_msg=f"step {first}")
+    np.testing.assert_allclose([a[k] for k in sorted(a)], [b[k] for k in sorted(b)], rtol=rtol[1])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -77,7 +83,7 @@ def test_checkpoints_move_between_the_backends(tmp_path):
         resumed = _run(n, [*flags, "--steps", str(STEPS), "--checkpoint", str(ckpt), "--resume"], tmp_path,
                        f"{then}-2")["losses"]
         assert sorted(resumed) == list(range(11, STEPS + 1)), sorted(resumed)
-        _same(resumed, {k: whole[k] for k in resumed}, 1e-4)
+        _same(resumed, {k: whole[k] for k in resumed}, (1e-4, 5e-4))  # (step 11 after 10 steps elsewhere)
 
 
 def test_the_persistent_cache_spares_a_second_compile(tmp_path):
