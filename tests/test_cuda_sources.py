@@ -1,5 +1,5 @@
 """The CUDA sources of mpimesh's CuPy kernels (the multi-tensor Adam and SGD updates, dropout, bias
-plus activation and its gradient), run on the CPU: each source compiled by the host's C++ compiler
+plus activation and its gradient, softmax's reductions and outputs), run on the CPU: each source compiled by the host's C++ compiler
 (tests/cuda_source.py) stands in for CuPy's `ElementwiseKernel`, and the op is made to take its
 CuPy branch, so the arguments it passes are checked too (their order, their dtypes: CuPy refuses
 T arrays of two dtypes). Each must give bitwise the values of the numpy composition (within a few
@@ -125,3 +125,61 @@ def test_bias_activation_kernels_equal_the_numpy_lowering(shape, dtype, activati
                 assert a.tobytes() == b.tobytes(), (lay, what)
             else:  # relative to the largest value: 1 + tanh cancels where the input is very negative
                 np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
+
+
+def _softmax_kernels_on_the_cpu(rowwise):
+    """`rowwise.softmax_kernel` with each source of `SOFTMAX_SOURCES` compiled for the CPU: an
+    elementwise kernel as it is; a reduction's map as an elementwise kernel, then numpy's sum."""
+    compiled = {}
+    for which, (ins, out, body) in rowwise.SOFTMAX_SOURCES.items():
+        name = out.split()[-1]
+        compiled[which] = cuda_source.elementwise(ins, out, body if which not in rowwise._REDUCTIONS
+                                                  else f"{name} = {body};")
+
+    def kernel(xp, which, *arrays, axes=(), out=None):
+        y = compiled[which](*arrays)
+        if which in rowwise._REDUCTIONS:
+            return np.sum(y, axis=axes, keepdims=True)
+        if out is None:
+            return y
+        out[...] = y
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypatch):
+    """softmax and log_softmax on CuPy's two kernels each way (a reduction, then the output):
+    values and gradients equal numpy's lowering to a few units in the last place (the row sums in
+    another order, the host's exp), on split and uneven layouts, the reduced dim split too."""
+    nn = importlib.import_module("mpimesh.ops.nn")
+    rowwise = importlib.import_module("mpimesh.ops.rowwise")
+    mesh = get_mesh(shape)
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 5, 5)) * 4).astype(dtype)
+    w = rng.standard_normal((3, 5, 5))
+    lays = layouts(mesh, ["b", "q", "k"], limit=5)
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay), mm.trace():
+                xt = mesh.from_numpy(x, "b:3;q:5;k:5")
+                y = getattr(mm, op)(xt, "k", causal="q" if causal else None)
+                (g,) = mm.gradients([mm.reduce_sum(y * mesh.from_numpy(w.astype(dtype), "b:3;q:5;k:5"))], [xt])
+                out.append([y.to_numpy(), g.to_numpy()])
+        return out
+    want = run()
+    used = []
+    kernel = _softmax_kernels_on_the_cpu(rowwise)
+    monkeypatch.setattr(nn, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
+    monkeypatch.setattr(nn, "softmax_kernel", lambda *a, **k: used.append(a[1]) or kernel(*a, **k))
+    got = run()
+    assert set(used) == {"sum_exp", op, f"{op}_grad"} | ({"row_dot"} if op == "softmax" else set()), used
+    eps = 8 * np.finfo(dtype).eps
+    for lay, g_arrays, w_arrays in zip(lays, got, want):
+        for what, a, b in zip(("y", "dx"), g_arrays, w_arrays):
+            np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")

@@ -1,10 +1,16 @@
-"""Sums along the last axis, as the fused kernels (softmax, layer norm, cross-entropy) take them.
+"""Row sums, as the fused kernels (softmax, layer norm, cross-entropy) take them, and softmax's own
+CuPy kernels.
 
 numpy's `sum(a, axis=-1)` over short rows (64 to 256 elements, a head's or a model's width) pays
 a per-row cost: about 4x what `einsum("...i->...")` takes for the same sums (56 against 14 us for
 the tiny Transformer's attention probabilities). On numpy, a reduction over the last axis alone
 goes through `einsum` (float rounding of a different order, the same for eager and compiled
 steps); every other case, and CuPy and JAX, take `xp.sum`.
+
+On CuPy, softmax and its gradient are two kernels each (`SOFTMAX_SOURCES`): a reduction whose map
+is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then one
+elementwise kernel for the output, where the unfused composition makes a pass for each of
+subtract, exp, sum, divide (and multiply, sum, subtract, multiply backwards) over the logits.
 
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
@@ -32,3 +38,35 @@ def row_dot(xp, a, b, axes: tuple):
     if _last_axis_on_numpy(xp, a, axes) and a.shape == b.shape and a.dtype == b.dtype:
         return np.einsum("...i,...i->...", a, b)[..., None]
     return xp.sum(a * b, axis=axes, keepdims=True)
+
+
+# name -> (inputs, output, reduction's map or elementwise body): the arithmetic of the numpy lowering in
+# nn.py in the same order; `m` the row maximum, `s` the row sum, `y` softmax's (log-softmax's) output.
+SOFTMAX_SOURCES = {
+    "sum_exp": ("T x, T m", "T s", "exp(x - m)"),
+    "row_dot": ("T g, T y", "T s", "g * y"),
+    "softmax": ("T x, T m, T s", "T y", "y = exp(x - m) / s;"),
+    "log_softmax": ("T x, T m, T s", "T y", "y = (x - m) - log(s);"),
+    "softmax_grad": ("T y, T g, T s", "T dx", "dx = y * (g - s);"),
+    "log_softmax_grad": ("T y, T g, T s", "T dx", "dx = g - exp(y) * s;"),
+}
+_REDUCTIONS = ("sum_exp", "row_dot")
+_cuda: dict = {}
+
+
+def fused_rows(xp, *arrays) -> bool:
+    """Whether softmax's CuPy kernels take `arrays` (CuPy arrays of one float32 or float64 dtype)."""
+    return getattr(xp, "__name__", "") == "cupy" and arrays[0].dtype.name in ("float32", "float64") and all(
+        a.dtype == arrays[0].dtype for a in arrays)
+
+
+def softmax_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
+    """The CuPy kernel `which` of `SOFTMAX_SOURCES`, compiled on first use, on `arrays`: a row sum
+    over `axes` (kept) for the reductions, else the elementwise output (into `out` where given)."""
+    if which not in _cuda:
+        ins, outs, body = SOFTMAX_SOURCES[which]
+        _cuda[which] = (xp.ReductionKernel(ins, outs, body, "a + b", "s = a", "0", f"mpimesh_{which}")
+                        if which in _REDUCTIONS else xp.ElementwiseKernel(ins, outs, body, f"mpimesh_{which}"))
+    if which in _REDUCTIONS:
+        return _cuda[which](*arrays, axis=axes, keepdims=True)
+    return _cuda[which](*arrays) if out is None else _cuda[which](*arrays, out)
