@@ -111,9 +111,9 @@ def set_matmul_precision(precision: str) -> None:
     compute capability 8.0 and later). The default is `"tf32"` where `CUPY_TF32` is a positive integer
     (as CuPy reads it), else `"highest"`.
 
-    It reaches every float32 GEMM on CuPy: CuPy's own dot, tensordot and 2-D matmul (its compute
-    type), einsum's batched matmuls (`mpimesh.widen`'s cuBLAS call, as CuPy's batched matmul ignores
-    TF32) and einsum's opt_einsum fallback (the cuBLAS handle's TF32 math mode); and a JAX replay
+    It reaches every float32 GEMM on CuPy: CuPy's own dot, tensordot and matmul (its compute type),
+    einsum's matmuls (`mpimesh.widen`'s cuBLAS call, as CuPy's batched matmul ignores TF32) and
+    einsum's opt_einsum fallback (the cuBLAS handle's TF32 math mode); and a JAX replay
     (matmul precision "tensorfloat32" or "float32"). 16-bit inputs are multiplied as they are either
     way; numpy on the CPU has no TF32, so there it changes nothing.
 

@@ -5,7 +5,8 @@ reaches each float32 GEMM path, checked on the host:
   CUBLAS_COMPUTE_32F_FAST_TF32 at "tf32" and CUBLAS_COMPUTE_32F otherwise (16-bit inputs always the
   latter), against tests/test_widen.py's host model of cuBLAS, here also checking that cuBLAS takes
   that compute type only for float32 A, B and C (CuPy's own batched matmul ignores TF32);
-- CuPy's dot, tensordot and 2-D matmul: CuPy's compute type for float32, set through a stand-in of
+- einsum's 2-D float32 matmuls on CuPy: the same cuBLAS call;
+- CuPy's dot and tensordot: CuPy's compute type for float32, set through a stand-in of
   `cupy._core._routines_linalg`;
 - the rest of CuPy's routines (einsum's opt_einsum fallback): the cuBLAS handle's math mode;
 - a JAX replay: the dots' precision in the lowered program.
@@ -74,7 +75,7 @@ class ComputeTypes(FakeCublas):
 
 def _cupy_like(cublas: ComputeTypes) -> types.ModuleType:
     """test_widen's fake device arrays under CuPy's name; `matmul` is CuPy's own, the one that must
-    not be used for batched float32."""
+    not be used for float32 (it ignores TF32 when batched, and cannot be captured in a CUDA graph)."""
     cp = types.ModuleType("cupy")
     cp.ascontiguousarray, cp.empty, cp.cuda = FAKE_XP.ascontiguousarray, FAKE_XP.empty, FAKE_XP.cuda
     cp.matmul = lambda a, b: ("cupy.matmul", np.matmul(a, b))
@@ -84,7 +85,7 @@ def _cupy_like(cublas: ComputeTypes) -> types.ModuleType:
 @pytest.mark.parametrize("setting, want", [("tf32", TF32_COMPUTE), ("highest", F32_COMPUTE)])
 def test_batched_float32_gemm_compute_type(monkeypatch, precision, setting, want):
     cublas = ComputeTypes()
-    monkeypatch.setattr(widen, "_cublas", lambda: cublas)
+    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
     precision(setting)
     a, b = _values((3, 4, 5), F32, 1), _values((3, 5, 2), F32, 2)
     got = _matmul(_cupy_like(cublas), _device(a), _device(b))
@@ -92,18 +93,21 @@ def test_batched_float32_gemm_compute_type(monkeypatch, precision, setting, want
     assert cublas.computes == [want]
 
 
-def test_16_bit_inputs_and_2d_float32_are_not_switched_here(monkeypatch, precision):
+def test_16_bit_inputs_stay_float32_sums_and_2d_float32_takes_the_setting(monkeypatch, precision):
     """16-bit inputs are read as they are, into float32 sums, at either precision; a 2-D float32 matmul
-    stays CuPy's (its compute type follows the setting, see below)."""
+    takes the same cuBLAS call as a batched one (CuPy's own cannot be captured in a CUDA graph), in
+    the setting's compute type; CuPy's matmul is not used."""
     cublas = ComputeTypes()
-    monkeypatch.setattr(widen, "_cublas", lambda: cublas)
+    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
     precision("tf32")
     cp = _cupy_like(cublas)
     a, b = _values((2, 3, 4), BF16, 3), _values((2, 4, 5), BF16, 4)
     np.testing.assert_array_equal(np.asarray(widen.widening_matmul(cp, _device(a), _device(b))),
                                   a.astype(np.float64) @ b.astype(np.float64))
     assert cublas.computes == [F32_COMPUTE]
-    assert _matmul(cp, _values((3, 4), F32, 5), _values((4, 2), F32, 6))[0] == "cupy.matmul"
+    a, b = _values((3, 4), F32, 5), _values((4, 2), F32, 6)
+    np.testing.assert_array_equal(np.asarray(_matmul(cp, _device(a), _device(b))), a.astype(np.float64) @ b)
+    assert cublas.computes == [F32_COMPUTE, TF32_COMPUTE]
 
 
 def _linalg_stand_in(calls: list) -> types.ModuleType:
