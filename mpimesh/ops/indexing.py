@@ -188,7 +188,8 @@ def gather(weights, indices, dim, dtype=None):
             else:
                 g = w[xp.where(valid, i, 0), xp.arange(sflat)]
             if xp is not np or not valid.all():  # (on numpy, looked at: no pass when all are in range)
-                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, xp.zeros((), g.dtype))  # (CuPy: 0 widens bf16)
+                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
+                g = g.astype(w.dtype, copy=False)  # (CuPy's where of bfloat16 gives float32)
         else:  # an empty block of the looked-up dim: nothing to look up here
             g = xp.zeros(i.shape + w.shape[2:], w.dtype)
         g = xp.transpose(g.reshape(gshape), p["operm"])
