@@ -3,8 +3,9 @@ inside a loop over the elements, so that the CUDA sources mpimesh ships are chec
 numpy lowerings on machines without a GPU.
 
 `elementwise(in_params, out_params, body)` returns `f(*inputs) -> output(s)`, called as a CuPy
-`ElementwiseKernel` is: a plain parameter is one element (arrays broadcast to the output's shape),
-a `raw` parameter the whole array, indexed by hand; `i` is the element's C-order index; `T` is the
+`ElementwiseKernel` is: a plain parameter is one element (arrays broadcast to the output's shape,
+or to `size=`, as CuPy's where every array is raw), a `raw` parameter the whole array, indexed by
+hand; `i` is the element's C-order index; `T` is the
 dtype of the arrays given for T parameters, and numbers are cast to their parameter's type. Compiled with `-ffp-contract=off`, so a
 multiply-add stays two roundings, as numpy does it (nvcc may fuse them: a GPU may differ from this
 in the last bit). `compiler()` is None where no C++ compiler is installed (tests then skip).
@@ -51,7 +52,7 @@ def elementwise(in_params: str, out_params: str, body: str):
     arrays given for T parameters (they must agree, as CuPy requires), numbers are cast to it."""
     ins, outs = _params(in_params), _params(out_params)
 
-    def call(*inputs):
+    def call(*inputs, size=None):
         if len(inputs) != len(ins):
             raise TypeError(f"{len(ins)} inputs expected, got {len(inputs)}")
         given = {np.asarray(x).dtype.name for (_, t, _), x in zip(ins, inputs)
@@ -60,7 +61,7 @@ def elementwise(in_params: str, out_params: str, body: str):
             raise TypeError(f"the arrays for T have dtypes {sorted(given)}: CuPy needs exactly one")
         dtype = given.pop()
         plain = [np.asarray(x) for (raw, _, _), x in zip(ins, inputs) if not raw]
-        shape = np.broadcast_shapes(*(x.shape for x in plain)) if plain else ()
+        shape = (size,) if size is not None else np.broadcast_shapes(*(x.shape for x in plain)) if plain else ()
         arrays = []
         for (raw, t, _), x in zip(ins, inputs):
             dt = np.dtype(dtype if t == "T" else t)

@@ -183,3 +183,23 @@ def test_softmax_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monk
     for lay, g_arrays, w_arrays in zip(lays, got, want):
         for what, a, b in zip(("y", "dx"), g_arrays, w_arrays):
             np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("operands", [1, 2])
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 7), (128, 3), (300, 8), (1000, 1)])
+def test_column_sum_kernel_equals_numpys_sums(dtype, operands, rows, cols):
+    """A bias's or a gain's gradient on CuPy: the column sums of x (or of x * w) over [rows, cols],
+    by chunks of rows then their partials (more than one chunk from 129 rows on)."""
+    from types import SimpleNamespace
+    rowwise = importlib.import_module("mpimesh.ops.rowwise")
+    rowwise._cuda.pop(("columns", operands), None)
+    fake = SimpleNamespace(ElementwiseKernel=lambda ins, outs, body, name: cuda_source.elementwise(ins, outs, body))
+    rng = np.random.default_rng(rows * cols)
+    arrays = [rng.standard_normal((rows, cols)).astype(dtype) for _ in range(operands)]
+    try:
+        got = rowwise.column_sums(fake, arrays, rows, cols)
+    finally:
+        rowwise._cuda.pop(("columns", operands), None)
+    want = np.prod(np.array(arrays, np.float64), axis=0).sum(axis=0)
+    np.testing.assert_allclose(got, want, rtol=32 * np.finfo(dtype).eps, atol=32 * np.finfo(dtype).eps * rows)

@@ -318,21 +318,26 @@ def test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu(shape, monk
     from mpimesh.ops.einsum import sum_plan
     mesh = get_mesh(shape)
     assert sum_plan("ab,bc->ac") is None and sum_plan("aab->b") is None and sum_plan("ab,a->b") is None
-    calls = []
+    calls, columns = [], []
     real = einsum_module.summed_product
     monkeypatch.setattr(einsum_module, "name", lambda xp: "cupy")
     monkeypatch.setattr(einsum_module, "summed_product", lambda *a: calls.append(1) or real(*a))
+    # the column-sum kernel (its CUDA source: tests/test_cuda_sources.py) as numpy computes it
+    monkeypatch.setattr(einsum_module, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
+    monkeypatch.setattr(einsum_module, "column_sums", lambda xp, arrays, rows, cols: columns.append(len(arrays)) or
+                        np.prod(arrays, axis=0).reshape(rows, cols).sum(axis=0))
     einsum_module._plan.cache_clear()
     try:
         errs, einsums, sizes = Errors(), 0, {"a": 6, "b": 4, "c": 5}
         a = global_array("a:6;b:4;c:5", seed=1, dtype=np.float64)
         b = global_array("c:5;a:6;b:4", seed=2, dtype=np.float64)
-        cases = [("c", [a], "a,b,c->c"), ("b;c", [a], "abc->bc"), ("", [a], "abc->"),
-                 ("c", [a, b], "abc,cab->c"), ("c;a", [a, b], "abc,cab->ca")]
-        for out, arrays, subs in cases:
+        abc, cab = "a:6;b:4;c:5", "c:5;a:6;b:4"
+        cases = [("c", [a], [abc], "a,b,c->c"), ("b;c", [a], [abc], "abc->bc"), ("", [a], [abc], "abc->"),
+                 ("c", [a, b], [abc, cab], "abc,cab->c"), ("c;a", [a, b], [abc, cab], "abc,cab->ca"),
+                 ("c", [a, a[::-1]], [abc, abc], "abc,abc->c")]
+        for out, arrays, shapes, subs in cases:
             for lay in layouts(mesh, ["a", "b", "c"], limit=4):
-                xs = [mm.cast(mesh.from_numpy(g, s, layout=lay), dtype)
-                      for g, s in zip(arrays, ["a:6;b:4;c:5", "c:5;a:6;b:4"])]
+                xs = [mm.cast(mesh.from_numpy(g, s, layout=lay), dtype) for g, s in zip(arrays, shapes)]
                 y = mm.einsum(xs, output_shape=";".join(f"{d}:{sizes[d]}" for d in out.split(";") if d) or [])
                 einsums += 1
                 want = np.einsum(subs.replace("a,b,c", "abc"), *[mm.cast(x, "float64").to_numpy() for x in xs])
@@ -340,5 +345,6 @@ def test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu(shape, monk
                            rtol=1e-12 if dtype == "float64" else 2e-2, atol=1e-12 if dtype == "float64" else 2e-2)
         errs.check()
         assert len(calls) == einsums, (len(calls), einsums)
+        assert set(columns) == {1, 2}, columns  # "abc->c" and "abc,abc->c": the operands in one order
     finally:
         einsum_module._plan.cache_clear()

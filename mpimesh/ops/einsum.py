@@ -35,6 +35,7 @@ from ..tensor import DistTensor
 from ..trace import dispatch, saving
 from ..widen import gpu_matmul, tf32_math, widening_matmul
 from .relayout import to_layout
+from .rowwise import column_sums, fused_rows
 
 _LETTERS = string.ascii_letters
 
@@ -152,6 +153,11 @@ def summed_product(xp, arrays: list, plan: tuple):
     True
     """
     perms, summed, out_perm = plan
+    k = len(summed)
+    if summed == tuple(range(k)) and out_perm is None and all(p is None for p in perms) and k < arrays[0].ndim \
+            and fused_rows(xp, *arrays) and all(a.flags.c_contiguous for a in arrays):  # leading axes summed
+        rows = math.prod(arrays[0].shape[:k])
+        return column_sums(xp, arrays, rows, math.prod(arrays[0].shape[k:])).reshape(arrays[0].shape[k:])
     y = arrays[0]
     for x, perm in zip(arrays[1:], perms[1:]):
         y = y * (x if perm is None else x.transpose(perm))

@@ -51,6 +51,19 @@ SOFTMAX_SOURCES = {
     "log_softmax_grad": ("T y, T g, T s", "T dx", "dx = g - exp(y) * s;"),
 }
 _REDUCTIONS = ("sum_exp", "row_dot")
+# Column sums of a [rows, cols] block (of x, or of x * w): thread i sums column i % cols over one chunk
+# of rows, reading rows one after the other (the threads of a warp read one row's neighbouring
+# elements); the chunks' partial sums are summed after. CuPy's own reduction over leading axes took
+# 0.4 ms for a [16384, 1024] float32 block on an H200 (a bias's gradient; a pass is 0.03 ms).
+COLUMN_SUM_SOURCES = {
+    1: ("raw T x, int64 rows, int64 cols, int64 chunk", "T s",
+        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = min(r0 + chunk, rows); T acc = 0; "
+        "for (long long r = r0; r < r1; ++r) acc += x[r * cols + c]; s = acc;"),
+    2: ("raw T x, raw T w, int64 rows, int64 cols, int64 chunk", "T s",
+        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = min(r0 + chunk, rows); T acc = 0; "
+        "for (long long r = r0; r < r1; ++r) acc += x[r * cols + c] * w[r * cols + c]; s = acc;"),
+}
+COLUMN_CHUNK = 128
 _cuda: dict = {}
 
 
@@ -70,3 +83,15 @@ def softmax_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
     if which in _REDUCTIONS:
         return _cuda[which](*arrays, axis=axes, keepdims=True)
     return _cuda[which](*arrays) if out is None else _cuda[which](*arrays, out)
+
+
+def column_sums(xp, arrays: list, rows: int, cols: int):
+    """The column sums of the [rows, cols] product of `arrays` (one or two C-contiguous arrays of one
+    dtype and `rows * cols` elements), by `COLUMN_SUM_SOURCES`'s kernel then a sum of its chunks'
+    partials: a `[cols]` array."""
+    n = len(arrays)
+    if ("columns", n) not in _cuda:
+        _cuda["columns", n] = xp.ElementwiseKernel(*COLUMN_SUM_SOURCES[n], f"mpimesh_column_sums{n}")
+    chunks = -(-rows // COLUMN_CHUNK)
+    partial = _cuda["columns", n](*arrays, rows, cols, COLUMN_CHUNK, size=chunks * cols)
+    return partial.reshape(chunks, cols).sum(axis=0) if chunks > 1 else partial
