@@ -10,6 +10,10 @@
 #   benchmark     python benchmarks/gpu.py (fp32, tf32, bf16 against PyTorch eager; 5 timed steps)
 #   profile       python benchmarks/gpu.py --profile for tf32 and bf16 (kernel vs wall time, top kernels)
 # Each step's output goes to $OUT/<step>.log; the last lines are one table: step, status, seconds, key figure.
+# The whole suite on CuPy takes much longer than its share (on an H200, 2026-11-27, CuPy compiles each
+# new kernel and runs tiny arrays slowly: 8 parallel 1-rank shards got through 10-30% in 190 s), so a
+# suite step checks what it reaches; name test files to check those whole, e.g.
+#   tests/gpu_check.sh tests/test_compile.py tests/test_graphs.py tests/test_fused.py
 # Open MPI as root (as on the project's GPU machines) is allowed, and oversubscribed, for tests/run.py's launcher.
 # Without a usable GPU it stops at once: one line, exit status 2. Otherwise the exit status is 0 only if every step passed.
 set -uo pipefail
