@@ -127,11 +127,11 @@ def test_bias_activation_kernels_equal_the_numpy_lowering(shape, dtype, activati
                 np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
 
 
-def _softmax_kernels_on_the_cpu(rowwise):
-    """`rowwise.softmax_kernel` with each source of `SOFTMAX_SOURCES` compiled for the CPU: an
+def _row_kernels_on_the_cpu(rowwise):
+    """`rowwise.row_kernel` with each source of `ROW_SOURCES` compiled for the CPU: an
     elementwise kernel as it is; a reduction's map as an elementwise kernel, then numpy's sum."""
     compiled = {}
-    for which, (ins, out, body) in rowwise.SOFTMAX_SOURCES.items():
+    for which, (ins, out, body) in rowwise.ROW_SOURCES.items():
         name = out.split()[-1]
         compiled[which] = cuda_source.elementwise(ins, out, body if which not in rowwise._REDUCTIONS
                                                   else f"{name} = {body};")
@@ -147,16 +147,25 @@ def _softmax_kernels_on_the_cpu(rowwise):
     return kernel
 
 
+def _on_row_kernels(module, run, monkeypatch) -> tuple:
+    """`run()` again with `module`'s ops on the CPU-compiled kernels of `ROW_SOURCES` (the CuPy
+    branch): its results, and the kernels used, in order."""
+    used = []
+    kernel = _row_kernels_on_the_cpu(importlib.import_module("mpimesh.ops.rowwise"))
+    monkeypatch.setattr(module, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
+    monkeypatch.setattr(module, "row_kernel", lambda *a, **k: used.append(a[1]) or kernel(*a, **k))
+    return run(), used
+
+
 @pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_softmax_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypatch):
+def test_row_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypatch):
     """softmax and log_softmax on CuPy's two kernels each way (a reduction, then the output):
     values and gradients equal numpy's lowering to a few units in the last place (the row sums in
     another order, the host's exp), on split and uneven layouts, the reduced dim split too."""
     nn = importlib.import_module("mpimesh.ops.nn")
-    rowwise = importlib.import_module("mpimesh.ops.rowwise")
     mesh = get_mesh(shape)
     rng = np.random.default_rng(5)
     x = (rng.standard_normal((3, 5, 5)) * 4).astype(dtype)
@@ -173,11 +182,7 @@ def test_softmax_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monk
                 out.append([y.to_numpy(), g.to_numpy()])
         return out
     want = run()
-    used = []
-    kernel = _softmax_kernels_on_the_cpu(rowwise)
-    monkeypatch.setattr(nn, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
-    monkeypatch.setattr(nn, "softmax_kernel", lambda *a, **k: used.append(a[1]) or kernel(*a, **k))
-    got = run()
+    got, used = _on_row_kernels(nn, run, monkeypatch)
     assert set(used) == {"sum_exp", op, f"{op}_grad"} | ({"row_dot"} if op == "softmax" else set()), used
     eps = 8 * np.finfo(dtype).eps
     for lay, g_arrays, w_arrays in zip(lays, got, want):
@@ -203,3 +208,39 @@ def test_column_sum_kernel_equals_numpys_sums(dtype, operands, rows, cols):
         rowwise._cuda.pop(("columns", operands), None)
     want = np.prod(np.array(arrays, np.float64), axis=0).sum(axis=0)
     np.testing.assert_allclose(got, want, rtol=32 * np.finfo(dtype).eps, atol=32 * np.finfo(dtype).eps * rows)
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("params", ["", "scale", "bias", "scale,bias"])
+def test_layer_norm_kernels_equal_the_numpy_lowering(shape, dtype, params, monkeypatch):
+    """layer_norm on CuPy's kernels (the mean, the centred squares' sum, the output; the normalised x,
+    the two sums and dx backwards): values and gradients (x's, the scale's and the bias's) equal
+    numpy's lowering to a few units in the last place, the normalised dim split on some layouts."""
+    norm = importlib.import_module("mpimesh.ops.norm")
+    mesh = get_mesh(shape)
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((4, 3, 6)) * 3 + 1).astype(dtype)
+    w = rng.standard_normal((4, 3, 6))
+    lays = layouts(mesh, ["b", "l", "d"], limit=5)
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay), mm.trace():
+                xt = mesh.from_numpy(x, "b:4;l:3;d:6")
+                ps = {n: mesh.from_numpy(np.linspace(0.5, 1.5, 6).astype(dtype) + (n == "bias"), "d:6")
+                      for n in params.split(",") if n}
+                y = norm.layer_norm(xt, ("d",), ps.get("scale"), ps.get("bias"))
+                grads = mm.gradients([mm.reduce_sum(y * mesh.from_numpy(w.astype(dtype), "b:4;l:3;d:6"))],
+                                     [xt, *ps.values()])
+                out.append([y.to_numpy(), *(g.to_numpy() for g in grads)])
+        return out
+    want = run()
+    got, used = _on_row_kernels(norm, run, monkeypatch)
+    which = "layer_norm" + ("_" + "s" * ("scale" in params) + "b" * ("bias" in params) if params else "")
+    assert set(used) == {"centred_squares", which, "normalised", "scaled_sum", "scaled_dot", "layer_norm_grad"}, used
+    eps = 16 * np.finfo(dtype).eps
+    for lay, g_arrays, w_arrays in zip(lays, got, want):
+        for what, a, b in zip(("y", "dx", "d" + params.split(",")[0], "dbias"), g_arrays, w_arrays):
+            np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")

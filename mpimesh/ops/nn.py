@@ -37,7 +37,7 @@ from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .elementwise import bias_grad
 from .relayout import laid_out_within, to_layout
-from .rowwise import fused_rows, row_dot, row_sum, softmax_kernel
+from .rowwise import fused_rows, row_dot, row_sum, row_kernel
 
 MASK_VALUE = -1e9
 """What a masked entry gets added before a softmax (a dtype that cannot hold it, float16, gets its
@@ -142,10 +142,10 @@ def _normalize(name: str, log: bool, doc: str):
                 m = ctx.allreduce(m, mdims, "max")
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows of -inf: no inf - inf
             if fused_rows(xp, a, m):  # CuPy: a reduction of exp(a - m), then the output: two kernels
-                s = softmax_kernel(xp, "sum_exp", a, m, axes=axes)
+                s = row_kernel(xp, "sum_exp", a, m, axes=axes)
                 if mdims:
                     s = ctx.allreduce(s, mdims, "sum")
-                y = softmax_kernel(xp, name, a, m, s, out=a if fresh else None)
+                y = row_kernel(xp, name, a, m, s, out=a if fresh else None)
                 return y.astype(dt) if low else y
             z = xp.subtract(a, m, out=a) if eager and fresh else a - m
             if log:
@@ -204,10 +204,10 @@ def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
         if acc != dt:  # 16-bit floats: in float32 (the sums across ranks too), rounded once
             out, g = out.astype(acc), g.astype(acc)
         if fused_rows(xp, out, g):  # CuPy: the row sum (of dy, or of dy * y), then dx: two kernels
-            s = row_sum(xp, g, axes) if log else softmax_kernel(xp, "row_dot", g, out, axes=axes)
+            s = row_sum(xp, g, axes) if log else row_kernel(xp, "row_dot", g, out, axes=axes)
             if mdims:
                 s = ctx.allreduce(s, mdims, "sum")
-            dx = softmax_kernel(xp, f"{name}_grad", out, g, s)
+            dx = row_kernel(xp, f"{name}_grad", out, g, s)
             return dx.astype(dt) if dx.dtype != dt else dx
         if log:  # dy - exp(y) * sum(dy)
             s = row_sum(xp, g, axes)

@@ -4,7 +4,8 @@
 the statistics over `dims` (split or not: each is a local sum and, where a dim is split, one
 allreduce over its mesh dims), a 16-bit float x normalised in float32 and rounded once. The same
 arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add),
-but for the order of the terms in its sums (`mpimesh.ops.rowwise`), and in place on numpy and CuPy.
+but for the order of the terms in its sums (`mpimesh.ops.rowwise`), in place on numpy, and on CuPy
+as a few kernels each way (`mpimesh.ops.rowwise.ROW_SOURCES`).
 
 The op's outputs are y, then the mean and 1/std (x's dims without `dims`: small), which the
 gradient reads instead of summing them again. The gradient: one op `layer_norm_grad` gives dx
@@ -32,7 +33,7 @@ from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
-from .rowwise import row_dot, row_sum
+from .rowwise import fused_rows, row_dot, row_kernel, row_sum
 
 
 def _plan(x, dims: tuple, what: str):
@@ -52,15 +53,19 @@ def _plan(x, dims: tuple, what: str):
 
 def _stats(ctx, a, plan, epsilon):
     """`(centred, 1 / sqrt(var + epsilon), mean)` of local block `a`, the statistics with keepdims
-    (as the unfused ops compute them; a JAX replay's padding is kept out of the variance)."""
+    (as the unfused ops compute them; a JAX replay's padding is kept out of the variance). On CuPy
+    the variance is one reduction of the centred squares and `centred` is None (no array of them)."""
     xp = ctx.xp
     _, axes, mdims, count, splits = plan
     s = row_sum(xp, a, axes)
     if mdims:
         s = ctx.allreduce(s, mdims)
     mean = s * (1.0 / count)
-    c = _unpadded(ctx, a - mean, splits)
-    q = row_dot(xp, c, c, axes)
+    if fused_rows(xp, a):
+        c, q = None, row_kernel(xp, "centred_squares", a, mean, axes=axes)
+    else:
+        c = _unpadded(ctx, a - mean, splits)
+        q = row_dot(xp, c, c, axes)
     if mdims:
         q = ctx.allreduce(q, mdims)
     return c, 1 / xp.sqrt(q * (1.0 / count) + epsilon), mean
@@ -92,10 +97,15 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     axes = plan[1]
     stats = (x.shape.without(dims), tuple(m for i, m in enumerate(layout) if i not in axes))
 
+    which = "layer_norm" + ("_" + "s" * has[0] + "b" * has[1] if any(has) else "")
+
     def lower(ctx, a, *sb):
         xp = ctx.xp
         a = a.astype(acc) if acc != dt else a
         c, r, mean = _stats(ctx, a, plan, epsilon)
+        if c is None:  # CuPy: the mean, the centred squares' sum, then y: three kernels
+            y = row_kernel(xp, which, a, mean, r, *(align(xp, _as(t, acc), n, xd) for t, n in zip(sb, names)))
+            return _as(y, dt), xp.squeeze(mean, axis=axes), xp.squeeze(r, axis=axes)
         mul, add = _in_place(xp)  # c is the kernel's own array: y is made in its place
         y = mul(c, r)
         if has[0]:  # the parameters in y's dtype, as `mm.layers.like` casts them
@@ -129,6 +139,15 @@ def _layer_norm_grad(op, dy, dims, has):
         xp = ctx.xp
         a, g = _as(a, acc), _as(g, acc)
         mu, r = xp.expand_dims(mu, axes), xp.expand_dims(r, axes)
+        if fused_rows(xp, a, g, mu, r):  # CuPy: the normalised x, the two sums, then dx: four kernels
+            sc = align(xp, _as(s[0], acc), sd, xd) if s else xp.ones((), acc)
+            yhat = row_kernel(xp, "normalised", a, mu, r)
+            m1 = row_kernel(xp, "scaled_sum", g, sc, axes=axes)
+            m2 = row_kernel(xp, "scaled_dot", g, sc, yhat, axes=axes)
+            if mdims:
+                m1, m2 = ctx.allreduce(m1, mdims), ctx.allreduce(m2, mdims)
+            dx = row_kernel(xp, "layer_norm_grad", g, sc, yhat, m1 * (1.0 / count), m2 * (1.0 / count), r)
+            return _as(dx, dt), yhat
         mul, _ = _in_place(xp)
         yhat = mul(_unpadded(ctx, a - mu, splits), r)
         if s:

@@ -7,10 +7,12 @@ the tiny Transformer's attention probabilities). On numpy, a reduction over the 
 goes through `einsum` (float rounding of a different order, the same for eager and compiled
 steps); every other case, and CuPy and JAX, take `xp.sum`.
 
-On CuPy, softmax and its gradient are two kernels each (`SOFTMAX_SOURCES`): a reduction whose map
+On CuPy, softmax and its gradient are two kernels each (`ROW_SOURCES`, `row_kernel`): a reduction whose map
 is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then one
 elementwise kernel for the output, where the unfused composition makes a pass for each of
 subtract, exp, sum, divide (and multiply, sum, subtract, multiply backwards) over the logits.
+Layer norm likewise: the mean, the centred squares' sum and one output kernel forwards; the
+normalised x, the two sums and dx backwards.
 
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
@@ -42,7 +44,7 @@ def row_dot(xp, a, b, axes: tuple):
 
 # name -> (inputs, output, reduction's map or elementwise body): the arithmetic of the numpy lowering in
 # nn.py in the same order; `m` the row maximum, `s` the row sum, `y` softmax's (log-softmax's) output.
-SOFTMAX_SOURCES = {
+ROW_SOURCES = {
     "sum_exp": ("T x, T m", "T s", "exp(x - m)"),
     "row_dot": ("T g, T y", "T s", "g * y"),
     "softmax": ("T x, T m, T s", "T y", "y = exp(x - m) / s;"),
@@ -50,7 +52,20 @@ SOFTMAX_SOURCES = {
     "softmax_grad": ("T y, T g, T s", "T dx", "dx = y * (g - s);"),
     "log_softmax_grad": ("T y, T g, T s", "T dx", "dx = g - exp(y) * s;"),
 }
-_REDUCTIONS = ("sum_exp", "row_dot")
+# layer norm's: `mu` the mean, `r` 1/std, `sc`/`b` the scale and bias (a 0-d 1 where the gradient has no
+# scale: g * 1 is g), `yh` the normalised x, `m1`/`m2` the gradient's two sums over the count
+ROW_SOURCES.update({
+    "centred_squares": ("T x, T mu", "T s", "(x - mu) * (x - mu)"),
+    "scaled_sum": ("T g, T sc", "T s", "g * sc"),
+    "scaled_dot": ("T g, T sc, T yh", "T s", "(g * sc) * yh"),
+    "layer_norm": ("T x, T mu, T r", "T y", "y = (x - mu) * r;"),
+    "layer_norm_s": ("T x, T mu, T r, T sc", "T y", "y = ((x - mu) * r) * sc;"),
+    "layer_norm_b": ("T x, T mu, T r, T b", "T y", "y = ((x - mu) * r) + b;"),
+    "layer_norm_sb": ("T x, T mu, T r, T sc, T b", "T y", "y = (((x - mu) * r) * sc) + b;"),
+    "normalised": ("T x, T mu, T r", "T yh", "yh = (x - mu) * r;"),
+    "layer_norm_grad": ("T g, T sc, T yh, T m1, T m2, T r", "T dx", "dx = (((g * sc) - m1) - yh * m2) * r;"),
+})
+_REDUCTIONS = ("sum_exp", "row_dot", "centred_squares", "scaled_sum", "scaled_dot")
 # Column sums of a [rows, cols] block (of x, or of x * w): thread i sums column i % cols over one chunk
 # of rows, reading rows one after the other (the threads of a warp read one row's neighbouring
 # elements); the chunks' partial sums are summed after. CuPy's own reduction over leading axes took
@@ -68,16 +83,16 @@ _cuda: dict = {}
 
 
 def fused_rows(xp, *arrays) -> bool:
-    """Whether softmax's CuPy kernels take `arrays` (CuPy arrays of one float32 or float64 dtype)."""
+    """Whether the CuPy kernels of `ROW_SOURCES` take `arrays` (CuPy arrays of one float32 or float64 dtype)."""
     return getattr(xp, "__name__", "") == "cupy" and arrays[0].dtype.name in ("float32", "float64") and all(
         a.dtype == arrays[0].dtype for a in arrays)
 
 
-def softmax_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
-    """The CuPy kernel `which` of `SOFTMAX_SOURCES`, compiled on first use, on `arrays`: a row sum
+def row_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
+    """The CuPy kernel `which` of `ROW_SOURCES`, compiled on first use, on `arrays`: a row sum
     over `axes` (kept) for the reductions, else the elementwise output (into `out` where given)."""
     if which not in _cuda:
-        ins, outs, body = SOFTMAX_SOURCES[which]
+        ins, outs, body = ROW_SOURCES[which]
         _cuda[which] = (xp.ReductionKernel(ins, outs, body, "a + b", "s = a", "0", f"mpimesh_{which}")
                         if which in _REDUCTIONS else xp.ElementwiseKernel(ins, outs, body, f"mpimesh_{which}"))
     if which in _REDUCTIONS:
