@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from .backend import BFLOAT16, is_low_precision, matmul_precision, name
+from .cublas import capturable
 
 # cuBLAS and CUDA enums (cublas_api.h, library_types.h)
 _CUDA_TYPES = {np.dtype(np.float16): 2, BFLOAT16: 14, np.dtype(np.float32): 0,  # CUDA_R_16F, _16BF, _32F,
@@ -185,7 +186,6 @@ def _cublas(xp=None):
     """CuPy's cuBLAS bindings; while `xp`'s current stream captures a CUDA graph, `mpimesh.cublas`'s
     (CuPy's refuse to run then), where they find the library."""
     if xp is not None and xp.cuda.get_current_stream().is_capturing():
-        from .cublas import capturable
         bindings = capturable(xp)
         if bindings is not None:
             return bindings

@@ -145,10 +145,9 @@ def test_float64_products_stay_float64_and_write_into_out():
 def test_capturing_stream_takes_the_ctypes_bindings(monkeypatch):
     """While the current stream captures a CUDA graph, GEMMs go through `mpimesh.cublas` (CuPy's
     bindings refuse every cuBLAS call then); otherwise through CuPy's."""
-    import mpimesh.cublas
     from mpimesh import widen
     sentinel = object()
-    monkeypatch.setattr(mpimesh.cublas, "capturable", lambda cupy: sentinel)
+    monkeypatch.setattr(widen, "capturable", lambda cupy: sentinel)
     capturing = [True]
     stream = SimpleNamespace(is_capturing=lambda: capturing[0])
     xp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: stream))
