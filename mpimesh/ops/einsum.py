@@ -145,8 +145,10 @@ def sum_plan(subscripts: str) -> Optional[tuple]:
 
 
 def summed_product(xp, arrays: list, plan: tuple):
-    """The einsum `sum_plan` describes, as one multiply and one sum: on CuPy, instead of
-    `cupy.einsum`'s cuBLAS GEMV (slow for these shapes, and not capturable in a CUDA graph).
+    """The einsum `sum_plan` describes, as one multiply and one sum, or, where leading axes of
+    C-contiguous CuPy blocks in one order are summed (a bias's gradient), as the column-sum kernel
+    of `mpimesh.ops.rowwise`: on CuPy, instead of `cupy.einsum`'s cuBLAS GEMV (slow for these
+    shapes, and not capturable in a CUDA graph).
 
     >>> a, b = np.arange(6.0).reshape(2, 3), np.arange(6.0).reshape(3, 2)
     >>> summed_product(np, [a, b], sum_plan("ab,ba->b")).tolist() == np.einsum("ab,ba->b", a, b).tolist()
