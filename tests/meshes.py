@@ -68,10 +68,11 @@ def global_array(shape: str, seed: int = 0, dtype=np.float32) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def get_mesh(shape: str, rules: str = "", transport: str | None = None) -> mm.Mesh:
-    """One mesh per (shape, rules, transport) for the session (created in the same order on every
-    rank): communicators are a finite resource."""
-    return mm.Mesh(shape, layout=rules, transport=transport)
+def get_mesh(shape: str, rules: str = "", transport: str | None = None, backend: str | None = None) -> mm.Mesh:
+    """One mesh per (shape, rules, transport, backend) for the session (created in the same order on
+    every rank): communicators are a finite resource. `backend="numpy"`: a host mesh also under
+    `--backend cupy`, for tests that hand the collectives host arrays."""
+    return mm.Mesh(shape, layout=rules, transport=transport, backend=backend)
 
 
 @pytest.fixture(scope="module", params=mesh_shapes(), name="mesh")
@@ -84,9 +85,11 @@ TRANSPORT_MODES = ["mpi", "staged", "mpi+guard", "staged+timeout"]
 
 
 def transport_mesh(shape: str, mode: str) -> Iterator[mm.Mesh]:
-    """The body of a `mesh` fixture over (shape, mode): `mode` a transport, plus "+guard" (the SPMD
-    check on) or "+timeout" (a 120 s collective time-out); both return to their defaults afterwards."""
-    mesh = get_mesh(shape, "", mode.split("+")[0])
+    """The body of a `mesh` fixture over (shape, mode): `mode` a host transport, plus "+guard" (the SPMD
+    check on) or "+timeout" (a 120 s collective time-out); both return to their defaults afterwards.
+    A numpy mesh, also under `--backend cupy`: its users hand the collectives host arrays (the GPU
+    transports: tests/test_gpu_transports.py)."""
+    mesh = get_mesh(shape, "", mode.split("+")[0], "numpy")
     mm.set_spmd_check(mode.endswith("+guard"))
     if "+" in mode:
         mm.set_collective_timeout(120)
@@ -127,8 +130,14 @@ def local_size(mesh: mm.Mesh, sizes: dict, layout: dict) -> int:
 
 
 def collectives(prof) -> dict:
-    """The profile's collective counters (everything but flops and copies)."""
-    return prof.transfers
+    """The profile's collective counters (everything but flops, copies and, on a GPU, host-device
+    copies: a staged transport's `d2h/<dims>`, `h2d/<dims>`, and constants sent once)."""
+    return transfers(prof.transfers)
+
+
+def transfers(counts: dict) -> dict:
+    """`counts` without host-device copies (`d2h`, `h2d`, `d2h/<dims>`, ...)."""
+    return {k: v for k, v in counts.items() if k.split("/")[0] not in ("d2h", "h2d")}
 
 
 class Errors(list):

@@ -6,7 +6,6 @@ exact whatever the reduction order.
 """
 from __future__ import annotations
 
-import functools
 
 import sys
 from pathlib import Path
@@ -17,13 +16,15 @@ import pytest
 from mpi4py import MPI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from meshes import mesh_shapes  # noqa: E402
+from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.collectives import counters, guard  # noqa: E402
 
-# Every test runs on every host transport (the staged one stages numpy through a second
-# host buffer), and once more with the SPMD check and a time-out on: those change no value or count.
+# Every test runs on every host transport (the staged one stages numpy through a second host buffer),
+# and once more with the SPMD check and a time-out on: those change no value or count. The meshes are
+# numpy ones also under --backend cupy: these tests hand the collectives host arrays (the GPU
+# transports: tests/test_gpu_transports.py).
 MODES = ["mpi", "staged", "mpi+guard"]
 
 
@@ -31,7 +32,7 @@ MODES = ["mpi", "staged", "mpi+guard"]
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def mesh_fixture(request):
     shape, mode = request.param
-    mesh = _numpy_mesh(shape, mode.split("+")[0])
+    mesh = get_mesh(shape, "", mode.split("+")[0], "numpy")
     if mode.endswith("+guard"):
         mm.set_spmd_check(True)
         mm.set_collective_timeout(120)
@@ -39,13 +40,6 @@ def mesh_fixture(request):
         yield mesh
     finally:
         guard.reset()
-
-
-@functools.lru_cache(maxsize=None)
-def _numpy_mesh(shape: str, transport: str) -> mm.Mesh:
-    """A numpy mesh, also under `--backend cupy`: these tests hand the collectives host arrays (the GPU
-    transports' collectives: tests/test_gpu_transports.py)."""
-    return mm.Mesh(shape, transport=transport, backend="numpy")
 
 
 def inp(rank: int, shape: Sequence[int], seed: int = 0, dtype=np.float64) -> np.ndarray:
@@ -284,7 +278,7 @@ def test_nans_bools_and_16_bit_edge_cases(shape):
     dropped or kept it by arrival order), bools in iallreduce and reduce_scatter (MPI has no sum
     of bools), bfloat16 broadcast (mpi4py cannot export it), and a bad root a clear error."""
     import ml_dtypes
-    mesh = _numpy_mesh(shape, "mpi")
+    mesh = get_mesh(shape, "", "mpi", "numpy")
     coll, names = mesh.collectives, list(mesh.shape.names)
     r, n = mesh.rank, mesh.size
     for dt in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16):
@@ -316,7 +310,7 @@ def test_requests_waited_in_other_orders_pair_the_same_transfers(size):
     """Rank 0 waits for a then b, the others for b then a: each gets its own sum (16-bit floats and
     shared-memory sums complete in two steps: they were mixed up, or half summed)."""
     import ml_dtypes
-    mesh = _numpy_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "mpi")
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "", "mpi", "numpy")
     coll, r, n = mesh.collectives, mesh.rank, mesh.size
     for dt in (np.float32, np.float16, ml_dtypes.bfloat16):
         a, b = np.full(size, r + 1, dt), np.full(size, 10 * (r + 1), dt)
@@ -334,7 +328,7 @@ def test_requests_waited_in_other_orders_around_another_collective(size):
     b; the others wait for b (so a's and b's second steps start there), sum c, then wait for a. The
     second steps start before any later collective (they were paired with c's transfer: wrong sums)."""
     import ml_dtypes
-    mesh = _numpy_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "mpi")
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "", "mpi", "numpy")
     coll, r, n = mesh.collectives, mesh.rank, mesh.size
     for dt in (np.float32, np.float16, ml_dtypes.bfloat16):
         a, b, c = np.full(size, r + 1, dt), np.full(size, 10 * (r + 1), dt), np.full(size, 3 * (r + 1), dt)
@@ -351,7 +345,7 @@ def test_requests_waited_in_other_orders_around_another_collective(size):
 def test_the_spmd_check_takes_a_16_bit_sum_to_a_scalar():
     """The check compared the ranks' pieces of the 16-bit allgather (1 element against 0) instead
     of the 0-d shape, and aborted a correct program."""
-    mesh = _numpy_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "mpi")
+    mesh = get_mesh(f"all:{MPI.COMM_WORLD.Get_size()}", "", "mpi", "numpy")
     t = mesh.from_numpy(np.arange(8, dtype=np.float16), "b:8", layout="b:all")
     old = guard._settings["check"]
     mm.set_spmd_check(True)

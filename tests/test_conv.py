@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gradcheck import check_gradients  # noqa: E402
-from meshes import big, get_mesh, global_array, mesh_shapes, spec  # noqa: E402
+from meshes import big, get_mesh, global_array, mesh_shapes, spec, transfers  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.collectives import counters  # noqa: E402
@@ -197,7 +197,7 @@ def test_halo_traffic(mesh_shape):
         if mw:
             kw, cw = mesh.shape[mw].size, mesh.coords[mw]
             want[f"permute/{mw}"] = bl * (nh + 2) * 4 * ((cw > 0) + (cw < kw - 1))
-        got = {k: v["elements"] for k, v in counters.traffic(prof.counters).items()}
+        got = {k: v["elements"] for k, v in transfers(counters.traffic(prof.counters)).items()}
         assert got == want, (rules, got, want)
         assert prof.counters["flops"]["flops"] == 2 * y.local.size * 9 * 4
 

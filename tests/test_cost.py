@@ -13,7 +13,7 @@ from mpi4py import MPI
 import mpimesh as mm
 from mpimesh.backend import resolve_backend
 from mpimesh.collectives import counters
-from meshes import mesh_shapes
+from meshes import mesh_shapes, transfers
 
 pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu): dry runs need it")
 if MPI.COMM_WORLD.Get_size() > 4:  # the meshes of 1-4 ranks cover 1-D, 2-D, 3-D and uneven blocks
@@ -195,7 +195,7 @@ def test_estimate_collectives_equal_the_mpi_profile(shape):
         rec = record(_mlp_step, (params, batch), mesh.shape, rules)
         e = estimate(rec, rules, mesh.shape, TOY)
         plain = estimate(tr, None, None, TOY)
-        want = counters.traffic(prof.counters)
+        want = transfers(counters.traffic(prof.counters))  # (a GPU's staged transport also counts host copies)
         verdict = None
         if mesh.rank == 0:
             if e["collectives"] != want:

@@ -21,13 +21,15 @@ from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
 from test_updates import OPTIMIZERS, SHAPES, both_ways  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.backend import resolve_backend  # noqa: E402
 
 updates = importlib.import_module("mpimesh.ops.updates")
 dropout_op = importlib.import_module("mpimesh.ops.dropout")
 act_mod = importlib.import_module("mpimesh.ops.activation")
 
 pytestmark = [pytest.mark.mpi,
-              pytest.mark.skipif(cuda_source.compiler() is None, reason="no C++ compiler to run the kernels' sources")]
+              pytest.mark.skipif(cuda_source.compiler() is None, reason="no C++ compiler to run the kernels' sources"),
+              pytest.mark.skipif(resolve_backend(None) != "numpy", reason="the sources on the CPU; a GPU runs the kernels")]
 
 KERNELS = {"adam": (*updates.ADAM_PARAMS, updates.ADAM_SOURCE), "sgd": (*updates.SGD_PARAMS, updates.SGD_SOURCE)}
 

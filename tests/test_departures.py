@@ -51,7 +51,7 @@ def _job(tmp_path: Path, ranks: int, body: str, wrap: bool = False,
     if wrap:  # (Open MPI's launcher: keep running after a rank's non-zero exit)
         keep = ["--mca", "orte_abort_on_non_zero_status", "0"] if is_open_mpi(launch[0]) else ["-disable-auto-cleanup"]
         launch, rank = [launch[0], *keep, *launch[1:]], ["sh", "-c", f'"{rank[0]}" "{rank[1]}"; exit $?']
-    clean = job_env(PYTHONPATH=str(ROOT), **env)
+    clean = job_env(PYTHONPATH=str(ROOT), **{"MPIMESH_BACKEND": "numpy", **env})  # (host transports, also on a GPU)
     for var in ("MPIMESH_COLLECTIVE_TIMEOUT", "MPIMESH_SPMD_CHECK", "MPIMESH_NO_ABORT"):
         clean.pop(var, None)
     start = time.monotonic()

@@ -20,7 +20,8 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(mpimesh.__path__, "mpimes
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="COMM_SELF examples: the 1-rank session runs them")
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples(name):
+def test_docstring_examples(name, monkeypatch):
+    monkeypatch.setenv("MPIMESH_BACKEND", "numpy")  # the examples show numpy meshes, also under --backend cupy
     if name.startswith("mpimesh.tpu"):
         pytest.importorskip("jax")
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

@@ -135,7 +135,8 @@ def _job(tmp_path: Path, ranks: int, body: str, timeout: float, **env) -> tuple[
     script.write_text(textwrap.dedent(body))
     start = time.monotonic()
     proc = subprocess.run([find_mpiexec(), "-n", str(ranks), sys.executable, str(script)],
-                          env=job_env(PYTHONPATH=str(ROOT), MPIMESH_COLLECTIVE_TIMEOUT=str(timeout), **env),
+                          env=job_env(PYTHONPATH=str(ROOT), MPIMESH_COLLECTIVE_TIMEOUT=str(timeout),
+                                      **{"MPIMESH_BACKEND": "numpy", **env}),  # (host transports, also under --backend cupy)
                           capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
 

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import mpimesh as mm
 from gradcheck import check_gradients
-from meshes import global_array, mesh_shapes
+from meshes import global_array, mesh_shapes, transfers
 
 B, L, D, H, K, F, V = 8, 8, 8, 8, 4, 16, 16
 X = f"batch:{B};length:{L};d_model:{D}"
@@ -293,7 +293,7 @@ def test_attention_communication_follows_layout():
             x = mesh.from_numpy(global_array(X, 18), X)
             with mm.profile() as prof:
                 mm.layers.multihead_attention(p, x, causal=True)
-            got = {k: v["elements"] for k, v in prof.counters.items() if k != "flops"}
+            got = {k: v["elements"] for k, v in transfers(prof.counters).items() if k != "flops"}
             assert got == want, f"{shape} {rules}: {prof.counters}"
 
 

@@ -34,7 +34,7 @@ mesh = mm.Mesh("rows:2;cols:2", layout="batch:rows;hidden:cols")
 x = mesh.from_numpy(x_np, "batch:4;hidden:6")
 w = mesh.from_numpy(w_np, "hidden:6;out:3")
 y = mm.einsum([x, w], "batch:4;out:3")  # hidden is split over cols: an allreduce over cols
-y_global, y_local, coords = y.to_numpy(), y.local, mesh.coords
+y_global, y_local, coords = y.to_numpy(), mm.backend.to_host(y.local), mesh.coords
 world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 print("rank", world[0])
 """

@@ -17,7 +17,7 @@ import pytest
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "apps"))
-from meshes import get_mesh, global_array, mesh_shapes  # noqa: E402
+from meshes import get_mesh, global_array, mesh_shapes, transfers  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 import segment  # noqa: E402
@@ -144,7 +144,7 @@ def test_halo_bytes_of_one_conv_layer(shape, rules):
         p = init_conv2d(mesh, f, f, f, "channels:3", "hidden:4")
         with mm.profile() as prof:
             y = conv_layer(p, x, activation="relu")
-        got = {k: v["bytes"] for k, v in prof.counters.items() if k != "flops"}
+        got = {k: v["bytes"] for k, v in transfers(prof.counters).items() if k != "flops"}
         assert got == expected_halo_bytes(mesh, x, f), (f, rules, mesh.coords, got)
         want = np.maximum(np_conv_same(x.to_numpy().astype(np.float64), p["kernel"].to_numpy())
                           + p["bias"].to_numpy(), 0)

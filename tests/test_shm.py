@@ -83,7 +83,7 @@ def _shared(mesh, dims, x, op):
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
 def test_in_place_sums_equal_mpi_bitwise(shape):
-    mesh = mm.Mesh(shape)
+    mesh = mm.Mesh(shape, backend="numpy")
     coll = mesh.collectives
     for dims, (dtype, op) in itertools.product(_groups(mesh), [("float32", "sum"), ("float64", "sum"),
                                                               ("int64", "sum"), ("float32", "max"), ("int32", "min")]):
@@ -102,7 +102,7 @@ def test_in_place_sums_equal_mpi_bitwise(shape):
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
 def test_out_of_place_and_non_blocking_sums(shape):
-    mesh = mm.Mesh(shape)
+    mesh = mm.Mesh(shape, backend="numpy")
     coll = mesh.collectives
     for dims in _groups(mesh):
         x = _array(mesh.rank, LENGTH, np.float32).reshape(-1, 1)  # private memory, 2-D
@@ -124,7 +124,7 @@ def test_out_of_place_and_non_blocking_sums(shape):
 
 @pytest.mark.mpi
 def test_a_rank_whose_buffer_is_private_makes_mpi_sum():
-    mesh = mm.Mesh(f"all:{N}")
+    mesh = mm.Mesh(f"all:{N}", backend="numpy")
     coll = mesh.collectives
     x = np.empty(LENGTH, np.float32) if mesh.rank == 0 else coll.bucket_buffer(LENGTH, np.float32, ("all",))
     x[...] = _array(mesh.rank, LENGTH, np.float32)
@@ -134,7 +134,7 @@ def test_a_rank_whose_buffer_is_private_makes_mpi_sum():
 
 @pytest.mark.mpi
 def test_switched_off():
-    mesh = mm.Mesh(f"all:{N}")
+    mesh = mm.Mesh(f"all:{N}", backend="numpy")
     coll = mesh.collectives
     shm.set_enabled(False)
     try:
@@ -149,7 +149,7 @@ def test_switched_off():
 
 @pytest.mark.mpi(min_size=2)
 def test_lengths_that_differ_are_a_clear_error_on_every_rank():
-    mesh = mm.Mesh(f"all:{N}")
+    mesh = mm.Mesh(f"all:{N}", backend="numpy")
     coll = mesh.collectives
     n = LENGTH + 4 * mesh.rank
     x = coll.bucket_buffer(n, np.float32, ("all",))
@@ -181,7 +181,7 @@ def _data_parallel_step(x, w, bucket_bytes=25 << 20):
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
 def test_data_parallel_gradients_the_same_bitwise(shape):
-    mesh = mm.Mesh(shape)
+    mesh = mm.Mesh(shape, backend="numpy")
     on, reference = _data_parallel_grads(mesh, 25 << 20)
     shm.set_enabled(False)
     try:
@@ -201,7 +201,7 @@ def test_buffers_are_reused_once_their_gradients_are_gone():
     """Eager steps and compiled replays alike, with the cycle collector off: nothing keeps a step's
     gradients alive once the caller drops them (a reference cycle in the walker of a compiled step's
     results once did: every replay then had a private buffer, summed through MPI)."""
-    mesh = mm.Mesh(f"all:{N}")
+    mesh = mm.Mesh(f"all:{N}", backend="numpy")
     rng = np.random.default_rng(4)
     x = mesh.from_numpy(rng.standard_normal((8 * N, 64)).astype(np.float32), f"batch:{8 * N};i:64")
     w = mesh.from_numpy(rng.standard_normal((64, 4100)).astype(np.float32), "i:64;h:4100")
@@ -226,7 +226,7 @@ def test_a_rank_that_leaves_makes_the_other_raise(tmp_path):
         import sys, time
         import numpy as np
         import mpimesh as mm
-        mesh = mm.Mesh("all:2")
+        mesh = mm.Mesh("all:2", backend="numpy")
         coll = mesh.collectives
         x = coll.bucket_buffer({LENGTH}, np.float32, ["all"])
         x[...] = 1

@@ -587,7 +587,7 @@ def test_collectives_match_mpi(mesh_index):
 
     from mpimesh.tpu.collectives import JaxCollectives
     from mpimesh.tpu.replay import _jax_mesh, _shard_map, _x64
-    mesh = _mesh(mesh_index)
+    mesh = mm.Mesh(mesh_shapes()[mesh_index], backend="numpy")  # (host arrays into its collectives, also on a GPU)
     names = mesh.shape.names
     local = (np.arange(96, dtype=np.float32).reshape(4, 24) * 0.5 + 100 * mesh.rank) % 37  # 24: equal blocks
     mine = _every_collective(mesh.collectives, local, names)

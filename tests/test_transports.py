@@ -18,18 +18,18 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 
 @pytest.mark.mpi
 def test_numpy_mesh_reports_its_placement():
-    mesh = mm.Mesh(f"all:{N}")
+    mesh = mm.Mesh(f"all:{N}", backend="numpy")
     assert (mesh.backend, mesh.device, mesh.transport) == ("numpy", None, "mpi")
     assert mesh.collectives.transport == "mpi"
-    staged = mm.Mesh(f"all:{N}", transport="staged")
+    staged = mm.Mesh(f"all:{N}", transport="staged", backend="numpy")
     assert staged.transport == staged.collectives.transport == "staged"
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("kwargs,message", [
-    ({"transport": "nccl"}, "transport 'nccl' needs backend='cupy'"),
+    ({"transport": "nccl", "backend": "numpy"}, "transport 'nccl' needs backend='cupy'"),
     ({"transport": "carrier-pigeon"}, "unknown transport 'carrier-pigeon'"),
-    ({"device": 0}, "device=0 needs backend='cupy'"),
+    ({"device": 0, "backend": "numpy"}, "device=0 needs backend='cupy'"),
     ({"backend": "torch"}, "unknown backend 'torch'"),
 ])
 def test_bad_placement_is_refused_on_every_rank(kwargs, message):
@@ -95,7 +95,7 @@ def test_pool_forgets_everything_past_its_byte_limit():
 @pytest.mark.parametrize("transport", ["mpi", "staged"])
 def test_collective_outputs_survive_later_collectives(transport):
     """Outputs from the pool (>= 256 KiB) stay intact while held, whatever runs after them."""
-    mesh = mm.Mesh(f"all:{N}", transport=transport)
+    mesh = mm.Mesh(f"all:{N}", transport=transport, backend="numpy")  # (host buffer pools)
     coll = mesh.collectives
     n = 1 << 16  # 256 KiB of float32
     outs, views = [], []

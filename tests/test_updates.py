@@ -86,8 +86,13 @@ def _agree(which: str, dtype: str, a, b, what) -> None:
     """SGD and Adam: bitwise. Adafactor: to rounding (judged against the tensor's largest value too:
     m holds differences); a bfloat16 parameter to one ulp (the same float32 value rounded)."""
     assert a.dtype == b.dtype and a.tensor_layout == b.tensor_layout, what
-    if which in OPTIMIZERS:
+    if which in OPTIMIZERS and a.mesh.backend == "numpy":
         assert a.local.tobytes() == b.local.tobytes(), what
+        return
+    if which in OPTIMIZERS:  # a GPU: the fused kernel's multiply-adds may contract (FMA), the last bit apart
+        ulp = {"float64": 2.2e-16, "float32": 1.2e-7, "bfloat16": 7.8e-3}[str(a.dtype)]
+        np.testing.assert_allclose(a.to_numpy().astype(np.float64), b.to_numpy().astype(np.float64), rtol=4 * ulp,
+                                   err_msg=what)
         return
     x, y = a.to_numpy().astype(np.float64), b.to_numpy().astype(np.float64)
     if a.dtype.itemsize == 2:
