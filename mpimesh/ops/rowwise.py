@@ -1,5 +1,5 @@
-"""Row sums, as the fused kernels (softmax, layer norm, cross-entropy) take them, and softmax's own
-CuPy kernels.
+"""Row and column sums, as the fused kernels (softmax, layer norm, cross-entropy) and the bias
+gradients take them, and the CuPy kernels of softmax and layer norm.
 
 numpy's `sum(a, axis=-1)` over short rows (64 to 256 elements, a head's or a model's width) pays
 a per-row cost: about 4x what `einsum("...i->...")` takes for the same sums (56 against 14 us for
@@ -7,12 +7,13 @@ the tiny Transformer's attention probabilities). On numpy, a reduction over the 
 goes through `einsum` (float rounding of a different order, the same for eager and compiled
 steps); every other case, and CuPy and JAX, take `xp.sum`.
 
-On CuPy, softmax and its gradient are two kernels each (`ROW_SOURCES`, `row_kernel`): a reduction whose map
-is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then one
-elementwise kernel for the output, where the unfused composition makes a pass for each of
+On CuPy, softmax and its gradient are two kernels each (`ROW_SOURCES`, `row_kernel`): a reduction
+whose map is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then
+one elementwise kernel for the output, where the unfused composition makes a pass for each of
 subtract, exp, sum, divide (and multiply, sum, subtract, multiply backwards) over the logits.
 Layer norm likewise: the mean, the centred squares' sum and one output kernel forwards; the
-normalised x, the two sums and dx backwards.
+normalised x, the two sums and dx backwards. Column sums over leading axes (`column_sums`) take a
+kernel of their own.
 
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
@@ -72,10 +73,10 @@ _REDUCTIONS = ("sum_exp", "row_dot", "centred_squares", "scaled_sum", "scaled_do
 # 0.4 ms for a [16384, 1024] float32 block on an H200 (a bias's gradient; a pass is 0.03 ms).
 COLUMN_SUM_SOURCES = {
     1: ("raw T x, int64 rows, int64 cols, int64 chunk", "T s",
-        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = min(r0 + chunk, rows); T acc = 0; "
+        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows; T acc = 0; "
         "for (long long r = r0; r < r1; ++r) acc += x[r * cols + c]; s = acc;"),
     2: ("raw T x, raw T w, int64 rows, int64 cols, int64 chunk", "T s",
-        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = min(r0 + chunk, rows); T acc = 0; "
+        "long long c = i % cols, r0 = (i / cols) * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows; T acc = 0; "
         "for (long long r = r0; r < r1; ++r) acc += x[r * cols + c] * w[r * cols + c]; s = acc;"),
 }
 COLUMN_CHUNK = 128
