@@ -344,6 +344,12 @@ def test_axpy(mesh: mm.Mesh) -> None:
             assert z.layout == mesh.tensor_layout("a:8;b:16")
             _check(z, np.float32(-0.25) * X + XP, "a:8;b:16")
             _check(mm.axpy(mesh.from_numpy(np.array(3.0, np.float32), []), x, y), 3 * X + XP, "a:8;b:16")
+    rng = np.random.default_rng(5)  # blocks over several of the kernel's chunks, and a part chunk
+    big_x, big_y = (rng.standard_normal((1000, 700)).astype(np.float32) for _ in range(2))
+    for layout in ({}, {"r": mesh.shape.names[0]}):
+        bx = mesh.from_numpy(big_x, "r:1000;c:700", layout=layout)
+        by = mesh.from_numpy(big_y, "r:1000;c:700", layout=layout)
+        np.testing.assert_array_equal(mm.axpy(-0.3, bx, by).to_numpy(), np.float32(-0.3) * big_x + big_y)
     s, t = mesh.from_numpy(np.array(2.0), []), mesh.from_numpy(np.array(3.0), [])  # 0-d x and y
     _check(mm.axpy(0.5, s, t), np.array(4.0), "")
     b16, f16 = mm.cast(mesh.from_numpy(X, "a:8;b:16"), "bfloat16"), mm.cast(mesh.from_numpy(XP, "a:8;b:16"), "float16")

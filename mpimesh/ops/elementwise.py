@@ -28,7 +28,7 @@ from ..shape import Shape, union_shape
 from ..tensor import DistTensor, tensor_arg
 from ..trace import dispatch, saving
 from .einsum import sum_to
-from .inplace import axpy_into
+from .inplace import axpy_into, axpy_new
 from .relayout import to_layout
 from .reshape import transpose
 
@@ -388,8 +388,9 @@ def axpy(alpha, x, y):
         if into:  # y's block is the replay's alone (y donated to a compiled step): the result goes there
             return axpy_into(xp, a, xa, ya)
         ya = align(xp, ya, yd, xd)
-        out = xp.multiply(xa, a)
-        out = _round_to(out, low) if low is not None else out
+        if low is None:
+            return axpy_new(xp, a, xa, ya)
+        out = _round_to(xp.multiply(xa, a), low)
         if is_eager(xp) and out.ndim and out.dtype == xp.result_type(out, ya):  # (0-d: numpy gives a scalar)
             return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
         return out + ya

@@ -30,7 +30,7 @@ import numpy as np
 from ..backend import is_eager, name
 from ..errors import MpimeshError
 from ..trace import dispatch
-from .inplace import axpy_into, scale_add_into
+from .inplace import axpy_into, axpy_new as _axpy, scale_add_into
 from .relayout import to_layout
 
 ADAM_SOURCE = """
@@ -61,14 +61,6 @@ def _kernel(xp, which: str):
         params, source = (ADAM_PARAMS, ADAM_SOURCE) if which == "adam" else (SGD_PARAMS, SGD_SOURCE)
         _cuda[which] = xp.ElementwiseKernel(*params, source, f"mpimesh_{which}")
     return _cuda[which]
-
-
-def _axpy(xp, alpha, x, y):
-    """`alpha * x + y` exactly as `mm.axpy`'s kernel computes it (into the product's buffer)."""
-    out = xp.multiply(x, alpha)
-    if is_eager(xp) and out.ndim and out.dtype == xp.result_type(out, y):
-        return xp.add(out, y, out=out)
-    return out + y
 
 
 def _plus(xp, a, b):
