@@ -351,6 +351,7 @@ class _Engine:
                     result = run(name, lower, [env[s] for s in ins], len(outs), ctx)
                 for s, r in zip(outs, result):
                     env[s] = r
+                result = r = None  # (the slots alone hold the outputs: a later op may write over them)
                 for s in frees:
                     env[s] = None
                 if flops and counting:

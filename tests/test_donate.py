@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
+from meshes import big, get_mesh, global_array, mesh_shapes, spec  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.backend import to_host  # noqa: E402
@@ -200,3 +200,39 @@ def test_a_closure_tensor_returned_and_fed_back_as_donated_is_kept():
         np.testing.assert_array_equal(state["aux"].to_numpy(), np.zeros(4))
     np.testing.assert_array_equal(reset.to_numpy(), np.zeros(4))
     assert step.replays == 3
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_elementwise_ops_write_over_what_the_replay_alone_holds(shape):
+    """A chain of elementwise ops on a donated tensor: a replay writes each result over the block
+    it alone holds (the donated one, then each temporary: the result is the donated block), with
+    numpy's values bitwise, uneven blocks; an op whose result has another dtype or more dims than
+    that operand, and a block the caller holds, are not written over."""
+    mesh = get_mesh(shape)
+    dims = big(mesh)
+    layout = dict(zip(["a", "b"], dims))
+    P, Q = global_array("a:5;b:7", seed=3), np.abs(global_array("a:5;b:7", seed=4)) + 0.5
+    B = global_array("b:7", seed=5).astype(np.float64)
+
+    def chain(p, q, bias):
+        h = mm.maximum((p * 2.0 + q) - 1.5, q) / q * (q > 1.2)
+        wide, first = mm.cast(h, "float64") + bias, bias + h  # (float64; bias's dims first)
+        return 3.0 - h, wide, first  # (the last reader of h)
+    step = mm.compile(chain, donate_argnums=0)
+    h = np.maximum((P * np.float32(2.0) + Q) - np.float32(1.5), Q) / Q * (Q > 1.2)
+    want = 3.0 - h
+    q = mesh.from_numpy(Q, "a:5;b:7", layout=layout)
+    bias = mesh.from_numpy(B, "b:7", layout={k: v for k, v in layout.items() if k == "b"})
+    for k in range(3):  # the recording, then replays
+        p = mesh.from_numpy(P, "a:5;b:7", layout=layout)
+        block = weakref.ref(p.local)
+        with mm.layout_scope(mesh, spec(layout)):  # (the ops' layout: p's block is theirs)
+            out, wide, first = step(p, q, bias)
+        np.testing.assert_array_equal(out.to_numpy(), want.astype(np.float32))
+        np.testing.assert_array_equal(wide.to_numpy(), h.astype(np.float64) + B)
+        assert first.shape.names == ("b", "a")
+        np.testing.assert_array_equal(first.to_numpy(), (B + h).T)
+        if k and _in_place(step):
+            assert out.local is block(), "the replay made a new array where it held the donated block"
+        np.testing.assert_array_equal(q.to_numpy(), Q)
+        np.testing.assert_array_equal(bias.to_numpy(), B)

@@ -86,8 +86,42 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
     else:
         def lower(ctx, a, b):
             return kernel(first(ctx), align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
+    if xd == od and name in _IN_PLACE:  # x's block has the output's shape: a replay may write over it
+        plain, ufunc = lower, _IN_PLACE[name]
+
+        def lower(ctx, a, b, into=()):
+            if into and a.ndim and b.dtype in (a.dtype, _BOOL) and a.dtype.kind in "fc":
+                return getattr(ctx.xp, ufunc)(a, align(ctx.xp, b, yd, od), out=a)
+            return plain(ctx, a, b)
+        lower.into = {0: 0}
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
             tuple(out_layout[out.index(n)] for n in ys.names), lower)
+
+
+_BOOL = np.dtype(bool)
+_IN_PLACE = {"add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "true_divide",
+             "minimum": "minimum", "maximum": "maximum"}
+"""The ops whose kernel is one ufunc, by name: a compiled step's replay writes their result over an
+operand it holds the only reference to (`mpimesh.compiled`'s `into`), where the result has that
+operand's shape and dtype (a float, the other operand of its dtype or bool), bitwise the values of
+the op's own kernel."""
+
+
+def _scalar_op(name: str, k: Callable, first: Callable, t, v, side: str, rule):
+    """The op of tensor `t` and number `v` (on the `side` of it) by kernel `k`: a replay may write
+    it over t's block where the op is one ufunc and the result has t's dtype (a float one, 32 or
+    64 bits)."""
+    ufunc = _IN_PLACE.get(name)
+    if side == "right":
+        def lower(ctx, a, into=()):
+            return getattr(ctx.xp, ufunc)(a, v, out=a) if into else k(first(ctx), a, v)
+    else:
+        def lower(ctx, a, into=()):
+            return getattr(ctx.xp, ufunc)(v, a, out=a) if into else k(first(ctx), v, a)
+    (z,) = dispatch(name, [t], [(t.shape, t.tensor_layout)], lower, {"scalar": v, "side": side}, rule)
+    if ufunc and z.dtype == t.dtype and t.dtype.kind in "fc" and not is_low_precision(t.dtype):
+        lower.into = {0: 0}
+    return z
 
 
 def _first(kernel: Callable) -> Callable:
@@ -197,20 +231,14 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             if why is not None:
                 raise _refuse(name, why, x, y)
             x = to_layout(x, x.mesh.plan(x.shape))
-            k = _keeping(kernel, x.dtype) if _weak(y) else kernel
-            (z,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(first(ctx), a, y),
-                            {"scalar": y, "side": "right"}, rules[1])
-            return z
+            return _scalar_op(name, _keeping(kernel, x.dtype) if _weak(y) else kernel, first, x, y, "right", rules[1])
         if not xt:
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
             why = _refusal(kernel, (_kind(x), y.dtype))
             if why is not None:
                 raise _refuse(name, why, x, y)
             y = to_layout(y, y.mesh.plan(y.shape))
-            k = _keeping(kernel, y.dtype) if _weak(x) else kernel
-            (z,) = dispatch(name, [y], [(y.shape, y.tensor_layout)], lambda ctx, b: k(first(ctx), x, b),
-                            {"scalar": x, "side": "left"}, rules[2])
-            return z
+            return _scalar_op(name, _keeping(kernel, y.dtype) if _weak(x) else kernel, first, y, x, "left", rules[2])
         mesh = x.mesh
         if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
