@@ -96,11 +96,11 @@ def _source(ins: list, outs: list, body: str, dtype: str) -> str:
 def _build(source: str):
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     if key not in _BUILT:
-        where = tempfile.mkdtemp(prefix="mpimesh-cuda-source-")
-        path = os.path.join(where, f"k{key}.so")
-        proc = subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-x", "c++",
-                               "-", "-o", path], input=source, capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"the kernel does not compile:\n{proc.stderr}\n{source}")
-        _BUILT[key] = ctypes.CDLL(path)
+        with tempfile.TemporaryDirectory(prefix="mpimesh-cuda-source-") as where:  # (loaded: no file needed)
+            path = os.path.join(where, f"k{key}.so")
+            proc = subprocess.run([compiler(), "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-x", "c++",
+                                   "-", "-o", path], input=source, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"the kernel does not compile:\n{proc.stderr}\n{source}")
+            _BUILT[key] = ctypes.CDLL(path)
     return _BUILT[key]
