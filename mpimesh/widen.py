@@ -75,14 +75,39 @@ def widening_matmul(xp, a, b, out=None):
     return out
 
 
+def rounding_matmul(xp, a, b, out=None):
+    """`a @ b` of 16-bit floats `a` and `b` of one dtype, summed in float32 and rounded once to that
+    dtype (an einsum's 16-bit result that no rank sums: `widening_matmul`'s product, rounded), into
+    `out` where given (C-contiguous, that dtype). On CuPy the GEMM writes the 16-bit words itself
+    (cuBLAS rounds its float32 sums as it stores them): no float32 product is made and then cast.
+
+    >>> import ml_dtypes
+    >>> a = np.array([[1.0] + [2.0 ** -9] * 256], ml_dtypes.bfloat16)  # a bfloat16 sum would stay at 1
+    >>> y = rounding_matmul(np, a, np.ones((257, 1), ml_dtypes.bfloat16))
+    >>> y.dtype, float(y[0, 0])
+    (dtype(bfloat16), 1.5)
+    """
+    dtype = a.dtype
+    if name(xp) == "cupy" and b.dtype == dtype and is_low_precision(dtype) and a.ndim >= 2 and b.ndim >= 2:
+        y = gpu_matmul(xp, a, b, out if out is not None else xp.empty(a.shape[:-1] + b.shape[-1:], dtype))
+        if y is not None:
+            return y
+    y = widening_matmul(xp, a, b).astype(dtype)
+    if out is None:
+        return y
+    out[...] = y
+    return out
+
+
 def gpu_matmul(xp, a, b, out=None):
     """`a @ b` on CuPy by one strided-batched cuBLAS GEMM (`cublas_matmul`) for float64, float32 (in
     the matmul precision) or 16-bit float (into float32) `a` and `b` of one dtype and the same leading
-    shape, into `out` where given (C-contiguous, the product's shape and dtype); else None."""
+    shape, into `out` where given (C-contiguous, the product's shape and dtype, or for 16-bit inputs
+    their own dtype: rounded by the GEMM); else None."""
     if a.dtype != b.dtype or a.dtype not in _CUDA_TYPES or a.shape[:-2] != b.shape[:-2] or a.ndim < 2 \
             or b.ndim < 2:
         return None
-    if out is not None and (out.dtype != _out_dtype(a.dtype) or not out.flags.c_contiguous):
+    if out is not None and (out.dtype not in (_out_dtype(a.dtype), a.dtype) or not out.flags.c_contiguous):
         y = gpu_matmul(xp, a, b)
         out[...] = y
         return out
@@ -117,7 +142,8 @@ def _gemm_operand(x):
 
 def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F, out=None):
     """`a @ b` (same leading shape) into a new float32 array (float64 for float64 inputs), or into
-    `out` (C-contiguous, of that shape and dtype), by one strided-batched cuBLAS GEMM with compute
+    `out` (C-contiguous, of that shape and dtype, or 16-bit inputs' own dtype: cuBLAS rounds the
+    float32 sums as it stores them), by one strided-batched cuBLAS GEMM with compute
     type `compute` (`cublas`: CuPy's or `mpimesh.cublas`'s bindings, or a stand-in with the same calls).
 
     cuBLAS is column-major: to it, a row-major `[r, c]` block is the column-major `[c, r]` matrix

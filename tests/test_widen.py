@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpimesh.widen import cublas_matmul, widening_matmul
+from mpimesh.widen import cublas_matmul, rounding_matmul, widening_matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _TYPES = {2: np.dtype(np.float16), 14: BF16, 0: np.dtype(np.float32), 1: np.dtype(np.float64)}  # cudaDataType_t
@@ -70,7 +70,7 @@ class FakeCublas:
         # op(A) is m x k: A itself (N, stored m x k, lda >= m) or the transpose of a stored k x m (T, lda >= k)
         assert lda >= (k if transa else m) and ldb >= (n if transb else k) and ldc >= m
         self.calls += 1
-        self.ops = (transa, transb)
+        self.ops, self.types = (transa, transb), (Atype, Btype, Ctype)
         scalar = ctypes.c_double if compute == 70 else ctypes.c_float
         al, be = (float(np.ctypeslib.as_array((scalar * 1).from_address(p))[0]) for p in (alpha, beta))
         for i in range(batch):
@@ -142,6 +142,33 @@ def test_float64_products_stay_float64_and_write_into_out():
     np.testing.assert_allclose(np.asarray(out), a @ b, rtol=1e-14)
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
+def test_a_16bit_result_is_rounded_by_the_gemm(monkeypatch, dtype):
+    """`rounding_matmul` on a GPU: one GEMM whose C is the 16-bit dtype (cuBLAS rounds the float32
+    sums as it stores them: no float32 product, no cast pass), into `out` where given; each entry
+    1 + 256·2^-9 summed in float32 (1.5) and rounded once; where the shapes do not fit one call
+    (a broadcast batch), the widening product rounded."""
+    from mpimesh import widen
+    fake = FakeCublas()
+    monkeypatch.setattr(widen, "name", lambda xp: "cupy" if xp is FAKE_XP else "numpy")
+    monkeypatch.setattr(widen, "_cublas", lambda xp=None: fake)
+    a = _device(np.tile(np.array([1.0] + [2.0 ** -9] * 256, dtype), (2, 3, 1)))  # [2, 3, 257]
+    b = _device(np.ones((2, 257, 4), dtype))
+    got = rounding_matmul(FAKE_XP, a, b)
+    assert fake.calls == 1 and fake.types == (_CODE[dtype],) * 3 and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float64), np.full((2, 3, 4), 1.5))
+    out = _device(np.full((2, 3, 4), np.nan, dtype))
+    assert rounding_matmul(FAKE_XP, a, b, out) is out and fake.calls == 2
+    np.testing.assert_array_equal(np.asarray(out).astype(np.float64), np.full((2, 3, 4), 1.5))
+    monkeypatch.setattr(FAKE_XP, "matmul", np.matmul, raising=False)
+    wide = rounding_matmul(FAKE_XP, a[:1], b)  # (batch 1 against 2: not one strided call)
+    assert fake.calls == 2 and wide.dtype == dtype and wide.shape == (2, 3, 4)
+    np.testing.assert_array_equal(np.asarray(wide).astype(np.float64), np.full((2, 3, 4), 1.5))
+
+
+_CODE = {BF16: 14, np.dtype(np.float16): 2}  # CUDA_R_16BF, CUDA_R_16F
+
+
 def test_capturing_stream_takes_the_ctypes_bindings(monkeypatch):
     """While the current stream captures a CUDA graph, GEMMs go through `mpimesh.cublas` (CuPy's
     bindings refuse every cuBLAS call then); otherwise through CuPy's."""
@@ -204,28 +231,36 @@ def test_accumulates_in_float32(dtype):
     assert got.dtype == np.float32 and float(got[0, 0]) == 1.5
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "bfloat16 rounded"])
 def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
     """On a GPU: einsum's GEMM captured in a CUDA graph (CuPy's own cuBLAS calls refuse capture),
-    launched into a poisoned output, writes what the same call writes eagerly, bit for bit."""
+    launched into a poisoned output, writes what the same call writes eagerly, bit for bit; a
+    16-bit C ("rounded", `rounding_matmul`) is the float32 product rounded to the nearest (within
+    one bfloat16 step of the cast CuPy makes)."""
     from mpimesh.backend import device_count
     if device_count() == 0:
         pytest.skip("needs CuPy and a GPU")
     import cupy
     from mpimesh.widen import gpu_matmul
+    rounded = dtype.endswith("rounded")
+    matmul = rounding_matmul if rounded else gpu_matmul
     rng = np.random.default_rng(3)
-    a = cupy.asarray(rng.standard_normal((3, 64, 32)).astype(BF16 if dtype == "bfloat16" else dtype))
-    b = cupy.asarray(rng.standard_normal((3, 32, 48)).astype(BF16 if dtype == "bfloat16" else dtype))
-    want = gpu_matmul(cupy, a, b)
+    a = cupy.asarray(rng.standard_normal((3, 64, 32)).astype(BF16 if dtype.startswith("bfloat16") else dtype))
+    b = cupy.asarray(rng.standard_normal((3, 32, 48)).astype(BF16 if dtype.startswith("bfloat16") else dtype))
+    want = matmul(cupy, a, b)
+    assert want.dtype == (BF16 if rounded else np.float64 if dtype == "float64" else np.float32)
+    if rounded:
+        np.testing.assert_allclose(want.get().astype(np.float64), gpu_matmul(cupy, a, b).get(), rtol=2.0 ** -8)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         out = cupy.empty_like(want)
         stream.begin_capture()
-        gpu_matmul(cupy, a, b, out)
+        matmul(cupy, a, b, out)
         graph = stream.end_capture()
-        out.fill(np.nan)
+        out[...] = cupy.full(out.shape, np.nan, np.float32).astype(out.dtype)  # (poisoned: the launch writes it)
         graph.launch(stream=stream)
         stream.synchronize()
     assert out.dtype == want.dtype and out.tobytes() == want.tobytes()
-    np.testing.assert_allclose(out.get(), np.matmul(a.get().astype(np.float64), b.get().astype(np.float64)),
+    np.testing.assert_allclose(out.get().astype(np.float64),
+                               np.matmul(a.get().astype(np.float64), b.get().astype(np.float64)),
                                rtol=1e-2 if dtype != "float64" else 1e-12, atol=1e-2 if dtype != "float64" else 1e-12)

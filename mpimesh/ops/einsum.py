@@ -33,7 +33,7 @@ from ..partials import claim, partial_for, pending
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch, saving
-from ..widen import gpu_matmul, tf32_math, widening_matmul
+from ..widen import gpu_matmul, rounding_matmul, tf32_math, widening_matmul
 from .relayout import to_layout
 from .rowwise import column_sums, fused_rows
 
@@ -400,10 +400,12 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
         # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
         # rounds once to the 16-bit result, whose words its second half moves (`allreduce(dtype=)`:
         # 3/4 of a float32 allreduce's bytes). A bucket sums the float32 partials (`mpimesh.buckets`).
+        # A result no rank sums is rounded by the GEMM itself on a GPU (`rounding_matmul`).
         wide = low and name(xp) != "numpy" and (bmm is not None or pair is not None and bool(pair[1]))
         if low and not wide:
             arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
-        matmul = widening_matmul if wide else _matmul
+        matmul = _matmul if not wide else rounding_matmul if (
+            rounded and not summed and out is None and all(a.dtype == out_dtype for a in arrays)) else widening_matmul
         if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
             a, b = arrays[::-1] if pair[0] else arrays
             if pair[1]:
@@ -445,7 +447,7 @@ def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: boo
             return out
         if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
             return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
-        return y.astype(out_dtype) if rounded else y
+        return y.astype(out_dtype) if rounded and y.dtype != out_dtype else y  # (rounding_matmul's: rounded)
     return lower
 
 
