@@ -27,6 +27,9 @@ _SIGNATURES = {
     # C, Ctype, ldc, strideC, batchCount, computeType, algo
     "cublasGemmStridedBatchedEx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _LL, _P, _I, _I, _LL, _P,
                                    _P, _I, _I, _LL, _I, _I, _I],
+    # handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+    # computeType, algo
+    "cublasGemmEx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I],
 }
 
 
@@ -44,8 +47,8 @@ def _library_path(maps: Iterable[str]) -> Optional[str]:
 
 
 class Bindings:
-    """`getPointerMode`, `setPointerMode` and `gemmStridedBatchedEx` on `lib` (a ctypes library of
-    cuBLAS), the GEMM on the stream `stream()` returns (a pointer)."""
+    """`getPointerMode`, `setPointerMode`, `gemmEx` and `gemmStridedBatchedEx` on `lib` (a ctypes
+    library of cuBLAS), the GEMMs on the stream `stream()` returns (a pointer)."""
 
     def __init__(self, lib, stream: Callable[[], int]):
         self.stream = stream
@@ -74,6 +77,10 @@ class Bindings:
     def gemmStridedBatchedEx(self, handle: int, *args) -> None:
         self._call("cublasSetStream_v2", handle, self.stream())
         self._call("cublasGemmStridedBatchedEx", handle, *args)
+
+    def gemmEx(self, handle: int, *args) -> None:
+        self._call("cublasSetStream_v2", handle, self.stream())
+        self._call("cublasGemmEx", handle, *args)
 
 
 _loaded: dict = {}

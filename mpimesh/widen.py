@@ -6,8 +6,9 @@ An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after t
 
 - numpy: the blocks are upcast to float32 and multiplied by sgemm (BLAS has no 16-bit kernels, and
   ml_dtypes' own matmul loops in Python-level ufuncs);
-- CuPy: one cuBLAS `GemmStridedBatchedEx` with 16-bit A and B, a float32 C and `CUBLAS_COMPUTE_32F`:
-  tensor cores read the 16-bit words directly, no upcast copies are made;
+- CuPy: one cuBLAS GEMM (`GemmEx`, or `GemmStridedBatchedEx` for a batch) with 16-bit A and B, a
+  float32 C and `CUBLAS_COMPUTE_32F`: tensor cores read the 16-bit words directly, no upcast
+  copies are made;
 - JAX (a replay): `matmul(..., preferred_element_type=float32)`, which XLA lowers the same way.
 
 float32 blocks on CuPy take the same cuBLAS call, with `CUBLAS_COMPUTE_32F_FAST_TF32` (TF32 tensor
@@ -100,7 +101,7 @@ def rounding_matmul(xp, a, b, out=None):
 
 
 def gpu_matmul(xp, a, b, out=None):
-    """`a @ b` on CuPy by one strided-batched cuBLAS GEMM (`cublas_matmul`) for float64, float32 (in
+    """`a @ b` on CuPy by one cuBLAS GEMM (`cublas_matmul`) for float64, float32 (in
     the matmul precision) or 16-bit float (into float32) `a` and `b` of one dtype and the same leading
     shape, into `out` where given (C-contiguous, the product's shape and dtype, or for 16-bit inputs
     their own dtype: rounded by the GEMM); else None."""
@@ -143,7 +144,8 @@ def _gemm_operand(x):
 def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F, out=None):
     """`a @ b` (same leading shape) into a new float32 array (float64 for float64 inputs), or into
     `out` (C-contiguous, of that shape and dtype, or 16-bit inputs' own dtype: cuBLAS rounds the
-    float32 sums as it stores them), by one strided-batched cuBLAS GEMM with compute
+    float32 sums as it stores them), by one cuBLAS GEMM (`GemmEx` for one product, else
+    `GemmStridedBatchedEx`) with compute
     type `compute` (`cublas`: CuPy's or `mpimesh.cublas`'s bindings, or a stand-in with the same calls).
 
     cuBLAS is column-major: to it, a row-major `[r, c]` block is the column-major `[c, r]` matrix
@@ -174,15 +176,17 @@ def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F, out=None):
     handle = xp.cuda.device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, _POINTER_MODE_HOST)
+    ops = (_OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k)
+    one, zero = (_ONE64, _ZERO64) if out.dtype == np.float64 else (_ONE, _ZERO)
+    types = _CUDA_TYPES[b.dtype], _CUDA_TYPES[a.dtype], _CUDA_TYPES[out.dtype]
     try:
-        cublas.gemmStridedBatchedEx(
-            handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k,
-            (_ONE64 if out.dtype == np.float64 else _ONE).ctypes.data,
-            b.data.ptr, _CUDA_TYPES[b.dtype], ldb, sb,
-            a.data.ptr, _CUDA_TYPES[a.dtype], lda, sa,
-            (_ZERO64 if out.dtype == np.float64 else _ZERO).ctypes.data,
-            out.data.ptr, _CUDA_TYPES[out.dtype], n, m * n,
-            batch, compute, _GEMM_DEFAULT)
+        if batch == 1:  # (the plain GEMM: as PyTorch's 2-D matmul, cuBLAS's heuristics for one product)
+            cublas.gemmEx(handle, *ops, one.ctypes.data, b.data.ptr, types[0], ldb, a.data.ptr, types[1], lda,
+                          zero.ctypes.data, out.data.ptr, types[2], n, compute, _GEMM_DEFAULT)
+        else:
+            cublas.gemmStridedBatchedEx(handle, *ops, one.ctypes.data, b.data.ptr, types[0], ldb, sb,
+                                        a.data.ptr, types[1], lda, sa, zero.ctypes.data,
+                                        out.data.ptr, types[2], n, m * n, batch, compute, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(handle, mode)
     return out

@@ -72,6 +72,12 @@ class ComputeTypes(FakeCublas):
         self.computes.append(compute)
         super().gemmStridedBatchedEx(*head, F32_COMPUTE, algo)
 
+    def gemmEx(self, *args):
+        *head, compute, algo = args
+        assert compute != TF32_COMPUTE or args[8] == args[11] == args[15] == 0, "FAST_TF32 needs float32 A, B and C"
+        self.computes.append(compute)
+        super().gemmEx(*head, F32_COMPUTE if compute == TF32_COMPUTE else compute, algo)
+
 
 def _cupy_like(cublas: ComputeTypes) -> types.ModuleType:
     """test_widen's fake device arrays under CuPy's name; `matmul` is CuPy's own, the one that must
@@ -95,8 +101,8 @@ def test_batched_float32_gemm_compute_type(monkeypatch, precision, setting, want
 
 def test_16_bit_inputs_stay_float32_sums_and_2d_float32_takes_the_setting(monkeypatch, precision):
     """16-bit inputs are read as they are, into float32 sums, at either precision; a 2-D float32 matmul
-    takes the same cuBLAS call as a batched one (CuPy's own cannot be captured in a CUDA graph), in
-    the setting's compute type; CuPy's matmul is not used."""
+    takes cuBLAS's GemmEx (CuPy's own matmul cannot be captured in a CUDA graph), in the setting's
+    compute type; CuPy's matmul is not used."""
     cublas = ComputeTypes()
     monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
     precision("tf32")
@@ -107,7 +113,7 @@ def test_16_bit_inputs_stay_float32_sums_and_2d_float32_takes_the_setting(monkey
     assert cublas.computes == [F32_COMPUTE]
     a, b = _values((3, 4), F32, 5), _values((4, 2), F32, 6)
     np.testing.assert_array_equal(np.asarray(_matmul(cp, _device(a), _device(b))), a.astype(np.float64) @ b)
-    assert cublas.computes == [F32_COMPUTE, TF32_COMPUTE]
+    assert cublas.computes == [F32_COMPUTE, TF32_COMPUTE] and cublas.gemm_ex == 1
 
 
 def _linalg_stand_in(calls: list) -> types.ModuleType:

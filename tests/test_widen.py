@@ -82,6 +82,13 @@ class FakeCublas:
             value = al * (a @ b) + (be * c.astype(np.float64) if be else 0.0)  # beta 0: C is never read
             flat[off + np.arange(m)[:, None] + ldc * np.arange(n)[None, :]] = value
 
+    def gemmEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+               compute, algo):
+        """`cublasGemmEx`: the one product of `gemmStridedBatchedEx` (a batch of 1, no strides)."""
+        self.gemm_ex = getattr(self, "gemm_ex", 0) + 1
+        FakeCublas.gemmStridedBatchedEx(self, handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb,
+                                        0, beta, C, Ctype, ldc, 0, 1, compute, algo)
+
 
 def _values(shape, dtype, seed: int) -> np.ndarray:
     """Multiples of 1/8 in [-4, 4): exact in both 16-bit floats."""
@@ -100,7 +107,10 @@ def test_cublas_arguments(shapes, dtype):
     got = cublas_matmul(FAKE_XP, fake, _device(a), _device(b))
     assert got.dtype == np.float32 and got.shape == np.matmul(a, b).shape
     np.testing.assert_array_equal(np.asarray(got), a.astype(np.float64) @ b.astype(np.float64))
-    assert fake.mode == 1 and fake.calls == (1 if got.size and a.shape[-1] else 0)
+    called = got.size and a.shape[-1]
+    assert fake.mode == 1 and fake.calls == (1 if called else 0)
+    # one product (2-D, or a batch of 1) takes the plain GemmEx, as PyTorch's 2-D matmul does
+    assert getattr(fake, "gemm_ex", 0) == (1 if called and np.prod(a.shape[:-2]) == 1 else 0)
 
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (True, False), (True, True)])
@@ -205,15 +215,20 @@ def test_ctypes_bindings_bind_the_stream_then_call_and_check_status():
     lib = SimpleNamespace(cublasSetStream_v2=_FakeFunction("stream", log),
                           cublasGetPointerMode_v2=_FakeFunction("get", log, value=1),
                           cublasSetPointerMode_v2=_FakeFunction("set", log),
-                          cublasGemmStridedBatchedEx=_FakeFunction("gemm", log))
+                          cublasGemmStridedBatchedEx=_FakeFunction("gemm", log),
+                          cublasGemmEx=_FakeFunction("gemm1", log))
     cublas = Bindings(lib, stream=lambda: 1234)
     gemm_args = lib.cublasGemmStridedBatchedEx.argtypes  # 23; the batch strides are long long
     assert len(gemm_args) == 23 and [i for i, t in enumerate(gemm_args) if t is ctypes.c_longlong] == [10, 14, 19]
+    one_args = lib.cublasGemmEx.argtypes  # 19: pointers at alpha, A, B, beta, C
+    assert len(one_args) == 19 and [i for i, t in enumerate(one_args) if t is ctypes.c_void_p] == [0, 6, 7, 10, 13, 14]
     assert cublas.getPointerMode(7) == 1
     cublas.setPointerMode(7, 0)
     cublas.gemmStridedBatchedEx(7, *range(22))
     assert [n for n, _ in log] == ["get", "set", "stream", "gemm"] and log[2][1] == (7, 1234)
     assert log[3][1] == (7, *range(22))
+    cublas.gemmEx(7, *range(18))
+    assert [n for n, _ in log[4:]] == ["stream", "gemm1"] and log[5][1] == (7, *range(18))
     lib.cublasGemmStridedBatchedEx.status = 7
     with pytest.raises(CublasCallError, match="cublasGemmStridedBatchedEx returned cuBLAS status 7"):
         cublas.gemmStridedBatchedEx(7, *range(22))
@@ -245,8 +260,15 @@ def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
     rounded = dtype.endswith("rounded")
     matmul = rounding_matmul if rounded else gpu_matmul
     rng = np.random.default_rng(3)
-    a = cupy.asarray(rng.standard_normal((3, 64, 32)).astype(BF16 if dtype.startswith("bfloat16") else dtype))
-    b = cupy.asarray(rng.standard_normal((3, 32, 48)).astype(BF16 if dtype.startswith("bfloat16") else dtype))
+    kind = BF16 if dtype.startswith("bfloat16") else np.dtype(dtype)
+    for lead in ((3,), ()):  # a batch (GemmStridedBatchedEx) and one product (GemmEx)
+        a, b = (cupy.asarray(rng.standard_normal(lead + s).astype(kind)) for s in ((64, 32), (32, 48)))
+        _captured_equals_eager(cupy, matmul, a, b, dtype, rounded)
+
+
+def _captured_equals_eager(cupy, matmul, a, b, dtype: str, rounded: bool) -> None:
+    """`matmul(cupy, a, b)` captured in a CUDA graph and launched writes what it writes eagerly."""
+    from mpimesh.widen import gpu_matmul
     want = matmul(cupy, a, b)
     assert want.dtype == (BF16 if rounded else np.float64 if dtype == "float64" else np.float32)
     if rounded:
