@@ -240,3 +240,19 @@ def test_in_place_only_where_it_can(mesh: mm.Mesh) -> None:
         want = sum(values((2, 3), seed_of(mesh, [m], r)) for r in range(k))
         assert coll.allreduce(y, [m], out=view) is view
         np.testing.assert_array_equal(y, want)
+
+
+def test_host_buffers_on_a_gpu_mesh_are_compared_by_numpy() -> None:
+    """Whether a transport may receive into `out`: host arrays handed to a GPU mesh's collectives
+    are compared by numpy (CuPy's `may_share_memory` refuses host arrays), views of one buffer overlap."""
+    from types import SimpleNamespace
+
+    from mpimesh.collectives.base import _fits
+
+    def refuse(a, b):
+        raise TypeError("Unsupported type <class 'numpy.ndarray'>")
+    gpu = SimpleNamespace(may_share_memory=refuse)
+    x, out = np.zeros(8), np.zeros(8)
+    assert _fits(gpu, out, x, in_place=False)
+    assert not _fits(gpu, x[2:], x[:4], in_place=False) and not _fits(gpu, x, x, in_place=False)
+    assert _fits(gpu, x, x, in_place=True) and not _fits(gpu, np.zeros((4, 4))[:, :2], x, in_place=False)

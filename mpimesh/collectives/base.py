@@ -474,12 +474,14 @@ def _with(shape: tuple, axis: int, n: int) -> tuple:
 
 def _fits(xp, out, x, in_place: bool) -> bool:
     """Whether a transport may receive into `out`: C-contiguous and apart from `x` (or, where
-    `in_place`, `x` itself)."""
+    `in_place`, `x` itself). Host arrays on a GPU mesh are compared by numpy (CuPy's test takes
+    device arrays only)."""
     if not out.flags.c_contiguous:
         return False
     if out is x:
         return in_place
-    return not xp.may_share_memory(out, x)
+    host = isinstance(out, np.ndarray) and isinstance(x, np.ndarray)
+    return not (np if host else xp).may_share_memory(out, x)
 
 
 def _copy(out, result):
