@@ -93,12 +93,13 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
             if into and a.ndim and b.dtype in (a.dtype, _BOOL) and a.dtype.kind in "fc":
                 return getattr(ctx.xp, ufunc)(a, align(ctx.xp, b, yd, od), out=a)
             return plain(ctx, a, b)
-        lower.into = {0: 0}
+        lower.into = _OVER_FIRST
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
             tuple(out_layout[out.index(n)] for n in ys.names), lower)
 
 
 _BOOL = np.dtype(bool)
+_OVER_FIRST = {0: 0}  # a kernel's `into`: its output over its first input
 _IN_PLACE = {"add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "true_divide",
              "minimum": "minimum", "maximum": "maximum"}
 """The ops whose kernel is one ufunc, by name: a compiled step's replay writes their result over an
@@ -109,18 +110,18 @@ the op's own kernel."""
 
 def _scalar_op(name: str, k: Callable, first: Callable, t, v, side: str, rule):
     """The op of tensor `t` and number `v` (on the `side` of it) by kernel `k`: a replay may write
-    it over t's block where the op is one ufunc and the result has t's dtype (a float one, 32 or
-    64 bits)."""
-    ufunc = _IN_PLACE.get(name)
+    it over t's block where the op is one ufunc and `v` a Python number that leaves t's dtype (a
+    float or complex one of 32 bits or more) as it is."""
+    ufunc, dt = _IN_PLACE.get(name), t.dtype
     if side == "right":
         def lower(ctx, a, into=()):
             return getattr(ctx.xp, ufunc)(a, v, out=a) if into else k(first(ctx), a, v)
     else:
         def lower(ctx, a, into=()):
             return getattr(ctx.xp, ufunc)(v, a, out=a) if into else k(first(ctx), v, a)
+    if ufunc is not None and dt.kind in "fc" and dt.itemsize >= 4 and _weak(v):  # (complex v: not weak)
+        lower.into = _OVER_FIRST
     (z,) = dispatch(name, [t], [(t.shape, t.tensor_layout)], lower, {"scalar": v, "side": side}, rule)
-    if ufunc and z.dtype == t.dtype and t.dtype.kind in "fc" and not is_low_precision(t.dtype):
-        lower.into = {0: 0}
     return z
 
 
