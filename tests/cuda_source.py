@@ -2,6 +2,10 @@
 inside a loop over the elements, so that the CUDA sources mpimesh ships are checked against its
 numpy lowerings on machines without a GPU.
 
+`raw_module(code, params)` compiles a `RawModule`'s source (its CUDA prelude replaced by `CPU_PRELUDE`:
+a warp of one thread) and returns its kernels, each called as CuPy calls one: `f(grid, block, args)`,
+every (block, thread) run in turn.
+
 `elementwise(in_params, out_params, body)` returns `f(*inputs) -> output(s)`, called as a CuPy
 `ElementwiseKernel` is: a plain parameter is one element (arrays broadcast to the output's shape,
 or to `size=`, as CuPy's where every array is raw), a `raw` parameter the whole array, indexed by
@@ -104,3 +108,43 @@ def _build(source: str):
                 raise RuntimeError(f"the kernel does not compile:\n{proc.stderr}\n{source}")
             _BUILT[key] = ctypes.CDLL(path)
     return _BUILT[key]
+
+
+CPU_PRELUDE = """#include <cmath>
+#include <cstring>
+using namespace std;
+#define WARP 1
+#define NEG_INF (-INFINITY)
+#define __global__
+#define __device__
+#define __forceinline__ inline
+struct Dim { unsigned int x; };
+static Dim threadIdx, blockIdx, blockDim;
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+template <typename V> inline V warp_sum(V v) { return v; }
+template <typename V> inline V warp_max(V v) { return v; }
+"""
+_SCALARS = {np.dtype(np.int32): ctypes.c_int, np.dtype(np.int64): ctypes.c_longlong,
+            np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double}
+
+
+def raw_module(code: str, params: dict) -> dict:
+    """The kernels `params` names (`{name: "T* x, long long n, ..."}`) of `code` (after `CPU_PRELUDE`),
+    each as `f(grid, block, args)`: arrays by their data pointer, numpy scalars by their dtype."""
+    launchers = []
+    for name, spec in params.items():
+        names = [p.split()[-1].lstrip("*") for p in spec.split(",")]
+        launchers.append(f'extern "C" void launch_{name}(unsigned int grid, unsigned int block, {spec}) {{\n'
+                         f"  blockDim.x = block;\n  for (unsigned int b = 0; b < grid; ++b)\n"
+                         f"    for (unsigned int t = 0; t < block; ++t) {{ blockIdx.x = b; threadIdx.x = t; "
+                         f"{name}({', '.join(names)}); }}\n}}\n")
+    lib = _build(CPU_PRELUDE + code + "\n".join(launchers))
+
+    def kernel(name):
+        def call(grid, block, args):
+            values = [a.ctypes.data_as(ctypes.c_void_p) if isinstance(a, np.ndarray) else _SCALARS[np.dtype(type(a))](a)
+                      for a in args]
+            getattr(lib, f"launch_{name}")(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *values)
+        return call
+    return {name: kernel(name) for name in params}

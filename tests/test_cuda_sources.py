@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cuda_source  # noqa: E402
@@ -190,6 +191,92 @@ def test_row_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypa
     for lay, g_arrays, w_arrays in zip(lays, got, want):
         for what, a, b in zip(("y", "dx"), g_arrays, w_arrays):
             np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
+
+
+def _one_kernel_rows(nn, monkeypatch) -> list:
+    """softmax's one-kernel rows (`rowwise.ROWS_SOURCE`, compiled for the CPU: a warp of one
+    thread) taken where CuPy would take them; the names of the kernels run, in order."""
+    rowwise = importlib.import_module("mpimesh.ops.rowwise")
+    used: list = []
+    for dt in rowwise.PRELUDE_TYPES:
+        monkeypatch.setitem(rowwise._cuda, ("rows", dt),
+                            cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS))
+    monkeypatch.setattr(nn, "rows_fit", lambda xp, a, axes: a.dtype.name in rowwise.PRELUDE_TYPES and a.size > 0
+                        and tuple(axes) == (a.ndim - 1,) and a.flags.c_contiguous)
+    for name in ("softmax_rows", "softmax_grad_rows"):
+        monkeypatch.setattr(nn, name, lambda *a, _f=getattr(rowwise, name), _n=name, **k: used.append(_n) or _f(*a, **k))
+    return used
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:divide by zero")  # (the row of -inf)
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_kernel_rows_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypatch):
+    """softmax and log_softmax on CuPy by one kernel each way where the rows are whole on a rank
+    (the causal mask inside, bfloat16 read and written as it is): values and gradients equal numpy's
+    lowering to a few units in the last place, on split and uneven layouts (the batch and query
+    dims split: the mask's positions offset); where the reduced dim is split, the two-kernel path.
+    Rows of -inf give NaN, as numpy's lowering does."""
+    nn = importlib.import_module("mpimesh.ops.nn")
+    mesh = get_mesh(shape)
+    rng = np.random.default_rng(6)
+    spec = "b:2;q:6;h:3;k:6"  # (the query dim not next to the reduced one: its row stride is 3)
+    x = (rng.standard_normal((2, 6, 3, 6)) * 4).astype(np.float32)
+    x[1, 2, 1] = -np.inf  # a row of -inf
+    w = rng.standard_normal(x.shape)
+    lays = layouts(mesh, ["b", "q", "k"], limit=6)
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay), mm.trace():
+                xt = mm.cast(mesh.from_numpy(x, spec), dtype)
+                y = getattr(mm, op)(xt, "k", causal="q" if causal else None)
+                (g,) = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, spec), dtype))], [xt])
+                out.append([y.to_numpy().astype(np.float64), g.to_numpy().astype(np.float64)])
+        return out
+    want = run()
+    used = _one_kernel_rows(nn, monkeypatch)
+    got = run()
+    whole = [lay for lay in lays if "k" not in lay]
+    # (a rank whose block is empty, on 3 ranks, runs neither path)
+    assert used == ["softmax_rows", "softmax_grad_rows"] * (len(used) // 2), used
+    assert MPI.COMM_WORLD.allreduce(len(used), op=MPI.MAX) == 2 * len(whole), (used, lays)
+    eps = 8 * (2.0 ** -8 if dtype == "bfloat16" else np.finfo(dtype).eps)
+    scale = {"y": 1.0, "dx": np.abs(w).max() * x.shape[-1]}  # (dx: g - sum(g * y) cancels: the sum's error)
+    for lay, g_arrays, w_arrays in zip(lays, got, want):
+        for what, a, b in zip(("y", "dx"), g_arrays, w_arrays):
+            assert (np.isnan(a) == np.isnan(b)).all(), (lay, what)
+            finite = np.isfinite(b)
+            np.testing.assert_allclose(a[finite], b[finite], rtol=eps, atol=eps * scale[what] * np.abs(b[finite]).max(),
+                                       err_msg=f"{lay} {what}")
+
+
+def test_the_row_kernels_bfloat16_words_are_ml_dtypes_roundings():
+    """The one-kernel rows' bfloat16 load and store (`rowwise.PRELUDE_TYPES`): every float32 read
+    back exactly, and rounded to the nearest bfloat16, ties to even, as ml_dtypes rounds (NaN stays
+    NaN, infinities and subnormals kept)."""
+    rowwise = importlib.import_module("mpimesh.ops.rowwise")
+    spec = {"round_trip": "const float* x, T* y, A* back, long long n"}
+    source = ('extern "C" __global__ void round_trip(%s) {\n  long long i = (long long)blockIdx.x * blockDim.x + '
+              'threadIdx.x;\n  if (i < n) { y[i] = store(x[i]); back[i] = load(y[i]); }\n}\n' % spec["round_trip"])
+    kernel = cuda_source.raw_module(rowwise.PRELUDE_TYPES["bfloat16"] + source, spec)["round_trip"]
+    bf16 = np.dtype("bfloat16")
+    rng = np.random.default_rng(8)
+    words = rng.integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32)
+    ties = (rng.integers(0, 2 ** 16, 200, dtype=np.uint32) << 16) | 0x8000  # exactly half-way
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 3.4e38, 1.0, 1 + 2 ** -8], np.float32)
+    x = np.concatenate([words.view(np.float32), ties.view(np.float32), special])
+    y, back = np.empty(x.size, np.uint16), np.empty(x.size, np.float32)
+    kernel((x.size // 64 + 1,), (64,), (x, y, back, np.int64(x.size)))
+    with np.errstate(invalid="ignore"):  # (numpy warns casting NaN)
+        want = x.astype(bf16)
+    nan = np.isnan(x)
+    assert np.isnan(y.view(bf16)[nan].astype(np.float32)).all()
+    assert (y[~nan] == want[~nan].view(np.uint16)).all()
+    np.testing.assert_array_equal(back[~nan], want[~nan].astype(np.float32))
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

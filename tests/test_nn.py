@@ -236,3 +236,37 @@ def test_errors() -> None:
         mm.softmax(x, "w")
     with pytest.raises(mm.ShapeError, match="no reduced dim"):
         mm.log_softmax(x, [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_one_kernel_rows_on_a_gpu(dtype) -> None:
+    """On CuPy, softmax and log_softmax over the last axis, rows whole on each rank, run one kernel
+    each way (`rowwise.ROWS_SOURCE`: a warp per row, its shuffles summing 300-long rows, not a
+    multiple of the warp), with the causal mask inside: values and gradients against float64 numpy."""
+    mesh = get_mesh(SHAPES[0])
+    if mesh.backend != "cupy":
+        pytest.skip("CuPy's kernels (their sources run on the CPU in test_cuda_sources.py)")
+    from mpimesh.ops import rowwise
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((2, 300, 3, 300)) * 3).astype(np.float32)
+    w = rng.standard_normal(x.shape).astype(np.float32)
+    xr = x.astype("bfloat16").astype(np.float64) if dtype == "bfloat16" else x.astype(np.float64)
+    wr = w.astype("bfloat16").astype(np.float64) if dtype == "bfloat16" else w.astype(np.float64)
+    future = np.arange(300)[None, None, None, :] > np.arange(300)[None, :, None, None]
+    logp = ref_log_softmax(np.where(future, xr - 1e9, xr), (3,))
+    tol = {"float32": 1e-5, "float64": 1e-12, "bfloat16": 2e-2}[dtype]
+    with mm.layout_scope(mesh, f"b:{mesh.shape.names[0]}"):
+        for op, want in (("softmax", np.exp(logp)), ("log_softmax", logp)):
+            with mm.trace():
+                xt = mm.cast(mesh.from_numpy(x, "b:2;q:300;h:3;k:300"), dtype)
+                y = getattr(mm, op)(xt, "k", causal="q")
+                (g,) = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, "b:2;q:300;h:3;k:300"), dtype))],
+                                    [xt])
+            assert rowwise._cuda.get(("rows", dtype)) is not None, "the one-kernel rows did not compile"
+            p = np.exp(logp)
+            if op == "softmax":
+                dx = p * (wr - (wr * p).sum(axis=3, keepdims=True))
+            else:
+                dx = wr - p * wr.sum(axis=3, keepdims=True)
+            np.testing.assert_allclose(y.to_numpy().astype(np.float64), want, rtol=tol, atol=tol)
+            np.testing.assert_allclose(g.to_numpy().astype(np.float64), dx, rtol=tol, atol=tol * np.abs(dx).max())

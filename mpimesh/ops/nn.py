@@ -37,7 +37,7 @@ from ..tensor import tensor_arg
 from ..trace import dispatch, saving
 from .elementwise import bias_grad
 from .relayout import laid_out_within, to_layout
-from .rowwise import fused_rows, row_dot, row_sum, row_kernel
+from .rowwise import fused_rows, row_dot, row_kernel, row_sum, rows_fit, softmax_grad_rows, softmax_rows
 
 MASK_VALUE = -1e9
 """What a masked entry gets added before a softmax (a dtype that cannot hold it, float16, gets its
@@ -124,6 +124,10 @@ def _normalize(name: str, log: bool, doc: str):
 
         def lower(ctx, a, *b):
             xp = ctx.xp
+            if not b and not mdims and rows_fit(xp, a, axes):  # CuPy, the rows whole here: one kernel
+                causal = () if q_axis is None else (q_axis, ctx.span(shape[q_axis].size, layout[q_axis])[0],
+                                                    ctx.span(shape[axes[0]].size, layout[axes[0]])[0])
+                return softmax_rows(xp, a, log, masked, causal)
             eager = is_eager(xp)  # numpy, CuPy: the same steps in place (fewer arrays, the same values)
             fresh = bool(b) or low  # whether `a` is this kernel's own array
             if b:  # x + bias, in x's dtype as the add op computes it
@@ -201,6 +205,8 @@ def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
 
     def lower(ctx, out, g):
         xp = ctx.xp
+        if not mdims and rows_fit(xp, out, axes) and g.dtype == out.dtype and g.flags.c_contiguous:
+            return softmax_grad_rows(xp, out, g, log)  # CuPy, the rows whole here: one kernel
         if acc != dt:  # 16-bit floats: in float32 (the sums across ranks too), rounded once
             out, g = out.astype(acc), g.astype(acc)
         if fused_rows(xp, out, g):  # CuPy: the row sum (of dy, or of dy * y), then dx: two kernels

@@ -15,6 +15,14 @@ Layer norm likewise: the mean, the centred squares' sum and one output kernel fo
 normalised x, the two sums and dx backwards. Column sums over leading axes (`column_sums`) take a
 kernel of their own.
 
+Where a softmax's row is the last axis of a contiguous block, whole on this rank (no sum across
+ranks), one kernel does all of it each way (`ROWS_SOURCE`, `softmax_rows`, `softmax_grad_rows`):
+one warp per row reads the row for its max, again (from cache) for the sum, and writes the output,
+the causal mask added as it reads; bfloat16 is read and written as it is and computed in float32.
+The two-kernel path made a pass for the mask, the max, the sum and the output (and, in bfloat16, a
+cast each way). The same source compiles for the CPU with a warp of one thread (`PRELUDE_TYPES`
+holds everything but the warp's shuffles), which is how the CPU suite checks it.
+
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
 >>> row_sum(np, a, (1,)).tolist(), row_dot(np, a, a, (1,)).tolist()
@@ -111,3 +119,135 @@ def column_sums(xp, arrays: list, rows: int, cols: int):
     chunks = -(-rows // COLUMN_CHUNK)
     partial = _cuda["columns", n](*arrays, rows, cols, COLUMN_CHUNK, size=chunks * cols)
     return partial.reshape(chunks, cols).sum(axis=0) if chunks > 1 else partial
+
+
+# One warp per row: `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `_GPU_PRELUDE` (a CPU
+# build gives a warp of one thread); `T` the stored dtype, `A` the arithmetic's, `load`/`store`
+# convert (`PRELUDE_TYPES`). The row's max skips NaN (a NaN makes the sum, so the whole row, NaN),
+# and a row whose max is not finite takes 0 for it, as the two-kernel path does (all -inf: NaN).
+ROWS_PARAMS = {
+    "mpimesh_softmax_rows": "const T* x, T* y, long long rows, long long n, int log_out, int causal, "
+                            "long long q_div, long long q_mod, long long q_off, long long k_off, A masked",
+    "mpimesh_softmax_grad_rows": "const T* y, const T* g, T* dx, long long rows, long long n, int log_out",
+}
+ROWS_SOURCE = """
+extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
+  long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  long long lane = threadIdx.x %% WARP;
+  if (row >= rows) return;
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  long long q = causal ? (row / q_div) %% q_mod + q_off : 0;
+  A m = NEG_INF;
+  for (long long j = lane; j < n; j += WARP) {
+    A v = load(xr[j]);
+    if (causal && j + k_off > q) v = v + masked;
+    m = v > m ? v : m;
+  }
+  m = warp_max(m);
+  if (!isfinite(m)) m = 0;
+  A s = 0;
+  for (long long j = lane; j < n; j += WARP) {
+    A v = load(xr[j]);
+    if (causal && j + k_off > q) v = v + masked;
+    s += exp(v - m);
+  }
+  s = warp_sum(s);
+  A ls = log(s);
+  for (long long j = lane; j < n; j += WARP) {
+    A v = load(xr[j]);
+    if (causal && j + k_off > q) v = v + masked;
+    yr[j] = store(log_out ? (v - m) - ls : exp(v - m) / s);
+  }
+}
+
+extern "C" __global__ void mpimesh_softmax_grad_rows(%(mpimesh_softmax_grad_rows)s) {
+  long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  long long lane = threadIdx.x %% WARP;
+  if (row >= rows) return;
+  const T* yr = y + row * n;
+  const T* gr = g + row * n;
+  T* dr = dx + row * n;
+  A s = 0;
+  for (long long j = lane; j < n; j += WARP) s += log_out ? load(gr[j]) : load(gr[j]) * load(yr[j]);
+  s = warp_sum(s);
+  for (long long j = lane; j < n; j += WARP) {
+    A yv = load(yr[j]), gv = load(gr[j]);
+    dr[j] = store(log_out ? gv - exp(yv) * s : yv * (gv - s));
+  }
+}
+""" % ROWS_PARAMS
+_TO_BF16 = ("__device__ __forceinline__ unsigned short store(float f) {  /* to nearest, ties to even; NaN quiet */\n"
+            "  unsigned int u = __float_as_uint(f);\n"
+            "  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);\n"
+            "  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);\n}\n")
+PRELUDE_TYPES = {
+    "float32": "typedef float T; typedef float A;\n__device__ __forceinline__ A load(T v) { return v; }\n"
+               "__device__ __forceinline__ T store(A v) { return v; }\n",
+    "float64": "typedef double T; typedef double A;\n__device__ __forceinline__ A load(T v) { return v; }\n"
+               "__device__ __forceinline__ T store(A v) { return v; }\n",
+    "bfloat16": "typedef unsigned short T; typedef float A;\n__device__ __forceinline__ A load(T v) "
+                "{ return __uint_as_float(((unsigned int)v) << 16); }\n" + _TO_BF16,
+}
+_GPU_PRELUDE = """#define WARP 32
+#define NEG_INF (-__int_as_float(0x7f800000))
+template <typename V> __device__ __forceinline__ V warp_sum(V v) {
+  for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename V> __device__ __forceinline__ V warp_max(V v) {
+  for (int o = WARP / 2; o > 0; o /= 2) { V u = __shfl_xor_sync(0xffffffffu, v, o); v = u > v ? u : v; }
+  return v;
+}
+"""
+ROWS_PER_BLOCK = 8  # warps (rows) per block of 256 threads
+
+
+def rows_fit(xp, a, axes: tuple) -> bool:
+    """Whether `softmax_rows` takes `a` (a CuPy array of float32, float64 or bfloat16, C-contiguous,
+    reduced over its last axis alone, not empty) and its kernels compiled."""
+    return (getattr(xp, "__name__", "") == "cupy" and a.dtype.name in PRELUDE_TYPES and a.ndim >= 1
+            and tuple(axes) == (a.ndim - 1,) and a.size > 0 and a.flags.c_contiguous and _rows_kernels(xp, a.dtype))
+
+
+def _rows_kernels(xp, dtype):
+    """`{name: kernel}` of `ROWS_SOURCE` for `dtype`, compiled on first use; None where NVRTC refuses
+    it (then the two-kernel path runs)."""
+    key = ("rows", dtype.name)
+    if key not in _cuda:
+        try:
+            module = xp.RawModule(code=_GPU_PRELUDE + PRELUDE_TYPES[dtype.name] + ROWS_SOURCE)
+            _cuda[key] = {k: module.get_function(k) for k in ROWS_PARAMS}
+        except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
+            _cuda[key] = None
+    return _cuda[key]
+
+
+def _launch(xp, a, which: str, *args) -> None:
+    rows = a.size // a.shape[-1]
+    kernel = _rows_kernels(xp, a.dtype)[which]
+    kernel((-(-rows // ROWS_PER_BLOCK),), (ROWS_PER_BLOCK * 32,), args)
+
+
+def softmax_rows(xp, x, log: bool, masked: float, causal: tuple = ()):
+    """softmax (log_softmax) of `x` over its last axis by one kernel (`rows_fit(xp, x, ...)`):
+    `causal`: `(q_axis, q_start, k_start)`, masking `masked` into entries whose position along the
+    last axis (from `k_start`) is after the row's along `q_axis` (from `q_start`)."""
+    n = x.shape[-1]
+    y = xp.empty_like(x)
+    q_axis, q_start, k_start = causal or (0, 0, 0)
+    q_div = int(np.prod(x.shape[q_axis + 1:-1], dtype=np.int64)) if causal else 1
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    _launch(xp, x, "mpimesh_softmax_rows", x, y, np.int64(x.size // n), np.int64(n), np.int32(log),
+            np.int32(bool(causal)), np.int64(q_div), np.int64(x.shape[q_axis]), np.int64(q_start),
+            np.int64(k_start), acc(masked))
+    return y
+
+
+def softmax_grad_rows(xp, y, g, log: bool):
+    """The input gradient of softmax (log_softmax) output `y` for `g` (of y's shape, dtype and
+    contiguity) over the last axis by one kernel."""
+    dx = xp.empty_like(y)
+    n = y.shape[-1]
+    _launch(xp, y, "mpimesh_softmax_grad_rows", y, g, dx, np.int64(y.size // n), np.int64(n), np.int32(log))
+    return dx
