@@ -136,8 +136,8 @@ def raw_module(code: str, params: dict) -> dict:
     for name, spec in params.items():
         names = [p.split()[-1].lstrip("*") for p in spec.split(",")]
         launchers.append(f'extern "C" void launch_{name}(unsigned int grid, unsigned int block, {spec}) {{\n'
-                         f"  blockDim.x = block;\n  for (unsigned int b = 0; b < grid; ++b)\n"
-                         f"    for (unsigned int t = 0; t < block; ++t) {{ blockIdx.x = b; threadIdx.x = t; "
+                         f"  blockDim.x = block;\n  for (unsigned int blk_ = 0; blk_ < grid; ++blk_)\n"
+                         f"    for (unsigned int thr_ = 0; thr_ < block; ++thr_) {{ blockIdx.x = blk_; threadIdx.x = thr_; "
                          f"{name}({', '.join(names)}); }}\n}}\n")
     lib = _build(CPU_PRELUDE + code + "\n".join(launchers))
 

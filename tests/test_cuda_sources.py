@@ -193,19 +193,32 @@ def test_row_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypa
             np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
 
 
-def _one_kernel_rows(nn, monkeypatch) -> list:
-    """softmax's one-kernel rows (`rowwise.ROWS_SOURCE`, compiled for the CPU: a warp of one
-    thread) taken where CuPy would take them; the names of the kernels run, in order."""
+def _one_kernel_rows(module, names: tuple, monkeypatch) -> list:
+    """`module`'s one-kernel rows (`rowwise.ROWS_SOURCE`, compiled for the CPU: a warp of one
+    thread; the functions `names`) taken where CuPy would take them; the names of those run, in order."""
     rowwise = importlib.import_module("mpimesh.ops.rowwise")
     used: list = []
     for dt in rowwise.PRELUDE_TYPES:
         monkeypatch.setitem(rowwise._cuda, ("rows", dt),
                             cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS))
-    monkeypatch.setattr(nn, "rows_fit", lambda xp, a, axes: a.dtype.name in rowwise.PRELUDE_TYPES and a.size > 0
+    monkeypatch.setattr(module, "rows_fit", lambda xp, a, axes: a.dtype.name in rowwise.PRELUDE_TYPES and a.size > 0
                         and tuple(axes) == (a.ndim - 1,) and a.flags.c_contiguous)
-    for name in ("softmax_rows", "softmax_grad_rows"):
-        monkeypatch.setattr(nn, name, lambda *a, _f=getattr(rowwise, name), _n=name, **k: used.append(_n) or _f(*a, **k))
+    for name in names:
+        monkeypatch.setattr(module, name,
+                            lambda *a, _f=getattr(rowwise, name), _n=name, **k: used.append(_n) or _f(*a, **k))
     return used
+
+
+def _before_and_after(module, names: tuple, run, whole: int, monkeypatch) -> tuple:
+    """`(got, want)`: `run()` on the one-kernel rows and on numpy's lowering; the kernels `names`
+    ran (in that order) for each of the `whole` layouts whose rows are whole on the ranks (a rank
+    whose block is empty, on 3 ranks, runs neither path)."""
+    want = run()
+    used = _one_kernel_rows(module, names, monkeypatch)
+    got = run()
+    assert used == list(names) * (len(used) // 2), used
+    assert MPI.COMM_WORLD.allreduce(len(used), op=MPI.MAX) == 2 * whole, used
+    return got, want
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:divide by zero")  # (the row of -inf)
@@ -237,13 +250,8 @@ def test_one_kernel_rows_equal_the_numpy_lowering(shape, dtype, op, causal, monk
                 (g,) = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, spec), dtype))], [xt])
                 out.append([y.to_numpy().astype(np.float64), g.to_numpy().astype(np.float64)])
         return out
-    want = run()
-    used = _one_kernel_rows(nn, monkeypatch)
-    got = run()
-    whole = [lay for lay in lays if "k" not in lay]
-    # (a rank whose block is empty, on 3 ranks, runs neither path)
-    assert used == ["softmax_rows", "softmax_grad_rows"] * (len(used) // 2), used
-    assert MPI.COMM_WORLD.allreduce(len(used), op=MPI.MAX) == 2 * len(whole), (used, lays)
+    got, want = _before_and_after(nn, ("softmax_rows", "softmax_grad_rows"), run,
+                                  sum("k" not in lay for lay in lays), monkeypatch)
     eps = 8 * (2.0 ** -8 if dtype == "bfloat16" else np.finfo(dtype).eps)
     scale = {"y": 1.0, "dx": np.abs(w).max() * x.shape[-1]}  # (dx: g - sum(g * y) cancels: the sum's error)
     for lay, g_arrays, w_arrays in zip(lays, got, want):
@@ -277,6 +285,42 @@ def test_the_row_kernels_bfloat16_words_are_ml_dtypes_roundings():
     assert np.isnan(y.view(bf16)[nan].astype(np.float32)).all()
     assert (y[~nan] == want[~nan].view(np.uint16)).all()
     np.testing.assert_array_equal(back[~nan], want[~nan].astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("params", ["", "scale", "scale,bias"])
+def test_one_kernel_layer_norm_rows_equal_the_numpy_lowering(shape, dtype, params, monkeypatch):
+    """layer_norm on CuPy by one kernel each way where the normalised dim is the last, whole on a
+    rank (the parameters float32 beside bfloat16 x, as mixed precision keeps them): values and
+    gradients (x's, the scale's, the bias's) equal numpy's lowering to a few units in the last
+    place on split and uneven layouts; where the normalised dim is split, the kernels per step."""
+    norm = importlib.import_module("mpimesh.ops.norm")
+    mesh = get_mesh(shape)
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((4, 3, 37)) * 3 + 1).astype(np.float32)
+    w = rng.standard_normal(x.shape)
+    lays = layouts(mesh, ["b", "l", "d"], limit=5)
+    pdt = "float32" if dtype == "bfloat16" else dtype
+
+    def run():
+        out = []
+        for lay in lays:
+            with mm.layout_scope(mesh, lay), mm.trace():
+                xt = mm.cast(mesh.from_numpy(x, "b:4;l:3;d:37"), dtype)
+                ps = {n: mesh.from_numpy(np.linspace(0.5, 1.5, 37).astype(pdt) + (n == "bias"), "d:37")
+                      for n in params.split(",") if n}
+                y = norm.layer_norm(xt, ("d",), ps.get("scale"), ps.get("bias"))
+                grads = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, "b:4;l:3;d:37"), dtype))],
+                                     [xt, *ps.values()])
+                out.append([y.to_numpy().astype(np.float64), *(g.to_numpy().astype(np.float64) for g in grads)])
+        return out
+    got, want = _before_and_after(norm, ("layer_norm_rows", "layer_norm_grad_rows"), run,
+                                  sum("d" not in lay for lay in lays), monkeypatch)
+    eps = 16 * (2.0 ** -8 if dtype == "bfloat16" else np.finfo(dtype).eps)
+    for lay, g_arrays, w_arrays in zip(lays, got, want):
+        for what, a, b in zip(("y", "dx", "d" + params.split(",")[0], "dbias"), g_arrays, w_arrays):
+            np.testing.assert_allclose(a, b, rtol=eps, atol=eps * np.abs(b).max(), err_msg=f"{lay} {what}")
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -364,3 +364,36 @@ def test_params_with_missing_or_misspelt_keys():
             call()
     np.testing.assert_allclose(mm.layers.layer_norm({}, mesh.from_numpy(np.array([[1.0, 3.0]]), "b:1;d:2"),
                                                     "d").to_numpy(), [[-1.0, 1.0]], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_one_kernel_layer_norm_on_a_gpu(dtype):
+    """On CuPy, layer norm over the last dim, whole on each rank, runs one kernel each way
+    (`rowwise.ROWS_SOURCE`: a warp per row, its shuffles summing 1000-long rows): values and the
+    gradients of x, scale and bias against float64 numpy (bfloat16 x, float32 parameters)."""
+    from meshes import get_mesh
+    mesh = get_mesh(mesh_shapes()[0])
+    if mesh.backend != "cupy":
+        pytest.skip("CuPy's kernels (their sources run on the CPU in test_cuda_sources.py)")
+    from mpimesh.ops import rowwise
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((2, 64, 1000)) * 3 + 1).astype(np.float32)
+    w = rng.standard_normal(x.shape).astype(np.float32)
+    scale, bias = (rng.standard_normal(1000).astype(np.float32) for _ in range(2))
+    xr, wr = ((a.astype("bfloat16") if dtype == "bfloat16" else a).astype(np.float64) for a in (x, w))
+    mu, var = xr.mean(-1, keepdims=True), xr.var(-1, keepdims=True)
+    yhat = (xr - mu) / np.sqrt(var + 1e-6)
+    gs = wr * scale
+    dx = (gs - gs.mean(-1, keepdims=True) - yhat * (gs * yhat).mean(-1, keepdims=True)) / np.sqrt(var + 1e-6)
+    tol = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2}[dtype]
+    with mm.layout_scope(mesh, f"b:{mesh.shape.names[0]}"), mm.trace():
+        pdt = "float64" if dtype == "float64" else "float32"
+        ps = {"scale": mesh.from_numpy(scale.astype(pdt), "d:1000"), "bias": mesh.from_numpy(bias.astype(pdt), "d:1000")}
+        xt = mm.cast(mesh.from_numpy(x, "b:2;l:64;d:1000"), dtype)
+        y = mm.layers.layer_norm(ps, xt, "d")
+        gx, gsc, gb = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, "b:2;l:64;d:1000"), dtype))],
+                                   [xt, ps["scale"], ps["bias"]])
+    assert rowwise._cuda.get(("rows", dtype)) is not None, "the one-kernel rows did not compile"
+    for got, want in ((y, yhat * scale + bias), (gx, dx), (gsc, (wr * yhat).sum((0, 1))), (gb, wr.sum((0, 1)))):
+        want = np.asarray(want)
+        np.testing.assert_allclose(got.to_numpy().astype(np.float64), want, rtol=tol, atol=tol * np.abs(want).max())

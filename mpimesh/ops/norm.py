@@ -5,7 +5,8 @@ the statistics over `dims` (split or not: each is a local sum and, where a dim i
 allreduce over its mesh dims), a 16-bit float x normalised in float32 and rounded once. The same
 arithmetic as the unfused composition (`reduce_mean`, subtract, square, `rsqrt`, multiply, add),
 but for the order of the terms in its sums (`mpimesh.ops.rowwise`), in place on numpy, and on CuPy
-as a few kernels each way (`mpimesh.ops.rowwise.ROW_SOURCES`).
+as a few kernels each way (`mpimesh.ops.rowwise.ROW_SOURCES`), or one where the normalised dim is
+x's last, whole on each rank, and the parameters lie along it (`mpimesh.ops.rowwise.ROWS_SOURCE`).
 
 The op's outputs are y, then the mean and 1/std (x's dims without `dims`: small), which the
 gradient reads instead of summing them again. The gradient: one op `layer_norm_grad` gives dx
@@ -33,7 +34,8 @@ from ..trace import dispatch, saving
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
-from .rowwise import fused_rows, row_dot, row_kernel, row_sum
+from .rowwise import (fused_rows, layer_norm_grad_rows, layer_norm_rows, row_dot, row_kernel, row_sum,
+                      rows_fit)
 
 
 def _plan(x, dims: tuple, what: str):
@@ -96,11 +98,15 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
 
     axes = plan[1]
     stats = (x.shape.without(dims), tuple(m for i, m in enumerate(layout) if i not in axes))
+    vectors = not plan[2] and all(n == xd[-1:] for n in names)  # rows whole here, parameters along them
 
     which = "layer_norm" + ("_" + "s" * has[0] + "b" * has[1] if any(has) else "")
 
     def lower(ctx, a, *sb):
         xp = ctx.xp
+        if vectors and rows_fit(xp, a, axes):  # CuPy, the rows whole here: one kernel
+            sc, b = (xp.ascontiguousarray(_as(sb[i], acc)) if has[k] else None for k, i in ((0, 0), (1, -1)))
+            return layer_norm_rows(xp, a, epsilon, sc, b)
         a = a.astype(acc) if acc != dt else a
         c, r, mean = _stats(ctx, a, plan, epsilon)
         if c is None:  # CuPy: the mean, the centred squares' sum, then y: three kernels
@@ -134,9 +140,13 @@ def _layer_norm_grad(op, dy, dims, has):
     dt, acc = x.dtype, accumulation_dtype(x.dtype)
     dy = to_layout(dy, layout)
     xd, sd = x.shape.names, None if scale is None else scale.shape.names
+    vectors = not mdims and (sd is None or sd == xd[-1:])  # rows whole here, the scale along them
 
     def lower(ctx, a, g, mu, r, *s):
         xp = ctx.xp
+        if vectors and rows_fit(xp, a, axes) and g.dtype == a.dtype and g.flags.c_contiguous:  # CuPy: one kernel
+            return layer_norm_grad_rows(xp, a, g, xp.ascontiguousarray(mu), xp.ascontiguousarray(r),
+                                        xp.ascontiguousarray(_as(s[0], acc)) if s else None)
         a, g = _as(a, acc), _as(g, acc)
         mu, r = xp.expand_dims(mu, axes), xp.expand_dims(r, axes)
         if fused_rows(xp, a, g, mu, r):  # CuPy: the normalised x, the two sums, then dx: four kernels

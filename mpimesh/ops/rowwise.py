@@ -15,12 +15,12 @@ Layer norm likewise: the mean, the centred squares' sum and one output kernel fo
 normalised x, the two sums and dx backwards. Column sums over leading axes (`column_sums`) take a
 kernel of their own.
 
-Where a softmax's row is the last axis of a contiguous block, whole on this rank (no sum across
-ranks), one kernel does all of it each way (`ROWS_SOURCE`, `softmax_rows`, `softmax_grad_rows`):
-one warp per row reads the row for its max, again (from cache) for the sum, and writes the output,
-the causal mask added as it reads; bfloat16 is read and written as it is and computed in float32.
-The two-kernel path made a pass for the mask, the max, the sum and the output (and, in bfloat16, a
-cast each way). The same source compiles for the CPU with a warp of one thread (`PRELUDE_TYPES`
+Where a softmax's (or a layer norm's) row is the last axis of a contiguous block, whole on this
+rank (no sum across ranks), one kernel does all of it each way (`ROWS_SOURCE`: `softmax_rows`,
+`layer_norm_rows` and their gradients): one warp per row reads the row for its max (mean), again
+(from cache) for the sum (of squares), and writes the output, softmax's causal mask added as it
+reads; bfloat16 is read and written as it is and computed in float32. The kernels above made a pass
+for each step (and, in bfloat16, a cast each way). The same source compiles for the CPU with a warp of one thread (`PRELUDE_TYPES`
 holds everything but the warp's shuffles), which is how the CPU suite checks it.
 
 >>> import numpy as np
@@ -121,59 +121,104 @@ def column_sums(xp, arrays: list, rows: int, cols: int):
     return partial.reshape(chunks, cols).sum(axis=0) if chunks > 1 else partial
 
 
-# One warp per row: `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `_GPU_PRELUDE` (a CPU
-# build gives a warp of one thread); `T` the stored dtype, `A` the arithmetic's, `load`/`store`
+# One warp per row (`WARP_ROW`: the row, the lane, rows past the end return; `LANES(j)`: the lane's
+# elements of the row): `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `_GPU_PRELUDE` (a
+# CPU build gives a warp of one thread); `T` the stored dtype, `A` the arithmetic's, `load`/`store`
 # convert (`PRELUDE_TYPES`). The row's max skips NaN (a NaN makes the sum, so the whole row, NaN),
 # and a row whose max is not finite takes 0 for it, as the two-kernel path does (all -inf: NaN).
 ROWS_PARAMS = {
     "mpimesh_softmax_rows": "const T* x, T* y, long long rows, long long n, int log_out, int causal, "
                             "long long q_div, long long q_mod, long long q_off, long long k_off, A masked",
     "mpimesh_softmax_grad_rows": "const T* y, const T* g, T* dx, long long rows, long long n, int log_out",
+    "mpimesh_layer_norm_rows": "const T* x, const A* sc, const A* b, T* y, A* mean, A* rstd, long long rows, "
+                               "long long n, A inv_n, A eps, int has_scale, int has_bias",
+    "mpimesh_layer_norm_grad_rows": "const T* x, const T* g, const A* mu, const A* r, const A* sc, T* dx, A* yhat, "
+                                    "long long rows, long long n, A inv_n, int has_scale",
 }
 ROWS_SOURCE = """
-extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
-  long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  long long lane = threadIdx.x %% WARP;
+#define WARP_ROW long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; \\
+  long long lane = threadIdx.x %% WARP; \\
   if (row >= rows) return;
+#define LANES(j) for (long long j = lane; j < n; j += WARP)
+
+__device__ __forceinline__ A entry(const T* xr, long long j, bool masked_here, A masked) {
+  A v = load(xr[j]);
+  return masked_here ? v + masked : v;
+}
+
+extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
+  WARP_ROW
   const T* xr = x + row * n;
   T* yr = y + row * n;
   long long q = causal ? (row / q_div) %% q_mod + q_off : 0;
   A m = NEG_INF;
-  for (long long j = lane; j < n; j += WARP) {
-    A v = load(xr[j]);
-    if (causal && j + k_off > q) v = v + masked;
+  LANES(j) {
+    A v = entry(xr, j, causal && j + k_off > q, masked);
     m = v > m ? v : m;
   }
   m = warp_max(m);
   if (!isfinite(m)) m = 0;
   A s = 0;
-  for (long long j = lane; j < n; j += WARP) {
-    A v = load(xr[j]);
-    if (causal && j + k_off > q) v = v + masked;
-    s += exp(v - m);
-  }
+  LANES(j) s += exp(entry(xr, j, causal && j + k_off > q, masked) - m);
   s = warp_sum(s);
   A ls = log(s);
-  for (long long j = lane; j < n; j += WARP) {
-    A v = load(xr[j]);
-    if (causal && j + k_off > q) v = v + masked;
+  LANES(j) {
+    A v = entry(xr, j, causal && j + k_off > q, masked);
     yr[j] = store(log_out ? (v - m) - ls : exp(v - m) / s);
   }
 }
 
 extern "C" __global__ void mpimesh_softmax_grad_rows(%(mpimesh_softmax_grad_rows)s) {
-  long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  long long lane = threadIdx.x %% WARP;
-  if (row >= rows) return;
+  WARP_ROW
   const T* yr = y + row * n;
   const T* gr = g + row * n;
   T* dr = dx + row * n;
   A s = 0;
-  for (long long j = lane; j < n; j += WARP) s += log_out ? load(gr[j]) : load(gr[j]) * load(yr[j]);
+  LANES(j) s += log_out ? load(gr[j]) : load(gr[j]) * load(yr[j]);
   s = warp_sum(s);
-  for (long long j = lane; j < n; j += WARP) {
+  LANES(j) {
     A yv = load(yr[j]), gv = load(gr[j]);
     dr[j] = store(log_out ? gv - exp(yv) * s : yv * (gv - s));
+  }
+}
+
+extern "C" __global__ void mpimesh_layer_norm_rows(%(mpimesh_layer_norm_rows)s) {
+  WARP_ROW
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  A s = 0;
+  LANES(j) s += load(xr[j]);
+  A mu = warp_sum(s) * inv_n;
+  A q = 0;
+  LANES(j) { A c = load(xr[j]) - mu; q += c * c; }
+  A r = 1 / sqrt(warp_sum(q) * inv_n + eps);
+  LANES(j) {
+    A v = (load(xr[j]) - mu) * r;
+    if (has_scale) v = v * sc[j];
+    if (has_bias) v = v + b[j];
+    yr[j] = store(v);
+  }
+  if (lane == 0) { mean[row] = mu; rstd[row] = r; }
+}
+
+extern "C" __global__ void mpimesh_layer_norm_grad_rows(%(mpimesh_layer_norm_grad_rows)s) {
+  WARP_ROW
+  const T* xr = x + row * n;
+  const T* gr = g + row * n;
+  T* dr = dx + row * n;
+  A* hr = yhat + row * n;
+  A m = mu[row], rr = r[row], m1 = 0, m2 = 0;
+  LANES(j) {
+    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    m1 += gs;
+    m2 += gs * ((load(xr[j]) - m) * rr);
+  }
+  A a1 = warp_sum(m1) * inv_n, a2 = warp_sum(m2) * inv_n;
+  LANES(j) {
+    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A yh = (load(xr[j]) - m) * rr;
+    hr[j] = yh;
+    dr[j] = store(((gs - a1) - yh * a2) * rr);
   }
 }
 """ % ROWS_PARAMS
@@ -242,6 +287,31 @@ def softmax_rows(xp, x, log: bool, masked: float, causal: tuple = ()):
             np.int32(bool(causal)), np.int64(q_div), np.int64(x.shape[q_axis]), np.int64(q_start),
             np.int64(k_start), acc(masked))
     return y
+
+
+def layer_norm_rows(xp, x, epsilon: float, scale=None, bias=None) -> tuple:
+    """`(y, mean, 1 / std)` of layer norm over x's last axis by one kernel (`rows_fit`): `scale`
+    and `bias` None or vectors of that axis's length in the arithmetic's dtype (float32 for
+    bfloat16); the statistics in that dtype, of x's shape without the last axis."""
+    n = x.shape[-1]
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    y = xp.empty_like(x)
+    mean, rstd = (xp.empty(x.shape[:-1], acc) for _ in range(2))
+    _launch(xp, x, "mpimesh_layer_norm_rows", x, x if scale is None else scale, x if bias is None else bias, y,
+            mean, rstd, np.int64(x.size // n), np.int64(n), acc(1.0 / n), acc(epsilon), np.int32(scale is not None),
+            np.int32(bias is not None))
+    return y, mean, rstd
+
+
+def layer_norm_grad_rows(xp, x, g, mean, rstd, scale=None) -> tuple:
+    """`(dx, normalised x)` of layer norm over x's last axis by one kernel: `g` of x's shape and
+    dtype; `mean`, `rstd` and `scale` (None or a vector) in the arithmetic's dtype, as
+    `layer_norm_rows` gives and takes them; the normalised x in that dtype."""
+    n = x.shape[-1]
+    dx, yhat = xp.empty_like(x), xp.empty(x.shape, mean.dtype)
+    _launch(xp, x, "mpimesh_layer_norm_grad_rows", x, g, mean, rstd, x if scale is None else scale, dx, yhat,
+            np.int64(x.size // n), np.int64(n), mean.dtype.type(1.0 / n), np.int32(scale is not None))
+    return dx, yhat
 
 
 def softmax_grad_rows(xp, y, g, log: bool):
