@@ -137,14 +137,15 @@ def raw_module(code: str, params: dict) -> dict:
         names = [p.split()[-1].lstrip("*") for p in spec.split(",")]
         launchers.append(f'extern "C" void launch_{name}(unsigned int grid, unsigned int block, {spec}) {{\n'
                          f"  blockDim.x = block;\n  for (unsigned int blk_ = 0; blk_ < grid; ++blk_)\n"
-                         f"    for (unsigned int thr_ = 0; thr_ < block; ++thr_) {{ blockIdx.x = blk_; threadIdx.x = thr_; "
+                         f"    for (unsigned int thr_ = 0; thr_ < block; ++thr_) {{\n"
+                         f"      blockIdx.x = blk_; threadIdx.x = thr_; "
                          f"{name}({', '.join(names)}); }}\n}}\n")
     lib = _build(CPU_PRELUDE + code + "\n".join(launchers))
 
     def kernel(name):
         def call(grid, block, args):
-            values = [a.ctypes.data_as(ctypes.c_void_p) if isinstance(a, np.ndarray) else _SCALARS[np.dtype(type(a))](a)
-                      for a in args]
+            values = [a.ctypes.data_as(ctypes.c_void_p) if isinstance(a, np.ndarray)
+                      else _SCALARS[np.dtype(type(a))](a) for a in args]
             getattr(lib, f"launch_{name}")(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), *values)
         return call
     return {name: kernel(name) for name in params}

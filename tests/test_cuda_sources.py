@@ -199,8 +199,8 @@ def _one_kernel_rows(module, names: tuple, monkeypatch) -> list:
     rowwise = importlib.import_module("mpimesh.ops.rowwise")
     used: list = []
     for dt in rowwise.PRELUDE_TYPES:
-        monkeypatch.setitem(rowwise._cuda, ("rows", dt),
-                            cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS))
+        source = rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE
+        monkeypatch.setitem(rowwise._cuda, ("rows", dt), cuda_source.raw_module(source, rowwise.ROWS_PARAMS))
     monkeypatch.setattr(module, "rows_fit", lambda xp, a, axes: a.dtype.name in rowwise.PRELUDE_TYPES and a.size > 0
                         and tuple(axes) == (a.ndim - 1,) and a.flags.c_contiguous)
     for name in names:

@@ -388,7 +388,7 @@ def test_one_kernel_layer_norm_on_a_gpu(dtype):
     tol = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2}[dtype]
     with mm.layout_scope(mesh, f"b:{mesh.shape.names[0]}"), mm.trace():
         pdt = "float64" if dtype == "float64" else "float32"
-        ps = {"scale": mesh.from_numpy(scale.astype(pdt), "d:1000"), "bias": mesh.from_numpy(bias.astype(pdt), "d:1000")}
+        ps = {n: mesh.from_numpy(v.astype(pdt), "d:1000") for n, v in (("scale", scale), ("bias", bias))}
         xt = mm.cast(mesh.from_numpy(x, "b:2;l:64;d:1000"), dtype)
         y = mm.layers.layer_norm(ps, xt, "d")
         gx, gsc, gb = mm.gradients([mm.reduce_sum(y * mm.cast(mesh.from_numpy(w, "b:2;l:64;d:1000"), dtype))],

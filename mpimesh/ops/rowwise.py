@@ -20,8 +20,9 @@ rank (no sum across ranks), one kernel does all of it each way (`ROWS_SOURCE`: `
 `layer_norm_rows` and their gradients): one warp per row reads the row for its max (mean), again
 (from cache) for the sum (of squares), and writes the output, softmax's causal mask added as it
 reads; bfloat16 is read and written as it is and computed in float32. The kernels above made a pass
-for each step (and, in bfloat16, a cast each way). The same source compiles for the CPU with a warp of one thread (`PRELUDE_TYPES`
-holds everything but the warp's shuffles), which is how the CPU suite checks it.
+for each step (and, in bfloat16, a cast each way). The same source compiles for the CPU with a warp
+of one thread (`PRELUDE_TYPES` holds everything but the warp's shuffles), which is how the CPU
+suite checks it.
 
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
