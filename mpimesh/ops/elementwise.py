@@ -77,22 +77,27 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
     out_layout = plan_layout(out, mesh_shape, rules)
     xd, yd, od = xs.names, ys.names, out.names
     first = _first(kernel)
-    if xd == od and yd == od and not getattr(kernel, "with_ctx", False):
-        def lower(ctx, a, b):  # (the common case: no alignment, the array module first)
+    ufunc = _IN_PLACE.get(name) if xd == od else None  # x's block has the output's shape: a replay may write over it
+    if xd == od and yd == od and ufunc:
+        def lower(ctx, a, b, into=()):  # (the common case: no alignment, the array module first)
+            if into and _over(a, b):
+                return getattr(ctx.xp, ufunc)(a, b, out=a)
+            return kernel(ctx.xp, a, b)
+    elif xd == od and yd == od and not getattr(kernel, "with_ctx", False):
+        def lower(ctx, a, b):
             return kernel(ctx.xp, a, b)
     elif xd == od and yd == od:
         def lower(ctx, a, b):
             return kernel(first(ctx), a, b)
+    elif ufunc:
+        def lower(ctx, a, b, into=()):
+            if into and _over(a, b):
+                return getattr(ctx.xp, ufunc)(a, align(ctx.xp, b, yd, od), out=a)
+            return kernel(ctx.xp, a, align(ctx.xp, b, yd, od))
     else:
         def lower(ctx, a, b):
             return kernel(first(ctx), align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
-    if xd == od and name in _IN_PLACE:  # x's block has the output's shape: a replay may write over it
-        plain, ufunc = lower, _IN_PLACE[name]
-
-        def lower(ctx, a, b, into=()):
-            if into and a.ndim and b.dtype in (a.dtype, _BOOL) and a.dtype.kind in "fc":
-                return getattr(ctx.xp, ufunc)(a, align(ctx.xp, b, yd, od), out=a)
-            return plain(ctx, a, b)
+    if ufunc:
         lower.into = _OVER_FIRST
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
             tuple(out_layout[out.index(n)] for n in ys.names), lower)
@@ -100,6 +105,12 @@ def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kern
 
 _BOOL = np.dtype(bool)
 _OVER_FIRST = {0: 0}  # a kernel's `into`: its output over its first input
+
+
+def _over(a, b) -> bool:
+    """Whether a ufunc's result of `a` and `b` may go into `a`: a float block (not 0-d) and `b` of
+    its dtype or bool, so the result has a's dtype."""
+    return a.ndim and b.dtype in (a.dtype, _BOOL) and a.dtype.kind in "fc"
 _IN_PLACE = {"add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "true_divide",
              "minimum": "minimum", "maximum": "maximum"}
 """The ops whose kernel is one ufunc, by name: a compiled step's replay writes their result over an
