@@ -125,9 +125,8 @@ def _normalize(name: str, log: bool, doc: str):
         def lower(ctx, a, *b):
             xp = ctx.xp
             if not b and not mdims and rows_fit(xp, a, axes):  # CuPy, the rows whole here: one kernel
-                causal = () if q_axis is None else (q_axis, ctx.span(shape[q_axis].size, layout[q_axis])[0],
-                                                    ctx.span(shape[axes[0]].size, layout[axes[0]])[0])
-                return softmax_rows(xp, a, log, masked, causal)
+                mask = () if q_axis is None else (q_axis, ctx.span(shape[q_axis].size, layout[q_axis])[0])
+                return softmax_rows(xp, a, log, masked, mask)
             eager = is_eager(xp)  # numpy, CuPy: the same steps in place (fewer arrays, the same values)
             fresh = bool(b) or low  # whether `a` is this kernel's own array
             if b:  # x + bias, in x's dtype as the add op computes it

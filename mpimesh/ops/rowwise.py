@@ -129,7 +129,7 @@ def column_sums(xp, arrays: list, rows: int, cols: int):
 # and a row whose max is not finite takes 0 for it, as the two-kernel path does (all -inf: NaN).
 ROWS_PARAMS = {
     "mpimesh_softmax_rows": "const T* x, T* y, long long rows, long long n, int log_out, int causal, "
-                            "long long q_div, long long q_mod, long long q_off, long long k_off, A masked",
+                            "long long q_div, long long q_mod, long long q_off, A masked",
     "mpimesh_softmax_grad_rows": "const T* y, const T* g, T* dx, long long rows, long long n, int log_out",
     "mpimesh_layer_norm_rows": "const T* x, const A* sc, const A* b, T* y, A* mean, A* rstd, long long rows, "
                                "long long n, A inv_n, A eps, int has_scale, int has_bias",
@@ -154,17 +154,17 @@ extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
   long long q = causal ? (row / q_div) %% q_mod + q_off : 0;
   A m = NEG_INF;
   LANES(j) {
-    A v = entry(xr, j, causal && j + k_off > q, masked);
+    A v = entry(xr, j, causal && j > q, masked);
     m = v > m ? v : m;
   }
   m = warp_max(m);
   if (!isfinite(m)) m = 0;
   A s = 0;
-  LANES(j) s += exp(entry(xr, j, causal && j + k_off > q, masked) - m);
+  LANES(j) s += exp(entry(xr, j, causal && j > q, masked) - m);
   s = warp_sum(s);
   A ls = log(s);
   LANES(j) {
-    A v = entry(xr, j, causal && j + k_off > q, masked);
+    A v = entry(xr, j, causal && j > q, masked);
     yr[j] = store(log_out ? (v - m) - ls : exp(v - m) / s);
   }
 }
@@ -277,16 +277,15 @@ def _launch(xp, a, which: str, *args) -> None:
 
 def softmax_rows(xp, x, log: bool, masked: float, causal: tuple = ()):
     """softmax (log_softmax) of `x` over its last axis by one kernel (`rows_fit(xp, x, ...)`):
-    `causal`: `(q_axis, q_start, k_start)`, masking `masked` into entries whose position along the
-    last axis (from `k_start`) is after the row's along `q_axis` (from `q_start`)."""
+    `causal`: `(q_axis, q_start)`, masking `masked` into entries whose position along the last axis
+    (whole here: from 0) is after the row's along `q_axis` (this block's from `q_start`)."""
     n = x.shape[-1]
     y = xp.empty_like(x)
-    q_axis, q_start, k_start = causal or (0, 0, 0)
+    q_axis, q_start = causal or (0, 0)
     q_div = int(np.prod(x.shape[q_axis + 1:-1], dtype=np.int64)) if causal else 1
     acc = np.float64 if x.dtype == np.float64 else np.float32
     _launch(xp, x, "mpimesh_softmax_rows", x, y, np.int64(x.size // n), np.int64(n), np.int32(log),
-            np.int32(bool(causal)), np.int64(q_div), np.int64(x.shape[q_axis]), np.int64(q_start),
-            np.int64(k_start), acc(masked))
+            np.int32(bool(causal)), np.int64(q_div), np.int64(x.shape[q_axis]), np.int64(q_start), acc(masked))
     return y
 
 
