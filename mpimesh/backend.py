@@ -6,13 +6,16 @@ between host and GPU and count each copy in the profile (`"d2h"`, `"h2d"`), so a
 assert that an op makes none.
 
 The dtype policy lives here too: `is_float` (bfloat16 included, which numpy calls kind 'V'),
-`accumulation_dtype` (float32 for the 16-bit floats) and `wire_dtype` (what MPI moves); and the
+`accumulation_dtype` (float32 for the 16-bit floats), `wire_dtype` (what MPI moves) and
+`result_type` (`mpimesh.promotion`'s table, JAX's, whatever numpy and ml_dtypes would say); and the
 precision of float32 contractions on a GPU (`set_matmul_precision`).
 
 >>> array_module("numpy").__name__, name(np), resolve_backend("numpy")
 ('numpy', 'numpy', 'numpy')
 >>> is_float("bfloat16"), accumulation_dtype("bfloat16"), wire_dtype("bfloat16"), is_low_precision("float32")
 (True, dtype('float32'), dtype('uint16'), False)
+>>> result_type("bfloat16", "int32"), result_type("int32", "float32"), result_type("bfloat16", "float16")
+(dtype(bfloat16), dtype('float32'), dtype('float32'))
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import numpy as np
 from . import env
 from .collectives import counters
 from .errors import DTypeError, MpimeshError
+from .promotion import BFLOAT16, result_type  # noqa: F401  (the dtype policy's promotion, here with the rest)
 
 BACKENDS = ("numpy", "cupy")
 _GPU_HINT = ("run `python3 install.py gpu` in the mpimesh checkout (cupy-cuda12x; `gpu-cuda13` for "
@@ -229,7 +233,6 @@ def _device_constant(xp, device: int, values: tuple, dtype: str):
 
 
 _KINDS = "biufc"  # bool, signed and unsigned integers, floats, complex: what the collectives can move
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # numpy's name for it once ml_dtypes is imported: "bfloat16"
 _LOW = (np.dtype(np.float16), BFLOAT16)  # the 16-bit floats: computed and summed in float32
 _FLOAT32 = np.dtype(np.float32)
 
@@ -263,22 +266,6 @@ def wire_dtype(dtype) -> np.dtype:
     data is exact on the raw words), `dtype` itself otherwise."""
     dt = np.dtype(dtype)
     return np.dtype(np.uint16) if dt in _LOW else dt
-
-
-def result_type(*dtypes) -> np.dtype:
-    """numpy's promotion of `dtypes`, extended to bfloat16, which numpy cannot promote with float16
-    (float32) nor with integers (bfloat16, as JAX and PyTorch do).
-
-    >>> result_type("bfloat16", "float16"), result_type("bfloat16", "int32"), result_type("bfloat16", "float32")
-    (dtype('float32'), dtype(bfloat16), dtype('float32'))
-    """
-    try:
-        return np.result_type(*dtypes)
-    except TypeError:  # numpy's DTypePromotionError
-        others = [np.dtype(d) for d in dtypes if np.dtype(d) != BFLOAT16]
-        if any(d.kind in "fc" for d in others):
-            return np.result_type(_FLOAT32, *others)
-        return BFLOAT16
 
 
 def finfo(dtype):

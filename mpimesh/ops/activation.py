@@ -19,6 +19,7 @@ from typing import Optional
 from ..backend import align, name
 from ..errors import ShapeError
 from ..partials import partial_for
+from ..promotion import cast_operands, operand_casts
 from ..trace import dispatch, saving
 from .elementwise import _gelu, _keeping, bias_grad
 from .relayout import laid_out_within, to_layout
@@ -93,9 +94,13 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
     forward, backward = ACTIVATIONS[activation]
     op_name = f"bias_{activation or 'add'}"
     act = _keeping(forward, x.dtype)  # a 16-bit float stays one, as the unfused op keeps it
+    casts = None if bias is None or bias.dtype == x.dtype else operand_casts((x.dtype, bias.dtype))
 
-    def pre(xp, a, b):
-        return a + align(xp, b[0], bd, xd) if b else a
+    def pre(xp, a, b):  # x + bias in their promotion (`mm.result_type`: float32 with int32 is float32)
+        if not b:
+            return a
+        a, c = cast_operands((a, b[0]), casts)
+        return a + align(xp, c, bd, xd)
 
     def fits(xp, *arrays) -> bool:  # the CuPy kernel takes them
         return name(xp) == "cupy" and arrays[0].dtype.name in _KERNEL_DTYPES and all(

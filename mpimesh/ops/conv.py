@@ -46,6 +46,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 from ..errors import MpimeshError, ShapeError
 from ..layout import block_sizes, local_sizes, splitting
+from ..promotion import cast_operands, operand_casts, result_type
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
 from ..trace import dispatch
@@ -471,23 +472,37 @@ def _filter_grad_lower(p: _Plan):
 
 # ---- the dispatched ops; each one's gradient is written with the other two ----
 
+def _promoted(lower, a, b):
+    """`lower` of tensors `a` and `b` giving their promotion (`mm.result_type`): their blocks cast
+    first where numpy's would differ (int32 with float32 is float32), the result rounded to it where
+    the kernel's is wider (ml_dtypes multiplies bfloat16 matrices into float32: summed across ranks
+    in float32, then rounded once)."""
+    want = result_type(a.dtype, b.dtype)
+    casts = None if a.dtype == b.dtype else operand_casts((a.dtype, b.dtype))
+
+    def promoted(ctx, u, v):
+        y = lower(ctx, *cast_operands((u, v), casts))
+        return y if y.dtype == want else y.astype(want)
+    return promoted
+
+
 def _forward(x, w, p: _Plan):
     x, w = to_layout(x, p.x_layout), to_layout(w, p.f_layout)
-    (y,) = dispatch("conv", [x, w], [(p.out_shape, p.out_layout)], _forward_lower(p), {"plan": p},
+    (y,) = dispatch("conv", [x, w], [(p.out_shape, p.out_layout)], _promoted(_forward_lower(p), x, w), {"plan": p},
                     _forward_grad, _flops(p, x.mesh))
     return y
 
 
 def _input_grad(dy, w, p: _Plan):
     dy, w = to_layout(dy, p.out_layout), to_layout(w, p.f_layout)
-    (dx,) = dispatch("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _input_grad_lower(p),
+    (dx,) = dispatch("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _promoted(_input_grad_lower(p), dy, w),
                      {"plan": p}, _input_grad_grad, _flops(p, dy.mesh))
     return dx
 
 
 def _filter_grad(x, dy, p: _Plan):
     x, dy = to_layout(x, p.x_layout), to_layout(dy, p.out_layout)
-    (dw,) = dispatch("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _filter_grad_lower(p),
+    (dw,) = dispatch("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _promoted(_filter_grad_lower(p), x, dy),
                      {"plan": p}, _filter_grad_grad, _flops(p, x.mesh))
     return dw
 

@@ -4,7 +4,8 @@ mesh dims of the reduced dims that are split.
 Inputs of 16-bit floats (float16, bfloat16) are contracted in float32: each rank multiplies its own
 blocks into float32 (on numpy by upcasting them; on CuPy by a cuBLAS GEMM with float32 compute that
 reads the 16-bit words, `mpimesh.widen`), sums the float32 partial results across ranks, and rounds
-once to the inputs' dtype (numpy's promotion of the input dtypes: bfloat16 with float32 gives float32).
+once to the inputs' dtype (their promotion, `mm.result_type`: bfloat16 with float32 gives float32;
+inputs of an integer and a float dtype are contracted in the float's, int32 with float32 in float32).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -30,6 +31,7 @@ from ..collectives import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
 from ..partials import claim, partial_for, pending
+from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch, saving
@@ -329,7 +331,12 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
           coords: tuple, dtypes: tuple, bucketed: bool) -> _Plan:
     """Everything an einsum decides from its operands' shapes, layouts and dtypes, once: the inputs'
     layouts, the subscripts and flops, the mesh dims summed here (none where a bucket sums them),
-    the 16-bit result dtype, and the lowered kernel (`_lowering`)."""
+    the 16-bit result dtype, and the lowered kernel (`_lowering`). Operands of several dtypes are
+    first cast as `mpimesh.promotion.operand_casts` says (int32 with float32: float32, not numpy's
+    float64), and the rest is planned for their dtypes after that."""
+    casts = operand_casts(dtypes) if len(set(dtypes)) > 1 else None
+    if casts is not None:
+        dtypes = tuple(d if c is None else c for d, c in zip(dtypes, casts))
     targets, reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape)
     subs = _subscripts(tuple(s.names for s in in_shapes), out.names)
     where = dict(coords)
@@ -345,7 +352,16 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
     lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded, sums)
     if pair is not None and pair[1] and not low and not summed:
         lower = _pair_lowering(pair, local, dtypes, lower)
+    if casts is not None:
+        lower = _casting(lower, casts)
     return _Plan(targets, subs, flops, summed, out_dtype, lower, {"subscripts": subs, "reduce_mesh_dims": summed})
+
+
+def _casting(lower: Callable, casts: tuple) -> Callable:
+    """`lower` of operands cast first as `casts` says (`mpimesh.promotion.cast_operands`)."""
+    def cast_lower(ctx, *arrays, out=None):
+        return lower(ctx, *cast_operands(arrays, casts), out=out)
+    return cast_lower
 
 
 def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) -> Callable:

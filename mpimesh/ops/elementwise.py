@@ -24,6 +24,7 @@ from ..backend import align, as_dtype, contiguous, is_eager, is_float, is_low_pr
 from ..errors import DTypeError, MeshError, ShapeError
 from ..layout import local_sizes, plan_layout
 from ..partials import partial_for
+from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, union_shape
 from ..tensor import DistTensor, tensor_arg
 from ..trace import dispatch, saving
@@ -239,27 +240,30 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
         if not yt:
             y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
-            why = _refusal(kernel, (x.dtype, _kind(y)))
+            weak = _weak(y)
+            k = _keeping(kernel, x.dtype) if weak else _promoting(kernel, (x.dtype, _strong(y)))
+            why = _refusal(kernel if weak else k, (x.dtype, _kind(y)))  # (_keeping's kernel is new each time)
             if why is not None:
                 raise _refuse(name, why, x, y)
             x = to_layout(x, x.mesh.plan(x.shape))
-            return _scalar_op(name, _keeping(kernel, x.dtype) if _weak(y) else kernel, first, x, y, "right", rules[1])
+            return _scalar_op(name, k, first, x, y, "right", rules[1])
         if not xt:
             x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
-            why = _refusal(kernel, (_kind(x), y.dtype))
+            weak = _weak(x)
+            k = _keeping(kernel, y.dtype) if weak else _promoting(kernel, (_strong(x), y.dtype))
+            why = _refusal(kernel if weak else k, (_kind(x), y.dtype))
             if why is not None:
                 raise _refuse(name, why, x, y)
             y = to_layout(y, y.mesh.plan(y.shape))
-            return _scalar_op(name, _keeping(kernel, y.dtype) if _weak(x) else kernel, first, y, x, "left", rules[2])
+            return _scalar_op(name, k, first, y, x, "left", rules[2])
         mesh = x.mesh
         if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
                             f"or two meshes of one shape)")
-        why = _refusal(kernel, (x.dtype, y.dtype))
+        why, k = _checked(kernel, x.dtype, y.dtype)
         if why is not None:
             raise _refuse(name, why, x, y)
-        out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name,
-                                                                  kernel)
+        out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name, k)
         if x.tensor_layout != x_layout:
             x = to_layout(x, x_layout)
         if y.tensor_layout != y_layout:
@@ -274,6 +278,35 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
 def _weak(v) -> bool:
     """Whether a scalar operand takes the tensor's dtype (a Python number), as in numpy's NEP 50."""
     return isinstance(v, (bool, int, float))
+
+
+def _strong(v):
+    """The dtype a non-weak number promotes with (a numpy scalar's or 0-d array's); None for a Python
+    complex, which numpy's own rule combines."""
+    return np.dtype(v.dtype) if hasattr(v, "dtype") else None
+
+
+@lru_cache(maxsize=4096)
+def _promoting(kernel: Callable, dtypes: tuple) -> Callable:
+    """`kernel` of operands of `dtypes`, producing `result_type(*dtypes)` (`mpimesh.promotion`): its
+    operands cast first where numpy's own promotion would give another dtype (int32 with float32:
+    float64) or round an integer otherwise than JAX; `kernel` itself where none needs it."""
+    casts = None if None in dtypes else operand_casts(dtypes)
+    if casts is None:
+        return kernel
+
+    def promoted(xp, a, b):
+        return kernel(xp, *cast_operands((a, b), casts))
+    promoted.with_ctx = getattr(kernel, "with_ctx", False)
+    return promoted
+
+
+@lru_cache(maxsize=4096)
+def _checked(kernel: Callable, x_dtype, y_dtype) -> tuple:
+    """`(_refusal's message or None, the kernel to run)` for two tensors of these dtypes: one cached
+    look-up per op (the kernel is `_promoting`'s)."""
+    k = kernel if x_dtype == y_dtype else _promoting(kernel, (x_dtype, y_dtype))
+    return _refusal(k, (x_dtype, y_dtype)), k
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -396,7 +429,8 @@ def axpy(alpha, x, y):
     """`alpha * x + y` in one op, written into the product's buffer (BLAS's axpy; numpy would make
     two arrays and pass over memory once more): the optimizers' `p - lr * g` is `axpy(-lr, g, p)`.
     `x` and `y` have the same dims (the result has x's order); `alpha` is a number or a 0-d tensor
-    (a learning-rate schedule).
+    (a learning-rate schedule). Tensors of several dtypes get the two ops, `alpha * x` and then `+ y`,
+    each in its operands' promotion (`mm.result_type`).
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -414,8 +448,8 @@ def axpy(alpha, x, y):
         raise ShapeError(f"axpy: x has shape {x.shape}, y has {y.shape}: they must have the same dims")
     if scaled and alpha.shape.rank:
         raise ShapeError(f"axpy: alpha must be a number or a 0-d tensor, got shape {alpha.shape}")
-    if x.dtype != y.dtype and is_low_precision(x.dtype) and is_low_precision(y.dtype):  # bfloat16 and float16:
-        x, y = cast(x, "float32"), cast(y, "float32")  # float32, as x + y (numpy finds no common dtype)
+    if x.dtype != y.dtype or scaled and alpha.dtype != x.dtype:  # (rare) the two ops, each in its promotion:
+        return add(multiply(alpha, x), y)  # bfloat16 x, float16 y: float32; int32 x, float32 y: float32
     alpha = to_layout(alpha, ()) if scaled else _scalar(alpha, "axpy", x.dtype)
     layout = x.mesh.plan(x.shape)
     x, y = to_layout(x, layout), to_layout(y, _layout_for(y, x.shape, layout))
@@ -496,12 +530,16 @@ def where(cond, x, y):
     od = out.names
     low = other if other is not None and is_low_precision(other) and all(
         _is_tensor(t) and t.dtype == other or _weak(t) for t in (x, y)) else None  # a Python scalar keeps it
+    dts = tuple(np.dtype(t.dtype) for t in (x, y) if hasattr(t, "dtype"))  # tensors' and numpy numbers'
+    casts = operand_casts(dts) if len(dts) == 2 and dts[0] != dts[1] else None
     sizes = local_sizes(out, mesh.shape, out_layout, mesh.coords)
 
     def lower(ctx, *arrays):
         vals = list(consts)
         for i, a, n in zip(slots, arrays, names):
             vals[i] = align(ctx.xp, a, n, od)
+        if casts is not None:  # x and y of two dtypes: in their promotion (`mpimesh.promotion`)
+            vals[1:] = cast_operands(vals[1:], casts)
         z = ctx.xp.where(*vals)
         z = _round_to(z, low) if low is not None else z
         return contiguous(ctx.xp, ctx.xp.broadcast_to(z, sizes))

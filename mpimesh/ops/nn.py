@@ -32,6 +32,7 @@ from ..backend import accumulation_dtype, align, finfo, is_eager, is_float
 from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
+from ..promotion import cast_operands, operand_casts
 from ..shape import dim_names
 from ..tensor import tensor_arg
 from ..trace import dispatch, saving
@@ -119,6 +120,7 @@ def _normalize(name: str, log: bool, doc: str):
         xd, bd = x.shape.names, None if bias is None else bias.shape.names
         shape = x.shape
         dt, acc = x.dtype, accumulation_dtype(x.dtype)
+        casts = None if bias is None or bias.dtype == dt else operand_casts((dt, bias.dtype))
         low = acc != dt
         masked = mask_value(dt)
 
@@ -129,8 +131,9 @@ def _normalize(name: str, log: bool, doc: str):
                 return softmax_rows(xp, a, log, masked, mask)
             eager = is_eager(xp)  # numpy, CuPy: the same steps in place (fewer arrays, the same values)
             fresh = bool(b) or low  # whether `a` is this kernel's own array
-            if b:  # x + bias, in x's dtype as the add op computes it
-                a = a + align(xp, b[0], bd, xd)
+            if b:  # x + bias, in their promotion as the add op computes it (`mm.result_type`)
+                a, c = cast_operands((a, b[0]), casts)
+                a = a + align(xp, c, bd, xd)
             a = a.astype(acc) if low else a  # 16-bit floats: computed in float32, rounded once
             if q_axis is not None:
                 future = _future(ctx, shape, layout, q_axis, axes[0])

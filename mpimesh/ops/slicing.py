@@ -38,6 +38,7 @@ from typing import Optional, Sequence, Union
 from ..backend import index_constant
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, block, block_sizes, splitting
+from ..promotion import cast_operands, operand_casts
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
 from ..trace import dispatch, saving
@@ -175,9 +176,10 @@ def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets:
 
 
 def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list, params: dict, grad,
-                 combine: bool):
+                 combine: bool, casts: Optional[tuple] = None):
     """Dispatch windows: one input and one output per piece (`combine=False`), or one input per
-    piece summed into a single output (`combine=True`)."""
+    piece summed into a single output (`combine=True`, the inputs first cast as `casts` says:
+    `mpimesh.promotion.operand_casts`)."""
     mesh = xs[0].mesh
     out_layouts = [mesh.plan(s) for s in out_shapes]
     md = out_layouts[0][axis]
@@ -196,6 +198,7 @@ def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list,
 
     def lower(ctx, *arrays):
         if combine:
+            arrays = cast_operands(arrays, casts)
             if all(r is None for r in routes):  # every input whole along the dim
                 whole = ctx.xp.concatenate(arrays, axis=axis)
                 return ctx.block(whole, md, axis) if md else whole
@@ -260,7 +263,8 @@ def _pad_grad(op, dy):
 saving(_pad_grad)
 
 def concat(xs: Sequence, dim_name: str):
-    """The tensors `xs` joined along dim `dim_name`; all other dims must agree (ShapeError).
+    """The tensors `xs` joined along dim `dim_name`; all other dims must agree (ShapeError). The result
+    has their promoted dtype (`mm.result_type`).
 
     Gradient: `split` of dy into the inputs' sizes.
     """
@@ -284,8 +288,10 @@ def concat(xs: Sequence, dim_name: str):
     sizes = [x.shape[name].size for x in xs]
     total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
     pieces = [(n, total, -off) for n, off in zip(sizes, offsets)]
+    dtypes = tuple(x.dtype for x in xs)
     (y,) = _run_windows("concat", xs, axis, pieces, [_resized(xs[0].shape, axis, total)],
-                        {"sizes": tuple(sizes), "dim": name}, _concat_grad, combine=True)
+                        {"sizes": tuple(sizes), "dim": name}, _concat_grad, combine=True,
+                        casts=operand_casts(dtypes) if len(set(dtypes)) > 1 else None)
     return y
 
 
