@@ -2,17 +2,25 @@
 
 Usage::
 
-    python3 install.py [EXTRAS] [-- ARGS...]
+    python3 install.py [--latest] [EXTRAS] [-- ARGS...]
     python3 install.py mpich -- -m mpimesh.launch -n 4 apps/transformer.py
     python3 install.py mpich,test -- tests/run.py
+    python3 install.py --latest mpich,test -- tests/run.py   # the newest releases, not the tested versions
 
 The environment is the active virtual environment if there is one ($VIRTUAL_ENV set, or python3 is a
 venv's), else ``.venv`` beside this file, created if missing. That works where the system Python
 refuses ``pip install`` (PEP 668, "externally-managed-environment") and where ``python3 -m venv`` has
 no ensurepip (Debian/Ubuntu without python3-venv): the venv is then made ``--without-pip`` and the
 system pip (>= 22.3) installs pip into it with ``--python``. Then it runs
-``<env python> -m pip install -e ".[EXTRAS]"`` and, given ``-- ARGS``, execs ``<env python> ARGS`` with
-the environment's bin/ first on PATH, as if activated. Standard library only; Python >= 3.9.
+``<env python> -m pip install -c constraints/python3.X.txt -e ".[EXTRAS]"`` and, given ``-- ARGS``, execs
+``<env python> ARGS`` with the environment's bin/ first on PATH, as if activated. Standard library only;
+Python >= 3.9.
+
+Pins: ``constraints/python3.X.txt`` (3.X: the environment's Python) holds the exact versions of every
+package the extras bring that the test suite passed with on that Python, so a new release nobody tested
+cannot break an install. On a Python with no such file, install.py says so and installs the newest
+releases. ``--latest`` leaves the pins out: the newest releases (what CI's canary tests).
+``.ci/refresh_pins`` rebuilds the pins from the newest releases once the whole suite passes with them.
 """
 import os
 import subprocess
@@ -20,6 +28,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+OPTIONS = ("--latest", "-h", "--help")
 BIN, EXE = ("Scripts", "python.exe") if os.name == "nt" else ("bin", "python")
 
 
@@ -58,9 +67,38 @@ def make_venv(venv):
     return python, True
 
 
+def python_version(python):
+    """``"3.X"``: the version of ``python``, the environment's (it picks the pins; it need not be this one)."""
+    out = subprocess.run([str(python), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        fail(f"{python} does not run: {out.stderr.strip()[-500:]}")
+    return out.stdout.strip()
+
+
+def pins_for(python, latest):
+    """The constraints file to install with (relative to ROOT), or None: ``--latest``, or no pins for its Python."""
+    if latest:
+        print("install.py: --latest: the newest releases, not the tested versions in constraints/", flush=True)
+        return None
+    version = python_version(python)
+    pins = Path("constraints", f"python{version}.txt")
+    if not (ROOT / pins).is_file():
+        print(f"install.py: no tested versions for Python {version} ({pins} does not exist): installing the "
+              "newest releases, which mpimesh may not have been tested with", file=sys.stderr, flush=True)
+        return None
+    print(f"install.py: the tested versions in {pins} (--latest: the newest releases)", flush=True)
+    return pins
+
+
 def main(argv):
-    extras, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    if len(extras) > 1 or extras[:1] in (["-h"], ["--help"]):
+    head, args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    options, extras = [a for a in head if a.startswith("-")], [a for a in head if not a.startswith("-")]
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        fail(f"unknown option {unknown[0]!r}: the options are --latest (the newest releases, not the tested "
+             "versions) and --help")
+    if len(extras) > 1 or "-h" in options or "--help" in options:
         print(__doc__, file=sys.stderr if len(extras) > 1 else sys.stdout)
         return 2 if len(extras) > 1 else 0
     unknown = [e for e in (extras[0].split(",") if extras and extras[0] else []) if e.strip() not in known_extras()]
@@ -78,9 +116,13 @@ def main(argv):
         python, made = make_venv(venv)
         which = "a new" if made else "the existing"
     print(f"install.py: using {which} virtual environment {venv}", flush=True)
+    pins = pins_for(python, "--latest" in options)
     spec = f".[{extras[0]}]" if extras and extras[0] else "."
-    if subprocess.run([str(python), "-m", "pip", "install", "-e", spec], cwd=ROOT).returncode != 0:
-        fail(f'`{python} -m pip install -e "{spec}"` failed (see above)')
+    command = [str(python), "-m", "pip", "install", *(["-c", str(pins)] if pins else []), "-e", spec]
+    if subprocess.run(command, cwd=ROOT).returncode != 0:
+        hint = (f" (if pip found no release of a version pinned in {pins} for this machine, --latest installs the "
+                "newest releases instead)") if pins else ""
+        fail(f'`{" ".join(command[:-1])} "{spec}"` failed (see above){hint}')
     if not args:
         return 0
     env = dict(os.environ, VIRTUAL_ENV=str(venv), PATH=os.pathsep.join([str(venv / BIN), os.environ.get("PATH", "")]))

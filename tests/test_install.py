@@ -29,9 +29,12 @@ The test command runs with ``MPIMESH_TEST_RANKS=1`` and `` tests/test_shape_layo
 (tests/run.py passes its arguments to pytest; a path replaces tests/), so it does not run the whole
 suite, or this test, again.
 
-Slow: 3 to 8 minutes on 2 shared cores (a transformer run, six installs from pip's cache), so only
-the 1-rank session runs it (tests/run.py's default ``MPIMESH_TEST_TIMEOUT`` of 900 s allows for it).
-``pytest -m "not slow"`` leaves it out.
+Those three are slow: 3 to 8 minutes on 2 shared cores (a transformer run, six installs from pip's
+cache), so only the 1-rank session runs this file (tests/run.py's default ``MPIMESH_TEST_TIMEOUT`` of
+900 s allows for it). ``pytest -m "not slow"`` leaves them out and keeps the fast tests of install.py's
+command line: the pins (``constraints/python3.X.txt``) passed to pip by default, ``--latest`` leaving them
+out, a Python without pins installing unpinned after one warning, unknown options and extras refused. Those
+run install.py against a stub venv whose ``python`` only records its arguments.
 """
 from __future__ import annotations
 
@@ -57,7 +60,6 @@ VERSION = f"python{sys.version_info.major}.{sys.version_info.minor}"
 INNER = "MPIMESH_TEST_INSTALL_INNER"  # set for the commands, so a suite they run skips this test
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1, reason="runs its own MPI jobs; the 1-rank session does"),
     pytest.mark.skipif(os.environ.get(INNER) == "1", reason="already inside test_install's commands"),
     pytest.mark.skipif(os.name != "posix", reason="simulates a Debian/Ubuntu system Python"),
@@ -217,6 +219,7 @@ def long_test():
 SHORT = "--steps 10 --eval-every 10 --eval-batches 2 --samples 1"  # the app, where only installing differs
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("long_test")
 @pytest.mark.skipif(distribution_python() is None, reason="no distribution Python (/usr/bin/python3, prefix /usr)")
 def test_distribution_python_as_is(tmp_path):
@@ -234,9 +237,15 @@ def test_distribution_python_as_is(tmp_path):
     assert f"install.py: using a new virtual environment {venv}" in out
     assert f"home = {python.parent}" in (venv / "pyvenv.cfg").read_text()
     assert imports_from(venv / "bin" / "python", env) == repo  # editable: the checkout itself
+    pins = Path("constraints", f"python{found['version'][len('python'):]}.txt")
+    if (repo / pins).exists():  # the tested versions, exactly
+        assert f"install.py: the tested versions in {pins}" in out
+        diff = run(f"{venv / 'bin' / 'python'} .ci/pins.py diff", repo, env)
+        assert f"[pins] every installed version is the one pinned in {pins}" in diff, diff
     shutil.rmtree(tmp_path)  # passed: no need to keep a gigabyte of venv
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("long_test")
 def test_fresh_debian_system_python(tmp_path):
     system_bin = fake_system_python(tmp_path / "usr", base_python())
@@ -262,6 +271,7 @@ def test_fresh_debian_system_python(tmp_path):
     shutil.rmtree(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("long_test")
 def test_inside_an_active_venv(tmp_path):
     system_bin = fake_system_python(tmp_path / "usr", base_python())
@@ -288,3 +298,115 @@ def test_an_unknown_extra_is_refused_before_anything_is_installed():
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.strip() == ("install.py: unknown extra 'mpihc': the extras are mpich, test, docs, bench, "
                                    "notebook, tpu, gpu, gpu-cuda13"), proc.stderr
+
+
+def stub_venv(tmp_path: Path, version: str, pip_status: int = 0) -> Path:
+    """A venv whose ``bin/python`` is a stub: to install.py's version probe (``-c``) it answers `version`;
+    any other command line it appends to ``tmp_path/log`` (and exits `pip_status` for ``-m pip``)."""
+    stub = tmp_path / "venv" / "bin" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(f"""#!/bin/sh
+if [ "$1" = -c ]; then echo {version}; exit 0; fi
+printf '%s\\n' "$*" >> {tmp_path / "log"}
+if [ "$1" = -m ]; then exit {pip_status}; fi
+""")
+    stub.chmod(0o755)
+    return stub.parent.parent
+
+
+def install_py(venv: Path, *argv: str) -> subprocess.CompletedProcess:
+    """``install.py argv`` by a Python that is no venv's, with `venv` active ($VIRTUAL_ENV)."""
+    base = Path(sys.base_prefix, "bin", VERSION)
+    return subprocess.run([str(base), str(ROOT / "install.py"), *argv], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, VIRTUAL_ENV=str(venv)))
+
+
+def logged(tmp_path: Path) -> List[str]:
+    """The command lines the stub python ran with."""
+    return (tmp_path / "log").read_text().splitlines() if (tmp_path / "log").exists() else []
+
+
+def pinned_version() -> str:
+    """A Python version ("3.X") that has pins in constraints/."""
+    found = sorted((ROOT / "constraints").glob("python3.*.txt"))
+    assert found, "no pins in constraints/"
+    return found[0].stem[len("python"):]
+
+
+def test_the_tested_versions_are_installed_by_default(tmp_path):
+    """The README's command: pip gets the pins for the environment's Python (the stub's), then the command runs."""
+    version = pinned_version()
+    proc = install_py(stub_venv(tmp_path, version), "mpich,test", "--", "tests/run.py", "-x")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert logged(tmp_path) == [f"-m pip install -c constraints/python{version}.txt -e .[mpich,test]",
+                                "tests/run.py -x"]
+    assert f"install.py: the tested versions in constraints/python{version}.txt (--latest: the newest releases)\n" \
+        in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--latest", "mpich,test"], ["mpich,test", "--latest"]])
+def test_latest_leaves_the_pins_out(tmp_path, argv):
+    proc = install_py(stub_venv(tmp_path, pinned_version()), *argv, "--", "tests/run.py")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert logged(tmp_path) == ["-m pip install -e .[mpich,test]", "tests/run.py"]
+    assert "install.py: --latest: the newest releases, not the tested versions in constraints/\n" in proc.stdout
+
+
+def test_a_python_without_pins_installs_the_newest_releases_after_one_warning(tmp_path):
+    """Python 3.99 has no pins file: never refused, one line says so, pip gets no constraints."""
+    proc = install_py(stub_venv(tmp_path, "3.99"), "mpich")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert logged(tmp_path) == ["-m pip install -e .[mpich]"]
+    assert proc.stderr == ("install.py: no tested versions for Python 3.99 (constraints/python3.99.txt does not "
+                           "exist): installing the newest releases, which mpimesh may not have been tested with\n")
+
+
+def test_a_failed_pinned_install_points_to_latest(tmp_path):
+    version = pinned_version()
+    proc = install_py(stub_venv(tmp_path, version, pip_status=1), "mpich", "--", "tests/run.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert logged(tmp_path) == [f"-m pip install -c constraints/python{version}.txt -e .[mpich]"]  # no command run
+    assert proc.stderr.strip().endswith(f'-m pip install -c constraints/python{version}.txt -e ".[mpich]"` failed '
+                                        f"(see above) (if pip found no release of a version pinned in constraints/"
+                                        f"python{version}.txt for this machine, --latest installs the newest "
+                                        "releases instead)"), proc.stderr
+
+
+@pytest.mark.parametrize("option", ["--lastest", "-latest", "--pre"])
+def test_an_unknown_option_is_refused_before_anything_is_installed(tmp_path, option):
+    proc = install_py(stub_venv(tmp_path, pinned_version()), option, "mpich", "--", "tests/run.py")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr == (f"install.py: unknown option '{option}': the options are --latest (the newest releases, "
+                           "not the tested versions) and --help\n")
+    assert logged(tmp_path) == []
+
+
+def test_help_names_latest():
+    proc = subprocess.run([sys.executable, str(ROOT / "install.py"), "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "python3 install.py [--latest] [EXTRAS] [-- ARGS...]" in proc.stdout, proc
+    assert "``--latest`` leaves the pins out" in proc.stdout
+
+
+def requirement_names(requirements: List[str]) -> List[str]:
+    """`["jax[cpu]", "numpy>=1.23"]` -> `["jax", "numpy"]`, normalised as pip compares names."""
+    return [re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", r).group(0)).lower() for r in requirements]
+
+
+def test_the_pins_cover_every_requirement_but_the_gpu_extras():
+    """Each pins file pins (exactly, ``name==version``) every dependency and every non-GPU extra's package:
+    a requirement added to pyproject.toml without .ci/refresh_pins fails here."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = set(requirement_names(project["dependencies"]))
+    for extra, requirements in project["optional-dependencies"].items():
+        if not extra.startswith("gpu"):
+            wanted |= set(requirement_names(requirements))
+    files = sorted((ROOT / "constraints").glob("python3.*.txt"))
+    assert files
+    for path in files:
+        lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+        bad = [line for line in lines if not re.fullmatch(r"[A-Za-z0-9._-]+==[A-Za-z0-9.+!]+", line)]
+        assert not bad, f"{path.name}: not name==version: {bad}"
+        missing = wanted - set(requirement_names(lines))
+        assert not missing, f"{path.name} pins no version of {sorted(missing)}: run .ci/refresh_pins"
