@@ -23,6 +23,16 @@ polls; one busy elsewhere, or gone, cannot), then raises `CollectiveTimeoutError
 that never arrived. Either way the transfer can never be cancelled, so the mesh is unusable
 afterwards and an uncaught error ends the job.
 
+The hang notice (`DEFAULT_NOTICE`, 30 s; `set_hang_notice(S)` or `MPIMESH_HANG_NOTICE=S`,
+`None`/`0`/`off` for none): a rank whose collective has waited S seconds asks every other rank of the
+mesh where it is, the same question, goes on polling, and within `_NOTICE_ASK` seconds prints to
+stderr, once, where each rank is: the public call (`mm.save`, `DistTensor.to_numpy`, `mm.einsum`) and
+the program's `file:line` (`callsite.py`, read from the stack then), the collective, or "outside
+mpimesh" for a rank that cannot answer. A rank asked by such a notice during its own wait is covered
+by it and prints none of its own for that wait; of ranks that ask at once, the lowest prints. A
+collective that completes within `_SPIN` seconds never reaches it; a longer wait pays one comparison
+every `_LOOK` seconds until then.
+
 >>> set_spmd_check(False); settings()["check"]
 False
 """
@@ -33,32 +43,37 @@ import sys
 import time
 import zlib
 from itertools import product
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import env
 from ..errors import CollectiveTimeoutError, DivergenceError, MpimeshError
-from .liveness import ABANDONED, Watch, departed, describe
+from .callsite import called, user_frame, where_called
+from .liveness import ABANDONED, QUERY, REPLY, Watch, departed, describe
 
-_QUERY, _REPLY = 31001, 31002  # tags of the where-are-you exchange
-_WIDTH = 400  # bytes of a rank's description of its op
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_WIDTH = 400  # bytes of a rank's description of its op, for the SPMD check
+_ANSWER = 1024  # bytes of an answer to where-are-you: the question's number, two flags, then text
+_PLAIN, _NOTICE = 0.0, 1.0  # kinds of question: before raising; for a hang notice
 DEFAULT_TIMEOUT = 600.0  # seconds: long enough for real work, short of forever
+DEFAULT_NOTICE = 30.0  # seconds a collective waits before its rank says where every rank is
+_NOTICE_ASK = 1.0  # the longest a hang notice waits for answers
+_OUTSIDE = "outside mpimesh (in no collective of this mesh: it went on with its own work, or waits elsewhere)"
 _SPIN = 0.05  # seconds a collective is polled flat out, as a blocking call would
 _MAX_NAP = 0.02  # the longest nap between polls after that (they grow with the time waited)
 _LOOK = 0.1  # seconds between looks for departed ranks and for others' questions
 _GRACE = 1.0  # seconds a collective may still complete after a member left (its part may be done)
 
 
-_TIMEOUT = {"above": 0.0, "words": {"0": None, "off": None, "none": None},  # how env.number reads the variable
+_SECONDS = {"above": 0.0, "words": {"0": None, "off": None, "none": None},  # how env.number reads the variables
             "what": "a positive number of seconds"}
 
 
-def _checked_timeout(seconds: Optional[float]) -> Optional[float]:
-    if seconds is not None and not (isinstance(seconds, (int, float)) and seconds > 0 and seconds < float("inf")):
-        raise MpimeshError(f"collective time-out must be a positive number of seconds or None, got {seconds!r}")
+def _checked_seconds(seconds: Optional[float], what: str) -> Optional[float]:
+    if seconds is not None and not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+                                    and 0 < seconds < float("inf")):
+        raise MpimeshError(f"{what} must be a positive number of seconds or None, got {seconds!r}")
     return None if seconds is None else float(seconds)
 
 
@@ -70,11 +85,12 @@ in_op: list = [""]  # with the SPMD check on: the op whose kernel runs now (`tra
 
 def reset() -> None:
     """The settings as the environment gives them (what a program starts with). A bad value of
-    `MPIMESH_SPMD_CHECK` or `MPIMESH_COLLECTIVE_TIMEOUT` gives the default here; its `MpimeshError` is
-    raised by the next `Mesh` and by `settings()` (`env.early`)."""
+    `MPIMESH_SPMD_CHECK`, `MPIMESH_COLLECTIVE_TIMEOUT` or `MPIMESH_HANG_NOTICE` gives the default here;
+    its `MpimeshError` is raised by the next `Mesh` and by `settings()` (`env.early`)."""
     _settings.update(check=env.early(env.flag, "MPIMESH_SPMD_CHECK", False),
-                     timeout=env.early(env.number, "MPIMESH_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT, **_TIMEOUT),
-                     chosen=env.text("MPIMESH_COLLECTIVE_TIMEOUT") is not None)
+                     timeout=env.early(env.number, "MPIMESH_COLLECTIVE_TIMEOUT", DEFAULT_TIMEOUT, **_SECONDS),
+                     chosen=env.text("MPIMESH_COLLECTIVE_TIMEOUT") is not None,
+                     notice=env.early(env.number, "MPIMESH_HANG_NOTICE", DEFAULT_NOTICE, **_SECONDS))
 
 
 reset()
@@ -88,29 +104,93 @@ def set_spmd_check(enabled: bool) -> None:
 def set_collective_timeout(seconds: Optional[float]) -> None:
     """Raise `CollectiveTimeoutError` from a collective not complete after `seconds` (None: wait
     forever; the default is `DEFAULT_TIMEOUT`, 600 s). Departed ranks are noticed either way."""
-    _settings["timeout"] = _checked_timeout(seconds)
+    _settings["timeout"] = _checked_seconds(seconds, "collective time-out")
     _settings["chosen"] = True
 
 
+def set_hang_notice(seconds: Optional[float]) -> None:
+    """Once a collective has waited `seconds` (None: never; the default is `DEFAULT_NOTICE`, 30 s),
+    print, once, where every rank of the mesh is: in which public call (`mm.save`, `to_numpy`, an op)
+    at which line of the program, or outside mpimesh. Call it on every rank.
+
+    >>> set_hang_notice(5.0); settings()["notice"]
+    5.0
+    >>> set_hang_notice(None); settings()["notice"] is None
+    True
+    >>> reset()
+    """
+    _settings["notice"] = _checked_seconds(seconds, "hang notice")
+
+
 def settings() -> dict:
-    """The check and time-out in force: `{"check": bool, "timeout": seconds or None}`.
+    """The check, time-out and hang notice in force: `{"check": bool, "timeout": seconds or None,
+    "notice": seconds or None}`.
 
     >>> settings()["timeout"] == DEFAULT_TIMEOUT or "MPIMESH_COLLECTIVE_TIMEOUT" in os.environ
     True
     """
-    env.raise_kept("MPIMESH_SPMD_CHECK", "MPIMESH_COLLECTIVE_TIMEOUT")
-    return {"check": _settings["check"], "timeout": _settings["timeout"]}
+    env.raise_kept("MPIMESH_SPMD_CHECK", "MPIMESH_COLLECTIVE_TIMEOUT", "MPIMESH_HANG_NOTICE")
+    return {"check": _settings["check"], "timeout": _settings["timeout"], "notice": _settings["notice"]}
 
 
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
-def user_frame() -> str:
-    """`file:line` of the innermost frame outside the mpimesh package (the user's call site)."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame = frame.f_back
-    return "<mpimesh>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+class Answer(NamedTuple):
+    """Where a rank is, as it answers a where-are-you question (or as this rank knows itself)."""
+    state: str  # the collective it waits in (`describe`)
+    call: str  # the public call the program is in (`callsite.where_called`)
+    line: str  # the program's `file:line` of that call
+    every: bool = False  # every rank must make that call (`callsite.EVERY_RANK`)
+    noticing: bool = False  # it is asking for a hang notice of its own
+
+    def __str__(self) -> str:
+        return f"{self.state} in {called(self.call, self.line, self.every)}"
+
+
+def _encode(number: int, answer: Answer) -> np.ndarray:
+    """The answer to question `number`, as sent."""
+    buf = np.zeros(_ANSWER, np.uint8)
+    buf[:8] = np.array([number], np.int64).view(np.uint8)
+    buf[8], buf[9] = answer.every, answer.noticing
+    raw = "\x1f".join(answer[:3]).encode()[:_ANSWER - 10]
+    buf[10:10 + len(raw)] = np.frombuffer(raw, np.uint8)
+    return buf
+
+
+def _decode(buf: np.ndarray) -> tuple:
+    """(the question's number, the `Answer`) from an answer as received.
+
+    >>> _decode(_encode(7, Answer("#3 any_rank", "mm.save", "train.py:9", True, False)))
+    (7, Answer(state='#3 any_rank', call='mm.save', line='train.py:9', every=True, noticing=False))
+    """
+    text = bytes(buf[10:]).rstrip(b"\0").decode(errors="replace").split("\x1f")
+    return int(buf[:8].view(np.int64)[0]), Answer(*(text + ["", "", ""])[:3], bool(buf[8]), bool(buf[9]))
+
+
+def _ranks(ranks) -> str:
+    """'rank 3', or 'ranks 1-3, 5'.
+
+    >>> _ranks([5, 1, 2, 3]), _ranks([4])
+    ('ranks 1-3, 5', 'rank 4')
+    """
+    runs: list = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+def _say(text: str) -> None:
+    """Print a notice to stderr in one write (ranks' lines interleave less); never raise."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed stream: the collective goes on all the same
+        pass
 
 
 class Guard:
@@ -131,6 +211,10 @@ class Guard:
         self.broken: Optional[str] = None
         self._op: Optional[tuple] = None  # (seq, kind, dims, dtype, local shape, detail) of the current collective
         self._sends: list = []  # questions and answers in flight
+        self._questions = 0  # this rank's where-are-you questions so far (an answer names its question's number)
+        # The current slow wait (past `_SPIN`): its start, by the wall clock (others' questions asked
+        # before it are old news); the ranks whose hang notice covers it; whether its own is being asked.
+        self._began, self._covered, self._noticing = 0.0, set(), False
 
     @staticmethod
     def timeout() -> Optional[float]:
@@ -225,8 +309,10 @@ class Guard:
             _yield()  # a peer on this core (more ranks than cores) runs now, not when our slice ends
         else:
             return
-        timeout, others = _settings["timeout"], None
+        self._began, self._covered, self._noticing = time.time() - (time.monotonic() - start), set(), False
+        timeout, notice, others = _settings["timeout"], _settings["notice"], None
         look = noticed = 0.0
+        asked: Optional[tuple] = None  # the hang notice's question: (number, deadline, answers)
         while not self._test(request, dims, what):
             now = time.monotonic()
             if now >= look:
@@ -240,6 +326,10 @@ class Guard:
                         self._departed(dims, what)
                 if timeout is not None and now - start > timeout:
                     self._expire(dims, timeout, what)
+                if notice is not None and now - start >= notice:
+                    asked = self._notice(asked, notice, what)
+                    if asked is None:
+                        notice = None  # told, or covered by another rank's notice: once per wait
             time.sleep(min(_MAX_NAP, max(1e-4, 0.02 * (now - start))))
 
     def _test(self, request, dims: tuple, what: Optional[str]) -> bool:
@@ -262,44 +352,100 @@ class Guard:
         return ranks
 
     def _serve(self) -> None:
-        """Answer any rank asking where this one is."""
-        status = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
-            src = status.Get_source()
-            self.comm.Recv(np.empty(1, np.int64), src, _QUERY)
-            answer = f"{self._state} at {user_frame()}".encode()[:_WIDTH]
-            self._send(np.frombuffer(answer.ljust(_WIDTH, b"\0"), np.uint8), src, _REPLY)
+        """Answer any rank asking where this one is; one asking for a hang notice since this wait
+        began covers this rank's."""
+        status, mine = MPI.Status(), None
+        while self.comm.Iprobe(MPI.ANY_SOURCE, QUERY, status):
+            src, question = status.Get_source(), np.empty(3, np.float64)  # (kind, number, wall clock)
+            self.comm.Recv(question, src, QUERY)
+            if question[0] == _NOTICE and question[2] >= self._began:
+                self._covered.add(src)
+            mine = mine or Answer(self._state, *where_called(), self._noticing)
+            self._send(_encode(int(question[1]), mine), src, REPLY)
 
     def _send(self, buf, dest: int, tag: int) -> None:
         """Start sending `buf`, never waiting for it (the peer may be gone); the request keeps it alive."""
         self._sends = [r for r in self._sends if not r.Test()]
         self._sends.append(self.comm.Isend(buf, dest, tag))
 
+    def _question(self, peers, kind: float) -> int:
+        """Ask each of `peers` where it is (never waiting on a send: a peer may be gone); the question's number."""
+        self._questions += 1
+        question = np.array([kind, self._questions, time.time()], np.float64)
+        for r in peers:
+            self._send(question, r, QUERY)
+        return self._questions
+
+    def _answers(self, number: int, answers: dict) -> None:
+        """Take in the answers that arrived, into `answers` ({rank: `Answer`}) where they answer
+        question `number` (an earlier question's are dropped)."""
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, REPLY, status):
+            buf = np.empty(_ANSWER, np.uint8)
+            self.comm.Recv(buf, status.Get_source(), REPLY)
+            got, answer = _decode(buf)
+            if got == number:
+                answers[status.Get_source()] = answer
+
     def _ask(self, peers: list, seconds: float) -> dict:
         """Where each of `peers` is, as each answers within `seconds` (serving questions meanwhile):
-        `{rank: answer}`. Never waits on a send: a peer may be gone."""
-        for r in peers:
-            self._send(np.array([self.seq], np.int64), r, _QUERY)
-        answers: dict = {}
+        `{rank: Answer}`."""
+        number, answers = self._question(peers, _PLAIN), {}
         end = time.monotonic() + seconds
-        status = MPI.Status()
         while len(answers) < len(peers) and time.monotonic() < end:
             self._serve()
-            while self.comm.Iprobe(MPI.ANY_SOURCE, _REPLY, status):
-                buf = np.empty(_WIDTH, np.uint8)
-                self.comm.Recv(buf, status.Get_source(), _REPLY)
-                answers[status.Get_source()] = bytes(buf).rstrip(b"\0").decode(errors="replace")
+            self._answers(number, answers)
             time.sleep(1e-3)
         return answers
+
+    def _notice(self, asked: Optional[tuple], after: float, what: Optional[str]) -> Optional[tuple]:
+        """One step of the hang notice, every `_LOOK` seconds while the collective waits (it is
+        polled meanwhile): ask every other rank of the mesh where it is, take in answers until all
+        are in or `_NOTICE_ASK` seconds passed, then print where each rank is, unless another
+        rank's notice covers this one. Returns the question in progress, or None once done."""
+        me, size = self.comm.Get_rank(), self.comm.Get_size()
+        peers = [r for r in range(size) if r != me]
+        if asked is None:
+            if self._covered:
+                return None
+            self._noticing = True
+            asked = (self._question(peers, _NOTICE), time.monotonic() + _NOTICE_ASK, {})
+        number, deadline, answers = asked
+        self._answers(number, answers)
+        if len(answers) < len(peers) and time.monotonic() < deadline:
+            return asked
+        self._noticing = False
+        asking = self._covered | {r for r, a in answers.items() if a.noticing}  # at the same time as this one
+        if min(asking, default=me) < me:
+            return None
+        where: dict = {}
+        for r in peers:
+            where.setdefault(f"left: {self.watch.left[r]}" if r in self.watch.left else
+                             f"in {called(*answers[r][1:4])}; waiting in its collective {answers[r].state}"
+                             if r in answers else _OUTSIDE, []).append(r)
+        timeout = _settings["timeout"]
+        _say(f"mpimesh: rank {me} has waited more than {after:g} s in {called(*where_called())}: "
+             f"{self._op_text(what)} is not complete. Where the other ranks of the mesh are:\n"
+             + "".join(f"mpimesh:   {_ranks(rs)}: {text}\n" for text, rs in where.items())
+             + f"mpimesh: (rank {me} waits on: "
+             + (f"the time-out ends the job once it has waited {timeout:g} s" if timeout is not None else
+                "no time-out is set") + "; MPIMESH_COLLECTIVE_TIMEOUT=S sets it, MPIMESH_HANG_NOTICE=S or off "
+             "this notice)\n")
+        return None
 
     def _fail(self, message: str) -> None:
         """Mark the mesh unusable and raise `message`."""
         self.broken = message
         raise CollectiveTimeoutError(message)
 
+    def _op_text(self, what: Optional[str]) -> str:
+        """The collective this rank waits in, or the step before it (`what`)."""
+        return f"{what}, before its collective {self._state}" if what else f"its collective {self._state}"
+
     def _where(self, what: Optional[str]) -> str:
-        op = f"collective {self._state} at {user_frame()}"
-        return f"{what}, before {op}" if what else op
+        """Where this rank is, for its error messages: the public call, the program's line and the
+        collective; ", which every rank must call" where the call is one of `callsite.EVERY_RANK`."""
+        return f"rank {self.comm.Get_rank()} is in {called(*where_called())}: {self._op_text(what)}"
 
     def _refuse_abandoned(self) -> None:
         """Raise: a rank abandoned this mesh (an interrupted collective). (Exit notices only count
@@ -312,7 +458,8 @@ class Guard:
     def _abandon(self, what: Optional[str]) -> None:
         """After an interrupt inside a collective: mark the mesh unusable here, and tell the other
         ranks, whose collectives on this mesh then raise instead of waiting for this one."""
-        where = self._where(what)
+        call, line, _ = where_called()
+        where = f"{self._op_text(what)} in {call} ({line})"
         self.broken = f"{where} was interrupted before it completed (a transfer cannot be cancelled)"
         sent = self.watch.notify(f"{ABANDONED}: {where} was interrupted on it")
         end = time.monotonic() + 0.5  # push the notices out now: this rank may not call MPI again soon
@@ -328,12 +475,11 @@ class Guard:
         where = [f"rank {me} (this one) in it"]
         for r in others:
             where.append(f"rank {r} left: {gone[r]}" if r in gone else
-                         f"rank {r} waiting in {answers[r]}" if r in answers else
-                         f"rank {r} did not answer (busy outside mpimesh's collectives)")
+                         f"rank {r} waiting in {answers[r]}" if r in answers else f"rank {r} {_OUTSIDE}")
         place = "the job" if all(why.startswith("its ") for why in gone.values()) else "this mesh"
         who = (f"rank {list(gone)[0]} left {place}" if len(gone) == 1 else
                f"ranks {list(gone)} left {place}" if gone else "a rank of its group failed")
-        self._fail(f"{self._where(what)} on rank {me} cannot complete: {who} before it was done. "
+        self._fail(f"{self._where(what)} cannot complete: {who} before it was done. "
                    f"{mpi_error + '. ' if mpi_error else ''}Where the ranks of the collective were: "
                    f"{'; '.join(where)}. The mesh is unusable now; uncaught, this error ends the job.")
 
@@ -341,12 +487,9 @@ class Guard:
         me = self.comm.Get_rank()
         peers = [r for r in self._group_ranks(dims) if r != me]
         answers = self._ask(peers, min(max(1.0, 0.2 * timeout), 5.0))
-        mine = self._state
-        missing = [r for r in peers if answers.get(r, "").split(" at ", 1)[0] != mine]
-        notes = [f"rank {r} " + (f"waiting in {answers[r]}" if r in answers else
-                                 "did not answer (busy outside mpimesh's collectives, or finished)")
-                 for r in missing]
-        self._fail(f"{self._where(what)} on rank {me} was not complete after {timeout:g} s; ranks {missing} "
+        missing = [r for r in peers if r not in answers or answers[r].state != self._state]
+        notes = [f"rank {r} " + (f"waiting in {answers[r]}" if r in answers else f"is {_OUTSIDE}") for r in missing]
+        self._fail(f"{self._where(what)} was not complete after {timeout:g} s; ranks {missing} "
                    f"never arrived: {'; '.join(notes)}. A longer time-out: MPIMESH_COLLECTIVE_TIMEOUT=S or "
                    f"mm.set_collective_timeout(S) (None for none). The mesh is unusable now; uncaught, this "
                    "error ends the job.")

@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
+QUERY, REPLY = 31001, 31002  # tags of the where-are-you questions and answers (`guard.py`), on that communicator
 _EXIT = 31003  # tag of an exit notice, on a mesh's own guard communicator
 _WORLD_EXIT = 31004  # tag of the exit notice of a program that ended before it built any mesh, on COMM_WORLD
 _WIDTH = 400  # bytes of a notice's text
@@ -182,6 +183,14 @@ def _cancel(request: MPI.Request) -> None:
             pass
 
 
+def _drain(comm: MPI.Comm) -> None:
+    """Receive the where-are-you questions and answers that arrived on `comm` and were never taken in."""
+    status = MPI.Status()
+    for tag in (QUERY, REPLY):
+        while comm.Iprobe(MPI.ANY_SOURCE, tag, status):
+            comm.Recv(np.empty(status.Get_count(MPI.BYTE), np.uint8), status.Get_source(), tag)
+
+
 @atexit.register
 def _notify_all() -> None:
     """At interpreter exit: every live mesh's exit notice, given a second to leave, and the other
@@ -211,7 +220,11 @@ def _notify_all() -> None:
     while alone and len(_world["left"]) < world - 1 and time.monotonic() < deadline:  # (theirs: likewise)
         _poll_world()
         time.sleep(1e-3)
-    for watch in list(_watches):  # no receive left posted when MPI finalizes
+    for watch in list(_watches):  # no receive left posted when MPI finalizes, and no question or answer
+        try:                        # left unreceived (a hang notice's, to a rank that then went on, say)
+            _drain(watch.comm)
+        except MPI.Exception:  # (a freed communicator)
+            pass
         if watch._recv is not None:
             _cancel(watch._recv)
             watch._recv = None
