@@ -13,21 +13,22 @@ the accessor of that setting), where the abort hook is in place and the message 
 traceback's last line, instead of failing the import itself.
 
 >>> import os
->>> os.environ["MPIMESH_EXAMPLE"] = " Off "
->>> flag("MPIMESH_EXAMPLE", True)
+>>> name = "MPIMESH_TEST_ENV_PARSER"  # (the tests' own variable)
+>>> os.environ[name] = " Off "
+>>> flag(name, True)
 False
->>> os.environ["MPIMESH_EXAMPLE"] = "maybe"
->>> flag("MPIMESH_EXAMPLE", True)
+>>> os.environ[name] = "maybe"
+>>> flag(name, True)
 Traceback (most recent call last):
 ...
-mpimesh.errors.MpimeshError: MPIMESH_EXAMPLE='maybe': expected 1/0, true/false, yes/no or on/off
->>> os.environ["MPIMESH_EXAMPLE"] = "-5"
->>> whole("MPIMESH_EXAMPLE", 7, minimum=0, what="a whole number of bytes >= 0")
+mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='maybe': expected 1/0, true/false, yes/no or on/off
+>>> os.environ[name] = "-5"
+>>> whole(name, 7, minimum=0, what="a whole number of bytes >= 0")
 Traceback (most recent call last):
 ...
-mpimesh.errors.MpimeshError: MPIMESH_EXAMPLE='-5' is not a whole number of bytes >= 0
->>> del os.environ["MPIMESH_EXAMPLE"]
->>> whole("MPIMESH_EXAMPLE", 7), flag("MPIMESH_EXAMPLE", True), choice("MPIMESH_EXAMPLE", "numpy", ("numpy", "cupy"))
+mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='-5' is not a whole number of bytes >= 0
+>>> del os.environ[name]
+>>> whole(name, 7), flag(name, True), choice(name, "numpy", ("numpy", "cupy"))
 (7, True, 'numpy')
 
 The variables (README.md and the modules' docstrings say more), with when they are read:
@@ -41,30 +42,73 @@ The variables (README.md and the modules' docstrings say more), with when they a
 | `MPIMESH_THREADS` | `threads.py`, import | BLAS/OpenMP threads per rank | whole number >= 1 (cores // local ranks) |
 | `MPIMESH_SPMD_CHECK` | `collectives/guard.py`, import | check before each collective | flag (off) |
 | `MPIMESH_COLLECTIVE_TIMEOUT` | `collectives/guard.py`, import | time-out, seconds | > 0, `0`/`off`/`none`: none (600) |
+| `MPIMESH_HANG_NOTICE` | `collectives/guard.py`, import | where ranks are, after s | > 0, `0`/`off`/`none`: none (30) |
 | `MPIMESH_SHM` | `collectives/shm.py`, import | in-node sums through shared memory | flag (on) |
 | `MPIMESH_CUDA_AWARE_MPI` | `collectives/placement.py`, CuPy meshes | MPI reads GPU memory | flag (ask MPI) |
-| `MPIMESH_DEBUG` | `trace.py`, import | check each op's local outputs | flag (off) |
+| `MPIMESH_DEBUG` | `trace.py`, import; `abort.py` | check each op's local outputs; whole tracebacks | flag (off) |
 | `MPIMESH_BUCKET_BYTES` | `buckets.py`, import | gradient bucket size | whole number >= 0, 0: none (25 MiB) |
 | `MPIMESH_CUDA_GRAPHS` | `graphs.py`, compiled steps on CuPy | CUDA graphs for compiled steps | flag (on) |
 | `MPIMESH_JAX_COORDINATOR` | `tpu/distributed.py`, `initialize` | JAX's coordinator | `host:port` (rank 0 picks) |
 | `MPIMESH_CACHE_DIR` | `cost/cache.py`, calibration | where calibrations are kept | a path (`$XDG_CACHE_HOME/mpimesh`) |
 | `MPIMESH_RECALIBRATE` | `cost/cache.py`, calibration | measure again, not from the cache | flag (off) |
 
-A flag accepts 1/0, true/false, yes/no and on/off. `MPIMESH_AUTO_THREADS` is no setting:
-`threads.py` writes it to mark a default it chose. `MPIMESH_TEST_SLOW_SAVE`, read by
-`checkpoint.py`, slows a save down for the crash tests.
+A flag accepts 1/0, true/false, yes/no and on/off. `KNOWN` lists these and the variables that are
+no settings: marks that mpimesh and the benchmarks write for their child processes, and those of
+the tests (`MPIMESH_TEST_SLOW_SAVE`, read by `checkpoint.py`, slows a save down for the crash tests).
+Any other `MPIMESH_*` variable in the environment is a typo, silently ignored otherwise: `import
+mpimesh` warns (`UnknownVariableWarning`, on the launcher's rank 0 only) naming the closest known one.
+
+>>> unknown({"MPIMESH_SPMD_CHEK": "1", "MPIMESH_DEBUG": "1", "HOME": "/root"})
+['MPIMESH_SPMD_CHEK is not a variable mpimesh reads: did you mean MPIMESH_SPMD_CHECK?']
 
 Pure Python: it imports nothing of mpimesh but `errors.py`, so every module may import it.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .errors import MpimeshError
 
-__all__ = ["flag", "whole", "number", "choice", "text", "early", "raise_kept"]
+__all__ = ["flag", "whole", "number", "choice", "text", "early", "raise_kept", "KNOWN", "unknown", "warn_unknown",
+           "launcher_rank", "UnknownVariableWarning"]
+
+KNOWN: dict[str, str] = {
+    # the settings (the table above)
+    "MPIMESH_BACKEND": "backend.py", "MPIMESH_KEEP_MEMORY": "backend.py",
+    "MPIMESH_GPU_MEMORY_FRACTION": "backend.py", "MPIMESH_NO_ABORT": "abort.py", "MPIMESH_THREADS": "threads.py",
+    "MPIMESH_SPMD_CHECK": "collectives/guard.py", "MPIMESH_COLLECTIVE_TIMEOUT": "collectives/guard.py",
+    "MPIMESH_HANG_NOTICE": "collectives/guard.py",
+    "MPIMESH_SHM": "collectives/shm.py", "MPIMESH_CUDA_AWARE_MPI": "collectives/placement.py",
+    "MPIMESH_DEBUG": "trace.py", "MPIMESH_BUCKET_BYTES": "buckets.py", "MPIMESH_CUDA_GRAPHS": "graphs.py",
+    "MPIMESH_JAX_COORDINATOR": "tpu/distributed.py", "MPIMESH_CACHE_DIR": "cost/cache.py",
+    "MPIMESH_RECALIBRATE": "cost/cache.py",
+    # marks written for child processes, and the benchmarks' own
+    "MPIMESH_AUTO_THREADS": "threads.py writes it: a default it chose",
+    "MPIMESH_BENCH_REEXEC": "benchmarks/common.py writes it: the process was re-executed",
+    "MPIMESH_BENCH_LOCK": "benchmarks/common.py: the lock file of timed runs ('' for none)",
+    # the tests'
+    "MPIMESH_TEST_SLOW_SAVE": "checkpoint.py: a save sleeps, for the crash tests",
+    "MPIMESH_TEST_RANKS": "tests/run.py: rank counts", "MPIMESH_TEST_TIMEOUT": "tests/run.py: seconds per run",
+    "MPIMESH_TEST_QUIET_NONZERO": "tests/run.py writes it: ranks > 0 report only failures",
+    "MPIMESH_TEST_XLA_FLAGS": "tests/jaxenv.py writes it: the XLA flags found accepted",
+    "MPIMESH_TEST_INSTALL_INNER": "tests/test_install.py writes it: inside its own run",
+    "MPIMESH_TEST_ENV_PARSER": "tests/test_env.py and the examples here: a variable to parse",
+    "MPIMESH_DIFF_SEEDS": "tests/test_differential.py: programs per mesh shape",
+    "MPIMESH_FUZZ_EXAMPLES": "tests/test_fuzz.py: examples per parser",
+}
+"""Every `MPIMESH_*` variable that mpimesh, its apps, benchmarks or tests read or write: name -> who
+(tests/test_env.py scans the sources for any other)."""
+
+_PREFIX = "MPIMESH_"
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+class UnknownVariableWarning(UserWarning):
+    """An `MPIMESH_*` variable that mpimesh does not read: a misspelled name (`unknown`)."""
 
 _YES = ("1", "true", "yes", "on")
 _NO = ("0", "false", "no", "off")
@@ -207,3 +251,41 @@ def raise_kept(*names: str) -> None:
     errors = [e for name, e in sorted(_kept.items()) if not names or name in names]
     if errors:
         raise MpimeshError("; ".join(str(e) for e in errors))
+
+
+def launcher_rank() -> Optional[int]:
+    """This process's rank as the launcher (mpiexec, srun) set it in the environment, or None
+    outside a launcher: read without MPI, so it works before MPI starts."""
+    for name in _RANK_VARS:
+        raw = os.environ.get(name, "").strip()
+        if raw.isdigit():
+            return int(raw)
+    return None
+
+
+def unknown(environ: Mapping[str, str] = os.environ) -> list:
+    """A line for each `MPIMESH_*` variable of `environ` (any case) that is not in `KNOWN`, with the
+    closest known name where one is close."""
+    lines = []
+    for name in sorted(environ):
+        if not name.upper().startswith(_PREFIX) or name in KNOWN:
+            continue
+        tail = name.upper()[len(_PREFIX):]  # (the common prefix would make every name look close)
+        close = difflib.get_close_matches(tail, [k[len(_PREFIX):] for k in KNOWN], n=1, cutoff=0.6)
+        hint = f": did you mean {_PREFIX}{close[0]}?" if close else " (mpimesh/env.py lists those it reads)"
+        lines.append(f"{name} is not a variable mpimesh reads{hint}")
+    return lines
+
+
+_checked = [False]
+
+
+def warn_unknown() -> None:
+    """`UnknownVariableWarning` for each line of `unknown()`: once per process (`import mpimesh` calls
+    it), on the launcher's rank 0 alone (every rank sees the same environment)."""
+    if _checked[0]:
+        return
+    _checked[0] = True
+    if launcher_rank() in (None, 0):
+        for line in unknown():
+            warnings.warn(line, UnknownVariableWarning, stacklevel=3)  # (the `import mpimesh` line)

@@ -8,9 +8,26 @@ that is `[c*n/k, (c+1)*n/k)`. A mesh dim of size 1 splits nothing (`splitting`).
 >>> rules = LayoutRules("batch:rows;hidden:cols")
 >>> plan_layout(Shape("batch:8;io:4;hidden:6"), Shape("rows:2;cols:3"), rules)
 ('rows', None, 'cols')
+
+A rule whose tensor dim no tensor has is most likely a misspelled name, and splits nothing. So
+the rules of each `Mesh` and `layout_scope` are noted (`note_rules`), the names of the dims laid
+out are kept as layouts are planned (`validate_layout`: once per shape, `plan_layout` being cached),
+and a rule whose tensor dim no tensor had gives a `LayoutRuleWarning` naming the closest dims seen:
+at the end of the first traced step that ran under it (`check_step`, at the exit of `mm.trace()`),
+else at exit if it laid out tensors (a program that stops on bad input before its first tensor
+says nothing). Once per rule and process, from the process that runs rank 0 of the rule's mesh
+(meshes of one rank, one on each process: from the first process alone). A rule for a dim that
+tensors have but could not use is no typo, and not flagged: another dim of the tensor on that
+mesh dim is a `LayoutError`, a size the mesh dim does not divide is split unevenly.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import difflib
+import os
+import sys
+import warnings
 from functools import lru_cache
 from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
 
@@ -96,11 +113,13 @@ def check_rules(rules: LayoutRules, mesh_shape: Shape) -> None:
 @lru_cache(maxsize=8192)
 def plan_layout(shape: Shape, mesh_shape: Shape, rules: LayoutRules) -> TensorLayout:
     """The tensor layout that `rules` give a tensor of `shape` on a mesh of `mesh_shape`."""
+    _planned.add(rules)
     return validate_layout(shape, mesh_shape, tuple(rules.mesh_dim(n) for n in shape.names))
 
 
 def validate_layout(shape: Shape, mesh_shape: Shape, layout: TensorLayout) -> TensorLayout:
     """Check a tensor layout: known mesh dims, each used once (sizes need not divide: see `block`)."""
+    _seen.update(shape.names)
     used: dict[str, str] = {}
     for dim, mdim in zip(shape, layout):
         if mdim is None:
@@ -113,6 +132,96 @@ def validate_layout(shape: Shape, mesh_shape: Shape, layout: TensorLayout) -> Te
                               f"laid out on mesh dim {mdim!r} (size {mesh_shape[mdim].size})")
         used[mdim] = dim.name
     return tuple(layout)
+
+
+class LayoutRuleWarning(UserWarning):
+    """A layout rule whose tensor dim no tensor had: most likely a misspelled dim name (the rule splits nothing)."""
+
+
+_seen: set = set()  # the name of every tensor dim laid out so far (by `validate_layout`)
+_planned: set = set()  # every LayoutRules that laid out a tensor (by `plan_layout`)
+
+
+class _Watch:
+    """The rules noted (`note_rules`) and which of them are still to be checked against `_seen`."""
+
+    def __init__(self):
+        self.noted: set = set()  # (rules, mesh shape)
+        self.pending: dict = {}  # (rules, mesh shape) not checked yet -> whether this process warns for them
+        self.warned: set = set()  # (tensor dim, mesh dim, mesh shape) of each rule warned about
+        self.stepped = False  # a traced step ended and checked the rules it ran under
+
+
+_watch = _Watch()
+
+
+def note_rules(rules: LayoutRules, mesh_shape: Shape, speaks: bool) -> None:
+    """Note the rules of a mesh or a layout scope on a mesh of `mesh_shape`, to be checked against the
+    dims of the tensors laid out (`check_step`). `speaks`: whether this process warns for them."""
+    key = (rules, mesh_shape)
+    if rules.pairs and key not in _watch.noted:
+        _watch.noted.add(key)
+        _watch.pending[key] = speaks
+
+
+def check_step(rules_in_force: Iterable[LayoutRules]) -> None:
+    """The end of a traced step whose ops ran under `rules_in_force`: at the first that ran under noted
+    rules, warn for those of them whose tensor dim no tensor had (the other rules wait for exit)."""
+    if _watch.stepped or not _watch.pending:
+        return
+    used = set(rules_in_force)
+    keys = [key for key in _watch.pending if key[0] in used]
+    if keys:
+        _watch.stepped = True
+        _check(keys, "by the end of the first traced step")
+
+
+def _check(keys: list, when: str) -> None:
+    for key in keys:
+        speaks = _watch.pending.pop(key)
+        rules, mesh_shape = key
+        for tdim, mdim in rules.pairs:
+            rule = (tdim, mdim, mesh_shape)
+            if speaks and tdim not in _seen and rule not in _watch.warned:
+                _watch.warned.add(rule)
+                _warn(f"layout rule {tdim}:{mdim} of mesh {mesh_shape} matched no tensor {when}: no tensor had "
+                      f"a dim {tdim!r}{_closest(tdim)}, so the rule split nothing")
+
+
+def _closest(name: str) -> str:
+    close = difflib.get_close_matches(name, _seen, n=3, cutoff=0.6)
+    if close:
+        return f" (did you mean {' or '.join(repr(c) for c in close)}?)"
+    if not _seen:
+        return " (no tensor was laid out)"
+    names = sorted(_seen)
+    return f" (the tensors' dims: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''})"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warn(message: str) -> None:
+    """`LayoutRuleWarning` pointing at the user's code that ended the step (at exit: at the program)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+    if frame is None:
+        main = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "<mpimesh>"
+        warnings.warn_explicit(message, LayoutRuleWarning, main, 0, module="__main__")
+    else:
+        warnings.warn_explicit(message, LayoutRuleWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__", "__main__"))
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Check the rules that laid out tensors but no step ran under (not those of a mesh that a program
+    ending early, on bad input, built and never used)."""
+    keys = [key for key in _watch.pending if key[0] in _planned]
+    if keys:
+        _check(keys, "in the whole run")
 
 
 def layout_from_spec(shape: Shape, mesh_shape: Shape, spec) -> TensorLayout:

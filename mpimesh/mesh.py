@@ -27,7 +27,7 @@ from .collectives.liveness import Watch
 from .collectives.placement import choose
 from .errors import MeshError, ShapeError, by_rank
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
-                     plan_layout)
+                     note_rules, plan_layout)
 from .shape import Shape, ShapeLike
 
 
@@ -220,6 +220,9 @@ class Mesh(AbstractMesh):
         self._subcomms: dict[tuple, MPI.Comm] = {}
         weakref.finalize(self, _release, [self._cart, self._guard_comm], self._subcomms).atexit = False
         self._collectives = None
+        # a rule that matches no tensor warns from one process: rank 0's (of COMM_WORLD for meshes of one rank)
+        self._speaks = self._rank == 0 and (self.size > 1 or MPI.COMM_WORLD.Get_rank() == 0)
+        note_rules(self.rules, self.shape, self._speaks)
         abort.install()
         threads.configure_for(comm)
 
@@ -328,6 +331,8 @@ def layout_scope(mesh: AbstractMesh, rules: RulesLike) -> Iterator[LayoutRules]:
                         f"({mesh!r:.60}): layout_scope(mesh, rules)")
     rules = LayoutRules(rules)
     check_rules(rules, mesh.shape)
+    if isinstance(mesh, Mesh):
+        note_rules(rules, mesh.shape, mesh._speaks)
     mesh._scopes.append(rules)
     try:
         yield rules

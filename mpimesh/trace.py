@@ -26,7 +26,7 @@ from .collectives import counters
 from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
-from .layout import local_sizes
+from .layout import check_step, local_sizes
 
 Lower = Callable[..., Any]
 
@@ -286,6 +286,8 @@ def trace() -> Iterator[Trace]:
         _kept.depth -= 1
         if not _kept.depth:
             _kept.reset()
+    if not _kept.depth:  # a step ended (not by an exception): rules it ran under that matched no dim warn
+        check_step(op.rules for op in tr.ops)
 
 
 def note_host_read(t, what: str) -> None:

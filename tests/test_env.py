@@ -1,10 +1,12 @@
 """Every MPIMESH_* variable is read by one parser (mpimesh/env.py): the spellings it accepts, the values it
 refuses (an MpimeshError naming the variable, its value and what it accepts), and, for real variables read
 at import, that off/false really turn a feature off and that garbage gives that error at the first Mesh
-(in a fresh process, as the variables are read at import) instead of failing the import."""
+(in a fresh process, as the variables are read at import) instead of failing the import. A misspelled
+variable's name warns at import, naming the closest known one; env.KNOWN lists every name the sources use."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -113,7 +115,7 @@ def test_early_keeps_the_error_for_first_use(monkeypatch):
     monkeypatch.setenv(VAR, "maybe")
     monkeypatch.setattr(env, "_kept", {})
     assert env.early(env.flag, VAR, True) is True  # the default, for now
-    env.raise_kept("MPIMESH_SOMETHING_ELSE")  # not this variable's: nothing
+    env.raise_kept("MPIMESH_SHM")  # not this variable's: nothing
     with pytest.raises(mm.MpimeshError, match=f"^{VAR}='maybe': {FLAG_ERROR}$"):
         env.raise_kept(VAR)
     with pytest.raises(mm.MpimeshError, match=f"^{VAR}='maybe'"):
@@ -275,3 +277,82 @@ def test_bad_variable_ends_a_job_on_every_rank(tmp_path):
     assert not list(tmp_path.glob("reached-*"))
     assert f"MPIMESH_SPMD_CHECK='maybe': {FLAG_ERROR}" in proc.stderr, proc.stderr
     assert "uncaught exception on rank" in proc.stderr
+
+
+# Misspelled names. TYPOS: the deliberate ones, here and in mpimesh/env.py's example (the scan skips them).
+TYPOS = ("MPIMESH_SPMD_CHEK", "MPIMESH_DEGUB", "MPIMESH_NOT_A_THING_AT_ALL", "MPIMESH_THREAD")
+
+
+def _sources() -> list:
+    """The project's code: Python and shell files, and the CI scripts (no virtual environment inside)."""
+    files = [ROOT / "setup.py", ROOT / "install.py"] + [p for p in (ROOT / ".ci").glob("*") if p.is_file()]
+    for top in ("mpimesh", "apps", "tests", "benchmarks", "examples", "launch"):
+        files += [p for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".sh", ".sbatch")
+                  and not {"__pycache__", "site-packages"} & set(p.parts)]
+    return [p for p in files if p.is_file()]
+
+
+def test_unknown_names_the_closest_known_variable():
+    got = env.unknown({"MPIMESH_SPMD_CHEK": "1", "MPIMESH_DEGUB": "0", "mpimesh_threads": "2",
+                       "MPIMESH_NOT_A_THING_AT_ALL": "x", "MPIMESH_THREAD": "3", "MPIMESH_DEBUG": "1",
+                       "MPIMESH_TEST_RANKS": "1 2", "MPIMESH_AUTO_THREADS": "1", "MPIMESHX": "1", "PATH": "/bin"})
+    assert got == ["MPIMESH_DEGUB is not a variable mpimesh reads: did you mean MPIMESH_DEBUG?",
+                   "MPIMESH_NOT_A_THING_AT_ALL is not a variable mpimesh reads (mpimesh/env.py lists those it reads)",
+                   "MPIMESH_SPMD_CHEK is not a variable mpimesh reads: did you mean MPIMESH_SPMD_CHECK?",
+                   "MPIMESH_THREAD is not a variable mpimesh reads: did you mean MPIMESH_THREADS?",
+                   "mpimesh_threads is not a variable mpimesh reads: did you mean MPIMESH_THREADS?"]
+    assert env.unknown({name: "1" for name in env.KNOWN}) == []
+
+
+def test_every_variable_the_sources_name_is_known():
+    """Code that reads (or writes for a child) an MPIMESH_* variable missing from env.KNOWN would have
+    its users warned that it is a typo: every name in the sources must be there."""
+    named: dict = {}
+    for f in _sources():
+        for name in re.findall(r"\bMPIMESH_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace")):
+            named.setdefault(name, f.relative_to(ROOT))
+    assert len(named) > 20, sorted(named)  # (the scan found the sources)
+    missing = {n: str(f) for n, f in named.items() if n not in env.KNOWN and n not in TYPOS}
+    assert not missing, f"add these to mpimesh/env.py's KNOWN: {missing}"
+    table = re.findall(r"^\| `(MPIMESH_\w+)` \|", env.__doc__, re.M)
+    assert len(table) >= 15 and set(table) <= set(env.KNOWN), table
+
+
+def _known_only(**variables: str) -> dict:
+    """`_clean`'s environment without a launcher's rank or unknown MPIMESH_* variables, with `variables`."""
+    ranks = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+    base = {k: v for k, v in _clean().items()
+            if (not k.upper().startswith("MPIMESH_") or k in env.KNOWN) and k not in ranks}
+    return {**base, **variables}
+
+
+def _import_warnings(**variables: str) -> list:
+    """The warning lines of `import mpimesh` in a fresh process with `variables` set."""
+    proc = subprocess.run([sys.executable, "-c", "import mpimesh"], env=_known_only(**variables), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [ln for ln in proc.stderr.splitlines() if "Warning" in ln]
+
+
+@one_rank
+def test_a_misspelled_variable_warns_at_import():
+    assert _import_warnings(MPIMESH_SPMD_CHEK="1") == [
+        "<string>:1: UnknownVariableWarning: MPIMESH_SPMD_CHEK is not a variable mpimesh reads: did you mean "
+        "MPIMESH_SPMD_CHECK?"]
+    assert _import_warnings(MPIMESH_SPMD_CHECK="1", MPIMESH_DEBUG="0") == []  # known names: no warning
+    assert _import_warnings(MPIMESH_SPMD_CHEK="1", PMI_RANK="1") == []  # another rank than 0: it says nothing
+    assert len(_import_warnings(MPIMESH_SPMD_CHEK="1", PMI_RANK="0")) == 1
+
+
+@one_rank
+def test_a_misspelled_variable_warns_once_in_a_job(tmp_path):
+    """4 ranks, each importing mpimesh and asking again: one line, from rank 0."""
+    script = tmp_path / "job.py"
+    script.write_text("import mpimesh\nmpimesh.env.warn_unknown()\n")
+    proc = subprocess.run([find_mpiexec(), "-n", "4", sys.executable, str(script)],
+                          env=_known_only(MPIMESH_DEGUB="1", MPIEXEC_TIMEOUT="60"), capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "UnknownVariableWarning" in ln]
+    assert lines == [f"{script}:1: UnknownVariableWarning: MPIMESH_DEGUB is not a variable mpimesh reads: did you "
+                     f"mean MPIMESH_DEBUG?"], proc.stderr
