@@ -11,6 +11,14 @@ from) and each slice (file, global offset, shape, byte offset and length, a CRC-
 canonical JSON without that field: a damaged index that still parses is refused, not loaded with a
 renamed tensor or a changed dtype; indexes written before it are read without). No pickle anywhere.
 
+What is saved is a dict: of DistTensors (version 1 of the format, as before nests), or a nest of
+dicts (str keys), lists and tuples holding DistTensors and plain values: ints, floats, str, bool,
+None (version 2: the index's `tree` holds the nest as JSON, plain values in it, each tensor named by
+its path, keys joined by '/' and escaped as in a JSON Pointer: `{"a": {"b": t}}` holds the tensor
+'a/b', and the flat `{"a/b": t}` the tensor 'a/b' in version 1, 'a~1b' in a nest). `load` gives back
+the same nest; each tensor it returns knows where it came from (`DistTensor.origin`), so the
+optimizers' checks name the checkpoint and the tensor when a state does not fit its parameters.
+
 `save` writes into a temporary directory `.<name>.tmp-<random>` beside `path`, fsyncs, and after every
 rank has finished, rank 0 renames it into place (an existing checkpoint is first renamed away, then
 removed), so a reader never sees a half-written checkpoint. `load` reads from each saved slice only
@@ -27,6 +35,12 @@ array([3., 4., 5.])
 >>> mm.load(path, mesh, shapes={"w": "a:2;b:4"})
 Traceback (most recent call last):
 mpimesh.errors.CheckpointError: checkpoint '...ckpt' does not fit: tensor 'w': checkpoint has b:3, expected b:4
+>>> params = {"l1/kernel": mesh.ones("a:2;b:3")}  # (mm.layers.flatten's keys)
+>>> opt = mm.optim.Adam(0.1)
+>>> mm.save(path, {"params": params, "state": opt.init(params), "epoch": 3})
+>>> back = mm.load(path, mesh, shapes={"params": params, "state": opt.init(params)})
+>>> back["epoch"], back["state"]["m"]["l1/kernel"].origin[1]
+(3, 'state/m/l1~1kernel')
 
 A training loop keeps numbered checkpoints in one directory: `save_step(root, step, tensors, keep=2)`
 saves `root/step-NNNNNNNN` as above, then deletes all but the newest `keep` complete ones and the
@@ -66,10 +80,12 @@ from .errors import CheckpointError, by_rank
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
 from .mesh import AbstractMesh, Mesh
 from .shape import Shape, ShapeLike
-from .tensor import host_read
+from .tensor import DistTensor, host_read
+from .tree import from_json, is_tensor, leaf_name, named_leaves, to_json
 
-FORMAT, VERSION, INDEX = "mpimesh-checkpoint", 1, "index.json"
-INDEX_CRC, INDEX_KEYS = "index_crc32", {"format", "version", "mesh", "files", "tensors"}
+FORMAT, INDEX = "mpimesh-checkpoint", "index.json"
+VERSION, NESTED = 1, 2  # the index's version: a flat dict of tensors (as before nests); a nest (with `tree`)
+INDEX_CRC, INDEX_KEYS = "index_crc32", {"format", "version", "mesh", "files", "tensors", "tree"}
 CHUNK_BYTES = 4 << 20  # one CRC-32 per chunk of about this many bytes
 STEP_DIR = re.compile(r"step-(\d{8,})")  # save_step's checkpoints
 LEFTOVER = re.compile(r"\.step-\d{8,}\.(tmp|old)-[0-9a-f]+")  # an interrupted save's or a deletion's
@@ -135,12 +151,14 @@ def _reason(e: Exception) -> str:
     return str(e) if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {e}"
 
 
-def _agree(mesh, target: str, chunk_bytes: int, items: list) -> list:
-    """`items` in rank 0's order, once every rank passes the same `target`, `chunk_bytes` and tensors
-    (names, shapes, dtypes, layouts; in any order); else CheckpointError on every rank naming the first
-    difference and what each rank has."""
+def _agree(mesh, target: str, chunk_bytes: int, items: list, tree: Optional[dict]) -> list:
+    """`items` in rank 0's order, once every rank passes the same `target`, `chunk_bytes`, tensors
+    (names, shapes, dtypes, layouts; in any order) and other entries of the nest `tree` (lists,
+    tuples, plain values); else CheckpointError on every rank naming the first difference and what
+    each rank has."""
     mine = {"path": repr(target), "chunk_bytes": str(chunk_bytes),
-            **{f"tensor {name!r}": f"{t.shape} {np.dtype(t.dtype)} layout {t.layout}" for name, t in items}}
+            **{f"tensor {name!r}": f"{t.shape} {np.dtype(t.dtype)} layout {t.layout}" for name, t in items},
+            **({} if tree is None else _entries(tree))}
     text = json.dumps([[name for name, _ in items], mine])
     order, first = json.loads(_bcast_text(mesh, text, 0))
     if not mesh.collectives.any_rank(mine != first):
@@ -150,8 +168,29 @@ def _agree(mesh, target: str, chunk_bytes: int, items: list) -> list:
     fixed = ["path", "chunk_bytes"]
     key = next(k for k in fixed + sorted({k for d in every for k in d} - set(fixed))
                if len({d.get(k) for d in every}) > 1)
-    has = by_rank([d.get(key, "no such tensor") for d in every])
+    has = by_rank([d.get(key, "no such tensor" if key.startswith("tensor ") else "no such entry") for d in every])
     raise CheckpointError(f"cannot save checkpoint {first['path']}: the ranks disagree on {key}: {has}")
+
+
+def _entries(node: dict, keys: tuple = ()) -> dict:
+    """`{"entry 'name'": what}` for the nodes of a nest's JSON other than its dicts and tensors: a list or
+    tuple (its length), a plain value (its type and value).
+
+    >>> _entries(to_json({"a": [1, "x"], "b": {"c": None}}, lambda x: False)[0])
+    {"entry 'a'": 'list of 2', "entry 'a/0'": 'int 1', "entry 'a/1'": "str 'x'", "entry 'b/c'": 'NoneType None'}
+    """
+    (kind, body), = node.items()
+    if kind == "dict":
+        return {k: v for key, child in body for k, v in _entries(child, keys + (key,)).items()}
+    if kind in ("list", "tuple"):
+        out = {f"entry {leaf_name(keys)!r}": f"{kind} of {len(body)}"}
+        for i, child in enumerate(body):
+            out.update(_entries(child, keys + (i,)))
+        return out
+    if kind == "tensor":
+        return {}
+    value = from_json(node, str)
+    return {f"entry {leaf_name(keys)!r}": f"{type(value).__name__} {value!r}"}
 
 
 def _fsync_dir(path: str) -> None:
@@ -183,7 +222,7 @@ def _slices(shape: Shape, mesh_shape: Shape, tl) -> list[tuple[dict, tuple]]:
     return out
 
 
-def _plan(items, mesh_shape: Shape, chunk_bytes: int) -> dict:
+def _plan(items, mesh_shape: Shape, chunk_bytes: int, tree: Optional[dict]) -> dict:
     """The index without checksums (and each slice's writer position): the same on every rank."""
     cursor: dict[int, int] = {}
     tensors = []
@@ -201,8 +240,9 @@ def _plan(items, mesh_shape: Shape, chunk_bytes: int) -> dict:
         tensors.append({"name": name, "shape": [[d.name, d.size] for d in t.shape], "dtype": _dtype_name(dtype),
                         "layout": t.layout, "chunk_elements": ce, "slices": slices})
     files = {f"part-{p:05d}.bin": n for p, n in sorted(cursor.items())}
-    return {"format": FORMAT, "version": VERSION, "mesh": [[d.name, d.size] for d in mesh_shape],
-            "files": files, "tensors": tensors}
+    index = {"format": FORMAT, "version": VERSION if tree is None else NESTED,
+             "mesh": [[d.name, d.size] for d in mesh_shape], "files": files, "tensors": tensors}
+    return index if tree is None else {**index, "tree": tree}
 
 
 def _le(dtype) -> np.dtype:
@@ -238,22 +278,25 @@ def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:
 # ---------------------------------------------------------------- save
 
 def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Write the dict `tensors` (name -> DistTensor, all on one mesh) to the directory `path`.
+    """Write the dict `tensors` to the directory `path`: name -> DistTensor, or nested dicts (str keys),
+    lists and tuples of DistTensors (all on one mesh) and plain values (int, float, str, bool, None),
+    such as `{"params": params, "opt": opt.init(params), "epoch": 3}`. Every rank must call it.
 
     A collective: every rank calls it with the same `path` (as rank 0 sees it), `chunk_bytes` and
     tensors (names, shapes, dtypes and layouts; the dict's order may differ between ranks: the
-    checkpoint keeps rank 0's). Ranks that differ raise CheckpointError on every rank, naming the
-    first difference, before anything is written. Each rank writes only its own distinct slices; the
-    checkpoint appears at `path` all at once. An existing checkpoint at `path` is replaced; any other
-    existing file or non-empty directory is refused. `mesh` is needed only for an empty dict.
+    checkpoint keeps rank 0's) and plain values. Ranks that differ raise CheckpointError on every
+    rank, naming the first difference, before anything is written. Each rank writes only its own
+    distinct slices; the checkpoint appears at `path` all at once. An existing checkpoint at `path`
+    is replaced; any other existing file or non-empty directory is refused. `mesh` is needed only
+    when there is no tensor.
     """
     path = _path(path)
     chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
-    items, mesh = _items_and_mesh(tensors, mesh)
+    tree, items, mesh = _nest(tensors, mesh)
     for _, t in items[:1]:  # (a compiled step would save once, never in a replay)
-        host_read(t, f"mm.save({str(path)!r})", effect=True)
-    items = _agree(mesh, os.path.abspath(path), chunk_bytes, items)
-    plan = _plan(items, mesh.shape, chunk_bytes)
+        host_read(t, f"mm.save({str(path)!r})")
+    items = _agree(mesh, os.path.abspath(path), chunk_bytes, items, tree)
+    plan = _plan(items, mesh.shape, chunk_bytes, tree)
 
     # Rank 0 checks the target and makes the temporary directory; every rank learns its name.
     err, info = None, ""
@@ -309,23 +352,29 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
             shutil.rmtree(tmp, ignore_errors=True)  # only after a failure: success renamed it
 
 
-def _items_and_mesh(tensors: Mapping[str, object], mesh) -> tuple[list, object]:
-    """`(list of (name, tensor), their mesh)` after checking that `tensors` is a dict of tensors on one mesh."""
+def _nest(tensors: Mapping[str, object], mesh) -> tuple[Optional[dict], list, object]:
+    """`(the nest as JSON or None for a flat dict of tensors, its tensors as (name, tensor), their mesh)`
+    after checking that `tensors` is a dict (of dicts, lists and tuples) of tensors on one mesh and
+    plain values."""
     if not isinstance(tensors, Mapping):
-        raise CheckpointError(f"save needs a dict of name -> DistTensor, got {type(tensors).__name__}")
-    items = list(tensors.items())
-    for name, t in items:
-        if not isinstance(name, str) or not hasattr(t, "tensor_layout"):
-            raise CheckpointError(f"save needs a dict of str -> DistTensor; entry {name!r} is "
-                                  f"{type(name).__name__} -> {type(t).__name__}")
+        raise CheckpointError(f"save needs a dict (of DistTensors, or a nest of dicts, lists and tuples of "
+                              f"them and of plain values), got {type(tensors).__name__}")
+    items, tree = list(tensors.items()), None
+    if not all(isinstance(name, str) and is_tensor(t) for name, t in items):
+        try:
+            tree, items = to_json(dict(tensors), is_tensor)
+        except TypeError as e:
+            raise CheckpointError(f"cannot save: {e}") from None
+    other = "mesh=" if mesh is not None else f"tensor {items[0][0]!r}" if items else ""
     mesh = mesh if mesh is not None else (items[0][1].mesh if items else None)
     if mesh is None:
-        raise CheckpointError("save of an empty dict needs mesh=")
+        raise CheckpointError("save of a dict without tensors needs mesh=")
     _mesh(mesh)
     for name, t in items:
-        if t.mesh is not mesh:
-            raise CheckpointError(f"tensor {name!r} lives on {t.mesh}, not on {mesh}: save tensors of one mesh")
-    return items, mesh
+        if t.mesh is not mesh:  # (a Mesh's repr names this rank: the shapes alone say the same on every rank)
+            raise CheckpointError(f"tensor {name!r} lives on another Mesh object ({t.mesh.shape}) than {other} "
+                                  f"({mesh.shape}): save tensors of one mesh")
+    return tree, items, mesh
 
 
 def _test_pause(mesh, target: str) -> None:
@@ -394,16 +443,18 @@ def _swap_in(tmp: str, target: str) -> None:
 
 def load(path: str, mesh, layout: Optional[RulesLike] = None,
          shapes: Optional[Mapping[str, ShapeLike]] = None) -> dict:
-    """The tensors saved at `path`, as a dict name -> DistTensor on `mesh`, laid out by `layout`
-    (layout rules for every tensor; default: the rules in force on `mesh`).
+    """What was saved at `path`, as saved: a dict name -> DistTensor, or the same nest of dicts,
+    lists and tuples, DistTensors and plain values; each tensor on `mesh`, laid out by `layout`
+    (layout rules for every tensor; default: the rules in force on `mesh`). Every rank must call it.
 
     A collective. Works whatever mesh shape and layout the checkpoint was saved from. A missing,
     truncated, corrupted or inconsistent checkpoint raises CheckpointError on every rank, and so
     does one whose tensors are not exactly the names and shapes `shapes` gives (when given):
-    the message names the first tensor and the dims whose sizes differ.
+    the message names the first tensor and the dims whose sizes differ. `shapes` has the nesting of
+    what was saved, each tensor's place holding its shape, or a tensor of that shape (a fresh
+    `{"params": params, "opt": opt.init(params)}` serves); its plain values are ignored. Each
+    tensor returned has `origin` `(the checkpoint's absolute path, the tensor's name in it)`.
     """
-    from .tensor import DistTensor
-
     path, mesh = _path(path), _mesh(mesh)
     if shapes is not None and not isinstance(shapes, Mapping):
         raise TypeError(f"shapes must be a dict of name -> shape, got {type(shapes).__name__}")
@@ -423,9 +474,9 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
             err = f"cannot read checkpoint index {os.path.join(target, INDEX)!r}: {_reason(e)}"
     _sync(mesh, err)
     target, text = json.loads(_bcast_text(mesh, text, 0))
-    specs = _parse_index(text, os.path.join(target, INDEX))  # identical on every rank
+    specs, tree = _parse_index(text, os.path.join(target, INDEX))  # identical on every rank
     if shapes is not None:
-        _check_shapes(specs, shapes, target)
+        _check_shapes(specs, _expected(shapes, nested=tree is not None), target)
 
     layouts = [plan_layout(spec["shape"], mesh.shape, rules) for spec in specs]  # LayoutError: everywhere
     out, err, files = {}, None, {}
@@ -441,13 +492,23 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
         for f in files.values():
             f.close()
     _sync(mesh, err)
-    return {name: DistTensor(mesh, shape, tl, mesh.xp.asarray(local)) for name, (shape, tl, local) in out.items()}
+    for name, (shape, tl, local) in out.items():
+        out[name] = t = DistTensor(mesh, shape, tl, mesh.xp.asarray(local))
+        t._origin = (target, name)
+    return out if tree is None else from_json(tree, out.__getitem__)
 
 
-def _check_shapes(specs: list[dict], shapes: Mapping[str, ShapeLike], where: str) -> None:
-    """CheckpointError unless `specs` hold exactly the tensors of `shapes`: sizes first, then names."""
+def _expected(shapes: Mapping, nested: bool) -> dict[str, Shape]:
+    """`{name: Shape}` of the tensors `shapes` expects: its top-level entries (a flat checkpoint's), or
+    its leaves by path (a nest's) that are shapes (a Shape, a str) or tensors (their shapes)."""
+    pairs = named_leaves(dict(shapes)) if nested else list(shapes.items())
+    return {name: v.shape if is_tensor(v) else Shape(v) for name, v in pairs
+            if not nested or is_tensor(v) or isinstance(v, (Shape, str))}
+
+
+def _check_shapes(specs: list[dict], want: dict[str, Shape], where: str) -> None:
+    """CheckpointError unless `specs` hold exactly the tensors of `want`: sizes first, then names."""
     have = {spec["name"]: spec["shape"] for spec in specs}
-    want = {name: Shape(shape) for name, shape in shapes.items()}
     differ = [(name, have[name], w) for name, w in want.items() if name in have and have[name] != w]
     if differ:
         name, h, w = differ[0]
@@ -509,8 +570,9 @@ def _read_block(root: str, spec: dict, bounds: tuple, files: dict) -> np.ndarray
 MAX_RANKS = 1 << 24  # an index naming a larger mesh is damaged (its slices would be enumerated)
 
 
-def _parse_index(text: str, where: str) -> list[dict]:
-    """Validate the index: a list of tensor specs (with Shape and dtype parsed), else CheckpointError."""
+def _parse_index(text: str, where: str) -> tuple[list[dict], Optional[dict]]:
+    """Validate the index: `(a list of tensor specs (with Shape and dtype parsed), the nest's JSON or None
+    for a flat dict)`, else CheckpointError."""
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(f"inconsistent checkpoint index {where!r}: {msg}")
 
@@ -520,8 +582,9 @@ def _parse_index(text: str, where: str) -> list[dict]:
         raise bad(f"not valid JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise bad(f"not an {FORMAT} index")
-    if index.get("version") != VERSION:
-        raise bad(f"version {index.get('version')!r}, this mpimesh reads version {VERSION}")
+    if index.get("version") not in (VERSION, NESTED) or ("tree" in index) != (index["version"] == NESTED):
+        raise bad(f"version {index.get('version')!r}{' with' if 'tree' in index else ' without'} a tree, this "
+                  f"mpimesh reads version {VERSION} without and {NESTED} with one")
     crc = index.pop(INDEX_CRC, None)  # (absent: an index written before the index had a checksum)
     unknown = sorted(set(index) - INDEX_KEYS)
     if unknown:
@@ -565,11 +628,19 @@ def _parse_index(text: str, where: str) -> list[dict]:
             specs.append({"name": name, "shape": shape, "dtype": dtype, "chunk_elements": ce,
                           "slices": t["slices"], "_files": files})
         _check_files(specs, files, bad)
+        tree = index.get("tree")
+        if tree is not None:
+            used: list[str] = []
+            if "dict" not in tree:
+                raise bad("its tree is not a dict")
+            from_json(tree, used.append)
+            if sorted(used) != sorted(names):
+                raise bad(f"its tree names tensors {sorted(used)[:5]}, it holds {sorted(names)[:5]}")
     except CheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, SyntaxError, OverflowError) as e:  # (SyntaxError:
-        raise bad(f"malformed entry ({type(e).__name__}: {e})") from None                     # a dtype string)
-    return specs
+    except (KeyError, TypeError, ValueError, AttributeError, SyntaxError, OverflowError, RecursionError) as e:
+        raise bad(f"malformed entry ({type(e).__name__}: {e})") from None  # (SyntaxError: a dtype string)
+    return specs, tree
 
 
 def _check_files(specs: list[dict], files: dict, bad) -> None:
@@ -633,7 +704,7 @@ def verify(path: str) -> Optional[str]:
     files: dict = {}
     try:
         with open(os.path.join(target, INDEX), "rb") as f:
-            specs = _parse_index(f.read().decode("utf-8", "replace"), os.path.join(target, INDEX))
+            specs = _parse_index(f.read().decode("utf-8", "replace"), os.path.join(target, INDEX))[0]
         for spec in specs:
             for s in spec["slices"]:
                 _read_block(target, spec, tuple(slice(o, o + n) for o, n in zip(s["offset"], s["shape"])), files)
@@ -670,7 +741,7 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
     A collective; returns the new checkpoint's path. `step` is an int >= 0 and `keep` an int >= 1
     (the new checkpoint is always kept), checked before anything is written."""
     path, keep = step_path(root, step), _int(keep, "keep", 1)
-    mesh = _items_and_mesh(tensors, mesh)[1]
+    mesh = _nest(tensors, mesh)[2]
     steps(root, mesh)  # refuses a directory of other things before writing into it
     save(path, tensors, mesh=mesh, chunk_bytes=chunk_bytes)
     prune(root, mesh, keep, new=step)

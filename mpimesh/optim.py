@@ -148,6 +148,16 @@ def _check_params(params: Mapping):
     return params[first].mesh
 
 
+def _named(t: DistTensor, default: str) -> str:
+    """`t` named as its checkpoint holds it ("tensor 'state/m/w' loaded from checkpoint '/ck'"), else `default`."""
+    return f"tensor {t.origin[1]!r} loaded from checkpoint {t.origin[0]!r}" if t.origin else default
+
+
+def _loaded(t: DistTensor) -> str:
+    """Where `t` was loaded from, as the end of a message ("" if it was not)."""
+    return f" ({_named(t, '')}: the checkpoint was saved for another model)" if t.origin else ""
+
+
 class Optimizer:
     """Base class: subclasses define `_slot_shapes(p)` and `_apply(p, g, slots, t)`."""
 
@@ -273,11 +283,16 @@ class Optimizer:
                                        f"(shape {p.shape}); make the state with init(params)")
                 if not isinstance(v, DistTensor):
                     raise TypeError(f"{where} is a {type(v).__name__}, not a DistTensor")
+                if v.shape != shape and (v.origin or p.origin):  # blame the checkpoint, not the optimizer
+                    needs = "has" if shape == p.shape else f"has {p.shape}, which needs"
+                    raise ShapeError(f"{where}: {_named(v, 'the state')} has shape {v.shape}, but "
+                                     f"{_named(p, f'parameter {name!r}')} {needs} {shape}: the checkpoint was "
+                                     f"saved for another model (or pass shapes= to mm.load to check at load time)")
                 if v.shape != shape:
                     raise ShapeError(f"{where} has shape {v.shape}, expected {shape}")
                 if v.dtype != accumulation_dtype(p.dtype):
                     raise DTypeError(f"{where} has dtype {v.dtype}, expected {accumulation_dtype(p.dtype)} "
-                                     f"(the param's is {p.dtype})")
+                                     f"(the param's is {p.dtype}){_loaded(v)}")
                 if v.mesh is not mesh:
                     raise _other_mesh(where, v.mesh, f"params[{name!r}]", mesh)
         return mesh
