@@ -1,30 +1,51 @@
-"""One rank's uncaught exception ends the whole job, from `import mpimesh` on.
+"""One rank's uncaught exception ends the whole job, from `import mpimesh` on, and prints once.
 
 Without this, a rank that dies (say, before its first `Mesh`, opening a missing file) leaves the
-others waiting forever in their next collective. Under MPI with more than one rank, `install()`
-wraps `sys.excepthook`: it prints the traceback with the rank's number, leaves the launcher
-`ABORT_GRACE` seconds to forward it, then calls `MPI_Abort`. mpimesh's own errors (`MpimeshError`:
-bad input, which the message names) show only the program's frames, not mpimesh's. A collective
-that failed (time-out, departed rank, divergence) prints only its message, one paragraph that
-already names where each rank was: the traceback through mpimesh's internals would say nothing
-more. Set
-`MPIMESH_NO_ABORT=1` (or on, true, yes) to keep Python's own hook (a debugger's post-mortem, say);
-any value but those and 0/off/false/no still installs the hook, and the first `Mesh` raises its error.
+others waiting forever in their next collective. `install()` wraps `sys.excepthook`; under MPI with
+more than one rank, the hook prints the error, leaves the launcher `ABORT_GRACE` seconds to forward
+it, then calls `MPI_Abort`.
+
+An error every rank raises alike (a bad einsum in SPMD code) prints once, for all of them:
+`mpimesh: uncaught exception on ranks 0-3 (the same on each); aborting all ranks`, then the
+traceback. The hook cannot run a collective (the other ranks may be anywhere), so it sends
+point-to-point messages on tags of its own on `COMM_WORLD`: each rank sends a digest of its text
+to rank 0, which gathers them for up to `COLLECT` seconds (less once every rank has sent), prints
+once for the ranks whose text is its own, and tells every rank which ranks it printed for. A rank
+not among them (another error; or rank 0 never came, being stuck elsewhere or dead) prints its
+own after at most `WORD` seconds. A collective that failed (time-out, departed rank, divergence)
+prints only its message, one paragraph that already names where each rank was; a time-out's or a
+departure's names the rank that raised it, so it is printed at once, as its own.
+
+Tracebacks show the program's frames, not mpimesh's: frames inside the package are dropped, and
+so are those of libraries (numpy, the standard library) it called, down to the next frame of the
+program (a function it handed mpimesh, such as a `mm.remat` block, keeps its frames). An exception
+other than mpimesh's own errors (a TypeError, one from numpy or MPI, a bug) raised inside mpimesh
+adds a last line naming where, `(raised inside mpimesh at ops/einsum.py:269, in einsum;
+MPIMESH_DEBUG=1 shows mpimesh's frames)`. With `MPIMESH_DEBUG=1` in the environment tracebacks are
+left whole. The same trimming applies without a launcher (one process: Python's own output,
+trimmed, and no abort) and to the SPMD REPL's tracebacks (`mpimesh.repl`, through `shown`).
+
+Set `MPIMESH_NO_ABORT=1` (or on, true, yes) to keep Python's own hook (a debugger's post-mortem,
+say); any value but those and 0/off/false/no still installs the hook, and the first `Mesh` raises
+its error.
 
 `MPI_Abort` asks the launcher to end the job; a rank on a node cut off from it (a failed link)
 would wait there forever, holding its GPU and memory. So a watchdog process is started first: if
 the rank is still alive `ABORT_WATCHDOG` seconds later, it says so on the rank's stderr and kills it.
 
->>> install()  # idempotent; a no-op on one rank
->>> getattr(sys.excepthook, "_mpimesh", False) == (MPI.COMM_WORLD.Get_size() > 1)
-True
+>>> install()  # idempotent
+>>> ranks_text([3, 0, 1, 2, 5])
+'ranks 0-3, 5'
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import sysconfig
 import time
 import traceback
+from typing import Optional
 
 from mpi4py import MPI
 
@@ -33,48 +54,161 @@ from .errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
 ABORT_WATCHDOG = 5.0  # seconds MPI_Abort has to end this process before the watchdog does
+COLLECT = 1.0  # seconds rank 0 waits for the other ranks' digests (less once all have come)
+WORD = 2.0  # seconds another rank waits for rank 0's word before it prints its own
+_DIGEST, _WORD = 31011, 31012  # tags on COMM_WORLD: rank -> rank 0, rank 0 -> each rank
+_POLL = 0.002  # seconds between looks for a message
 
 
 def install() -> None:
-    """Make an uncaught exception on any rank print its traceback and end the whole job (called at
-    import, and again by `Mesh` for a program that initialises MPI itself after importing us)."""
+    """Make an uncaught exception print once, trimmed, and, on any rank of a job, end the whole job
+    (called at import, and again by `Mesh`)."""
     off = env.early(env.flag, "MPIMESH_NO_ABORT", False)  # a bad value: the hook, and its error at the next Mesh
-    if (off or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1
-            or getattr(sys.excepthook, "_mpimesh", False)):
+    if off or getattr(sys.excepthook, "_mpimesh", False):
         return
     previous = sys.excepthook
 
     def hook(kind, value, tb):
+        world = MPI.COMM_WORLD if MPI.Is_initialized() and not MPI.Is_finalized() else None
+        if world is None or world.Get_size() == 1:  # (decided now: a program may start MPI after importing us)
+            _write("".join(shown(kind, value, tb)))
+            return
         try:
-            rank = MPI.COMM_WORLD.Get_rank()
-            if isinstance(value, (CollectiveTimeoutError, DivergenceError)):
-                sys.stderr.write(f"mpimesh: rank {rank}: {kind.__name__}: {value}\nmpimesh: aborting all ranks\n")
-            else:
-                sys.stderr.write(f"mpimesh: uncaught exception on rank {rank}; aborting all ranks\n"  # (one write:
-                                 + "".join(_shown(kind, value, tb)))                        # ranks interleave less)
-            sys.stderr.flush()
-            time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
+            _report(world, kind, value, tb)
         finally:
-            end_self_after(ABORT_WATCHDOG, MPI.COMM_WORLD.Get_rank())
-            MPI.COMM_WORLD.Abort(1)
+            end_self_after(ABORT_WATCHDOG, world.Get_rank())
+            world.Abort(1)
 
     hook._mpimesh = True  # type: ignore[attr-defined]
     hook.previous = previous  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
+def _report(world, kind, value, tb) -> None:
+    """Print this rank's error, or let rank 0 print it for every rank that has the same (see the module)."""
+    rank = world.Get_rank()
+    brief = isinstance(value, (CollectiveTimeoutError, DivergenceError))
+    text = f"{kind.__name__}: {value}\n" if brief else "".join(shown(kind, value, tb))
+    sends: list = []  # (held until the abort: a send in flight keeps its request)
+    try:
+        # a time-out's or departure's message is this rank's own: printed at once, as its own
+        done = not isinstance(value, CollectiveTimeoutError) and _printed_once(world, text, brief, sends)
+    except Exception:  # noqa: BLE001 - MPI in a bad state: this rank prints its own, as before
+        done = False
+    if not done:
+        _write(_headed([rank], brief, text))
+    time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
+
+
+def _printed_once(world, text: str, brief: bool, sends: list) -> bool:
+    """Whether rank 0 printed `text` for this rank (rank 0: having printed it for those that have it)."""
+    rank, size = world.Get_rank(), world.Get_size()
+    digest = hashlib.sha1(text.encode(errors="replace")).digest()
+    if rank == 0:
+        printed = _collect(world, size, digest)
+        sends += [world.isend((digest, printed), r, _WORD) for r in range(1, size)]
+        _write(_headed(printed, brief, text))  # (a word's receivers wait ABORT_GRACE before they abort too)
+        return True
+    sends.append(world.isend(digest, 0, _DIGEST))
+    word = _receive(world, 0, _WORD, WORD)
+    return word is not None and word[0] == digest and rank in word[1]
+
+
+def _collect(world, size: int, digest: bytes) -> list:
+    """Rank 0: the ranks (itself first) whose digest is `digest`, among those heard from within COLLECT s."""
+    same, heard, status = [0], set(), MPI.Status()
+    deadline = time.monotonic() + COLLECT
+    while len(heard) < size - 1 and time.monotonic() < deadline:
+        if world.iprobe(MPI.ANY_SOURCE, _DIGEST, status):
+            r = status.Get_source()
+            heard.add(r)
+            if world.recv(source=r, tag=_DIGEST) == digest:
+                same.append(r)
+        else:
+            time.sleep(_POLL)
+    return sorted(same)
+
+
+def _receive(world, source: int, tag: int, seconds: float):
+    """The message from `source` on `tag` if one comes within `seconds`, else None (never a blocking wait)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if world.iprobe(source, tag):
+            return world.recv(source=source, tag=tag)
+        time.sleep(_POLL)
+    return None
+
+
+def _headed(ranks: list, brief: bool, text: str) -> str:
+    """`text` under the line that names the ranks it is for."""
+    if brief:
+        return f"mpimesh: {ranks_text(ranks)}: {text}mpimesh: aborting all ranks\n"
+    same = " (the same on each)" if len(ranks) > 1 else ""
+    return f"mpimesh: uncaught exception on {ranks_text(ranks)}{same}; aborting all ranks\n{text}"
+
+
+def ranks_text(ranks) -> str:
+    """'rank 3', or 'ranks 0-3, 5' (see the module's example)."""
+    runs: list = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    listed = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {listed}"
+
+
+def _write(text: str) -> None:
+    """One write to stderr (ranks' lines interleave less), never raising."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed stream
+        pass
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARIES = ("<frozen", *{os.path.abspath(p) + os.sep for k, p in sysconfig.get_paths().items()
+                            if k in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-def _shown(kind, value, tb) -> list:
-    """The traceback's lines; for mpimesh's own errors (bad input, named in the message) only the
-    program's frames, not mpimesh's internals: each rank's is a few lines, the line at fault last."""
-    shown = traceback.TracebackException(kind, value, tb)
-    if isinstance(value, MpimeshError):
-        mine = [f for f in shown.stack if not os.path.abspath(f.filename).startswith(_PACKAGE)]
-        if mine:
-            shown.stack = traceback.StackSummary.from_list(mine)
-    return list(shown.format())
+def shown(kind, value, tb) -> list:
+    """The lines Python would print for this exception, with mpimesh's frames dropped (and the
+    library frames it called, down to the next frame of the program) in it and in the exceptions
+    chained to it; the whole traceback with `MPIMESH_DEBUG=1` (see the module)."""
+    whole = traceback.TracebackException(kind, value, tb)
+    if env.early(env.flag, "MPIMESH_DEBUG", False):
+        return list(whole.format())
+    inside = _trim(whole, set())
+    lines = list(whole.format())
+    if inside is not None and isinstance(value, Exception) and not isinstance(value, MpimeshError):
+        where = os.path.relpath(inside.filename, _PACKAGE)
+        lines.append(f"(raised inside mpimesh at {where}:{inside.lineno}, in {inside.name}; MPIMESH_DEBUG=1 "
+                     f"shows mpimesh's frames)\n")
+    return lines
+
+
+def _trim(te: traceback.TracebackException, seen: set) -> Optional[traceback.FrameSummary]:
+    """Drop mpimesh's frames from `te` and from the exceptions chained to it; the innermost frame of
+    mpimesh's, where the exception was raised in mpimesh or in a library it called, else None."""
+    if id(te) in seen:
+        return None
+    seen.add(id(te))
+    for chained in (te.__cause__, te.__context__):
+        if chained is not None:
+            _trim(chained, seen)
+    kept, ours, last = [], False, None
+    for f in te.stack:
+        path = f.filename if f.filename.startswith("<") else os.path.abspath(f.filename)  # ("<stdin>": the program)
+        if path.startswith(_PACKAGE):
+            ours, last = True, f
+        elif not (ours and path.startswith(_LIBRARIES)):
+            ours = False
+            kept.append(f)
+    if kept:  # (nothing of the program's: left whole)
+        te.stack = traceback.StackSummary.from_list(kept)
+    return last if ours and kept else None
 
 
 def end_self_after(seconds: float, rank: int) -> None:

@@ -14,14 +14,17 @@ mesh's layout rules, the bucket size and the matmul precision in force. A bounde
 `cache_size` most recently used programs. Arguments and results may be nested tuples, lists and
 dicts of tensors and other values.
 
-`fn` may not read values on the host while it records (`to_numpy()`, `float(t)`, a branch on a
-value, `mm.save`): a compiled step runs no Python, so it would read them once and never again. That
-raises `CompileError` naming the file and line. Nor may it assign into its arguments (`p["w"] = ...`
-in a dict passed in): it returns its new state instead. What it cannot see: a read of `.local`
-(numpy on the block itself), and tensors it reads from outside its arguments (a closure, a global),
-which are constants of the recording: a replay uses the values they had then. Which arguments are
-one tensor passed twice is part of the signature. Called inside an open `mm.trace()`, the step
-runs eagerly (its ops recorded there, for gradients through it).
+`fn` may not read values on the host while it records (`to_numpy()`, `float(t)`, a tensor's
+`print` or `repr` that shows values, a branch on a value, `mm.save`): a compiled step runs no
+Python, so it would read them once and never again. The read itself raises `CompileError`, naming
+it and its file and line, before the rest of the step runs (its traceback ends at that line); a
+rank that did not read raises too, saying that another rank did (see `Compiled._agree`). Nor may it
+assign into its arguments (`p["w"] = ...` in a dict passed in): it returns its new state instead.
+What it cannot see: a read of `.local` (numpy on the block itself), and tensors it reads from
+outside its arguments (a closure, a global), which are constants of the recording: a replay uses
+the values they had then. Which arguments are one tensor passed twice is part of the signature.
+Called inside an open `mm.trace()`, the step runs eagerly (its ops recorded there, for gradients
+through it).
 
 Donation (`donate_argnums`, as `jax.jit`'s): the tensors in those positional arguments are given to
 the step, which may write its results into their blocks. A replay then updates parameters and
@@ -46,6 +49,7 @@ passes `into=` the outputs it may write over their inputs (see `_Engine`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections import OrderedDict
@@ -55,14 +59,17 @@ import numpy as np
 
 from .backend import matmul_precision
 from .buckets import bucket_bytes, next_slot, slot_step
-from .collectives import counters
+from .collectives import counters, guard
 from .collectives.guard import user_frame
-from .errors import MpimeshError
+from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
 from .program import Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
 from .trace import current_trace, trace
 from .tree import flatten, unflatten
+
+_ASKING = "mm.compile asking whether any rank read values on the host while recording"
+
 
 class CompileError(ProgramError):
     """A step `mm.compile` cannot record: it reads values on the host, or returns something other
@@ -153,19 +160,35 @@ class Compiled:
         inner = [own.setdefault(id(v), DistTensor(v.mesh, v.shape, v.tensor_layout, v.local))
                  if isinstance(v, DistTensor) else v for v in leaves]
         args, kwargs = unflatten(tree, inner)
-        reads: list = []  # the host reads of this rank, refused once every rank is done (`_refuse_reads`)
+        reads: list = []  # the host reads of this rank: the first raises where it is made
+        took = [v for v in leaves if isinstance(v, DistTensor)]
 
-        def read(t, what: str, effect: bool) -> None:
+        def read(t, what: str) -> None:
             reads.append((t, what, user_frame()))
-            if effect:  # (mm.save: nothing written; every rank makes it alike, so all raise here)
-                self._refuse_reads(reads, [])
+            raise CompileError(self._read_refused(reads))
         host_reads.append(read)
+        check = guard.settings()["check"]
+        guard.set_spmd_check(True)  # (see `_agree`: a rank that read waits in no collective the others skip)
+        tr = None
         try:
-            with trace() as tr:
-                out = self.fn(*args, **kwargs)
+            try:
+                with trace() as tr:
+                    out = self.fn(*args, **kwargs)
+            except DivergenceError as e:  # every rank raised it at one check: another's read may be why
+                if not reads and _ASKING in str(e):
+                    raise CompileError(self._read_refused(reads)) from None
+                raise
+            except Exception:
+                if reads:
+                    with contextlib.suppress(DivergenceError):  # (the others went on to a collective of the step)
+                        self._agree(True, took + list(tr.inputs if tr is not None else ()) + [r[0] for r in reads])
+                raise
+            anyone = self._agree(bool(reads), took + list(tr.inputs))
         finally:
             host_reads.pop()
-        self._refuse_reads(reads, [v for v in leaves if isinstance(v, DistTensor)] + list(tr.inputs))
+            guard.set_spmd_check(check)
+        if anyone:
+            raise CompileError(self._read_refused(reads))
         after, after_tree = flatten((args, kwargs))
         if after_tree != tree or any(a is not b for a, b in zip(after, inner)):
             raise CompileError(f"mm.compile({self.__name__}): the step assigns into its arguments (a dict or list "
@@ -180,20 +203,31 @@ class Compiled:
         theirs = {id(own[id(v)]): v for v in leaves if isinstance(v, DistTensor)}
         return unflatten(out_tree, [theirs.get(id(v), v) for v in out_leaves]), entry  # (arguments as passed)
 
-    def _refuse_reads(self, reads: list, tensors: list) -> None:
-        """CompileError on every rank where any rank's step read values on the host while recording (a
-        read on rank 0 alone, `if rank == 0: print(float(loss))`, left the others replaying alone): the
-        first read of this rank, or the word that another rank read. Agreed on the mesh of the first
-        tensor the step took or read (one flag, once per recording)."""
+    @staticmethod
+    def _agree(mine: bool, tensors: list) -> bool:
+        """Whether any rank's step read values on the host while recording: each rank asks once, where
+        its first read raised or else once its recording is done, on the mesh of the first tensor the
+        step took or read (one flag). A read on some ranks only (`if rank == 0: print(float(loss))`)
+        leaves those ranks asking while the others go on to the step's next collective: so a recording
+        runs with the SPMD check on (one more small allreduce per collective, in the recording alone),
+        and there every rank raises `DivergenceError`, before any data moves, naming this question
+        (`_ASKING`) among where the ranks were; the others then raise `CompileError` too."""
         mesh = next((t.mesh for t in tensors if hasattr(getattr(t, "mesh", None), "collectives")), None)
-        anyone = bool(reads) if mesh is None else mesh.collectives.any_rank(bool(reads))
-        if not anyone:
-            return
+        if mesh is None:
+            return mine
+        guard.in_op[0] = _ASKING
+        try:
+            return mesh.collectives.any_rank(mine)
+        finally:
+            guard.in_op[0] = ""
+
+    def _read_refused(self, reads: list) -> str:
+        """The CompileError's message: the first read of this rank, or the word that another rank read."""
         why = (f"reads the values of a {reads[0][0].shape} {reads[0][0].dtype} tensor on the host ({reads[0][1]}) "
                f"at {reads[0][2]}" if reads else "reads values on the host on another rank (its error names the line)")
-        raise CompileError(f"mm.compile({self.__name__}): the step {why}. A compiled step runs its kernels again "
-                           f"without running Python, so it cannot read or branch on values: return the "
-                           f"tensor and read it after the step, or call the function without mm.compile")
+        return (f"mm.compile({self.__name__}): the step {why}. A compiled step runs its kernels again without "
+                f"running Python, so it cannot read or branch on values: return the tensor and read it after the "
+                f"step, or call the function without mm.compile")
 
 
 class _Entry:

@@ -10,7 +10,13 @@ seeds, so the second run draws the same numbers. The values are those without re
 
 `fn` must compute the same ops from the same tensors both times: a pure function of its arguments
 and the tensors it closes over (bind a loop's parameters as arguments, not as late-bound closure
-variables). A second run that differs is an `MpimeshError` naming the first op that differs.
+variables). The second run is checked against the first, op by op (names, input shapes, which
+tensors from outside the block each op reads, numbers and strings among its params: one list
+comparison): one that differs, or raises, is an `MpimeshError` naming remat, the function and
+where it was defined, the first op that differs (what the forward ran there, what the re-run did)
+and the likely cause, a variable that changed in between (`lambda t: f(p[i], t)` in a loop reads
+the last `i` when the backward runs it: `lambda t, i=i: ...`); an error raised inside the re-run
+is chained to it.
 
 `mpimesh.cost` prices a remat step as it runs: the recomputation in its time, the freed arrays in
 its memory; `mm.auto_layout` remats blocks only where memory is short (`remat_policy`). The second
@@ -34,7 +40,7 @@ import functools
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, Optional
 
-from .errors import MpimeshError
+from .errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 from .mesh import layout_scope
 from .trace import Released, _open_traces, _regions, release_unneeded, trace
 from .tree import tensors
@@ -104,7 +110,7 @@ class Region:
             produced.update(id(t) for t in op.outputs)
         self.flat = tensors(out)
         self.outputs = [t for t in self.flat if id(t) in produced]
-        self.ops = _signature(ops, {id(t) for t in self.inputs})
+        self.ops = _signature(ops)
 
     def run_again(self) -> tuple:
         """Run `fn` again under the layout rules it first ran under: `(outputs, ops)`, the new
@@ -115,28 +121,56 @@ class Region:
                                f"pass; differentiate the first time without release=True (PyTorch's "
                                f"retain_graph=True)")
         scope = layout_scope(self.mesh, self.rules) if self.mesh is not None else nullcontext()
-        with scope, trace() as tr:
-            out = self.fn(*self.args, **self.kwargs)
-            release_unneeded()  # what no gradient rule reads goes before the backward allocates
+        tr = None
+        try:
+            with scope, trace() as tr:
+                out = self.fn(*self.args, **self.kwargs)
+                release_unneeded()  # what no gradient rule reads goes before the backward allocates
+        except (MemoryError, CollectiveTimeoutError, DivergenceError):
+            raise  # (not the block's doing: the message of each says what happened)
+        except Exception as e:
+            raise MpimeshError(self._differs(tr.ops if tr is not None else [], e)) from e
         ops = tr.ops
         for rec in ops:
             rec.rerun = rec.rerun or self  # (an inner region's second runs keep their own mark)
-        again = _signature(ops, {id(t) for t in self.inputs})
-        for k, (a, b) in enumerate(zip(self.ops, again)):
-            if a != b:
-                what = (f"{b[0]} of [{_shapes(b)}] where the first ran {a[0]} of [{_shapes(a)}]" if a[:2] != b[:2] else
-                        f"{b[0]} of [{_shapes(b)}] reads another tensor from outside the block than the first run"
-                        if a[2] != b[2] else f"{b[0]} of [{_shapes(b)}] with {_params(b)} where the first run had "
-                        f"{_params(a)} (a value drawn on the host each run?)")
-                raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run (in the backward pass) differs from "
-                                   f"the first at op {k}: {what}; fn must compute the same ops from the same "
-                                   f"tensors (bind loop variables as arguments, not as closures)")
-        if len(again) != len(self.ops):
-            raise MpimeshError(f"mm.remat({_name(self.fn)}): its second run took {len(again)} ops, the first "
-                               f"{len(self.ops)}; fn must compute the same ops from the same tensors")
+        if _signature(ops) != self.ops:
+            raise MpimeshError(self._differs(ops, None))
         flat = tensors(out)
         ids = {id(t) for t in self.outputs}
         return [b for a, b in zip(self.flat, flat) if id(a) in ids], ops
+
+    def _differs(self, ops: list, error: Optional[BaseException]) -> str:
+        """The message for a re-run that took `ops` and then raised `error` (None: it returned, but
+        its ops differ from the forward's): the first op that differs, and the likely cause."""
+        again, first = _signature(ops), self.ops
+        k = next((k for k, (a, b) in enumerate(zip(first, again)) if a != b), min(len(first), len(again)))
+        if k < len(first) and k < len(again):
+            a, b = first[k], again[k]
+            if a[:2] != b[:2]:
+                what = f"the forward ran {_op(a)}, the re-run {_op(b)}"
+            elif a[2] != b[2]:
+                seen = {id(t): t for t in self.inputs}  # the forward's tensors from outside (held: the ids are theirs)
+                seen.update((id(t), t) for rec in ops for t in rec.inputs)
+                args = {id(t) for t in tensors((self.args, self.kwargs))}
+                j = next(j for j, (x, y) in enumerate(zip(a[2], b[2])) if x != y)
+                what = (f"{_op(a)}, whose input {j} in the forward was {_source(a[2][j], seen, args)}, in the "
+                        f"re-run {'another: ' if a[2][j] and b[2][j] else ''}{_source(b[2][j], seen, args)}")
+            else:
+                what = (f"{_op(a)} with {_params(a)} in the forward and {_params(b)} in the re-run (a number "
+                        f"drawn on the host each run?)")
+            diff = f"at op {k} it differs from the forward: {what}"
+        elif k < len(first):
+            diff = (f"it raised before its op {k}, where the forward ran {_op(first[k])}" if error is not None else
+                    f"it ran {len(again)} ops, the forward {len(first)} (the next was {_op(first[k])})")
+        elif k < len(again):
+            diff = f"it ran more ops than the forward's {len(first)}: op {k} is {_op(again[k])}"
+        else:
+            diff = f"it raised after the forward's {k} ops, which it ran alike"
+        raised = f"raised {type(error).__name__}: {error}; " if error is not None else "computed something else: "
+        return (f"mm.remat({_name(self.fn)}): its re-run in the backward pass {raised}{diff}. Likely cause: a "
+                f"variable the function reads changed between the forward and the backward (Python closures bind "
+                f"late: bind it as a default argument, `lambda t, i=i: ...`, or pass it in); the function must "
+                f"compute the same ops from the same tensors both times")
 
     def forget(self) -> None:
         """Its backward pass is done and its values released: let its inputs go."""
@@ -173,17 +207,43 @@ def remat(fn: Callable) -> Callable:
     return rematerialised
 
 
-def _signature(ops: list, outside: set) -> list:
-    """Per op: its name, its inputs' shapes, which outside tensor each input is (else None), and its
-    number and string params (a scale drawn on the host anew would differ)."""
-    return [(op.name, tuple(t.shape for t in op.inputs), tuple(id(t) if id(t) in outside else None for t in op.inputs),
-             tuple((k, repr(v)) for k, v in op.params.items() if isinstance(v, (int, float, complex, str))))
-            for op in ops]
+def _signature(ops: list) -> list:
+    """Per op: its name, its inputs' shapes, per input the tensor's id if it came from outside the
+    ops (None if an earlier op of `ops` made it), and its number and string params (a scale drawn on
+    the host anew would differ; a nan as its repr, equal to itself). Two runs' signatures are equal
+    if they ran alike. (A tensor released meanwhile has one `Released` stand-in in every record: its
+    id still links them.)"""
+    made: set = set()
+    out = []
+    for op in ops:
+        ins = op.inputs
+        out.append((op.name, tuple([t.shape for t in ins]), tuple([None if id(t) in made else id(t) for t in ins]),
+                    tuple([(k, v if v == v else repr(v)) for k, v in op.params.items() if isinstance(v, _PARAMS)])))
+        made.update(map(id, op.outputs))
+    return out
+
+
+_PARAMS = (int, float, complex, str)
+
+
+def _op(entry: tuple) -> str:
+    """`einsum of [a:2, b:3], [b:3]`: a `_signature` entry, for a message."""
+    return f"{entry[0]} of {_shapes(entry) or 'nothing'}"
+
+
+def _source(i, seen: dict, args: set) -> str:
+    """What an input of a `_signature` entry is: made inside the block (`i` None), an argument of
+    the block, or another tensor from outside it (a closure's, a global's); `seen`: tensors by id."""
+    if i is None:
+        return "made inside the block"
+    t = seen.get(i)
+    what = f"a {t.shape} {t.dtype} tensor" if t is not None else "a tensor"
+    return f"{what}, an argument of the block" if i in args else f"{what} from outside the block (not an argument)"
 
 
 def _params(entry: tuple) -> str:
     """The params of a `_signature` entry, for an error message."""
-    return ", ".join(f"{k}={v}" for k, v in entry[3])
+    return ", ".join(f"{k}={v!r}" for k, v in entry[3])
 
 
 def _shapes(entry: tuple) -> str:
@@ -192,4 +252,7 @@ def _shapes(entry: tuple) -> str:
 
 
 def _name(fn) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
+    """`name, defined at file:line` of a function (its name alone for other callables)."""
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    code = getattr(getattr(fn, "func", fn), "__code__", None)  # (a functools.partial: its function's)
+    return f"{name}, defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else name

@@ -9,7 +9,8 @@ Usage::
 Every statement runs on every rank, in one namespace per rank that starts with ``mm``, ``np``,
 ``rank`` and ``size``. Output is shown once, from rank 0; a rank whose output differs from rank
 0's is shown after it, labelled ``[rank k]``, and so is an exception on some ranks only; then the
-session goes on. ``exit()`` or Ctrl-D ends it on every rank.
+session goes on. Tracebacks show the statement's frames, not mpimesh's (`mpimesh.abort.shown`).
+``exit()`` or Ctrl-D ends it on every rank.
 
 Ctrl-C interrupts the statement on every rank (SIGINT or SIGUSR1, which launchers forward). Under a
 bare ``mpiexec`` the launcher owns Ctrl-C, and MPICH's ends the job at the second one; ``mpimesh-repl
@@ -42,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpimesh
-from .abort import ABORT_GRACE
+from .abort import ABORT_GRACE, shown
 from .launch import find_mpiexec, job_env
 
 READY = b"\x00mpimesh-repl-ready\x00\n"  # rank 0 -> front end (serve mode): the next statement, please
@@ -181,13 +182,10 @@ class Session:
             # from compile, or from the statement: the traceback starts in codeop or in this frame
             inner = e.__traceback__.tb_next
             frames = inner if inner is not None and inner.tb_frame.f_code.co_filename == "<stdin>" else None
-            err = "".join(traceback.format_exception(type(e), e, frames) if frames else
+            err = "".join(shown(type(e), e, frames) if frames else
                           traceback.format_exception_only(type(e), e))
         except BaseException as e:  # noqa: B036 - KeyboardInterrupt is reported like any error
-            shown = traceback.TracebackException(type(e), e, e.__traceback__.tb_next)
-            shown.stack = traceback.StackSummary.from_list(  # not the signal handler's frame
-                [f for f in shown.stack if f.filename != __file__])
-            err = "".join(shown.format())
+            err = "".join(shown(type(e), e, e.__traceback__.tb_next))  # the statement's frames, not mpimesh's
         finally:
             self.interrupts.armed = False
             sys.stdout, sys.stderr, sys.displayhook = saved

@@ -1,13 +1,15 @@
 """`mm.compile`: a step recorded once and replayed without per-op Python gives eager's values
 bitwise (losses, parameters, optimizer state) over 10 steps: the MLP with SGD and Adam, the
 Transformer (dense and MoE, Adafactor and Adam) on 1-D/2-D/3-D meshes with uneven blocks; a new
-signature records again, the cache is bounded, a host read while recording names its file and
-line, and a replay's profile counters are eager's."""
+signature records again, the cache is bounded, a host read while recording raises right there,
+naming its file and line (on every rank, also where only some ranks read), and a replay's profile
+counters are eager's."""
 from __future__ import annotations
 
 import os
 import re
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh.collectives import counters, guard  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
 import transformer as T  # noqa: E402
@@ -163,6 +165,41 @@ def test_reading_values_on_the_host_while_recording_names_the_line():
         assert "[2. 2. 2.]" in repr(x * 2.0)  # (outside mm.compile a print is a print)
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(mm.__file__)) + os.sep
+_READS = {"to_numpy()": lambda y: y.to_numpy(),
+          "float()": lambda y: float(mm.reduce_sum(y)),
+          "print() or repr()": lambda y: print(y)}
+
+
+@pytest.mark.parametrize("what", list(_READS))
+def test_a_host_read_while_recording_raises_at_the_read(what, capsys):
+    """Every rank reads (SPMD): the read raises CompileError there, naming it and its line, so the
+    traceback's last frame of the program is the read and the step's print after it never runs (it
+    ran on every rank, and the error pointed at the call, when the refusal waited for the recording's
+    end). The mesh stays usable and the SPMD check is as it was."""
+    mesh = get_mesh(mesh_shapes()[0])
+    x = mesh.from_numpy(np.arange(6.0), "a:6", layout={"a": mesh.shape.names[0]})
+    read = _READS[what]
+
+    def step(x):
+        y = x * 2.0
+        read(y)
+        print("after the read")
+        return y
+    check = guard.settings()["check"]
+    compiled = mm.compile(step)
+    with pytest.raises(mm.CompileError) as e:
+        compiled(x)
+    line = read.__code__.co_firstlineno
+    assert re.search(rf"the step reads the values of a \[(a:6)?\] float64 tensor on the host \({re.escape(what)}\) at "
+                     rf"{re.escape(__file__)}:{line}\. A compiled step", str(e.value)), str(e.value)
+    ours = [f for f in traceback.extract_tb(e.value.__traceback__) if not f.filename.startswith(_PACKAGE)]
+    assert (ours[-1].filename, ours[-1].lineno, ours[-1].name) == (__file__, line, "<lambda>"), ours
+    assert "after the read" not in capsys.readouterr().out
+    assert compiled.recordings == 0 and guard.settings()["check"] == check
+    assert step(x).to_numpy().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]  # (uncompiled: a plain run)
+
+
 def test_a_host_read_on_one_rank_is_refused_on_every_rank():
     """`if rank == 0: print(float(loss))` in a step: only rank 0 raised, the others recorded, replayed
     alone, and timed out in a collective; now every rank raises CompileError, rank 0 naming the line."""
@@ -173,7 +210,7 @@ def test_a_host_read_on_one_rank_is_refused_on_every_rank():
         loss = mm.reduce_sum(x * x)
         if mesh.rank == 0:
             print(float(loss))
-        return x * 2.0
+        return x * 2.0  # (an allgather: rank 0 raised at its read, the others meet the SPMD check here)
     step = mm.compile(logs)
     for _ in range(2):  # (nothing is cached on any rank: the second call is refused alike)
         with pytest.raises(mm.CompileError) as e:
@@ -183,6 +220,7 @@ def test_a_host_read_on_one_rank_is_refused_on_every_rank():
         else:
             assert "reads values on the host on another rank" in str(e.value)
     assert step.recordings == step.replays == 0 and not step.signatures()
+    assert float(mm.reduce_sum(x * 2.0)) == 56.0  # the mesh is still usable
 
 
 def test_saving_a_checkpoint_while_recording_names_the_line(tmp_path):

@@ -5,6 +5,7 @@ second time."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -150,8 +151,54 @@ def test_compiled_remat_step_equals_eager():
         assert a.tobytes() == b.tobytes()
 
 
-def test_a_block_that_computes_something_else_the_second_time_is_an_error():
-    """A late-bound loop variable: the second runs read another weight. Every rank raises."""
+def _late_bound_cause() -> str:
+    return (r"Likely cause: a variable the function reads changed between the forward and the backward \(Python "
+            r"closures bind late: bind it as a default argument, `lambda t, i=i: \.\.\.`")
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_a_late_bound_block_that_raises_when_run_again_names_remat_and_the_op(shape):
+    """The user's loop `h = mm.remat(lambda t: dense(p[f"l{i}"], t))(h)` over layers of other shapes: the
+    backward re-runs each block with the last `i`, whose weight has its dims the other way round, and
+    bias_activation raised a ShapeError naming neither remat nor the closure. Now the error names
+    remat, the function and its line, the first op that differs and the likely cause; the ShapeError
+    is chained to it. Bound as a default argument, the gradients equal those without remat."""
+    mesh = get_mesh(shape)
+    d = mesh.shape.names[0]
+    rng = np.random.default_rng(3)
+    dims = ["h:6;h2:6", "h2:6;h:6", "h:6;h2:6"]
+    p = {f"l{i}": {"kernel": mesh.from_numpy(rng.normal(size=(6, 6)), dims[i], layout={dims[i].split(":")[0]: d}),
+                   "bias": mesh.from_numpy(rng.normal(size=6), dims[i].split(";")[1])} for i in range(3)}
+    x = mesh.from_numpy(rng.normal(size=(5, 6)), "batch:5;h:6", layout={"batch": d})
+    kernels = [p[f"l{i}"]["kernel"] for i in range(3)]
+    with mm.trace():
+        h = x
+        for i in range(3):
+            line = sys._getframe().f_lineno + 1
+            h = mm.remat(lambda t: layers.dense(p[f"l{i}"], t, activation="tanh"))(h)  # noqa: B023 (the bug under test)
+        with pytest.raises(MpimeshError) as e:
+            mm.gradients([mm.reduce_sum(h)], kernels)
+    said = str(e.value)
+    assert re.match(rf"mm\.remat\(.*<lambda>, defined at .*test_remat\.py:{line}\): its re-run in the backward pass "
+                    r"raised ShapeError: bias_activation: bias dim h2:6 is not in the input shape \[batch:5, h:6\]; "
+                    r"at op \d+ it differs from the forward: the forward ran \w+ of [^;]*, the re-run \w+ of [^;]*"
+                    r"\[h:6, h2:6\]\. " + _late_bound_cause(), said), said  # (the last kernel's einsum or relayout)
+    assert isinstance(e.value.__cause__, mm.ShapeError)
+    got = []
+    for wrap in (lambda f: f, mm.remat):
+        with mm.trace():
+            h = x
+            for i in range(3):
+                h = wrap(lambda t, i=i: layers.dense(p[f"l{i}"], t, activation="tanh"))(h)
+            got.append([g.to_numpy() for g in mm.gradients([mm.reduce_sum(h)], kernels)])
+    for a, b in zip(*got):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_late_bound_block_that_silently_reads_another_weight_is_an_error():
+    """The same shapes both times: the re-run of the first block reads the second weight and would give
+    the second weight's gradient to the first (wrong gradients, no exception). The re-run's ops read
+    other tensors than the forward's: every rank raises, naming the op and input."""
     mesh = get_mesh(mesh_shapes()[0])
     x = mesh.ones("b:4;d:3", "float64")
     ws = [mesh.from_numpy(global_array("d:3", k, np.float64), "d:3") for k in range(2)]
@@ -159,8 +206,22 @@ def test_a_block_that_computes_something_else_the_second_time_is_an_error():
         h = x
         for i in range(2):
             h = mm.remat(lambda h: mm.tanh(h * ws[i]))(h)  # noqa: B023 (the bug under test)
-        with pytest.raises(MpimeshError, match=r"differs from the first at op 0.*another tensor"):
+        with pytest.raises(MpimeshError, match=r"mm\.remat\(.*<lambda>, defined at .*test_remat\.py:\d+\): its re-run "
+                                               r"in the backward pass computed something else: at op 0 it differs "
+                                               r"from the forward: multiply of \[b:4, d:3\], \[d:3\], whose input 1 in "
+                                               r"the forward was a \[d:3\] float64 tensor from outside the block \(not "
+                                               r"an argument\), in the re-run another: a \[d:3\] float64 tensor from "
+                                               r"outside the block \(not an argument\)\. " + _late_bound_cause()):
             mm.gradients([mm.reduce_sum(h)], ws)
+    got = []
+    for wrap in (lambda f: f, mm.remat):
+        with mm.trace():
+            h = x
+            for i in range(2):
+                h = wrap(lambda h, w=ws[i]: mm.tanh(h * w))(h)
+            got.append([g.to_numpy() for g in mm.gradients([mm.reduce_sum(h)], ws)])
+    for a, b in zip(*got):
+        assert a.tobytes() == b.tobytes()
 
 
 def test_a_block_with_a_number_drawn_on_the_host_is_an_error():
@@ -171,8 +232,8 @@ def test_a_block_with_a_number_drawn_on_the_host_is_an_error():
     rng = np.random.default_rng(0)  # the same draws on every rank
     with mm.trace():
         y = mm.remat(lambda t: t * float(rng.normal()))(x)
-        with pytest.raises(MpimeshError, match=r"multiply of \[\[b:4, d:3\]\] with scalar=-0\.13.* first run had "
-                                               r"scalar=0\.12.*drawn on the host"):
+        with pytest.raises(MpimeshError, match=r"multiply of \[b:4, d:3\] with scalar=0\.12.* in the forward and "
+                                               r"scalar=-0\.13.* in the re-run \(a number drawn on the host"):
             mm.gradients([mm.reduce_sum(y)], [x])
     with pytest.raises(TypeError, match="mm.remat needs a function, got int"):
         mm.remat(3)
@@ -205,8 +266,8 @@ def test_a_second_backward_after_release_is_a_clear_error():
     with mm.trace():
         loss = mm.reduce_sum(mm.remat(lambda t: mm.sin(mm.exp(t)))(x))
         mm.gradients([loss], [x], release=True)
-        with pytest.raises(MpimeshError, match=r"mm.remat\(.*<lambda>\): its inputs were let go by an earlier "
-                                               r"mm.gradients\(..., release=True\).*retain_graph"):
+        with pytest.raises(MpimeshError, match=r"mm.remat\(.*<lambda>, defined at .*\): its inputs were let go by an "
+                                               r"earlier mm.gradients\(..., release=True\).*retain_graph"):
             mm.gradients([loss], [x])
 
 

@@ -2,7 +2,7 @@
 and typed into a pseudo-terminal (the `mpimesh-repl -n N` front end, and a bare mpiexec) with
 multi-line input, Ctrl-C at the prompt and during a statement, an error on one rank, Ctrl-D and
 exit(), and rank 0 stuck in a collective (Ctrl-C, SIGTERM). Values are checked against numpy computed
-here; every job must end with all its ranks."""
+here; tracebacks show the statements' frames, not mpimesh's; every job must end with all its ranks."""
 from __future__ import annotations
 
 import ast
@@ -24,7 +24,8 @@ from mpimesh.launch import find_mpiexec, is_open_mpi, job_env
 from mpimesh.repl import Session, format_reports
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = job_env(PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT="120")
+PACKAGE = str(ROOT / "mpimesh") + "/"
+ENV = job_env(PYTHONPATH=str(ROOT), MPIEXEC_TIMEOUT="120", MPIMESH_DEBUG="0")  # (tests/run.py's 1: whole tracebacks)
 spawns = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() != 1,
                             reason="starts its own MPI job; runs in the 1-rank session")
 
@@ -130,6 +131,7 @@ def test_piped_statements_on_4_ranks():
     assert "[rank 0] ValueError" not in out and "[rank 1] ValueError" not in out
     assert out.count("Error") >= 2 and "nope" in out
     assert not re.search(r"\[ranks? [0-9,]+\] \w*Error: .*nope", out)
+    assert PACKAGE not in out, out  # tracebacks show the statements' frames, not mpimesh's
     assert "still here 4" in out
 
 
@@ -244,14 +246,18 @@ def test_ctrl_c_frees_rank_0_from_a_collective_the_others_skipped():
     try:
         _rank_0_alone_in_a_collective(child)
         child.sendintr()  # SIGUSR1 to every rank: rank 1 is idle, rank 0 is in the collective
-        child.expect("KeyboardInterrupt", timeout=5)
-        child.expect(">>> ")
+        child.expect(r"KeyboardInterrupt.*\n>>> ", timeout=5)
+        assert child.before.count('File "') == 1 and PACKAGE not in child.before, child.before  # the statement's
         child.sendline('mesh.collectives.allreduce(np.ones(2), ["rows"])')
-        child.expect(r"CollectiveTimeoutError: this mesh is unusable after an earlier failed collective: .*"
-                     r"was interrupted before it completed", timeout=10)
-        child.expect(r"\[rank 1\] .*CollectiveTimeoutError: this mesh is unusable: rank 0: it abandoned this mesh",
-                     timeout=10)
-        child.expect(">>> ")
+        child.expect(r"\n>>> ", timeout=10)
+        shown = child.before
+        assert re.search(r"CollectiveTimeoutError: this mesh is unusable after an earlier failed collective: .*"
+                         r"was interrupted before it completed", shown), shown
+        assert re.search(r"\[rank 1\] .*CollectiveTimeoutError: this mesh is unusable: rank 0: it abandoned this "
+                         r"mesh", shown), shown
+        # each rank's traceback is the statement's one frame, not ~20 of mpimesh's
+        assert shown.count('File "<stdin>", line 1, in <module>') == shown.count('File "') == 2, shown
+        assert PACKAGE not in shown, shown
         child.sendline('print(mm.Mesh("rows:2").collectives.allreduce(np.ones(2), ["rows"]))')
         child.expect(r"\[2\. 2\.\]", timeout=10)
         child.expect(">>> ")
