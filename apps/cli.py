@@ -106,6 +106,27 @@ def check_layout(rules: str, dims: Dict[str, str], flag: str = "--layout") -> No
                              f"its dims are {', '.join(dims)}")
 
 
+def progress_bar(frac: float, width: int = 20) -> str:
+    """A text bar of `width` cells, `frac` of them filled.
+
+    >>> progress_bar(0.25, 8)
+    '[##......]'
+    """
+    n = int(round(min(max(frac, 0.0), 1.0) * width))
+    return "[" + "#" * n + "." * (width - n) + "]"
+
+
+def eta_text(seconds: float) -> str:
+    """Seconds left as `ETA m:ss` (`ETA h:mm:ss` from an hour on).
+
+    >>> eta_text(83.4), eta_text(3725), eta_text(0)
+    ('ETA 1:23', 'ETA 1:02:05', 'ETA 0:00')
+    """
+    m, s = divmod(int(round(max(seconds, 0.0))), 60)
+    h, m = divmod(m, 60)
+    return f"ETA {h}:{m:02d}:{s:02d}" if h else f"ETA {m}:{s:02d}"
+
+
 def main_guard(main: Callable) -> Callable:
     """`main` for the command line (in-process callers get the exceptions): a UsageError,
     MpimeshError or OSError (raised on every rank alike, since the apps check their input before

@@ -24,8 +24,9 @@ bitwise, and updates the parameters and optimizer state in place (they are donat
 the MoE layers' random choices are new in every replayed step.
 
 Rank 0 prints the corpus, the unigram baseline (entropy of the training bytes' frequencies, in bits
-per byte), a progress line every `--log-every` steps (loss, tokens/s, step time, the fraction of
-the step spent inside collectives, bytes sent), held-out loss and bits per byte every
+per byte), a progress line every `--log-every` steps (a bar and the ETA, from the mean time per step
+since the first, which records the step, evaluations and saves included; loss, tokens/s, step time,
+the fraction of the step spent inside collectives, bytes sent), held-out loss and bits per byte every
 `--eval-every` steps and at the end, and finally a few sampled lines. Communication time is
 measured by timing every collective call of the mesh (wall time inside the call, which includes
 waiting for slower peers: on an oversubscribed machine that is mostly time slices lent to other
@@ -46,7 +47,24 @@ naming the newest intact checkpoint in DIR and the `--resume STEP` that takes it
 every rank, before any training: a DIR that holds anything but checkpoints; without `--resume`, a
 DIR that holds a checkpoint, unless `--overwrite` (which deletes them and starts from step 0); with
 `--resume`, a model of other sizes, naming the tensor and dim (`checkpoint has d_model:64, expected
-d_model:128`). `--log-json FILE`: rank 0 writes one line `{"step": 12, "loss": 4.52}` per step.
+d_model:128`).
+
+`--log-json FILE`: rank 0 writes one JSON line per training step, e.g. (a tiny model on 2 ranks)
+
+    {"step": 3, "loss": 5.8116, "tokens_per_s": 5037.8, "step_ms": 12.70, "comm_share": 0.757,
+     "lr": 0.01, "peak_bytes": {"host": 74518528}, "heldout_loss": 5.8559}
+
+`step` counts from 1; `loss` is the step's training loss (nats per byte); `tokens_per_s` and
+`step_ms` are that step's alone (batch x length tokens over the wall time of the step, reading the
+loss back included); `comm_share` is the fraction of that time spent inside the mesh's collectives
+(null with --backend jax: XLA places its own); `lr` is the learning rate the optimizer applied, its
+schedule at the optimizer's step count (`learning_rate`; Adafactor's relative step, before it is
+scaled by each parameter's RMS; a float16 step skipped for overflow does not advance the count);
+`peak_bytes` is rank 0's peak memory during the step as `mm.profile()` measures it: `host`, the
+process's resident set high-water mark (VmHWM, reset at the step's start where Linux allows it,
+else the peak so far), and with --device gpu also `gpu` (CuPy's pool, bytes in use) and
+`gpu_cached`; `heldout_loss` (nats per byte) is there on the evaluated steps alone: every
+`--eval-every` steps and the last.
 
     mpiexec -n 2 python apps/transformer.py --checkpoint ckpt --steps 40 --save-every 10 --log-json a.jsonl
     mpiexec -n 4 python apps/transformer.py --checkpoint ckpt --steps 80 --resume --mesh "rows:4;cols:1"
@@ -64,9 +82,10 @@ load-balancing loss joins the training loss. Unless `--layout` places `experts`,
 `--device gpu`: every rank holds its slices on its own GPU (CuPy, `python3 install.py gpu`; one rank
 per GPU, e.g. `mpiexec -n 8` on an 8-GPU node); the transport is chosen per mesh (see README.md).
 
-`--layout auto`: `mm.auto_layout` records the training step dry (shapes only) and prices layout
-rules with the cost model (`mpimesh.cost`) on this machine's calibration for the mesh, measured
-once (a few seconds: a warm-up pass, then the median of 3 rounds) and kept in the user's cache
+`--layout auto` needs jax (`python3 install.py tpu`): `mm.auto_layout` records the training step
+dry (shapes only, each op's output shapes from `jax.eval_shape`) and prices layout rules with the
+cost model (`mpimesh.cost`) on this machine's calibration for the mesh, measured once (a few
+seconds: a warm-up pass, then the median of 3 rounds) and kept in the user's cache
 (`~/.cache/mpimesh/calibration/`, `MPIMESH_CACHE_DIR`), so that every run prices alike;
 `--recalibrate` measures again. Rank 0 prints the chosen rules and the top 5 alternatives with their
 predicted step times, trains with the chosen rules, and after the first 20 steps prints the
@@ -102,7 +121,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
 import numpy as np  # noqa: E402
-from apps.cli import UsageError, check_at_least, check_layout, main_guard, parser  # noqa: E402
+from apps.cli import (UsageError, check_at_least, check_layout, eta_text, main_guard, parser,  # noqa: E402
+                      progress_bar)
 from mpimesh import checkpoint, layers  # noqa: E402
 from mpimesh.extras import require  # noqa: E402
 
@@ -113,6 +133,7 @@ DIMS = {"batch": "sequences per step (--batch)", "length": "positions in a seque
         "d_ff": "feed-forward hidden units (--d-ff)", "vocab": "the byte vocabulary (--vocab)",
         "experts": "MoE experts (--experts, with --moe-every)"}
 KEEP = 2  # checkpoints kept in --checkpoint DIR
+ADAM_LR = 3e-3  # --optimizer adam's learning rate without --lr
 Params = Dict[str, "mm.DistTensor"]
 
 
@@ -241,9 +262,21 @@ def make_optimizer(cfg: Config):
     if cfg.optimizer == "adafactor":
         return mm.optim.Adafactor(learning_rate=cfg.lr)
     if cfg.optimizer == "adam":
-        lr, warm = (3e-3 if cfg.lr is None else cfg.lr), max(1, cfg.warmup)
+        lr, warm = (ADAM_LR if cfg.lr is None else cfg.lr), max(1, cfg.warmup)
         return mm.optim.Adam(lambda t: lr * mm.minimum(t * (1.0 / warm), 1.0))
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}: choose adafactor or adam")
+
+
+def learning_rate(cfg: Config, t: int) -> float:
+    """The learning rate `make_optimizer(cfg)` applies at its 1-based step `t` (Adafactor's relative
+    step, before each parameter's RMS scales it).
+
+    >>> learning_rate(Config(), 1), learning_rate(Config(), 40000), learning_rate(Config(optimizer="adam"), 5)
+    (0.01, 0.005, 0.00075)
+    """
+    if cfg.optimizer == "adafactor":
+        return min(0.01, 1 / math.sqrt(t)) if cfg.lr is None else cfg.lr
+    return (ADAM_LR if cfg.lr is None else cfg.lr) * min(t / max(1, cfg.warmup), 1.0)
 
 
 def step_seed(mesh: mm.Mesh, seed: int, step: int):
@@ -618,7 +651,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="gpu: each rank's slices live on its GPU (CuPy; python3 install.py gpu), one rank per GPU; "
                          "the transport (nccl, CUDA-aware mpi, or staged through host) is chosen per mesh")
     ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below), or "
-                    "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh)")
+                    "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh; needs jax, for the "
+                    "dry run of the step: python3 install.py tpu)")
     ap.add_argument("--recalibrate", action="store_true", help="with --layout auto: measure the machine again "
                     "instead of using the calibration an earlier run kept for this mesh")
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
@@ -637,8 +671,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "ones go)")
     ap.add_argument("--overwrite", action="store_true", help="start from step 0 although --checkpoint holds "
                     "checkpoints (they are deleted)")
-    ap.add_argument("--log-json", default=None, metavar="FILE", help='rank 0 writes one line {"step": S, "loss": L} '
-                    "per training step")
+    ap.add_argument("--log-json", default=None, metavar="FILE", help="rank 0 writes one JSON line per training "
+                    "step: step, loss, tokens_per_s and step_ms (that step's), comm_share (of its time in "
+                    "collectives; null with --backend jax), lr (the optimizer's learning rate at its step count), "
+                    "peak_bytes (rank 0's peak memory in the step, mm.profile()'s: host = resident set high-water "
+                    "mark; gpu, gpu_cached with --device gpu), and heldout_loss on the evaluated steps alone")
     ap.add_argument("--profile", action="store_true", help="print the comm/compute counters of every step")
     ap.add_argument("--eager", action="store_true", help="run every step op by op (default: the step is recorded "
                     "once and replayed without per-op Python, mm.compile; the same values)")
@@ -719,11 +756,6 @@ def on_first_rank(fn: Callable):
     return result
 
 
-def _bar(frac: float, width: int = 20) -> str:
-    n = int(round(frac * width))
-    return "[" + "#" * n + "." * (width - n) + "]"
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = Config(**{k: getattr(args, k) for k in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length",
@@ -738,6 +770,8 @@ def main(argv=None) -> None:
     auto, predicted = args.layout == "auto", None
     if auto and args.backend == "jax":
         raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
+    if auto:  # before the corpus and the calibration: the dry run of the step needs jax.eval_shape
+        require("jax", "tpu", "--layout auto (its dry run of the training step)")
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)
@@ -818,46 +852,57 @@ def main(argv=None) -> None:
     log = open(args.log_json, "w") if args.log_json and first_rank else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
-    t_begin = time.perf_counter()
+    t_begin = t_first = time.perf_counter()  # t_first: the end of the first step (it records the step)
     for step in range(start, args.steps):
         offsets = train_offsets(train, cfg, args.seed, step)
         if args.backend == "jax":
-            t0 = time.perf_counter()
-            loss_value = jstep.step(lambda a, b, offsets=offsets: batch_windows(train, cfg, offsets[a:b]),
-                                    layers.subseed(args.seed, f"step{step}"))
-            acc += [time.perf_counter() - t0, 0, 0, loss_value, 1]
+            with mm.profile() as prof:  # (the host's peak memory)
+                t0 = time.perf_counter()
+                loss_value = jstep.step(lambda a, b, offsets=offsets: batch_windows(train, cfg, offsets[a:b]),
+                                        layers.subseed(args.seed, f"step{step}"))
+            seconds, in_comm, sent, t = time.perf_counter() - t0, None, 0, step + 1
         else:
             batch = make_batch(mesh, train, cfg, offsets)
             c0, t0 = timer.seconds, time.perf_counter()
             with mm.profile() as prof:
                 params, opt_state, loss = train_step(params, opt_state, batch, step_seed(mesh, args.seed, step))
                 loss_value = float(loss)
+            seconds, in_comm = time.perf_counter() - t0, timer.seconds - c0
             sent = sum(v["bytes"] for v in prof.transfers.values())
-            acc += [time.perf_counter() - t0, timer.seconds - c0, sent, loss_value, 1]
-            step_times.append(time.perf_counter() - t0)
+            t = int(opt_state["step"].to_numpy())  # (float16 skips a step whose gradients overflow)
+            step_times.append(seconds)
             if predicted and len(step_times) == min(20, args.steps - start):
                 say(predicted_beside_measured(predicted, step_times))
             if args.profile:
                 say(f"step {step + 1} profile (rank 0):\n{prof.report()}")
+        acc += [seconds, in_comm or 0, sent, loss_value, 1]
         done = step + 1
-        if log:
-            log.write(json.dumps({"step": done, "loss": loss_value}) + "\n")
-            log.flush()
+        record = {"step": done, "loss": loss_value, "tokens_per_s": cfg.batch * cfg.length / seconds,
+                  "step_ms": 1e3 * seconds, "comm_share": None if in_comm is None else in_comm / seconds,
+                  "lr": learning_rate(cfg, t), "peak_bytes": prof.peak_bytes}
         if done % args.log_every == 0 or done == args.steps:
-            t, c, b, lo, n = acc
+            s, c, b, lo, n = acc
+            per_step = (time.perf_counter() - t_first) / (done - start - 1) if done > start + 1 else s
             comm = "jax (XLA)" if args.backend == "jax" else \
-                f"comm {100 * c / t:4.1f}%  {b / n / 2**20:.2f} MiB/step sent"
-            say(f"step {done:5d}/{args.steps} {_bar(done / args.steps)} loss {lo / n:.3f}  "
-                f"{cfg.batch * cfg.length * n / t:7.0f} tok/s  step {1e3 * t / n:6.1f} ms  {comm}", flush=True)
+                f"comm {100 * c / s:4.1f}%  {b / n / 2**20:.2f} MiB/step sent"
+            eta = eta_text(per_step * (args.steps - done))
+            say(f"step {done:5d}/{args.steps} {progress_bar(done / args.steps)} {eta}  loss {lo / n:.3f}  "
+                f"{cfg.batch * cfg.length * n / s:7.0f} tok/s  step {1e3 * s / n:6.1f} ms  {comm}",
+                flush=True)
             acc[:] = 0
-        evaluating = done % args.eval_every == 0 and done != args.steps
+        evaluating = done % args.eval_every == 0 or done == args.steps
         saving = args.checkpoint and (done % args.save_every == 0 or done == args.steps)
-        if args.backend == "jax" and (evaluating or saving or done == args.steps):
+        if args.backend == "jax" and (evaluating or saving):
             params, opt_state = jstep.state()  # back to mpimesh tensors (from_numpy)
         if evaluating:
-            held_loss = evaluate(params, mesh, held, cfg, args.eval_batches)
-            say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
-                f"(unigram baseline {base:.3f})", flush=True)
+            t_end = time.perf_counter()  # (the last evaluation is the final one, not training)
+            held_loss = record["heldout_loss"] = evaluate(params, mesh, held, cfg, args.eval_batches)
+            if done != args.steps:
+                say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
+                    f"(unigram baseline {base:.3f})", flush=True)
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
         if saving:
             t0 = time.perf_counter()
             if args.backend == "jax":  # every process holds all of it: the first writes it
@@ -868,10 +913,11 @@ def main(argv=None) -> None:
             if first_rank:
                 size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
                 say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
+        if done == start + 1:
+            t_first = time.perf_counter()
     if log:
         log.close()
-    train_time = time.perf_counter() - t_begin
-    held_loss = evaluate(params, mesh, held, cfg, args.eval_batches)
+    train_time = t_end - t_begin
     bpb = held_loss / math.log(2)
     say(f"final held-out loss {held_loss:.3f} nats = {bpb:.3f} bits per byte, {abs(base - bpb):.3f} bits "
         f"{'below' if bpb <= base else 'above'} the unigram baseline {base:.3f}; training {train_time:.1f} s "

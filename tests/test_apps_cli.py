@@ -298,3 +298,30 @@ def test_launch_names_a_missing_script_once(args, words, tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("python -m mpimesh.launch: error: ") and all(w in line for w in words), line
     assert proc.stderr.count("error") == 1, proc.stderr
+
+
+def test_transformer_help_names_the_log_fields_and_what_layout_auto_needs():
+    text = subprocess.run([sys.executable, str(ROOT / "apps" / "transformer.py"), "--help"], capture_output=True,
+                          text=True, timeout=60, env=job_env()).stdout
+    options = text.split("\noptions:\n", 1)[1]  # (not the usage lines)
+
+    def block(flag: str) -> str:
+        return " ".join(re.search(rf"^  {flag}\b(.*?)(?=^  -)", options, re.S | re.M).group(1).split())
+    log_help = block("--log-json FILE")
+    for field in ("step", "loss", "tokens_per_s", "step_ms", "comm_share", "lr", "peak_bytes", "heldout_loss"):
+        assert re.search(rf"\b{field}\b", log_help), f"--log-json's help lacks {field!r}: {log_help}"
+    layout_help = block("--layout LAYOUT")
+    assert "'auto'" in layout_help and "needs jax" in layout_help and "install.py tpu" in layout_help, layout_help
+
+
+def test_transformer_layout_auto_without_jax_names_the_tpu_extra(tmp_path):
+    """`--layout auto` records the step dry through jax.eval_shape: with jax missing (a package here that
+    refuses to import stands in for it), one line before any work, naming the extra to install."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text('raise ImportError("jax hidden by the test")\n')
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "apps" / "transformer.py"), *TINY, "--steps", "1",
+           "--layout", "auto"]
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    line = _one_line(proc, "--layout auto", "needs jax", "install.py tpu")
+    assert "calibrat" not in proc.stdout + line, proc.stdout  # refused before the calibration

@@ -351,3 +351,37 @@ def test_a_learning_rate_of_0_changes_nothing(optimizer):
     for k in range(3):
         new, state = opt.update(params, {"w": mesh.full("a:3;b:4", 0.5 + k, "float32")}, state)
         assert new["w"].to_numpy().tobytes() == params["w"].to_numpy().tobytes(), k
+
+
+def test_log_json_carries_each_steps_figures(tmp_path, capsys):
+    """--log-json: one line per step with that step's tokens/s and time, its share in collectives,
+    the optimizer's learning rate (Adam's warmup, evaluated by the optimizer's own schedule) and
+    rank 0's peak memory; the held-out loss on the evaluated steps alone (every --eval-every and the
+    last), equal to the printed ones; the progress lines show an ETA."""
+    log = os.path.join(MPI.COMM_WORLD.bcast(str(tmp_path), root=0), "run.jsonl")
+    T.main(TINY + ["--steps", "5", "--eval-every", "2", "--log-every", "1", "--optimizer", "adam", "--warmup", "4",
+                   "--log-json", log])
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        assert out == ""  # rank 0 alone prints and writes the log
+        return
+    with open(log) as f:
+        lines = [json.loads(line) for line in f]
+    assert [d["step"] for d in lines] == [1, 2, 3, 4, 5]
+    opt = T.make_optimizer(T.Config(optimizer="adam", warmup=4))
+    one = mm.Mesh("all:1", comm=MPI.COMM_SELF)
+    tokens = CFG.batch * CFG.length
+    for d in lines:
+        assert np.isfinite(d["loss"]) and d["step_ms"] > 0
+        assert d["tokens_per_s"] == pytest.approx(tokens / (d["step_ms"] / 1e3), rel=1e-9)
+        assert 0 <= d["comm_share"] <= 1 and (MPI.COMM_WORLD.Get_size() == 1 or d["comm_share"] > 0), d
+        schedule = float(opt.lr(one.full((), float(d["step"]), "float64")).to_numpy())
+        assert d["lr"] == pytest.approx(schedule, rel=1e-12) and d["lr"] == pytest.approx(3e-3 * min(d["step"] / 4, 1))
+        assert set(d["peak_bytes"]) == {"host"} and 2**20 < d["peak_bytes"]["host"] < 2**40, d
+    held = {d["step"]: d["heldout_loss"] for d in lines if "heldout_loss" in d}
+    assert sorted(held) == [2, 4, 5]
+    printed = [float(v) for v in re.findall(r"^  held-out loss ([\d.]+)", out, re.M)]
+    printed.append(float(re.search(r"^final held-out loss ([\d.]+)", out, re.M).group(1)))
+    assert [round(held[k], 3) for k in (2, 4, 5)] == printed
+    bars = re.findall(r"^step +(\d)/5 \[[#.]{20}\] ETA (\d+):(\d\d)  loss ", out, re.M)
+    assert [int(b[0]) for b in bars] == [1, 2, 3, 4, 5] and bars[-1][1:] == ("0", "00"), out
