@@ -9,16 +9,17 @@ Shape('[batch:4, hidden:16]')
 """
 from mpi4py import MPI
 
-from . import abort, threads
+from . import abort, env, threads
 abort.install()  # from here on, an uncaught exception on one rank ends the whole job
 threads.configure_at_import()  # before numpy loads BLAS: cores // ranks on this node
+env.warn_unknown()  # a misspelled MPIMESH_* variable would be ignored: warn, naming the closest known one
 
 from .autodiff import gradients
-from .backend import matmul_precision, set_matmul_precision
+from .backend import matmul_precision, result_type, set_matmul_precision
 from .buckets import set_bucket_bytes
-from .checkpoint import load, save
+from .checkpoint import load, newest_intact, save, save_step, step_path, steps
 from .compiled import CompileError, compile
-from .collectives.guard import set_collective_timeout, set_spmd_check
+from .collectives.guard import set_collective_timeout, set_hang_notice, set_spmd_check
 from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, DTypeError, LayoutError, MeshError,
                      MissingDependencyError, MpimeshError, ShapeError)
 from .layout import LayoutRules
@@ -67,13 +68,15 @@ __all__ = [
     "einsum", "reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_logsumexp",
     "reshape", "rename_dimension", "transpose", "broadcast", "relayout",
     "slice", "concat", "split", "pad", "shift", "halo_exchange",
-    "cumsum", "one_hot", "gather", "top_k", "argmax", "where", "cast", "stop_gradient", "dropout",
+    "cumsum", "one_hot", "gather", "top_k", "argmax", "where", "cast", "result_type", "stop_gradient",
+    "dropout",
     "relu", "gelu", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "square", "abs", "sin", "cos",
     "minimum", "maximum", "add", "subtract", "multiply", "divide", "power", "negative", "axpy",
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
-    "trace", "gradients", "remat", "set_bucket_bytes", "save", "load", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    "trace", "gradients", "remat", "set_bucket_bytes", "save", "load", "save_step", "steps", "step_path",
+    "newest_intact", "profile", "visualize", "set_spmd_check", "set_collective_timeout", "set_hang_notice",
     # speed
     "set_matmul_precision", "matmul_precision", "compile", "CompileError",
     # automatic layouts

@@ -26,12 +26,11 @@ PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many 
 host_reads: list = []  # while `mm.compile` records a step: its hook, told of every read of values on the host
 
 
-def host_read(t, what: str, effect: bool = False) -> None:
+def host_read(t, what: str) -> None:
     """`t`'s values are read on the host (`what`): told to a recording `mm.compile` (which refuses
-    it; at once for a read with an `effect` outside the program, such as `mm.save`, which every rank
-    makes alike) and noted in the open traces (`trace.note_host_read`)."""
+    it there and then) and noted in the open traces (`trace.note_host_read`)."""
     if host_reads:
-        host_reads[-1](t, what, effect)
+        host_reads[-1](t, what)
     note_host_read(t, what)
 
 
@@ -64,7 +63,8 @@ class Donated:
 class DistTensor:
     """A tensor with named dims whose data is split over a mesh; each rank holds `local`."""
 
-    __slots__ = ("mesh", "shape", "tensor_layout", "local", "__weakref__")
+    # _origin is set by mm.load alone, unset elsewhere (read it as `origin`): no cost to other tensors
+    __slots__ = ("mesh", "shape", "tensor_layout", "local", "_origin", "__weakref__")
     __array_ufunc__ = None  # numpy scalars on the left defer to our operators
 
     def __init__(self, mesh, shape: Shape, tensor_layout: TensorLayout, local):
@@ -87,8 +87,13 @@ class DistTensor:
         """The element type, `local`'s: `dtype('float32')`."""
         return self.local.dtype
 
+    @property
+    def origin(self) -> tuple[str, str] | None:
+        """`(checkpoint path, name in it)` of a tensor `mm.load` returned, else None: errors name them."""
+        return getattr(self, "_origin", None)
+
     def to_numpy(self) -> np.ndarray:
-        """The global array, on every rank (a collective over the split mesh dims)."""
+        """The global array, on every rank (a collective over the split mesh dims: every rank must call it)."""
         if getattr(self.mesh, "dry", False):
             raise MpimeshError(f"this [{self.shape}] {self.dtype} tensor is on {self.mesh!r}: a dry run's "
                                f"tensors have shapes and layouts, no values")
@@ -118,7 +123,7 @@ class DistTensor:
         if getattr(self.mesh, "dry", False):
             return f"{head}\n(a dry run: no values)"
         if host_reads and (not self.layout or self.shape.size <= PREVIEW_MAX):  # (values are read below: a
-            host_reads[-1](self, "print() or repr()", False)                     # recording mm.compile refuses it)
+            host_reads[-1](self, "print() or repr()")                            # recording mm.compile refuses it)
         if not self.layout:  # every rank holds every value: numpy's own summary, no communication
             return f"{head}\n{np.array2string(to_host(self.local), threshold=PREVIEW_MAX)}"
         if self.shape.size > PREVIEW_MAX:
@@ -134,6 +139,7 @@ class DistTensor:
         return self.shape[0].size if self.shape.rank else 0
 
     def __float__(self) -> float:
+        """The value of a one-element tensor (a collective, as `to_numpy`: every rank must call it)."""
         if self.shape.size != 1:
             raise ShapeError(f"float() needs a one-element tensor, got shape {self.shape}")
         host_read(self, "float()")
@@ -187,9 +193,9 @@ def from_numpy(mesh, array, shape: ShapeLike, layout=None) -> DistTensor:
 
 def from_local(local, shape: ShapeLike, mesh, layout=None) -> DistTensor:
     """Assemble a tensor from each rank's own slice: its block of every split dim, cut like
-    `numpy.array_split` (so slices may differ in shape between ranks, or be empty). A collective:
-    a slice of the wrong shape on any rank raises ShapeError on every rank, and slices of differing
-    or non-numeric dtypes DTypeError, each naming the ranks at fault."""
+    `numpy.array_split` (so slices may differ in shape between ranks, or be empty). A collective
+    (every rank must call it): a slice of the wrong shape on any rank raises ShapeError on every
+    rank, and slices of differing or non-numeric dtypes DTypeError, each naming the ranks at fault."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
     want = local_sizes(shape, mesh.shape, tl, mesh.coords)
