@@ -67,7 +67,8 @@ from .layout import local_sizes
 from .ops.elementwise import cast
 from .partials import active
 from .tensor import DistTensor
-from .trace import OpRecord, _open_traces, saving
+from .opdef import OpDef
+from .trace import OpRecord, _open_traces
 
 DEFAULT_BUCKET_BYTES = 25 << 20
 
@@ -163,8 +164,7 @@ class Bucketer:
         out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
         rec = None
         if _open_traces:
-            params = {"mesh_dims": dims} if dtype is None else {"mesh_dims": dims, "dtype": dtype}
-            rec = OpRecord("psum", (y,), (out,), params, _psum_kernel(dims, dtype), _psum_grad, y.mesh.layout)
+            rec = OpRecord(PSUM, (y,), (out,), {"mesh_dims": dims, "dtype": dtype}, y.mesh.layout)
             for tr in _open_traces:
                 tr._append(rec)
         key = (id(y.mesh), dims, str(y.dtype))
@@ -294,11 +294,9 @@ def next_slot(at: int, n: int, step: int) -> int:
     return -(-(at + n) // step) * step
 
 
-def _psum_kernel(dims: tuple, dtype=None):
-    def lower(ctx, a):
-        total = ctx.allreduce(a, dims)
-        return total if dtype is None else total.astype(dtype)
-    return lower
+def _psum(ctx, a, mesh_dims: tuple, dtype=None, bucket=None):
+    total = ctx.allreduce(a, mesh_dims)
+    return total if dtype is None else total.astype(dtype)
 
 
 def _psum_grad(op, dy):
@@ -307,4 +305,11 @@ def _psum_grad(op, dy):
     return [cast(dy, op.inputs[0].dtype)]
 
 
-saving(_psum_grad)
+def _psum_abstract(ctx, shapes, a, mesh_dims: tuple, dtype=None, bucket=None) -> tuple:
+    ctx.allreduce(a, mesh_dims)
+    return (a.dtype if dtype is None else dtype,)
+
+
+PSUM = OpDef("psum", _psum, grad=_psum_grad, saves=((), ()), abstract=_psum_abstract, bucketed=True)
+"""A gradient's sum over mesh dims, recorded after the einsum that left it to a bucket (`bucket`:
+`(bucket id, position, members)`, which a replay groups into one allreduce)."""

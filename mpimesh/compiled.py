@@ -63,7 +63,7 @@ from .collectives import counters, guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
-from .program import Program, ProgramError
+from .program import BucketStep, OpStep, Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
 from .trace import current_trace, trace
 from .tree import flatten, unflatten
@@ -290,19 +290,18 @@ class _Entry:
 
 
 class _Engine:
-    """The program as a flat list of steps over a list of arrays (the inputs' slots first, then the
-    constants', then each op's outputs'): `("op", name, kernel, input slots, output slots, slots to
-    free, flops, into)`. `into`: `(output index, input slot)` pairs, where the kernel can write that
-    output over that input (its `into` map) and the op is the input's last reader; the output is
-    written there when, as the op runs, the engine holds the input array's only reference
-    (`_sole`: a donated block, or a temporary) and the array owns its memory.
+    """The program as a flat list of typed steps (`program.OpStep`, `program.BucketStep`) over a list
+    of arrays (the inputs' slots first, then the constants', then each op's outputs'). An op step's
+    `into`: `(output index, input slot)` pairs, where the kernel can write that output over that
+    input (`OpDef.into`) and the op is the input's last reader; the output is written there when, as
+    the op runs, the engine holds the input array's only reference (`_sole`: a donated block, or a
+    temporary) and the array owns its memory.
 
-    A gradient bucket (the psum records of one `mpimesh.buckets` bucket) is a flat
-    buffer made each run before the einsum of its first member (an op, `"bucket"`), that each
-    member's einsum writes its slot of (its kernel takes the buffer as one more input), then
-    `("start", bucket)` where its last member was recorded (one non-blocking allreduce in place,
-    as eager) and `("wait", bucket)` before the first op that reads one of them. `run(arrays)`
-    gives the outputs' arrays."""
+    A gradient bucket (the bucketed records of one `mpimesh.buckets` bucket) is a flat buffer made
+    each run before the einsum of its first member (`"make"`), that each member's einsum writes its
+    slot of (its step's `write`), then `"start"` where its last member was recorded (one
+    non-blocking allreduce in place, as eager) and `"wait"` before the first op that reads one of
+    them. `run(arrays)` gives the outputs' arrays."""
 
     def __init__(self, program: Program):
         self.mesh = program.mesh
@@ -336,20 +335,18 @@ class _Engine:
         writers = {k: (b, j) for b in buckets for j, k in enumerate(b.writers)}
         self.steps: list = []
         for k, rec in enumerate(program.ops):
-            for b in waits.get(k, ()):
-                self.steps.append(("wait", b))
-            self.steps += [("op", "bucket", b.make, [], [b.flat], [], 0, ()) for b in makes.get(k, ())]
+            self.steps += [BucketStep("wait", b) for b in waits.get(k, ())]
+            self.steps += [BucketStep("make", b) for b in makes.get(k, ())]
             ins, outs, dead = [slots[id(t)] for t in rec.inputs], [slots[id(t)] for t in rec.outputs], frees.get(k, [])
             if k in writers:
                 b, j = writers[k]
-                self.steps.append(("op", rec.name, b.writer(j, rec.lower), ins + [b.flat], outs, dead, rec.flops, ()))
+                self.steps.append(OpStep(rec.op, rec.params, ins, outs, dead, rec.flops, (), b.slot_of(j)))
             elif k not in members:
-                into = tuple((j, ins[i]) for j, i in getattr(rec.lower, "into", {}).items()
-                             if ins[i] in dead and ins.count(ins[i]) == 1)
-                self.steps.append(("op", rec.name, rec.lower, ins, outs, dead, rec.flops, into))
+                into = tuple((j, ins[i]) for j, i in rec.op.into.items() if ins[i] in dead and ins.count(ins[i]) == 1)
+                self.steps.append(OpStep(rec.op, rec.params, ins, outs, dead, rec.flops, into))
             if k in starts:
-                self.steps.append(("start", starts[k]))
-        self.steps += [("wait", b) for b in waits.get(len(program.ops), ())]
+                self.steps.append(BucketStep("start", starts[k]))
+        self.steps += [BucketStep("wait", b) for b in waits.get(len(program.ops), ())]
         self.n_slots = len(slots)
         self.n_inputs = len(program.input_ids)
         self.outputs = [slots[i] for i in program.output_ids]
@@ -376,26 +373,32 @@ class _Engine:
         run = self.mesh.run
         counting = count and counters._open
         for step in steps:
-            if step[0] == "op":
-                _, name, lower, ins, outs, frees, flops, into = step
-                mine = frozenset(j for j, s in into if _sole(env, s)) if into else None
-                if mine:
-                    result = run(name, lower, [env[s] for s in ins], len(outs), ctx, into=mine)
+            if type(step) is OpStep:
+                ins, outs = step.ins, step.outs
+                if step.write is not None:
+                    flat, at, shape = step.write
+                    view = env[flat][at:at + math.prod(shape)].reshape(shape)
+                    result = run(step.op, step.params, [env[s] for s in ins], 1, ctx, out=view)
+                    view = None
+                elif step.into and (mine := frozenset(j for j, s in step.into if _sole(env, s))):
+                    result = run(step.op, step.params, [env[s] for s in ins], len(outs), ctx, into=mine)
                 else:
-                    result = run(name, lower, [env[s] for s in ins], len(outs), ctx)
+                    result = run(step.op, step.params, [env[s] for s in ins], len(outs), ctx)
                 for s, r in zip(outs, result):
                     env[s] = r
                 result = r = None  # (the slots alone hold the outputs: a later op may write over them)
-                for s in frees:
+                for s in step.frees:
                     env[s] = None
-                if flops and counting:
-                    counters.record_flops(flops)
+                if step.flops and counting:
+                    counters.record_flops(step.flops)
                 for request in flying.values():  # MPI moves data only inside its calls
                     request.test()
-            elif step[0] == "start":
-                flying[id(step[1])] = step[1].start(self.mesh, env)
+            elif step.kind == "make":
+                env[step.bucket.flat] = step.bucket.make(ctx or self.mesh.collectives)
+            elif step.kind == "start":
+                flying[id(step.bucket)] = step.bucket.start(self.mesh, env)
             else:
-                step[1].finish(flying.pop(id(step[1])), env)
+                step.bucket.finish(flying.pop(id(step.bucket)), env)
 
 
 def _refs(env: list, s: int) -> int:
@@ -455,14 +458,9 @@ class _ReplayBucket:
             flat[a:b] = 0
         return flat
 
-    def writer(self, j: int, lower):
-        """Member j's einsum kernel `lower`, taking the flat buffer last and writing its slot."""
-        at, shape = self.at[j], self.shapes[j]
-        n = math.prod(shape)
-
-        def write(ctx, *arrays):
-            return lower(ctx, *arrays[:-1], out=arrays[-1][at:at + n].reshape(shape))
-        return write
+    def slot_of(self, j: int) -> tuple:
+        """`(buffer slot, offset, shape)` where member j's einsum writes its local sums."""
+        return self.flat, self.at[j], self.shapes[j]
 
     def start(self, mesh, env: list):
         flat = env[self.flat]
@@ -481,7 +479,7 @@ def _buckets(ops: list, slots: dict, mesh) -> list:
     """The program's gradient buckets (psum records with a `bucket` param, all members present)."""
     groups: dict = {}
     for rec in ops:
-        tag = rec.params.get("bucket") if rec.name == "psum" else None
+        tag = rec.params.get("bucket") if rec.op.bucketed else None
         if tag is not None:
             groups.setdefault(tag[0], []).append((tag[1], tag[2], rec))
     out = []

@@ -31,8 +31,12 @@ from .backend import as_dtype
 from .collectives import counters
 from .errors import MpimeshError
 from .extras import require
+from .collectives.dry import AVALS, DryCollectives
 from .mesh import AbstractMesh
+from .opdef import Aval, OpDef
 from .shape import Shape, ShapeLike
+from .tensor import DistTensor
+from .trace import LegacyOp
 
 
 def _counting_collectives(mesh_shape: Shape):
@@ -99,11 +103,12 @@ class DryMesh(AbstractMesh):
     dry = True
 
     def __init__(self, shape: ShapeLike, layout=""):
-        require("jax", "tpu", "a dry run (mpimesh.dryrun)")
         super().__init__(shape, layout)
-        self._collectives = None
+        self._collectives = DryCollectives(self.shape)
+        self._jax = None
 
     rank = 0  # the one processor a dry run follows
+    xp = AVALS
 
     @property
     def coords(self) -> dict[str, int]:
@@ -116,20 +121,23 @@ class DryMesh(AbstractMesh):
         return tuple(self.coords.items())
 
     @property
-    def xp(self):
-        import jax.numpy as jnp
-        return jnp
-
-    def run(self, name: str, lower, arrays: list, n_out: int) -> tuple:
-        """The kernel's outputs as shapes and dtypes, its collectives counted (`evaluate`)."""
-        return evaluate(self, name, lower, arrays)
-
-    @property
-    def collectives(self):
-        """The counting JAX collectives the kernels are traced with."""
-        if self._collectives is None:
-            self._collectives = _counting_collectives(self.shape)
+    def collectives(self) -> DryCollectives:
+        """The counting collectives on `Aval`s that ops' `abstract` rules call."""
         return self._collectives
+
+    def run_dry(self, op: OpDef, params: dict, arrays: list, specs) -> tuple:
+        """`op`'s output blocks on coordinate 0 as `Aval`s: shapes from the output specs' layouts,
+        dtypes from its `abstract` rule, which counts its collectives (`dispatch` calls it)."""
+        shapes = [self.block_shape(shape, layout) for shape, layout in specs]
+        if isinstance(op, LegacyOp):
+            return tuple(Aval(o.shape, o.dtype) for o in evaluate(self, op.name, op.lower, arrays))
+        try:
+            dtypes = op.abstract(self._collectives, shapes, *arrays, **params)
+        except MpimeshError:
+            raise
+        except Exception as e:
+            raise MpimeshError(f"dry run of op {op.name!r}: its abstract rule failed ({type(e).__name__}: {e})") from e
+        return tuple(Aval(s, d) for s, d in zip(shapes, dtypes))
 
     def __repr__(self) -> str:
         return f"DryMesh({str(self.shape)!r}, layout={str(self.rules)!r})"
@@ -137,20 +145,17 @@ class DryMesh(AbstractMesh):
 
 def placeholder(mesh: DryMesh, shape: ShapeLike, dtype="float32", layout=None):
     """A tensor of `shape` and `dtype` on `mesh`, laid out by `layout` (default: the rules in
-    force), without values: its `local` is a `jax.ShapeDtypeStruct` of coordinate 0's block."""
-    import jax
-    from .tensor import DistTensor
+    force), without values: its `local` is an `Aval` of coordinate 0's block."""
     if not getattr(mesh, "dry", False):
         raise MpimeshError(f"placeholder: {mesh!r} is not a DryMesh (tensors with values come from mesh.zeros, ...)")
     shape = Shape(shape)
     tl = mesh.layout_of(shape, layout)
-    return DistTensor(mesh, shape, tl, jax.ShapeDtypeStruct(mesh.block_shape(shape, tl), as_dtype(dtype)))
+    return DistTensor(mesh, shape, tl, Aval(mesh.block_shape(shape, tl), as_dtype(dtype)))
 
 
-def shaped(shape, dtype):
-    """A dry run's stand-in for an array: its shape and dtype (a `jax.ShapeDtypeStruct`)."""
-    import jax
-    return jax.ShapeDtypeStruct(tuple(shape), as_dtype(dtype))
+def shaped(shape, dtype) -> Aval:
+    """A dry run's stand-in for an array: its shape and dtype."""
+    return Aval(shape, as_dtype(dtype))
 
 
 def count_bucket(mesh: DryMesh, arrays: list, mesh_dims) -> "Request":
@@ -228,7 +233,10 @@ def evaluate(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
         for entry in log:
             counters.record(*entry)
         return outs
-    ctx = mesh.collectives
+    if mesh._jax is None:
+        require("jax", "tpu", f"a dry run of op {name!r}, which has no OpDef yet")
+        mesh._jax = _counting_collectives(mesh.shape)
+    ctx = mesh._jax
     ctx.log = []
     try:
         outs = _trace(mesh, name, lower, locals_)
@@ -245,7 +253,7 @@ def evaluate(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
 def _trace(mesh: DryMesh, name: str, lower, locals_: list) -> tuple:
     import jax
     from .tpu.replay import _x64
-    ctx, ms = mesh.collectives, mesh.shape
+    ctx, ms = mesh._jax, mesh.shape
 
     def kernel(*arrays):
         out = lower(ctx, *arrays)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from . import env
 from .backend import name as backend_name
 from .collectives import counters
+from .program import OpStep
 
 _TRANSFERS = frozenset({"allreduce", "iallreduce", "allgather", "alltoall", "reduce_scatter", "permute",
                         "exscan", "any_rank", "guard"})
@@ -156,7 +157,7 @@ class GraphEngine:
             i = 0
             while i < len(steps):
                 j = i
-                while j < len(steps) and steps[j][0] == "op":
+                while j < len(steps) and _device_step(steps[j]):
                     j += 1  # bucket steps run on the host
                 end, why = self._capture_from(i, j, env, graph_made, constant, probe) if j > i else (i, "bucket")
                 if end == i:  # its first step cannot be captured: the host runs it
@@ -174,8 +175,8 @@ class GraphEngine:
         engine, cap = self.engine, self.cap
         while j > i:
             ops = engine.steps[i:j]
-            made = {s for step in ops for s in step[4]}
-            reads = sorted({s for step in ops for s in step[3]} - made)
+            made = {s for step in ops for s in _made(step)}
+            reads = sorted({s for step in ops for s in _read(step)} - made)
             copies = [(s, env[s]) for s in reads if s not in graph_made and s not in constant]
             statics = [(s, cap.static(a)) for s, a in copies]
             saved = list(env)
@@ -201,8 +202,8 @@ class GraphEngine:
             held = [(s, env[s]) for s in writes]
             self.held.update(held)
             graph_made.update(s for s, _ in held)
-            frees = [s for step in ops for s in step[5]]
-            flops = sum(step[6] for step in ops)
+            frees = [s for step in ops if type(step) is OpStep for s in step.frees]
+            flops = sum(step.flops for step in ops if type(step) is OpStep)
             if flops and counters._open:
                 counters.record_flops(flops)
             self.plan.append(("graph", graph, statics, held, frees, flops))
@@ -214,10 +215,7 @@ class GraphEngine:
         """Slots read by the steps from j on, or returned."""
         out = set(self.engine.outputs)
         for step in self.engine.steps[j:]:
-            if step[0] == "op":
-                out.update(step[3])
-            else:
-                out.update((*step[1].ins, step[1].flat))
+            out.update(_read(step))
         return out
 
     def _replay(self, arrays: list) -> list:
@@ -243,3 +241,21 @@ class GraphEngine:
                 for request in flying.values():
                     request.test()
         return self._copied_out([env[s] for s in engine.outputs])
+
+
+def _device_step(step) -> bool:
+    """Whether a step runs on the device (an op's kernel, a bucket's buffer made), so a graph may
+    capture it; a bucket's allreduce and its wait run on the host."""
+    return type(step) is OpStep or step.kind == "make"
+
+
+def _made(step) -> list:
+    """The slots a step fills."""
+    return step.outs if type(step) is OpStep else [step.bucket.flat] if step.kind == "make" else []
+
+
+def _read(step) -> list:
+    """The slots a step reads."""
+    if type(step) is OpStep:
+        return step.reads()
+    return [] if step.kind == "make" else [*step.bucket.ins, step.bucket.flat]

@@ -84,6 +84,9 @@ class AbstractMesh:
     (6, {'batch': 'rows', 'hidden': 'cols'}, (4, 4, 3))
     """
 
+    dry = False
+    """Whether ops on it run on shapes alone (`mpimesh.dryrun.DryMesh`)."""
+
     def __init__(self, shape: ShapeLike, layout: RulesLike = ""):
         self._shape = mesh_shape_of(shape)
         self.rules = LayoutRules(layout)
@@ -292,14 +295,15 @@ class Mesh(AbstractMesh):
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""
         return tuple(n for n in self.shape.names if n in set(mesh_dims)) in self._subcomms
 
-    def run(self, name: str, lower, arrays: list, n_out: int, ctx=None, **out) -> tuple:
-        """Run op `name`'s kernel on this rank's blocks `arrays`: its `n_out` local outputs, each an
-        array (a kernel reducing to a scalar may give a numpy scalar; `local` is always an array).
-        `dispatch` calls it; a `dryrun.DryMesh` runs kernels on shapes instead. `ctx`: the
-        collectives the kernel is handed (None: the mesh's own). `out=array`: passed on to a kernel
-        that writes its result there (a bucketed gradient's einsum, `mpimesh.buckets`)."""
+    def run(self, op, params: dict, arrays: list, n_out: int, ctx=None, **out) -> tuple:
+        """Run `op`'s kernel for this mesh's backend (an `OpDef`, with its `params`) on this rank's
+        blocks `arrays`: its `n_out` local outputs, each an array (a kernel reducing to a scalar may
+        give a numpy scalar; `local` is always an array). `dispatch` and the compiled replays call it.
+        `ctx`: the collectives the kernel is handed (None: the mesh's own). `out`: `out=array` (a
+        bucketed gradient's einsum writes there, `mpimesh.buckets`) or `into=` (`OpDef.into`)."""
         coll = self._collectives if ctx is None else ctx
-        result = lower(self.collectives if coll is None else coll, *arrays, **out)
+        kernel = op.kernels.get(self._backend, op.kernel) if op.kernels else op.kernel
+        result = kernel(self.collectives if coll is None else coll, *arrays, **params, **out)
         if n_out == 1:
             return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)
         if not isinstance(result, tuple):  # one array where several were declared: dispatch says so

@@ -20,9 +20,11 @@ the op that made it to the ops that read it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 from .errors import MpimeshError
+from .opdef import OpDef
 
 
 class ProgramError(MpimeshError):
@@ -90,10 +92,6 @@ class Program:
                 keep.append(rec)
                 need.update(id(t) for t in rec.inputs)
         self.ops = keep[::-1]
-        for rec in self.ops:
-            if not callable(rec.lower):
-                raise error(f"op {rec.name!r} ({rec!r}) has no kernel (lower={rec.lower!r}): it cannot be "
-                            f"run again")
         produced = {id(t) for rec in self.ops for t in rec.outputs}
         _no_values_read(trace, self.ops, set(given), error, what)
         self.constants: dict[int, object] = {}
@@ -132,3 +130,33 @@ class Program:
         for rec in self.ops:
             out.update((id(t), t) for t in rec.inputs + rec.outputs)
         return out
+
+
+@dataclass
+class OpStep:
+    """An engine step: run `op`'s kernel with `params` on the arrays in slots `ins`, into slots
+    `outs`; then free the slots `frees`. `into`: `(output, input slot)` pairs the kernel may write
+    that output over (`OpDef.into`, where this op is the input's last reader); `write`: `(buffer
+    slot, offset, shape)` of a gradient bucket's buffer its one output is written into, or None."""
+
+    op: OpDef
+    params: dict
+    ins: list
+    outs: list
+    frees: list = field(default_factory=list)
+    flops: int = 0
+    into: tuple = ()
+    write: Any = None
+
+    def reads(self) -> list:
+        """The slots the step reads (its inputs, and the buffer it writes a part of)."""
+        return self.ins if self.write is None else self.ins + [self.write[0]]
+
+
+@dataclass
+class BucketStep:
+    """A gradient bucket's step: `"make"` its flat buffer (into slot `bucket.flat`), `"start"` its
+    one allreduce in place, or `"wait"` for it (its members' slots then hold their sums)."""
+
+    kind: str
+    bucket: Any

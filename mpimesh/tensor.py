@@ -18,7 +18,7 @@ from .collectives.counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError, by_rank
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .shape import Dimension, Shape, ShapeLike
-from .trace import dispatch, note_host_read, tensor_type
+from .trace import dispatch_lower, note_host_read, tensor_type
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
@@ -244,7 +244,7 @@ def full(mesh, shape: ShapeLike, value, dtype="float32", layout=None) -> DistTen
 
     def lower(ctx):
         return ctx.xp.full(block_sizes(ctx, shape, tl), fill, dt)
-    (t,) = dispatch("full", [], [(shape, tl)], lower, {"shape": shape, "dtype": dt, "value": fill.item()}, mesh=mesh)
+    (t,) = dispatch_lower("full", [], [(shape, tl)], lower, {"shape": shape, "dtype": dt, "value": fill.item()}, mesh=mesh)
     return t
 
 

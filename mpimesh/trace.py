@@ -27,6 +27,7 @@ from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
 from .layout import check_step, local_sizes
+from .opdef import ALL, Aval, OpDef
 
 Lower = Callable[..., Any]
 
@@ -55,29 +56,44 @@ def debugging() -> bool:
 
 
 class OpRecord:
-    """One op that ran: its kind, inputs, outputs, static parameters, kernel and gradient rule,
-    and the layout rules in force when it ran (its gradient ops run under the same rules).
-    While autodiff runs its gradient rule, `needs[i]` says whether input i wants a gradient, so
-    a rule may skip (return None for) inputs nothing differentiates. `region`: the `mm.remat`
-    call it ran in (its values are not kept: the backward pass runs the region again), or None;
-    `rerun`: the region whose second run (in the backward pass) it belongs to, or None."""
+    """One op that ran: its definition (`op`, an `OpDef`), inputs, outputs, params, and the layout
+    rules in force when it ran (its gradient ops run under the same rules). While autodiff runs its
+    gradient rule, `needs[i]` says whether input i wants a gradient, so a rule may skip (return None
+    for) inputs nothing differentiates. `region`: the `mm.remat` call it ran in (its values are not
+    kept: the backward pass runs the region again), or None; `rerun`: the region whose second run (in
+    the backward pass) it belongs to, or None."""
 
-    __slots__ = ("name", "inputs", "outputs", "params", "lower", "grad", "rules", "needs", "flops", "region",
-                 "rerun")
+    __slots__ = ("op", "inputs", "outputs", "params", "rules", "needs", "region", "rerun")
 
-    def __init__(self, name, inputs, outputs, params, lower, grad, rules=None, flops=0):
-        self.name, self.inputs, self.outputs = name, inputs, outputs
-        self.params, self.lower, self.grad, self.rules = params, lower, grad, rules
+    def __init__(self, op: OpDef, inputs, outputs, params, rules=None):
+        self.op, self.inputs, self.outputs, self.params, self.rules = op, inputs, outputs, params, rules
         self.needs = None
-        self.flops = flops
-        """The local floating-point operations its kernel does on this rank (for the profile)."""
         self.region = _regions[-1] if _regions else None
         self.rerun = None
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+    @property
+    def grad(self):
+        return self.op.grad
+
+    @property
+    def flops(self) -> int:
+        """The local floating-point operations its kernel does on this rank (`OpDef.flops`)."""
+        return self.op.count_flops(self.params, [block(t) for t in self.inputs], [block(t) for t in self.outputs])
 
     def __repr__(self) -> str:
         ins = ", ".join(str(t.shape) for t in self.inputs)
         outs = ", ".join(str(t.shape) for t in self.outputs)
         return f"{self.name}({ins}) -> {outs}"
+
+
+def block(t) -> Aval:
+    """This rank's block of tensor `t` (a `DistTensor` or a `Released` stand-in) as an `Aval`."""
+    shape = t.local_shape if isinstance(t, Released) else getattr(t.local, "shape", ())
+    return Aval(shape, t.dtype)
 
 
 class Released:
@@ -156,27 +172,14 @@ _regions: list = []  # the `mm.remat` calls running, innermost last (`mpimesh.re
 
 
 def saving(rule: Callable, inputs=(), outputs=()) -> Callable:
-    """Declare that gradient rule `rule` reads the values of only these inputs and outputs of its
-    op (by position, or "all"; shapes, layouts and dtypes it may always read). While a trace is open, the
-    array of a tensor that no recorded rule reads is freed as soon as nothing but the trace holds
-    it (the trace keeps a `Released` stand-in), so a forward pass keeps only what its backward
-    pass needs. A rule without a declaration keeps all of its op's tensors; an op without a rule
-    keeps none.
+    """Declare on a gradient rule passed to `dispatch_lower` what it reads (see `OpDef.saves`).
 
     >>> rule = saving(lambda op, dz: [dz, dz])
     >>> rule.saves
     ((), ())
     """
-    rule.saves = tuple(_ALL if v == "all" else tuple(v) for v in (inputs, outputs))
+    rule.saves = tuple(ALL if v == "all" else tuple(v) for v in (inputs, outputs))
     return rule
-
-
-class _All:
-    def __contains__(self, i) -> bool:
-        return True
-
-
-_ALL = _All()
 
 
 class _Kept:
@@ -199,14 +202,14 @@ class _Kept:
         self.since = 0  # ops since `old` was checked
 
     def note(self, rec, grad) -> None:
-        saves = getattr(grad, "saves", None) if grad is not None else ((), ())
+        saves = rec.op.saved(rec.params) if grad is not None else ((), ())
         ids = []
-        for group, keep in ((rec.inputs, saves and saves[0]), (rec.outputs, saves and saves[1])):
+        for group, keep in ((rec.inputs, saves[0]), (rec.outputs, saves[1])):
             for j, t in enumerate(group):
                 i = id(t)
                 if group is rec.inputs and i not in self.held and i not in self.needed:
                     self.needed.add(i)  # an input of the trace (no noted op made it): the trace holds it
-                elif saves is None or j in keep:
+                elif j in keep:
                     if i not in self.needed:
                         self.needed.add(i)
                         self.held.pop(i, None)
@@ -317,66 +320,112 @@ def tensor_type(cls):
     return cls
 
 
-def dispatch(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
-             params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
+def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Optional[dict] = None, *,
              mesh=None, out=None) -> list:
     """Run one op on this rank and record it.
 
     Args:
-      name: the op kind, e.g. "einsum".
-      inputs: DistTensors already laid out as `lower` expects; none for an op that creates
-        tensors (`lower(ctx)` then makes this rank's blocks, e.g. `mesh.zeros`).
+      op: what the op is (`OpDef`).
+      inputs: DistTensors already laid out as its kernel expects; none for an op that creates
+        tensors (its kernel then makes this rank's blocks, e.g. `mesh.zeros`).
       out_specs: one `(shape, layout)` per output.
-      lower: `lower(ctx, *local_arrays)` -> local array, or tuple of them for several outputs.
-      params: static parameters, for the record.
-      grad: the gradient rule, for autodiff.
-      flops: local floating-point operations, for the profile.
+      params: the kernel's keyword arguments (hashable values), kept in the record.
       mesh: the mesh the outputs live on; needed only when there are no inputs (else theirs).
-      out: an array for the kernel to write its one output into (`lower(ctx, *arrays, out=out)`;
-        a gradient's slot in its bucket, `mpimesh.buckets`); the record keeps `lower` as it is.
+      out: an array for the kernel to write its one output into (`kernel(..., out=out)`; a
+        gradient's slot in its bucket, `mpimesh.buckets`).
     Returns:
       The output DistTensors.
     """
+    if params is None:
+        params = _NO_PARAMS
     if inputs:
         mesh = inputs[0].mesh
     elif mesh is None:
-        raise MpimeshError(f"op {name!r} has no inputs: dispatch needs its mesh (mesh=...)")
+        raise MpimeshError(f"op {op.name!r} has no inputs: dispatch needs its mesh (mesh=...)")
     make = _tensor[0]
     for spec in out_specs:
         key = (spec, mesh.shape)
         if key not in _checked:
-            _check_spec(name, spec[0], spec[1], mesh)
+            _check_spec(op.name, spec[0], spec[1], mesh)
             _checked.add(key)
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
     arrays = [t.local for t in inputs]
-    if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
-        guard.in_op[0] = f"{name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
+    extra = _NO_PARAMS if out is None else {"out": out}
+    if mesh.dry:
+        result = mesh.run_dry(op, params, arrays, out_specs)
+    elif _spmd["check"]:  # (the SPMD check keys each collective by its op too)
+        guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
         try:
-            result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
-                mesh.run(name, lower, arrays, 1, out=out)
+            result = mesh.run(op, params, arrays, len(out_specs), **extra)
         finally:
             guard.in_op[0] = ""
     else:
-        result = mesh.run(name, lower, arrays, len(out_specs)) if out is None else \
-            mesh.run(name, lower, arrays, 1, out=out)
+        result = mesh.run(op, params, arrays, len(out_specs), **extra)
     if len(result) != len(out_specs):
-        raise MpimeshError(f"op {name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
+        raise MpimeshError(f"op {op.name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if len(out_specs) == 1:
         outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0])]
     else:
         outputs = [make(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]
     if _debug["on"]:
         for i, t in enumerate(outputs):
-            _check_local(name, i, t)
-    if flops and counters._open:
-        counters.record_flops(flops)
+            _check_local(op.name, i, t)
+    if counters._open and op.flops is not None:
+        counters.record_flops(op.count_flops(params, arrays, result))
     if _open_traces:
-        rec = OpRecord(name, tuple(inputs), tuple(outputs), params or {}, lower, grad, mesh.layout, flops)
+        rec = OpRecord(op, tuple(inputs), tuple(outputs), params, mesh.layout)
         for tr in _open_traces:
             tr._append(rec)
         if _kept.depth:  # an op of a remat region keeps nothing: its backward runs the region again
-            _kept.note(rec, grad if rec.region is None else None)
+            _kept.note(rec, op.grad if rec.region is None else None)
     return outputs
+
+
+_NO_PARAMS: dict = {}  # (shared: never written)
+
+
+class LegacyOp(OpDef):
+    """An op dispatched through `dispatch_lower`: its kernel a closure, its other fields read off it."""
+
+
+def dispatch_lower(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
+                   params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
+                   mesh=None, out=None) -> list:
+    """`dispatch` of an op given as a kernel closure `lower(ctx, *arrays)` (ops not yet declared as an
+    `OpDef`): `params` are kept in the record only, `grad.saves` (`saving`) says what the rule reads."""
+    def kernel(ctx, *arrays, into=None, out=None, **_):
+        if into is not None:
+            return lower(ctx, *arrays, into=into)
+        return lower(ctx, *arrays) if out is None else lower(ctx, *arrays, out=out)
+    saves = getattr(grad, "saves", (ALL, ALL)) if grad is not None else ((), ())
+    op = LegacyOp(name, kernel, grad=grad, saves=saves, into=getattr(lower, "into", {}),
+                  fill=_LEGACY_FILLS.get(name, "zero" if name in _LEGACY_PADDED_OK
+                                         or getattr(lower, "__module__", None) == "mpimesh.ops.elementwise" else None),
+                  flops=(lambda p, i, o: flops) if flops else None,
+                  scratch=lambda p, i, o: p.get("scratch_bytes", 0), view=lambda p, i, o: _legacy_view(name, p, i, o), gemm=name == "einsum")
+    object.__setattr__(op, "lower", lower)
+    return dispatch(op, inputs, out_specs, params or {}, mesh=mesh, out=out)
+
+
+def _legacy_view(name, params, ins, outs):
+    if name == "reshape" or (name == "relayout" and not params.get("steps")):
+        return 0
+    if name == "einsum" and not params.get("reduce_mesh_dims") and outs[0].dtype.itemsize > 2:
+        sub_in, _, sub_out = params.get("subscripts", ",->").partition("->")
+        return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
+    return None
+
+
+_LEGACY_FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
+                 "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest",
+                 "softmax_cross_entropy": "lowest", "softmax_cross_entropy_grad": "lowest",
+                 "one_hot": "position", "gather": "position", "dropout": "position", "full": "position",
+                 "random_uniform": "position", "random_normal": "position"}
+_LEGACY_PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat",
+                     "split", "shift", "halo_exchange", "halo_exchange_transpose", "conv", "conv_input_grad",
+                     "conv_filter_grad", "psum", "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad",
+                     "adam_update", "sgd_update", "adafactor_update", "top2_slots", "dispatch_slots", "combine_slots",
+                     *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad"))}
 
 
 def _check_spec(name: str, shape, layout, mesh) -> None:

@@ -24,6 +24,7 @@ import mpimesh as mm  # noqa: E402
 import mpimesh.compiled as compiled  # noqa: E402
 from mpimesh.backend import name as backend_name  # noqa: E402
 from mpimesh.graphs import GraphEngine, _NeedsHost  # noqa: E402
+from mpimesh.program import OpStep  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -121,9 +122,9 @@ def _check_plan(engine: GraphEngine) -> None:
     assert engine.segments >= 1 and all(_launches(engine, g) == engine.runs - 1 for g in engine.cap.graphs)
     host = [e for e in engine.plan if e[0] == "host"]
     for _, step, why in host:
-        assert why == "bucket" if step[0] != "op" else why.startswith("_NeedsHost: "), (step[:2], why)
-    ops = sum(1 for step in engine.engine.steps if step[0] == "op")
-    assert sum(1 for _, step, _ in host if step[0] == "op") < ops
+        assert why == "bucket" if not isinstance(step, OpStep) else why.startswith("_NeedsHost: "), (step, why)
+    ops = sum(1 for step in engine.engine.steps if isinstance(step, OpStep))
+    assert sum(1 for _, step, _ in host if isinstance(step, OpStep)) < ops
     assert engine.host_steps == len(host) and engine.segments == len(engine.plan) - len(host)
 
 

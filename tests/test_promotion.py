@@ -339,18 +339,17 @@ def test_jax_replay_and_dry_run_give_eagers_dtypes() -> None:
 
 
 def test_promotion_costs_nothing_when_dtypes_agree() -> None:
-    """Two tensors of one dtype, or of two that numpy promotes as the table does, run the op's own
-    kernel; only other pairs a wrapper, made once per pair (`_checked` is one cached look-up per op)."""
+    """Two tensors of one dtype, or of two that numpy promotes as the table does, run the op's kernel
+    without casts; other pairs give the casts, found once per pair (`_checked`: one cached look-up per op)."""
     from mpimesh.ops import elementwise as ew
-
-    def kernel(xp, a, b):
-        return a * b
+    same = mm.multiply.opdefs[0]
     f32, bf, i32 = np.dtype("float32"), promotion.BFLOAT16, np.dtype("int32")
-    assert ew._checked(kernel, f32, f32) == (None, kernel)
-    assert ew._checked(kernel, f32, bf)[1] is kernel
-    wrapped = ew._checked(kernel, i32, f32)[1]
-    assert wrapped is not kernel and ew._checked(kernel, i32, f32)[1] is wrapped
-    assert wrapped(np, np.array([2 ** 24 + 1], i32), np.array([1.0], f32)).tolist() == [2.0 ** 24]
+    assert ew._checked(same, f32, f32) == (None, None)
+    assert ew._checked(same, f32, bf)[1] is None
+    casts = ew._checked(same, i32, f32)[1]
+    assert casts is not None and ew._checked(same, i32, f32)[1] is casts
+    got = same.kernel(ew._PROBE, np.array([2 ** 24 + 1], i32), np.array([1.0], f32), casts=casts)
+    assert got.tolist() == [2.0 ** 24]
     assert promotion.operand_casts((f32, f32)) is None and promotion.operand_casts((f32, bf)) is None
 
 

@@ -194,7 +194,7 @@ def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:
             subtract(w, g * 0.1)
         return tr
     ops = step().ops
-    n_einsum = sum(op.name == "einsum" for op in ops)
+    n_einsum = sum(op.op.gemm for op in ops)
     return max(0.0, (_median(step, reps) - n_einsum * t_einsum) / max(1, len(ops) - n_einsum))
 
 

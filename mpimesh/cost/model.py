@@ -10,8 +10,8 @@ collectives; other rules or mesh shapes need the program, hence `record`.
 
 Prices (seconds per rank, the processor at coordinate 0 of every mesh dim, whose blocks are the
 largest):
-- an einsum: `max(flops / machine.flops, bytes / machine.memory_bandwidth) + einsum_overhead`
-  (the roofline, plus a per-call cost: skinny and small matmuls run below peak);
+- a GEMM (`OpDef.gemm`: an einsum): `max(flops / machine.flops, bytes / machine.memory_bandwidth)
+  + einsum_overhead` (the roofline, plus a per-call cost: skinny and small matmuls run below peak);
 - any other op: the same with `op_overhead` (elementwise ops are bound by their bytes);
 - each collective call over mesh dims of `k` processors, with `(α, β) = machine.group(dims)` and
   `b` the bytes this rank hands the transport (the profile's count): `α + f · b / β`, where `f` is
@@ -25,7 +25,7 @@ trace of the program was open (`mm.trace()`, which every step with gradients has
 trace closes or autodiff releases it (`mm.gradients(..., release=True)`); the function's outputs
 to the end. An output that is a view of its input (a reshape or rename, a relayout that moves
 nothing, an einsum that only reorders dims) adds no bytes: it keeps its input's block alive.
-Kernel temporaries are not counted, but for an op that declares them (`params["scratch_bytes"]`:
+Kernel temporaries are not counted, but for an op that declares them (`OpDef.scratch`:
 a fused op, whose temporaries were ops of their own before), for the time of that op.
 
 >>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
@@ -89,19 +89,19 @@ def _nbytes(t) -> int:
 
 
 class OpCost:
-    """One op of a recording: its name, local FLOPs, and local bytes in and out."""
+    """One op of a recording: its name, local FLOPs, local bytes in and out, and whether it is a
+    GEMM (`OpDef.gemm`)."""
 
-    __slots__ = ("name", "flops", "nbytes")
+    __slots__ = ("name", "flops", "nbytes", "gemm")
     name: str
     """The op's name: `"einsum"`, `"tanh"`, ..."""
     flops: int
-    """Floating-point operations on this rank's blocks, as the op counts them (einsums and
-    convolutions do; other ops count 0)."""
+    """Floating-point operations on this rank's blocks, as the op's definition counts them."""
     nbytes: int
     """Bytes of this rank's blocks of the op's inputs and outputs together."""
 
-    def __init__(self, name: str, flops: int, nbytes: int):
-        self.name, self.flops, self.nbytes = name, flops, nbytes
+    def __init__(self, name: str, flops: int, nbytes: int, gemm: bool = False):
+        self.name, self.flops, self.nbytes, self.gemm = name, flops, nbytes, gemm
 
     def __repr__(self) -> str:
         return f"OpCost({self.name!r}, flops={self.flops}, nbytes={self.nbytes})"
@@ -212,27 +212,14 @@ class _Lifetimes:
         return int(np.cumsum(delta).max(initial=0))
 
 
-def _view_of(name: str, params: dict, ins: list, out) -> Optional[int]:
-    """The input whose block the kernel's output `out` is a view of (numpy shares the memory), or
-    None: a relayout that moves nothing (only mesh dims of size 1 change: the same array), a
-    reshape (of a contiguous block), or an einsum of one input that only reorders its dims (no
-    sum, no collective, no change of dtype). `ins` and `out` need `.shape` and `.dtype`.
-
-    >>> from mpimesh.dryrun import shaped
-    >>> x = shaped((4, 3), "float32")
-    >>> _view_of("einsum", {"subscripts": "ab->ba", "reduce_mesh_dims": ()}, [x], shaped((3, 4), "float32"))
-    0
-    >>> _view_of("einsum", {"subscripts": "ab->a", "reduce_mesh_dims": ()}, [x], shaped((4,), "float32"))
-    """
-    if len(ins) != 1 or math.prod(ins[0].shape) != math.prod(out.shape) or \
+def _view_of(rec, ins: list, out) -> Optional[int]:
+    """The input whose block op record `rec`'s output `out` is a view of (numpy shares the memory),
+    or None: the op says so (`OpDef.view`), for one input of the output's size and dtype. `ins` and
+    `out` need `.shape` and `.dtype`."""
+    if rec.op.view is None or len(ins) != 1 or math.prod(ins[0].shape) != math.prod(out.shape) or \
             np.dtype(ins[0].dtype) != np.dtype(out.dtype):
         return None
-    if name == "reshape" or (name == "relayout" and not params.get("steps")):
-        return 0
-    if name == "einsum" and not params.get("reduce_mesh_dims") and not is_low_precision(out.dtype):
-        sub_in, _, sub_out = params.get("subscripts", ",->").partition("->")
-        return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
-    return None
+    return rec.op.view(rec.params, ins, [out])
 
 
 class _Watched(set):
@@ -275,15 +262,16 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
                 nbytes += _nbytes(t)
                 if id(t) not in arg_ids:
                     self.life.use(t, i)
-            self.life.scratch(i, op.params.get("scratch_bytes", 0))
+            ins = [x.local for x in op.inputs]
+            self.life.scratch(i, op.op.count_scratch(op.params, ins, [t.local for t in op.outputs]))
             for t in op.outputs:
                 nbytes += _nbytes(t)
-                v = _view_of(op.name, op.params, [x.local for x in op.inputs], t.local)
+                v = _view_of(op, ins, t.local)
                 self.life.make(t, i, id(users[0]) if users else None, None if v is None else op.inputs[v])
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
                     rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
-            rec.ops.append(OpCost(op.name, flops - self.flops_seen, nbytes))
+            rec.ops.append(OpCost(op.name, flops - self.flops_seen, nbytes, op.op.gemm))
             self.flops_seen = flops
 
         def finish(self, out) -> int:
@@ -403,7 +391,7 @@ def from_program(program) -> Recording:
 def _priced(ops, inputs, to_end) -> Recording:
     """The `Recording` of `ops` as they ran on their mesh (see `from_trace`); `inputs`: the tensors
     held for the whole step; `to_end(t)`: whether output `t` lives to the end, not its last use."""
-    from ..dryrun import DryMesh, evaluate, shaped
+    from ..dryrun import DryMesh, shaped
     mesh = ops[0].outputs[0].mesh
     rules = ops[0].rules if ops[0].rules is not None else LayoutRules("")
     rec = Recording(None, None, mesh.shape, rules)
@@ -417,15 +405,15 @@ def _priced(ops, inputs, to_end) -> Recording:
     with counters.counting() as counts:
         for i, op in enumerate(ops):
             ins = [local(t) for t in op.inputs]
-            evaluate(dry, op.name, op.lower, ins)
+            outs = dry.run_dry(op.op, op.params, ins, [(t.shape, t.tensor_layout) for t in op.outputs])
             nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in ins)
-            life.scratch(i, op.params.get("scratch_bytes", 0))
+            life.scratch(i, op.op.count_scratch(op.params, ins, outs))
             for t in op.outputs:
                 held[id(t)] = t
                 out = local(t)
                 size = math.prod(out.shape) * np.dtype(t.dtype).itemsize
                 nbytes += size
-                v = _view_of(op.name, op.params, ins, out)
+                v = _view_of(op, ins, out)
                 life.make(t, i, None, None if v is None else op.inputs[v], size)
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
@@ -433,7 +421,7 @@ def _priced(ops, inputs, to_end) -> Recording:
             for t in op.inputs:
                 if id(t) not in state:
                     life.use(t, i)
-            rec.ops.append(OpCost(op.name, _einsum_flops(op, ins), nbytes))
+            rec.ops.append(OpCost(op.name, op.op.count_flops(op.params, ins, outs), nbytes, op.op.gemm))
     for t_id, j in life.live.items():
         if to_end(held[t_id]):
             life.spans[j][1] = len(ops) - 1
@@ -442,16 +430,9 @@ def _priced(ops, inputs, to_end) -> Recording:
     return rec
 
 
-def _einsum_flops(op, ins) -> int:
-    if op.name != "einsum" or "subscripts" not in op.params:
-        return 0
-    from ..ops.einsum import _expression
-    return _expression(op.params["subscripts"], tuple(tuple(a.shape) for a in ins))[1]
-
-
 def op_seconds(op: OpCost, machine: Machine) -> float:
     """One op's local compute time on `machine` (the roofline plus its fixed cost)."""
-    fixed = machine.einsum_overhead if op.name == "einsum" else machine.op_overhead
+    fixed = machine.einsum_overhead if op.gemm else machine.op_overhead
     return max(op.flops / machine.flops, op.nbytes / machine.memory_bandwidth) + fixed
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..backend import align, name
+from ..backend import align, is_low_precision, name
 from ..errors import ShapeError
 from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
-from ..trace import dispatch, saving
-from .elementwise import _gelu, _keeping, bias_grad
+from ..trace import dispatch_lower, saving
+from .elementwise import _gelu, _round_to, bias_grad
 from .relayout import laid_out_within, to_layout
 
 _C = math.sqrt(2.0 / math.pi)
@@ -93,7 +93,10 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
     xd, bd = x.shape.names, None if bias is None else bias.shape.names
     forward, backward = ACTIVATIONS[activation]
     op_name = f"bias_{activation or 'add'}"
-    act = _keeping(forward, x.dtype)  # a 16-bit float stays one, as the unfused op keeps it
+    low = x.dtype if is_low_precision(x.dtype) else None  # a 16-bit float stays one, as the unfused op keeps it
+
+    def act(xp, a):
+        return forward(xp, a) if low is None else _round_to(forward(xp, a), low)
     casts = None if bias is None or bias.dtype == x.dtype else operand_casts((x.dtype, bias.dtype))
 
     def pre(xp, a, b):  # x + bias in their promotion (`mm.result_type`: float32 with int32 is float32)
@@ -120,12 +123,12 @@ def bias_activation(x, bias=None, activation: Optional[str] = "relu"):
                 return _fused(ctx.xp, activation, True, (a, g, *(align(ctx.xp, b[0], bd, xd) for _ in b)))
             d = backward(ctx.xp, pre(ctx.xp, a, b), g)
             return d.astype(g.dtype) if d.dtype != g.dtype else d
-        (dx,) = dispatch(f"{op_name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(dy.shape, layout)], grad)
+        (dx,) = dispatch_lower(f"{op_name}_grad", [op.inputs[0], dy, *op.inputs[1:]], [(dy.shape, layout)], grad)
         if len(op.inputs) == 1:
             return [dx]
         with partial_for(op.inputs[1]):
             db = bias_grad(dx, op.inputs[1]) if need[1] else None
         return [dx if need[0] else None, db]
     saving(rule, "all")
-    (y,) = dispatch(op_name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
+    (y,) = dispatch_lower(op_name, inputs, [(x.shape, layout)], lower, {"activation": activation}, rule)
     return y

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..backend import is_eager
 from ..errors import MpimeshError
-from ..trace import dispatch
+from ..trace import dispatch_lower
 from .relayout import to_layout
 from .updates import _widened
 
@@ -86,7 +86,7 @@ def adafactor_update(groups: Sequence[tuple], factored: Sequence[Optional[tuple]
     params = {"beta1": beta1, "clipping_threshold": clip, "multiply_by_parameter_scale": scale_by_rms,
               "epsilon1": epsilon1, "epsilon2": epsilon2, "factored": tuple(factored), "scratch_bytes": widest,
               "lr": None if lr_in else lr, "decay": None if decay_in else decay}
-    outs = dispatch("adafactor_update", tensors, specs, lower, params, None, flops)
+    outs = dispatch_lower("adafactor_update", tensors, specs, lower, params, None, flops)
     result, j = [], 0
     for plan in plans:
         result.append(tuple(outs[j:j + 1 + plan.n_slots]))

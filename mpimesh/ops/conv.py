@@ -49,7 +49,7 @@ from ..layout import block_sizes, local_sizes, splitting
 from ..promotion import cast_operands, operand_casts, result_type
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch
+from ..trace import dispatch_lower
 from .relayout import to_layout
 from .shift import blocks_of, coordinate, gather_window, scatter_window, traced
 
@@ -488,21 +488,21 @@ def _promoted(lower, a, b):
 
 def _forward(x, w, p: _Plan):
     x, w = to_layout(x, p.x_layout), to_layout(w, p.f_layout)
-    (y,) = dispatch("conv", [x, w], [(p.out_shape, p.out_layout)], _promoted(_forward_lower(p), x, w), {"plan": p},
+    (y,) = dispatch_lower("conv", [x, w], [(p.out_shape, p.out_layout)], _promoted(_forward_lower(p), x, w), {"plan": p},
                     _forward_grad, _flops(p, x.mesh))
     return y
 
 
 def _input_grad(dy, w, p: _Plan):
     dy, w = to_layout(dy, p.out_layout), to_layout(w, p.f_layout)
-    (dx,) = dispatch("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _promoted(_input_grad_lower(p), dy, w),
+    (dx,) = dispatch_lower("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _promoted(_input_grad_lower(p), dy, w),
                      {"plan": p}, _input_grad_grad, _flops(p, dy.mesh))
     return dx
 
 
 def _filter_grad(x, dy, p: _Plan):
     x, dy = to_layout(x, p.x_layout), to_layout(dy, p.out_layout)
-    (dw,) = dispatch("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _promoted(_filter_grad_lower(p), x, dy),
+    (dw,) = dispatch_lower("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _promoted(_filter_grad_lower(p), x, dy),
                      {"plan": p}, _filter_grad_grad, _flops(p, x.mesh))
     return dw
 

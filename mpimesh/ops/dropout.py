@@ -22,7 +22,7 @@ import numpy as np
 
 from ..backend import index_constant, name
 from ..errors import MpimeshError
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .random import check_seed, global_index, index_terms, key, seed_inputs, uniform01
 from .relayout import to_layout
 
@@ -89,6 +89,6 @@ def dropout(x, rate: float, seed):
         sd = op.inputs[1] if len(op.inputs) > 1 else op.params["seed"]
         return [dropout(dy, op.params["rate"], sd)] + [None] * (len(op.inputs) - 1)
     extra = seed_inputs(seed, x.mesh, "dropout")
-    (y,) = dispatch("dropout", [x, *extra], [(x.shape, layout)], lower,
+    (y,) = dispatch_lower("dropout", [x, *extra], [(x.shape, layout)], lower,
                     {"rate": rate, "seed": None if extra else seed}, saving(rule, (1,)))
     return y

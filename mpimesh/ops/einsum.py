@@ -34,7 +34,7 @@ from ..partials import claim, partial_for, pending
 from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from ..widen import gpu_matmul, rounding_matmul, tf32_math, widening_matmul
 from .relayout import to_layout
 from .rowwise import column_sums, fused_rows
@@ -297,7 +297,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
     into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
         if bucket else None
-    (y,) = dispatch("einsum", xs, [(out, out_layout)], plan.lower, plan.params, _einsum_grad, plan.flops, out=into)
+    (y,) = dispatch_lower("einsum", xs, [(out, out_layout)], plan.lower, plan.params, _einsum_grad, plan.flops, out=into)
     return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
 
 
@@ -612,6 +612,6 @@ def broadcast(x, new_shape: ShapeLike):
 
     def lower(ctx, a):
         return contiguous(ctx.xp, ctx.xp.broadcast_to(align(ctx.xp, a, xd, nd), sizes))
-    (y,) = dispatch("broadcast", [x], [(new, dst)], lower, {"shape": new},
+    (y,) = dispatch_lower("broadcast", [x], [(new, dst)], lower, {"shape": new},
                     saving(lambda op, dy: [sum_to(dy, op.inputs[0].shape)]))
     return y

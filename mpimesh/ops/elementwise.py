@@ -27,9 +27,10 @@ from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, union_shape
 from ..tensor import DistTensor, tensor_arg
-from ..trace import dispatch, saving
+from ..opdef import OpDef, per_element
+from ..trace import dispatch
 from .einsum import sum_to
-from .inplace import axpy_into, axpy_new
+from .inplace import axpy_into, axpy_into_chunked, axpy_new, axpy_new_chunked
 from .relayout import to_layout
 from .reshape import transpose
 
@@ -71,76 +72,41 @@ def _scalar(v, what: str, dtype=None):
 
 
 @lru_cache(maxsize=4096)
-def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, kernel: Callable) -> tuple:
-    """`(output shape, its layout, x's layout, y's layout, the lowered kernel)` of a binary op: planned
-    once per shapes, mesh shape and rules (the kernel aligns the operands' axes only where needed)."""
+def _binary_plan(xs: Shape, ys: Shape, mesh_shape: Shape, rules, name: str, casts) -> tuple:
+    """`(output shape, its layout, x's layout, y's layout, same dims, params)` of a binary op:
+    planned once per shapes, mesh shape, rules and operand casts."""
     out = union_shape([xs, ys], name)
     out_layout = plan_layout(out, mesh_shape, rules)
     xd, yd, od = xs.names, ys.names, out.names
-    first = _first(kernel)
-    ufunc = _IN_PLACE.get(name) if xd == od else None  # x's block has the output's shape: a replay may write over it
-    if xd == od and yd == od and ufunc:
-        def lower(ctx, a, b, into=()):  # (the common case: no alignment, the array module first)
-            if into and _over(a, b):
-                return getattr(ctx.xp, ufunc)(a, b, out=a)
-            return kernel(ctx.xp, a, b)
-    elif xd == od and yd == od and not getattr(kernel, "with_ctx", False):
-        def lower(ctx, a, b):
-            return kernel(ctx.xp, a, b)
-    elif xd == od and yd == od:
-        def lower(ctx, a, b):
-            return kernel(first(ctx), a, b)
-    elif ufunc:
-        def lower(ctx, a, b, into=()):
-            if into and _over(a, b):
-                return getattr(ctx.xp, ufunc)(a, align(ctx.xp, b, yd, od), out=a)
-            return kernel(ctx.xp, a, align(ctx.xp, b, yd, od))
-    else:
-        def lower(ctx, a, b):
-            return kernel(first(ctx), align(ctx.xp, a, xd, od), align(ctx.xp, b, yd, od))
-    if ufunc:
-        lower.into = _OVER_FIRST
+    same = xd == od and yd == od
+    params = {} if same else {"xd": xd, "yd": yd, "od": od}
+    if casts is not None:
+        params["casts"] = casts
     return (out, out_layout, tuple(out_layout[out.index(n)] for n in xs.names),
-            tuple(out_layout[out.index(n)] for n in ys.names), lower)
+            tuple(out_layout[out.index(n)] for n in ys.names), same, params)
 
 
 _BOOL = np.dtype(bool)
-_OVER_FIRST = {0: 0}  # a kernel's `into`: its output over its first input
+_OVER_FIRST = {0: 0}  # an op's `into`: its output over its first input
 
 
 def _over(a, b) -> bool:
     """Whether a ufunc's result of `a` and `b` may go into `a`: a float block (not 0-d) and `b` of
     its dtype or bool, so the result has a's dtype."""
     return a.ndim and b.dtype in (a.dtype, _BOOL) and a.dtype.kind in "fc"
+
+
+def _over_scalar(a, v) -> bool:
+    """Whether a ufunc's result of block `a` and number `v` may go into `a`: a Python number (it takes
+    a's dtype) and a float or complex block of 32 bits or more, not 0-d."""
+    return a.ndim and a.dtype.kind in "fc" and a.dtype.itemsize >= 4 and _weak(v)
+
+
 _IN_PLACE = {"add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "true_divide",
              "minimum": "minimum", "maximum": "maximum"}
-"""The ops whose kernel is one ufunc, by name: a compiled step's replay writes their result over an
-operand it holds the only reference to (`mpimesh.compiled`'s `into`), where the result has that
-operand's shape and dtype (a float, the other operand of its dtype or bool), bitwise the values of
-the op's own kernel."""
-
-
-def _scalar_op(name: str, k: Callable, first: Callable, t, v, side: str, rule):
-    """The op of tensor `t` and number `v` (on the `side` of it) by kernel `k`: a replay may write
-    it over t's block where the op is one ufunc and `v` a Python number that leaves t's dtype (a
-    float or complex one of 32 bits or more) as it is."""
-    ufunc, dt = _IN_PLACE.get(name), t.dtype
-    if side == "right":
-        def lower(ctx, a, into=()):
-            return getattr(ctx.xp, ufunc)(a, v, out=a) if into else k(first(ctx), a, v)
-    else:
-        def lower(ctx, a, into=()):
-            return getattr(ctx.xp, ufunc)(v, a, out=a) if into else k(first(ctx), v, a)
-    if ufunc is not None and dt.kind in "fc" and dt.itemsize >= 4 and _weak(v):  # (complex v: not weak)
-        lower.into = _OVER_FIRST
-    (z,) = dispatch(name, [t], [(t.shape, t.tensor_layout)], lower, {"scalar": v, "side": side}, rule)
-    return z
-
-
-def _first(kernel: Callable) -> Callable:
-    """What `kernel` takes first, from a lowering's context: the context itself for a kernel that
-    must agree with the other ranks (`with_ctx`: `power`), else its array module."""
-    return (lambda ctx: ctx) if getattr(kernel, "with_ctx", False) else (lambda ctx: ctx.xp)
+"""The ops whose kernel is one ufunc: a compiled step's replay writes their result over an operand it
+holds the only reference to (`OpDef.into`), where the result has that operand's shape and dtype,
+bitwise the values of the op's own kernel."""
 
 
 def _layout_for(x, out_shape: Shape, out_layout):
@@ -148,14 +114,13 @@ def _layout_for(x, out_shape: Shape, out_layout):
 
 
 @lru_cache(maxsize=4096)
-def _refusal(kernel: Callable, args: tuple):
-    """numpy's TypeError message for `kernel` on arguments like `args` (dtypes: empty arrays of
-    them; Python and numpy scalar types (`_kind`): a 1 of that type), None if it takes them: what a dtype
-    cannot do (`-` of bools) is found once per op and dtypes, from dtypes alone, so every rank
+def _refusal(op: OpDef, args: tuple, params: tuple = ()):
+    """numpy's TypeError message for `op`'s kernel on arguments like `args` (dtypes: empty arrays of
+    them; Python and numpy scalar types (`_kind`): a 1 of that type), None if it takes them: what a
+    dtype cannot do (`-` of bools) is found once per op and dtypes, from dtypes alone, so every rank
     refuses alike, before any kernel runs."""
     try:
-        first = _PROBE if getattr(kernel, "with_ctx", False) else np
-        kernel(first, *(np.empty(0, a) if isinstance(a, np.dtype) else a(1) for a in args))
+        op.kernel(_PROBE, *(np.empty(0, a) if isinstance(a, np.dtype) else a(1) for a in args), **dict(params))
     except TypeError as e:
         return str(e)
     except Exception:  # (a kernel that needs elements to run at all: nothing learned)
@@ -163,7 +128,21 @@ def _refusal(kernel: Callable, args: tuple):
     return None
 
 
-_PROBE = SimpleNamespace(xp=np, any_rank=bool)  # what a `with_ctx` kernel is probed with (one process)
+_PROBE = SimpleNamespace(xp=np, any_rank=bool)  # a kernel's context on empty numpy blocks (one process)
+
+
+def _probe_dtype(ctx, shapes, *ins, **params) -> tuple:
+    """An elementwise op's `abstract` rule: its result dtype, from its own kernel run on empty numpy
+    blocks of its inputs' dtypes and ranks (no communication)."""
+    op = params.pop("_op")
+    key = tuple(sorted((k, type(v), v) for k, v in params.items()))  # (by type too: 2 == 2.0 == True)
+    return (_dtype_of(op, tuple((np.dtype(a.dtype), len(a.shape)) for a in ins), key),)
+
+
+@lru_cache(maxsize=4096)
+def _dtype_of(op: OpDef, blocks: tuple, params: tuple) -> np.dtype:
+    kwargs = {k: v for k, _, v in params}
+    return np.dtype(op.kernel(_PROBE, *(np.empty((0,) * n, dt) for dt, n in blocks), **kwargs).dtype)
 
 
 def _refuse(name: str, why: str, *operands):
@@ -177,37 +156,88 @@ def _kind(v):
     return np.dtype(v.dtype).type if hasattr(v, "dtype") else type(v)
 
 
-def _keeping(kernel: Callable, dtype) -> Callable:
-    """`kernel`, its result rounded to `dtype` when that is a 16-bit float: numpy computes
-    bfloat16 with a Python float (0.5 * x) in float32, where the contract keeps the tensor's dtype."""
-    if not is_low_precision(dtype):
-        return kernel
-    return lambda xp, *args: _round_to(kernel(xp, *args), dtype)
-
-
 def _round_to(y, dtype):
     return y.astype(dtype) if is_float(y.dtype) and y.dtype != dtype else y
 
 
-def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: str = "x"):
-    """`grad(x, y, dy)` reads the values of the input x, the output y, or neither (`reads`: "x", "y", "")."""
-    rule = None if grad is None else saving(lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)],
-                                            (0,) if "x" in reads else (), (0,) if "y" in reads else ())
+def _keep(dtype) -> dict:
+    """A unary or weak-scalar op's params: its result rounded back to a 16-bit float x (numpy computes
+    bfloat16 with a Python float, 0.5 * x, in float32, where the contract keeps the tensor's dtype)."""
+    return {"keep": np.dtype(dtype)} if is_low_precision(dtype) else {}
 
-    def op(x):
-        why = _refusal(kernel, (tensor_arg(name, x).dtype,))  # (cached: the door of every elementwise op)
-        if why is not None:
-            raise _refuse(name, why, x)
-        x = to_layout(x, x.mesh.plan(x.shape))
-        k = _keeping(kernel, x.dtype)
-        (y,) = dispatch(name, [x], [(x.shape, x.tensor_layout)], lambda ctx, a: k(ctx.xp, a), None, rule)
-        return y
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = doc
+
+def _elementwise(name: str, kernel: Callable, grad=None, saves=((), ()), flops: int = 1, into=None) -> OpDef:
+    """An elementwise op's `OpDef`: `kernel(ctx, *blocks, **params)`, its dtypes probed on empty blocks."""
+    op = OpDef(name, kernel, grad=grad, saves=saves, flops=per_element(flops), into=into or {},
+               abstract=lambda ctx, shapes, *ins, **p: _probe_dtype(ctx, shapes, *ins, _op=op, **p))
     return op
 
 
-def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: tuple = ("xyz", "xyz")):
+def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: str = "x", flops: int = 1):
+    """`grad(x, y, dy)` reads the values of the input x, the output y, or neither (`reads`: "x", "y", "")."""
+    rule = None if grad is None else (lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)])
+
+    def k(ctx, a, keep=None):
+        y = kernel(ctx.xp, a)
+        return y if keep is None else _round_to(y, keep)
+    opdef = _elementwise(name, k, rule, ((0,) if "x" in reads else (), (0,) if "y" in reads else ()), flops)
+
+    def op(x):
+        why = _refusal(opdef, (tensor_arg(name, x).dtype,))  # (cached: the door of every elementwise op)
+        if why is not None:
+            raise _refuse(name, why, x)
+        x = to_layout(x, x.mesh.plan(x.shape))
+        (y,) = dispatch(opdef, [x], [(x.shape, x.tensor_layout)], _keep(x.dtype))
+        return y
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    op.opdef = opdef
+    return op
+
+
+def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) -> tuple:
+    """The `OpDef`s of a binary op: of two tensors of the same dims, of two tensors whose axes are
+    aligned by name (`xd`, `yd`, `od`), and of a tensor and a number (`scalar` on the `side` of it)."""
+    first = (lambda ctx: ctx) if getattr(kernel, "with_ctx", False) else (lambda ctx: ctx.xp)
+    ufunc = _IN_PLACE.get(name)
+    into = _OVER_FIRST if ufunc else None
+
+    def same(ctx, a, b, casts=None, into=()):
+        if into and _over(a, b):
+            return getattr(ctx.xp, ufunc)(a, b, out=a)
+        if casts is not None:  # operands of two dtypes, in their promotion (`mpimesh.promotion`)
+            a, b = cast_operands((a, b), casts)
+        return kernel(first(ctx), a, b)
+
+    def aligned(ctx, a, b, xd, yd, od, casts=None, into=()):
+        xp = ctx.xp
+        b = align(xp, b, yd, od)
+        if into and xd == od and _over(a, b):  # (x's block has the output's shape)
+            return getattr(xp, ufunc)(a, b, out=a)
+        a = align(xp, a, xd, od)
+        if casts is not None:
+            a, b = cast_operands((a, b), casts)
+        return kernel(first(ctx), a, b)
+
+    def scalar(ctx, a, scalar, side, keep=None, casts=None, into=()):
+        if into and _over_scalar(a, scalar):
+            return getattr(ctx.xp, ufunc)(a, scalar, out=a) if side == "right" else \
+                getattr(ctx.xp, ufunc)(scalar, a, out=a)
+        pair = (a, scalar) if side == "right" else (scalar, a)
+        if casts is not None:
+            pair = cast_operands(pair, casts)
+        y = kernel(first(ctx), *pair)
+        return y if keep is None else _round_to(y, keep)
+    both = reads[0] + reads[1]
+    tensors = ([i for i, v in enumerate("xy") if v in both], (0,) if "z" in both else ())
+    right = ((0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ())
+    left = ((0,) if "y" in reads[1] else (), (0,) if "z" in reads[1] else ())
+    return (_elementwise(name, same, rule, tensors, flops, into), _elementwise(name, aligned, rule, tensors, flops, into),
+            _elementwise(name, scalar, rule, lambda p: right if p["side"] == "right" else left, flops, into))
+
+
+def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: tuple = ("xyz", "xyz"),
+            flops: int = 1):
     """`grad(x, y, z, dz)` returns two functions of no argument, giving x's and y's gradient: only
     those of the inputs that need one run (nothing is computed for a constant side). `reads`: the
     values (of x, y, the output z) each of the two reads."""
@@ -224,54 +254,53 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
         if op.params["side"] == "right":
             return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]()]
         return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]()]
-    rules = (None,) * 3
-    if grad is not None:  # one rule per case, each keeping what its side(s) read
-        both = reads[0] + reads[1]
-        rules = (saving(lambda op, dz: rule(op, dz), [i for i, v in enumerate("xy") if v in both],
-                        (0,) if "z" in both else ()),
-                 saving(lambda op, dz: rule(op, dz), (0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ()),
-                 saving(lambda op, dz: rule(op, dz), (0,) if "y" in reads[1] else (), (0,) if "z" in reads[1] else ()))
+    same, aligned, scalar = _binary_defs(name, kernel, None if grad is None else rule, reads, flops)
+    compare = name in _COMPARISONS
 
-    first = _first(kernel)
+    def with_number(t, v, side: str):
+        v = _scalar(v, name, None if compare else t.dtype)
+        params = {"scalar": v, "side": side}
+        if _weak(v):
+            params.update(_keep(t.dtype))
+        else:
+            dtypes = (t.dtype, _strong(v)) if side == "right" else (_strong(v), t.dtype)
+            casts = None if None in dtypes else operand_casts(dtypes)
+            if casts is not None:
+                params["casts"] = casts
+        why = _refusal(scalar, (t.dtype, _kind(v)),
+                       (("side", side),) + (() if "casts" not in params else (("casts", params["casts"]),)))
+        if why is not None:
+            raise _refuse(name, why, *((t, v) if side == "right" else (v, t)))
+        t = to_layout(t, t.mesh.plan(t.shape))
+        (z,) = dispatch(scalar, [t], [(t.shape, t.tensor_layout)], params)
+        return z
 
     def op(x, y):
         xt, yt = _is_tensor(x), _is_tensor(y)
         if not xt and not yt:
             raise TypeError(f"{name}: at least one argument must be a DistTensor")
         if not yt:
-            y = _scalar(y, name, None if name in _COMPARISONS else x.dtype)
-            weak = _weak(y)
-            k = _keeping(kernel, x.dtype) if weak else _promoting(kernel, (x.dtype, _strong(y)))
-            why = _refusal(kernel if weak else k, (x.dtype, _kind(y)))  # (_keeping's kernel is new each time)
-            if why is not None:
-                raise _refuse(name, why, x, y)
-            x = to_layout(x, x.mesh.plan(x.shape))
-            return _scalar_op(name, k, first, x, y, "right", rules[1])
+            return with_number(x, y, "right")
         if not xt:
-            x = _scalar(x, name, None if name in _COMPARISONS else y.dtype)
-            weak = _weak(x)
-            k = _keeping(kernel, y.dtype) if weak else _promoting(kernel, (_strong(x), y.dtype))
-            why = _refusal(kernel if weak else k, (_kind(x), y.dtype))
-            if why is not None:
-                raise _refuse(name, why, x, y)
-            y = to_layout(y, y.mesh.plan(y.shape))
-            return _scalar_op(name, k, first, y, x, "left", rules[2])
+            return with_number(y, x, "left")
         mesh = x.mesh
         if mesh is not y.mesh:
             raise MeshError(f"{name}: inputs live on different meshes ({x.mesh.shape} and {y.mesh.shape}, "
                             f"or two meshes of one shape)")
-        why, k = _checked(kernel, x.dtype, y.dtype)
+        why, casts = _checked(same, x.dtype, y.dtype)
         if why is not None:
             raise _refuse(name, why, x, y)
-        out, out_layout, x_layout, y_layout, lower = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout, name, k)
+        out, out_layout, x_layout, y_layout, is_same, params = _binary_plan(x.shape, y.shape, mesh.shape, mesh.layout,
+                                                                            name, casts)
         if x.tensor_layout != x_layout:
             x = to_layout(x, x_layout)
         if y.tensor_layout != y_layout:
             y = to_layout(y, y_layout)
-        (z,) = dispatch(name, [x, y], [(out, out_layout)], lower, None, rules[0])
+        (z,) = dispatch(same if is_same else aligned, [x, y], [(out, out_layout)], params)
         return z
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
+    op.opdefs = (same, aligned, scalar)
     return op
 
 
@@ -287,26 +316,12 @@ def _strong(v):
 
 
 @lru_cache(maxsize=4096)
-def _promoting(kernel: Callable, dtypes: tuple) -> Callable:
-    """`kernel` of operands of `dtypes`, producing `result_type(*dtypes)` (`mpimesh.promotion`): its
-    operands cast first where numpy's own promotion would give another dtype (int32 with float32:
-    float64) or round an integer otherwise than JAX; `kernel` itself where none needs it."""
-    casts = None if None in dtypes else operand_casts(dtypes)
-    if casts is None:
-        return kernel
-
-    def promoted(xp, a, b):
-        return kernel(xp, *cast_operands((a, b), casts))
-    promoted.with_ctx = getattr(kernel, "with_ctx", False)
-    return promoted
-
-
-@lru_cache(maxsize=4096)
-def _checked(kernel: Callable, x_dtype, y_dtype) -> tuple:
-    """`(_refusal's message or None, the kernel to run)` for two tensors of these dtypes: one cached
-    look-up per op (the kernel is `_promoting`'s)."""
-    k = kernel if x_dtype == y_dtype else _promoting(kernel, (x_dtype, y_dtype))
-    return _refusal(k, (x_dtype, y_dtype)), k
+def _checked(op: OpDef, x_dtype, y_dtype) -> tuple:
+    """`(_refusal's message or None, the operand casts or None)` for two tensors of these dtypes:
+    one cached look-up per op (`mpimesh.promotion.operand_casts`: numpy's own promotion would give
+    another dtype, int32 with float32 float64, or round an integer otherwise than JAX)."""
+    casts = None if x_dtype == y_dtype else operand_casts((x_dtype, y_dtype))
+    return _refusal(op, (x_dtype, y_dtype), () if casts is None else (("casts", casts),)), casts
 
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -453,36 +468,49 @@ def axpy(alpha, x, y):
     alpha = to_layout(alpha, ()) if scaled else _scalar(alpha, "axpy", x.dtype)
     layout = x.mesh.plan(x.shape)
     x, y = to_layout(x, layout), to_layout(y, _layout_for(y, x.shape, layout))
-    xd, yd = x.shape.names, y.shape.names
     low = x.dtype if is_low_precision(x.dtype) and not scaled else None  # numpy computes bf16 * 0.5 in float32
-
-    def lower(ctx, *arrays, into=()):
-        xp = ctx.xp
-        a, xa, ya = arrays if scaled else (alpha, *arrays)
-        if into:  # y's block is the replay's alone (y donated to a compiled step): the result goes there
-            return axpy_into(xp, a, xa, ya)
-        ya = align(xp, ya, yd, xd)
-        if low is None:
-            return axpy_new(xp, a, xa, ya)
-        out = _round_to(xp.multiply(xa, a), low)
-        if is_eager(xp) and out.ndim and out.dtype == xp.result_type(out, ya):  # (0-d: numpy gives a scalar)
-            return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
-        return out + ya
-
-    def rule(op, dz):
-        need = op.needs or (True,) * len(op.inputs)
-        yt = op.inputs[-1]
-        gy = (dz if yt.shape == dz.shape else transpose(dz, yt.shape)) if need[-1] else None
-        if scaled:
-            a, xt, _ = op.inputs
-            return [sum_to(dz * xt, Shape(())) if need[0] else None, dz * a if need[1] else None, gy]
-        return [dz * op.params["alpha"] if need[0] else None, gy]
-    saving(rule, (0, 1) if scaled else ())
-    (z,) = dispatch("axpy", [alpha, x, y] if scaled else [x, y], [(x.shape, layout)], lower,
-                    {} if scaled else {"alpha": alpha}, rule)
-    if xd == yd and low is None and z.dtype == x.dtype == y.dtype and (not scaled or alpha.dtype == x.dtype):
-        lower.into = {0: 2 if scaled else 1}  # (same dims, order and dtype: y's block can hold the result)
+    params = {"xd": x.shape.names, "yd": y.shape.names, "low": low}
+    if scaled:
+        (z,) = dispatch(AXPY_SCALED, [alpha, x, y], [(x.shape, layout)], params)
+    else:
+        (z,) = dispatch(AXPY, [x, y], [(x.shape, layout)], dict(params, alpha=alpha))
     return z
+
+
+def _axpy(ctx, *arrays, xd, yd, low, alpha=None, into=(), chunked=False):
+    """`axpy`'s kernel: `alpha * x + y` (alpha a param, or the first block); into y's block where the
+    replay holds it (`into`: same dims in the same order and dtype, no rounding to do)."""
+    xp = ctx.xp
+    a, xa, ya = arrays if alpha is None else (alpha, *arrays)
+    if into and xd == yd and low is None and xa.dtype == ya.dtype == getattr(a, "dtype", xa.dtype):
+        return (axpy_into_chunked if chunked else axpy_into)(xp, a, xa, ya)
+    ya = align(xp, ya, yd, xd)
+    if low is None:
+        return (axpy_new_chunked if chunked else axpy_new)(xp, a, xa, ya)
+    out = _round_to(xp.multiply(xa, a), low)
+    if is_eager(xp) and out.ndim and out.dtype == result_type(out.dtype, ya.dtype):  # (0-d: numpy gives a scalar)
+        return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
+    return out + ya
+
+
+def _axpy_grad(op, dz):
+    need = op.needs or (True,) * len(op.inputs)
+    yt = op.inputs[-1]
+    gy = (dz if yt.shape == dz.shape else transpose(dz, yt.shape)) if need[-1] else None
+    if len(op.inputs) == 3:
+        a, xt, _ = op.inputs
+        return [sum_to(dz * xt, Shape(())) if need[0] else None, dz * a if need[1] else None, gy]
+    return [dz * op.params["alpha"] if need[0] else None, gy]
+
+
+def _axpy_def(scaled: bool) -> OpDef:
+    def numpy_kernel(ctx, *arrays, **params):  # a chunk at a time, in cache (`mpimesh.ops.inplace`)
+        return _axpy(ctx, *arrays, chunked=True, **params)
+    return OpDef("axpy", _axpy, kernels={"numpy": numpy_kernel}, grad=_axpy_grad,
+                 saves=((0, 1) if scaled else (), ()), into={0: 2 if scaled else 1}, flops=per_element(2))
+
+
+AXPY, AXPY_SCALED = _axpy_def(False), _axpy_def(True)
 
 
 def cast(x, dtype):
@@ -499,9 +527,16 @@ def cast(x, dtype):
     if x.dtype == dt:
         return x
     differentiable = is_float(dt) and is_float(x.dtype)
-    (y,) = dispatch("cast", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: a.astype(dt), {"dtype": dt},
-                    saving(lambda op, dy: [cast(dy, op.inputs[0].dtype)]) if differentiable else None)
+    (y,) = dispatch(CAST if differentiable else CAST_NO_GRAD, [x], [(x.shape, x.tensor_layout)], {"dtype": dt})
     return y
+
+
+def _cast(ctx, a, dtype):
+    return a.astype(dtype)
+
+
+CAST = OpDef("cast", _cast, grad=lambda op, dy: [cast(dy, op.inputs[0].dtype)], saves=((), ()))
+CAST_NO_GRAD = OpDef("cast", _cast)
 
 
 def where(cond, x, y):
@@ -526,36 +561,44 @@ def where(cond, x, y):
             ins.append(to_layout(t, _layout_for(t, out, out_layout)))
             names.append(t.shape.names)
             slots.append(i)
-    consts = (cond, x, y)
-    od = out.names
+    consts = tuple(None if _is_tensor(t) else t for t in (cond, x, y))
     low = other if other is not None and is_low_precision(other) and all(
         _is_tensor(t) and t.dtype == other or _weak(t) for t in (x, y)) else None  # a Python scalar keeps it
     dts = tuple(np.dtype(t.dtype) for t in (x, y) if hasattr(t, "dtype"))  # tensors' and numpy numbers'
     casts = operand_casts(dts) if len(dts) == 2 and dts[0] != dts[1] else None
-    sizes = local_sizes(out, mesh.shape, out_layout, mesh.coords)
-
-    def lower(ctx, *arrays):
-        vals = list(consts)
-        for i, a, n in zip(slots, arrays, names):
-            vals[i] = align(ctx.xp, a, n, od)
-        if casts is not None:  # x and y of two dtypes: in their promotion (`mpimesh.promotion`)
-            vals[1:] = cast_operands(vals[1:], casts)
-        z = ctx.xp.where(*vals)
-        z = _round_to(z, low) if low is not None else z
-        return contiguous(ctx.xp, ctx.xp.broadcast_to(z, sizes))
-
-    def rule(op, dz):
-        c = op.inputs[0]
-        grads = []
-        for i, t in zip(slots, op.inputs):
-            if i == 0:
-                grads.append(None)
-            else:
-                keep = c if i == 1 else equal(c, False)
-                grads.append(sum_to(where(keep, dz, 0.0), t.shape))
-        return grads
-    (z,) = dispatch("where", ins, [(out, out_layout)], lower, None, saving(rule, (0,)))
+    params = {"slots": tuple(slots), "names": tuple(names), "od": out.names, "consts": consts, "casts": casts,
+              "low": low, "sizes": local_sizes(out, mesh.shape, out_layout, mesh.coords)}
+    (z,) = dispatch(WHERE, ins, [(out, out_layout)], params)
     return z
+
+
+def _where(ctx, *arrays, slots, names, od, consts, casts, low, sizes):
+    xp = ctx.xp
+    vals = list(consts)
+    for i, a, n in zip(slots, arrays, names):
+        vals[i] = align(xp, a, n, od)
+    if casts is not None:  # x and y of two dtypes: in their promotion (`mpimesh.promotion`)
+        vals[1:] = cast_operands(vals[1:], casts)
+    z = xp.where(*vals)
+    z = _round_to(z, low) if low is not None else z
+    return contiguous(xp, xp.broadcast_to(z, sizes))
+
+
+def _where_grad(op, dz):
+    c = op.inputs[0]
+    grads = []
+    for i, t in zip(op.params["slots"], op.inputs):
+        if i == 0:
+            grads.append(None)
+        else:
+            keep = c if i == 1 else equal(c, False)
+            grads.append(sum_to(where(keep, dz, 0.0), t.shape))
+    return grads
+
+
+WHERE = OpDef("where", _where, grad=_where_grad, saves=((0,), ()),
+              abstract=lambda ctx, shapes, *ins, sizes, **p: _probe_dtype(ctx, shapes, *ins, _op=WHERE,
+                                                                          sizes=(0,) * len(sizes), **p))
 
 
 def stop_gradient(x):
@@ -566,8 +609,11 @@ def stop_gradient(x):
     [1.0, 1.0]
     """
     x = to_layout(x, x.mesh.plan(x.shape))
-    (y,) = dispatch("stop_gradient", [x], [(x.shape, x.tensor_layout)], lambda ctx, a: a)
+    (y,) = dispatch(STOP_GRADIENT, [x], [(x.shape, x.tensor_layout)])
     return y
+
+
+STOP_GRADIENT = OpDef("stop_gradient", lambda ctx, a: a, view=lambda params, ins, outs: 0)
 
 
 def _bind_operators() -> None:

@@ -29,7 +29,7 @@ from ..mesh import layout_scope
 from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value, tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .einsum import contraction_plan, einsum
 from .elementwise import cast
 from .relayout import to_layout
@@ -106,7 +106,7 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
         pos = xp.arange(n) + start  # this rank's global index range (in a JAX replay, run on into the padding)
         y = xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
         return y.astype(dt, copy=False)  # (CuPy's where of two bfloat16 arrays gives float32)
-    (y,) = dispatch("one_hot", [indices], [(out, out_layout)], lower,
+    (y,) = dispatch_lower("one_hot", [indices], [(out, out_layout)], lower,
                     {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
     return y
 
@@ -197,7 +197,7 @@ def gather(weights, indices, dim, dtype=None):
             g = g.astype(out_dtype)
         return ctx.allreduce(g, reduce_mesh) if reduce_mesh else g
     grad = _gather_grad if is_float(weights.dtype) and (out_dtype is None or is_float(out_dtype)) else None
-    (y,) = dispatch("gather", [weights, indices], [(out, out_layout)], lower,
+    (y,) = dispatch_lower("gather", [weights, indices], [(out, out_layout)], lower,
                     {"dim": vdim, "reduce_mesh_dims": reduce_mesh}, grad)
     return y
 
@@ -345,7 +345,7 @@ def top_k(x, reduced_dim, k_dim):
             vals, idx = ctx.block(vals, mk, a), ctx.block(idx, mk, a)
         return vals, idx
     grad = _top_k_grad if is_float(x.dtype) else None
-    values, indices = dispatch("top_k", [x], [(out, out_layout), (out, out_layout)], lower,
+    values, indices = dispatch_lower("top_k", [x], [(out, out_layout), (out, out_layout)], lower,
                                {"reduced_dim": r, "k_dim": kd, "mesh_dim": mr}, grad)
     return values, indices
 
@@ -390,5 +390,5 @@ def argmax(x, reduced_dim):
                               mesh.shape[mr].size, a)
         j = xp.expand_dims(xp.argmax(vals, axis=a), a)  # first max: lowest coordinate
         return xp.squeeze(xp.take_along_axis(idx, j, axis=a), axis=a)
-    (y,) = dispatch("argmax", [x], [(out, out_layout)], lower, {"reduced_dim": r, "mesh_dim": mr})
+    (y,) = dispatch_lower("argmax", [x], [(out, out_layout)], lower, {"reduced_dim": r, "mesh_dim": mr})
     return y

@@ -35,7 +35,7 @@ from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
 from ..shape import dim_names
 from ..tensor import tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .elementwise import bias_grad
 from .relayout import laid_out_within, to_layout
 from .rowwise import fused_rows, row_dot, row_kernel, row_sum, rows_fit, softmax_grad_rows, softmax_rows
@@ -175,7 +175,7 @@ def _normalize(name: str, log: bool, doc: str):
                 db = bias_grad(dx, op.inputs[1]) if (op.needs or (True, True))[1] else None
             return [dx, db]
         saving(rule, (), (0,))
-        (y,) = dispatch(name, inputs, [(x.shape, layout)], lower,
+        (y,) = dispatch_lower(name, inputs, [(x.shape, layout)], lower,
                         {"reduced_dims": names, "mesh_dims": mdims, "causal": causal},
                         rule if is_float(x.dtype) else None)
         return y
@@ -228,7 +228,7 @@ def _normalize_grad(y, dy, axes, mdims, log: bool, name: str):
                 s = ctx.allreduce(s, mdims, "sum")
             dx = out * (g - s)
         return dx.astype(dt) if dx.dtype != dt else dx
-    (dx,) = dispatch(f"{name}_grad", [y, dy], [(y.shape, y.tensor_layout)], lower, {"mesh_dims": mdims})
+    (dx,) = dispatch_lower(f"{name}_grad", [y, dy], [(y.shape, y.tensor_layout)], lower, {"mesh_dims": mdims})
     return dx
 
 
@@ -312,7 +312,7 @@ def softmax_cross_entropy(logits, targets, vocab_dim):
     def rule(op, dy, _):  # the log-partition, kept for the gradient, gets none
         return [_cross_entropy_grad(op, dy, axis, hit, target_index), None]
     saving(rule, (0, 1), (1,))  # logits, targets and the log-partition
-    loss, _ = dispatch("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)] * 2, lower,
+    loss, _ = dispatch_lower("softmax_cross_entropy", [logits, targets], [(out_shape, out_layout)] * 2, lower,
                        {"vocab": v, "mesh_dims": mdims}, rule if is_float(logits.dtype) else None)
     return loss
 
@@ -339,6 +339,6 @@ def _cross_entropy_grad(op, dy, axis, hit, target_index):
         g = xp.expand_dims(g.astype(acc) if g.dtype != acc else g, axis)
         dx = p * g if found is None else np.multiply(p, g, out=p)
         return dx.astype(dt) if dx.dtype != dt else dx
-    (dx,) = dispatch("softmax_cross_entropy_grad", [logits, targets, lse, dy],
+    (dx,) = dispatch_lower("softmax_cross_entropy_grad", [logits, targets, lse, dy],
                      [(logits.shape, logits.tensor_layout)], lower, {"mesh_dims": op.params["mesh_dims"]})
     return dx

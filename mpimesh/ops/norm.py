@@ -30,7 +30,7 @@ from ..errors import ShapeError
 from ..layout import splitting
 from ..partials import partial_for
 from ..tensor import tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
@@ -123,7 +123,7 @@ def layer_norm(x, dims: tuple, scale=None, bias=None, epsilon: float = 1e-6):
     def rule(op, dy, *_):  # (the statistics' outputs get no gradient)
         return _layer_norm_grad(op, dy, dims, has)
     saving(rule, (0, 1) if has[0] else (0,), (1, 2))  # x, scale, mean and 1/std
-    y, _, _ = dispatch("layer_norm", [x, *params], [(x.shape, layout), stats, stats], lower,
+    y, _, _ = dispatch_lower("layer_norm", [x, *params], [(x.shape, layout), stats, stats], lower,
                        {"dims": dims, "epsilon": epsilon}, rule)
     return y
 
@@ -169,7 +169,7 @@ def _layer_norm_grad(op, dy, dims, has):
         d = yhat * (m2 * (1.0 / count))  # r * (g - m1 / count - yhat * m2 / count), in d's array
         d = xp.subtract(g - m1 * (1.0 / count), d, out=d) if is_eager(xp) else g - m1 * (1.0 / count) - d
         return _as(mul(d, r), dt), yhat
-    (dx, yhat) = dispatch("layer_norm_grad", [x, dy, mean, rstd, *([scale] if scale is not None else [])],
+    (dx, yhat) = dispatch_lower("layer_norm_grad", [x, dy, mean, rstd, *([scale] if scale is not None else [])],
                           [(x.shape, layout), (x.shape, layout)], lower, {"dims": dims})
     grads = [dx if need[0] else None]
     dy_acc = cast(dy, acc) if dy.dtype != acc else dy

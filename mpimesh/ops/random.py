@@ -26,7 +26,7 @@ from ..errors import DTypeError, MpimeshError
 from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
 from ..tensor import _layout, block_sizes
-from ..trace import dispatch
+from ..trace import dispatch_lower
 from .relayout import to_layout
 
 _MASK = (1 << 64) - 1
@@ -140,7 +140,7 @@ def derive_seed(seed, name: str):
 
     def lower(ctx, s):
         return (key(ctx.xp, s, salt) & np.uint64(0x7FFFFFFF)).astype(np.int64)
-    (t,) = dispatch("derive_seed", seed_inputs(seed, seed.mesh, "derive_seed"), [(Shape(()), ())], lower,
+    (t,) = dispatch_lower("derive_seed", seed_inputs(seed, seed.mesh, "derive_seed"), [(Shape(()), ())], lower,
                     {"name": name})
     return t
 
@@ -170,7 +170,7 @@ def _random(name: str, mesh, shape: ShapeLike, layout, seed, params: dict, fill)
         index = global_index(ctx.xp, shape, mesh_shape, tl, coords, block_sizes(ctx, shape, tl))
         return fill(ctx.xp, index, s[0] if s else seed)
     inputs = seed_inputs(seed, mesh, name)
-    (t,) = dispatch(name, inputs, [(shape, tl)], lower,
+    (t,) = dispatch_lower(name, inputs, [(shape, tl)], lower,
                     {"shape": shape, **params, "seed": None if inputs else seed}, mesh=mesh)
     return t
 

@@ -22,7 +22,7 @@ from ..backend import accumulation_dtype
 from ..errors import DTypeError, ShapeError
 from ..shape import Shape, ShapeLike, dim_names
 from ..tensor import tensor_arg
-from ..trace import dispatch
+from ..trace import dispatch_lower
 from .einsum import contraction_plan, einsum, reduced_dims_arg
 from .elementwise import cast, equal, exp
 from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
@@ -91,7 +91,7 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
             if perm != tuple(range(len(perm))):
                 y = ctx.xp.transpose(y, perm)
             return y
-        (y,) = dispatch(name, [x], [(out, out_layout)], lower, {"axes": axes, "reduce_mesh_dims": reduce_mesh},
+        (y,) = dispatch_lower(name, [x], [(out, out_layout)], lower, {"axes": axes, "reduce_mesh_dims": reduce_mesh},
                         grad)
         return y
     op.__name__ = op.__qualname__ = name

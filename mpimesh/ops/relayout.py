@@ -20,7 +20,7 @@ from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
 from ..shape import Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 
 
 @lru_cache(maxsize=4096)
@@ -83,7 +83,7 @@ def to_layout(x, tensor_layout: TensorLayout):
     if x.tensor_layout == tensor_layout:
         return x
     steps = relayout_plan(x.shape, x.mesh.shape, x.tensor_layout, tensor_layout)
-    (y,) = dispatch("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps, x.shape),
+    (y,) = dispatch_lower("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps, x.shape),
                     {"layout": tensor_layout, "steps": steps}, _relayout_grad)
     return y
 

@@ -22,7 +22,7 @@ from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
 from ..shape import Dimension, Shape, ShapeLike
 from ..tensor import tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .relayout import to_layout
 
 
@@ -105,7 +105,7 @@ def reshape(x, new_shape: ShapeLike):
     mid, post = reshape_plan(x.shape, new, mesh.shape, x.tensor_layout, dst)
     x = to_layout(x, mid)
     sizes = local_sizes(new, mesh.shape, post, mesh.coords)
-    (y,) = dispatch("reshape", [x], [(new, post)], lambda ctx, a: a.reshape(sizes), {"shape": new},
+    (y,) = dispatch_lower("reshape", [x], [(new, post)], lambda ctx, a: a.reshape(sizes), {"shape": new},
                     _reshape_grad)
     return to_layout(y, dst)
 
@@ -126,7 +126,7 @@ def transpose(x, new_shape: ShapeLike):
     dst = x.mesh.plan(new)
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
     perm = tuple(x.shape.index(n) for n in new.names)
-    (y,) = dispatch("transpose", [x], [(new, dst)], lambda ctx, a: ctx.xp.transpose(a, perm), {"perm": perm},
+    (y,) = dispatch_lower("transpose", [x], [(new, dst)], lambda ctx, a: ctx.xp.transpose(a, perm), {"perm": perm},
                     saving(lambda op, dy: [transpose(dy, op.inputs[0].shape)]))
     return y
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..backend import is_eager, is_float, is_low_precision
 from ..errors import DTypeError, MpimeshError, ShapeError
 from ..shape import Dimension, Shape, union_shape
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .einsum import einsum
 from .relayout import to_layout
 
@@ -152,7 +152,7 @@ def top2_slots(gates, tokens_dim: str, experts_dim: str, capacity, policy: str =
         s2 = xp.where(second & (p2 < c), e2 * c + p2, -1).astype(np.int32)
         return tuple(xp.transpose(a, operm) for a in (e1, e2, s1, s2))
     spec = (out, out_layout)
-    e1, e2, s1, s2 = dispatch("top2_slots", inputs, [spec] * 4, lower,
+    e1, e2, s1, s2 = dispatch_lower("top2_slots", inputs, [spec] * 4, lower,
                               {"tokens": tokens, "experts": experts, "capacity": cap, "policy": policy,
                                "threshold": threshold})
     return e1, e2, Slots((s1, s2), tokens, experts, cap)
@@ -316,7 +316,7 @@ def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_s
         y = a[xp.arange(nb)[None, :, None], tok] * scale[..., None]  # [E, B, C, F]
         return xp.transpose(y.reshape((e.size,) + lead + (c.size,) + tail), operm)
     local = math.prod(mesh.block_shape(out, out_layout))
-    (y,) = dispatch("dispatch_slots", [x] + idx + weights, [(out, out_layout)], lower,
+    (y,) = dispatch_lower("dispatch_slots", [x] + idx + weights, [(out, out_layout)], lower,
                     {"tokens": s, "experts": e, "capacity": c, "choices": k},
                     _RULES["dispatch", bool(weights)] if is_float(x.dtype) else None, flops=local)
     return y
@@ -367,7 +367,7 @@ def combine_slots(expert_out, slots: Slots, weights: Optional[Sequence] = None, 
             y = term if y is None else y + term
         return xp.transpose(y.reshape(lead + (tok.size,) + tail), operm)
     local = math.prod(mesh.block_shape(out, out_layout))
-    (y,) = dispatch("combine_slots", [eo] + idx + weights, [(out, out_layout)], lower,
+    (y,) = dispatch_lower("combine_slots", [eo] + idx + weights, [(out, out_layout)], lower,
                     {"tokens": s, "experts": e, "capacity": c, "choices": k},
                     _RULES["combine", bool(weights)] if is_float(eo.dtype) else None, flops=2 * k * local)
     return y

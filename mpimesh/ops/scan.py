@@ -23,7 +23,7 @@ from typing import Union
 from ..backend import accumulation_dtype
 from ..layout import splitting
 from ..shape import Dimension
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .relayout import to_layout
 from .slicing import _dim_name
 
@@ -67,7 +67,7 @@ def cumsum(x, dim: Union[str, Dimension], exclusive: bool = False, reverse: bool
                 c = c + xp.sum(later, axis=axis, keepdims=True, dtype=c.dtype)
         return c.astype(low) if c.dtype != low and low != bool else c
 
-    (y,) = dispatch("cumsum", [x], [(x.shape, layout)], lower,
+    (y,) = dispatch_lower("cumsum", [x], [(x.shape, layout)], lower,
                     {"dim": name, "exclusive": exclusive, "reverse": reverse}, _cumsum_grad)
     return y
 

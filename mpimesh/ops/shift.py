@@ -50,7 +50,7 @@ import numpy as np
 from ..errors import MpimeshError, ShapeError
 from ..layout import block, block_sizes, splitting
 from ..shape import Dimension, Shape
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .relayout import to_layout
 
 
@@ -322,7 +322,7 @@ def shift(x, offset: int, dim: Union[str, Dimension], wrap: bool):
 
     def lower(ctx, a):
         return gather_window(ctx, a, axis, m, size, windows, wrap)
-    (y,) = dispatch("shift", [x], [(x.shape, x.tensor_layout)], lower,
+    (y,) = dispatch_lower("shift", [x], [(x.shape, x.tensor_layout)], lower,
                     {"offset": offset, "dim": name, "wrap": wrap}, _shift_grad)
     return y
 
@@ -378,7 +378,7 @@ def _halo_apply(x, p: dict):
 
     def lower(ctx, a):
         return gather_window(ctx, a, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
-    (y,) = dispatch("halo_exchange", [x], [(p["out_shape"], p["out_layout"])], lower, p,
+    (y,) = dispatch_lower("halo_exchange", [x], [(p["out_shape"], p["out_layout"])], lower, p,
                     lambda op, dy: [_halo_transpose(dy, op.params)])
     return y
 
@@ -389,6 +389,6 @@ def _halo_transpose(dy, p: dict):
 
     def lower(ctx, g):
         return scatter_window(ctx, g, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
-    (dx,) = dispatch("halo_exchange_transpose", [dy], [(p["in_shape"], p["in_layout"])], lower, p,
+    (dx,) = dispatch_lower("halo_exchange_transpose", [dy], [(p["in_shape"], p["in_layout"])], lower, p,
                      lambda op, g: [_halo_apply(g, op.params)])
     return dx

@@ -41,7 +41,7 @@ from ..layout import TensorLayout, block, block_sizes, splitting
 from ..promotion import cast_operands, operand_casts
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch, saving
+from ..trace import dispatch_lower, saving
 from .relayout import to_layout
 
 _slice = builtins.slice  # this module defines its own `slice`
@@ -210,7 +210,7 @@ def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list,
         outs = tuple(_window(ctx, arrays[0], axis, p, md, k, r) for p, r in zip(pieces, routes))
         return outs if len(outs) > 1 else outs[0]
     specs = [(s, lay) for s, lay in zip(out_shapes, out_layouts)]
-    return dispatch(name, ins, specs, lower, {**params, "routes": routes}, grad)
+    return dispatch_lower(name, ins, specs, lower, {**params, "routes": routes}, grad)
 
 
 def slice(x, begin: int, size: int, dim_name: str):  # noqa: A001 - Mesh-TensorFlow's name

@@ -29,8 +29,8 @@ import numpy as np
 
 from ..backend import is_eager, name
 from ..errors import MpimeshError
-from ..trace import dispatch
-from .inplace import axpy_into, axpy_new as _axpy, scale_add_into
+from ..trace import dispatch_lower
+from . import inplace
 from .relayout import to_layout
 
 ADAM_SOURCE = """
@@ -53,6 +53,18 @@ SGD_SOURCE = """
 SGD_PARAMS = ("T p, T g, T v, T neg_lr, T mom, bool momentum", "T p1, T v1")
 
 _cuda: dict = {}
+
+
+def _axpy(xp, alpha, x, y):
+    return (inplace.axpy_new_chunked if name(xp) == "numpy" else inplace.axpy_new)(xp, alpha, x, y)
+
+
+def axpy_into(xp, alpha, x, y):
+    return (inplace.axpy_into_chunked if name(xp) == "numpy" else inplace.axpy_into)(xp, alpha, x, y)
+
+
+def scale_add_into(xp, alpha, x, y):
+    return (inplace.scale_add_into_chunked if name(xp) == "numpy" else inplace.scale_add_into)(xp, alpha, x, y)
 
 
 def _kernel(xp, which: str):
@@ -116,7 +128,7 @@ def _fused(op: str, kernel, groups: Sequence[tuple], shared: Sequence, n_out: in
     widest = max(math.prod(g[0].local.shape) * np.dtype(dtype or g[0].dtype).itemsize
                  * (scratch + 2 * (dtype is not None and g[0].dtype != dtype)) for g in groups)
     params = dict(params, scratch_bytes=widest)
-    outs = dispatch(op, [*shared, *(t for g in groups for t in g)], specs, lower, params, None, flops)
+    outs = dispatch_lower(op, [*shared, *(t for g in groups for t in g)], specs, lower, params, None, flops)
     return [tuple(outs[j * n_out:(j + 1) * n_out]) for j in range(len(groups))]
 
 

@@ -73,30 +73,6 @@ def _describe(t) -> str:
     return f"tensor {t.shape} ({t.dtype}, layout {t.layout or '{}'})"
 
 
-# Ops whose kernels give the right values on padded blocks: elementwise ops (their module), and
-# these, whose padding is zero or, for those with a fill, the fill while they run (top_k and argmax
-# see the lowest value there, so never pick a padded slot over a real one). one_hot, gather and
-# dropout index by global position: a padded block's positions run on into the next block's, and
-# what they give there is dropped with the padding (gather's table has zero rows there); so do the
-# creation ops (full, random_uniform, random_normal), which make the padded length.
-# The fused ops: softmax's and log_softmax's gradients, the multi-tensor updates and layer norm
-# (which keeps the padding out of its variance, `Collectives.real`) run on zero padding;
-# softmax_cross_entropy and its gradient see the lowest value there (and never pick a padded target).
-_FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
-          "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest",
-          "softmax_cross_entropy": "lowest", "softmax_cross_entropy_grad": "lowest"}
-_PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat", "split",
-              "one_hot", "gather", "dropout", "shift", "halo_exchange", "halo_exchange_transpose", "conv",
-              "conv_input_grad", "conv_filter_grad", "psum", "full", "random_uniform", "random_normal",
-              "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad", "adam_update", "sgd_update",
-              "adafactor_update", "top2_slots", "dispatch_slots", "combine_slots",
-              *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad")), *_FILLS}
-
-
-def _runs_padded(rec) -> bool:
-    return rec.name in _PADDED_OK or getattr(rec.lower, "__module__", None) == "mpimesh.ops.elementwise"
-
-
 def _uneven_axes(shape: Shape, layout: tuple, mesh_shape: Shape) -> tuple:
     """`(axis, mesh_dim, block sizes)` of each dim split into blocks of unequal length.
 
@@ -163,7 +139,7 @@ class _Plan:
                              for i, t in tensors.items()}
         for rec in self.ops:
             t = next((t for t in rec.inputs + rec.outputs if self.uneven[id(t)]), None)
-            if t is not None and not _runs_padded(rec):
+            if t is not None and rec.op.fill is None:
                 raise ReplayError(f"op {rec!r} has a {_describe(t)} with {_blocks(t, self.uneven[id(t)][0])}; the "
                                   f"JAX replay holds such blocks padded to the largest, and this op cannot run on "
                                   f"padded blocks yet: lay that dim out evenly (or not at all) in the trace")
@@ -172,8 +148,8 @@ class _Plan:
                 raise ReplayError(f"this rank holds a {_describe(t)} block of shape {tuple(t.local.shape)}, not "
                                   f"the largest, {self.local_shapes[i]}: the trace's kernels keep the recording "
                                   f"rank's block sizes, so build a replay of uneven blocks on rank 0")
-        self.fills = {id(rec): _FILLS[rec.name] for rec in self.ops
-                      if rec.name in _FILLS and any(self.uneven[id(t)] for t in rec.inputs)}
+        self.fills = {id(rec): rec.op.fill for rec in self.ops  # (what the op's kernel needs in the padding)
+                      if rec.op.fill in ("lowest", "highest") and any(self.uneven[id(t)] for t in rec.inputs)}
         self.barriers = _barriers(self.ops)
 
 
@@ -223,7 +199,7 @@ def _body(plan: _Plan, ctx: JaxCollectives):
                 args = [_padded(ctx, a, plan.uneven[id(t)], _fill(a.dtype, plan.fills[id(rec)]))
                         for a, t in zip(args, rec.inputs)]
             try:
-                result = rec.lower(ctx, *args)
+                result = rec.op.kernel_for("jax")(ctx, *args, **rec.params)
             except MpimeshError:
                 raise
             except Exception as e:
