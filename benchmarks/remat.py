@@ -6,7 +6,7 @@ Run (common.py fixes the BLAS environment by itself: one BLAS thread per rank):
 
     mpiexec -n N python benchmarks/remat.py [--repeat 7] [--layers 4 --batch 16 --length 128 ...]
 
-The step is `apps/transformer.py`'s training step (forward, `mm.gradients(release=True)`, Adafactor)
+The step is `apps/transformer.py`'s training step (forward, `mm.gradients`, Adafactor)
 with `Config(remat=0)` and `Config(remat=layers)` (every block's sublayers), data-parallel over
 all ranks (`batch:all`).
 - Peak activation bytes per rank: `mm.profile(memory=True)`'s peak of live arrays during the
@@ -41,7 +41,7 @@ def grads_fn(cfg):
         names = sorted(params)
         with mm.trace():
             loss = T.loss_fn(params, batch, cfg, True, 0)
-            grads = mm.gradients([loss], [params[n] for n in names], release=True)
+            grads = mm.gradients([loss], [params[n] for n in names])
         return loss, grads
     return fn
 

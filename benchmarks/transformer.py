@@ -150,7 +150,7 @@ def main() -> None:
         rank0_print(f"\n{name} ({rules}) on {n} rank(s), rank 0's profile of one step:\n{prof.report()}")
         peaks = {}
         for release in (False, True):  # one step each, activations kept vs released during backward
-            kept = app.make_train_step(cfg, opt, release=release)
+            kept = app.make_train_step(cfg, opt, retain=not release)
             with mm.profile(memory=True) as mem:
                 box["p"], box["s"], _ = kept(box["p"], box["s"], batch)
             peaks[release] = mem.peak_bytes["arrays"]

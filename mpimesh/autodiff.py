@@ -80,8 +80,8 @@ def _rules_of(op):
     return layout_scope(mesh, op.rules)
 
 
-def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr: Optional[Trace] = None, *,
-              release: bool = False, bucket_bytes: Optional[int] = None) -> list:
+def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, *, tr: Optional[Trace] = None,
+              retain: bool = False, bucket_bytes: Optional[int] = None) -> list:
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
@@ -91,17 +91,15 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr
     `grad_ys`: one tensor per y, of its shape and dtype (the cotangents, as TensorFlow's `grad_ys` or
     the argument of JAX's `vjp` function): the gradients are then those of the sum of all elements
     of `y * grad_y` over the ys, without computing that product (e.g. a loss's gradient dy, fed
-    back through the layers that made y). Default: ones. The third positional argument, as in the
-    contract (`mm.gradients(ys, xs, grad_ys=None)`); a trace there is taken as `tr`, as before.
+    back through the layers that made y). Default: ones.
 
-    An open trace keeps, of the tensors nothing else holds, only those some gradient rule reads
-    (`trace.saving`); the others' arrays are freed during the forward pass already. With
-    `release=True` (a training step's memory), each intermediate tensor that nothing but the trace
-    holds also gives its values back as soon as no remaining gradient rule of this walk needs them:
-    the trace keeps only its shape and layout (`trace.Released`), which is all a replay needs.
-    Differentiating the same ops again (second-order gradients) then fails with a clear error, as
-    in PyTorch without `retain_graph`; the default keeps what the rules read until the trace is
-    dropped.
+    Memory, as PyTorch's backward: an open trace keeps, of the tensors nothing else holds, only those
+    some gradient rule reads (`OpDef.saves`); and as the walk goes, each intermediate tensor that
+    nothing but the trace holds gives its values back as soon as no remaining gradient rule needs
+    them (the trace keeps its shape and layout, `trace.Released`, all a replay needs). So the
+    backward's peak does not grow with depth. Differentiating the same ops again (second-order
+    gradients) then fails with a clear error; `retain=True` (PyTorch's `retain_graph`) keeps what
+    the rules read until the trace is dropped.
 
     Data-parallel sums of gradients go in buckets (`mpimesh.buckets`): the gradient of an x that
     the trace did not produce (a parameter, also through a relayout or a cast, as a float32 master
@@ -111,8 +109,6 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr
     backward pass goes on. The values are the same as without buckets.
     """
 
-    if isinstance(grad_ys, Trace):  # gradients(ys, xs, tr): the trace, given where grad_ys goes
-        tr, grad_ys = grad_ys, None
     tr = tr if tr is not None else current_trace()
     if tr is None:
         raise MpimeshError("mm.gradients needs an open trace: call it inside the `with mm.trace():` block that ran "
@@ -134,7 +130,7 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr
         if op.grad is not None and any(id(t) in reach for t in op.inputs):
             reach.update(id(t) for t in op.outputs)
     grads: dict[int, object] = {}
-    memory = _Release(tr, ops, reach, ys, xs) if release else None
+    memory = None if retain else _Release(tr, ops, reach, ys, xs)
     limit = _bucket_limit(bucket_bytes)
     leaves, through = _bucket_leaves(ops, xs) if limit else ({}, {})
     terms: dict[int, list] = {}  # a leaf's gradient terms in arrival order, summed once all buckets are in
@@ -151,7 +147,7 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, tr
     with Bucketer(leaves, limit, ops) as buckets:
         for y, seed in zip(ys, seeds):
             accumulate(y, seed)
-        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, release,
+        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, not retain,
                     {id(x) for x in xs})
         _walk(ops, through, memory, st)
         buckets.finish()

@@ -117,9 +117,8 @@ class Region:
         outputs in the order of `self.outputs` and the ops they took, recorded in the open traces."""
         if self.forgotten:
             raise MpimeshError(f"mm.remat({_name(self.fn)}): its inputs were let go by an earlier "
-                               f"mm.gradients(..., release=True), so it cannot run again for a second backward "
-                               f"pass; differentiate the first time without release=True (PyTorch's "
-                               f"retain_graph=True)")
+                               f"mm.gradients, so it cannot run again for a second backward pass; differentiate "
+                               f"the first time with mm.gradients(..., retain=True) (PyTorch's retain_graph=True)")
         scope = layout_scope(self.mesh, self.rules) if self.mesh is not None else nullcontext()
         tr = None
         try:
@@ -173,8 +172,8 @@ class Region:
                 f"compute the same ops from the same tensors both times")
 
     def forget(self) -> None:
-        """Its backward pass is done and its values released: let its inputs go."""
-        self.args, self.kwargs, self.inputs, self.forgotten = (), {}, [], True
+        """Its backward pass is done and its values released: let its inputs and outputs go."""
+        self.args, self.kwargs, self.inputs, self.outputs, self.flat, self.forgotten = (), {}, [], [], [], True
 
 
 def remat(fn: Callable) -> Callable:

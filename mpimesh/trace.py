@@ -262,7 +262,7 @@ _kept = _Kept()
 
 
 def take_over(i: int) -> None:
-    """The tensor of id `i` is released by its caller from now on (autodiff's `release=True` walk,
+    """The tensor of id `i` is released by its caller from now on (autodiff's walk,
     which holds it meanwhile), no longer by the open traces."""
     if _kept.depth:
         _kept.held.pop(i, None)

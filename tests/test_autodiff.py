@@ -306,7 +306,7 @@ def test_second_order_through_recorded_backward(shape):
     xa = global_array(AB, 11, np.float64)
     x = mesh.from_numpy(xa, AB, lay)
     with mm.layout_scope(mesh, rules), mm.trace():
-        g, = mm.gradients([mm.sin(x) * x], [x])  # cos(x) x + sin(x)
+        g, = mm.gradients([mm.sin(x) * x], [x], retain=True)  # cos(x) x + sin(x); kept for a second walk
         gg, = mm.gradients([g], [x])  # -sin(x) x + 2 cos(x)
     np.testing.assert_allclose(gg.to_numpy(), -np.sin(xa) * xa + 2 * np.cos(xa), rtol=1e-10, atol=1e-12)
 
@@ -349,12 +349,12 @@ def test_grad_ys_are_cotangents(shape):
     c = mesh.from_numpy(ca, "a:8;b:8", {"b": lay["a"]} if lay else {})
     with mm.layout_scope(mesh, rules), mm.trace():
         y, z = mm.tanh(mm.einsum([x, w])), mm.square(x)
-        gx, gw = mm.gradients([y], [x, w], grad_ys=[c])
-        gx2, = mm.gradients([y, z], [x], grad_ys=[c, mesh.from_numpy(da, "a:8;k:16")])
-        gx3, = mm.gradients([y], [x], [c])  # the contract's third positional argument (it was the trace)
+        gx, gw = mm.gradients([y], [x, w], grad_ys=[c], retain=True)  # (the same ops walked again below)
+        gx2, = mm.gradients([y, z], [x], grad_ys=[c, mesh.from_numpy(da, "a:8;k:16")], retain=True)
+        gx3, = mm.gradients([y], [x], [c])  # the contract's third positional argument
     with mm.layout_scope(mesh, rules), mm.trace() as tr:
         y = mm.tanh(mm.einsum([x, w]))
-        gx4, = mm.gradients([y], [x], tr)  # a trace there still means the trace
+        gx4, = mm.gradients([y], [x], tr=tr)  # the trace named
     dh = (1 - np.tanh(xa @ wa) ** 2) * ca
     np.testing.assert_array_equal(gx3.to_numpy(), gx.to_numpy())
     np.testing.assert_allclose(gx4.to_numpy(), (1 - np.tanh(xa @ wa) ** 2) @ wa.T, rtol=1e-10, atol=1e-12)

@@ -246,7 +246,7 @@ def _lowp_step(mesh, g, dtype, bucket_bytes, release=False):
     x = mm.cast(mesh.from_numpy(g["x"].astype(np.float32), f"batch:{B};seq:2;i:{I}"), dtype)
     with mm.profile() as prof, mm.trace() as tr:
         loss = _lowp_loss(mm.layers.unflatten(params), x)
-        grads = mm.gradients([loss], list(params.values()), bucket_bytes=bucket_bytes, release=release)
+        grads = mm.gradients([loss], list(params.values()), bucket_bytes=bucket_bytes, retain=not release)
     assert all(t.dtype == np.float32 for t in grads)  # the masters' gradients, through the casts
     return {k: t.to_numpy() for k, t in zip(params, grads)}, prof, tr
 
@@ -276,7 +276,7 @@ def test_low_precision_gradients_through_casts_are_bucketed_bitwise(shape, dtype
     plain, p0, _ = _lowp_step(mesh, g, dtype, 0)
     one, p1, _ = _lowp_step(mesh, g, dtype, 1)  # every gradient a bucket of its own
     big, p3, _ = _lowp_step(mesh, g, dtype, None)  # the default: one bucket
-    freed, _, _ = _lowp_step(mesh, g, dtype, None, release=True)  # the cast rules run after the walk
+    freed, _, _ = _lowp_step(mesh, g, dtype, None)  # the cast rules run after the walk
     tol = 3e-2 if dtype == "bfloat16" else 4e-3
     for k in want:
         scale = np.abs(want[k]).max()

@@ -1,10 +1,11 @@
-"""`mm.gradients(..., release=True)`: intermediates give their values back as the backward walk
+"""`mm.gradients(...)`: intermediates give their values back as the backward walk
 passes them, with the same gradients, a lower peak, and a trace that still replays."""
 from __future__ import annotations
 
 import os
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def test_same_gradients_bitwise_and_released_intermediates(shape):
     for release in (False, True):
         with mm.layout_scope(mesh, rules), mm.trace() as tr:
             loss = _model(x, w1, w2, labels)
-            grads = mm.gradients([loss], [x, w1, w2], release=release)
+            grads = mm.gradients([loss], [x, w1, w2], retain=not release)
         results[release] = [g.to_numpy() for g in grads] + [loss.to_numpy()]
         stubs[release] = sum(isinstance(t, Released) for rec in tr.ops for t in rec.inputs + rec.outputs)
     assert stubs[True] > stubs[False]  # (without release, only what no gradient rule reads goes)
@@ -65,7 +66,7 @@ def test_release_lowers_the_peak():
                 h = mm.tanh(h * 1.1)
             loss = mm.reduce_sum(h)
             del h
-            (g,) = mm.gradients([loss], [x], release=release)
+            (g,) = mm.gradients([loss], [x], retain=not release)
         peaks[release] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         del g, loss
@@ -78,7 +79,7 @@ def test_released_trace_still_replays():
     x = mesh.from_numpy(np.linspace(0.1, 1.0, 6).astype(np.float32), "a:6")
     with mm.trace() as tr:
         loss = mm.reduce_sum(mm.exp(mm.sin(x) * x))
-        (g,) = mm.gradients([loss], [x], release=True)
+        (g,) = mm.gradients([loss], [x])
     import jax
     f = mm.tpu.replay(tr, [x], [loss, g], devices=jax.devices()[:1])
     got_loss, got_g = f(x.to_numpy())
@@ -90,10 +91,10 @@ def test_differentiating_released_ops_again_says_why():
     mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
     x = mesh.from_numpy(np.array([0.5, 1.0]), "a:2")
     with mm.trace():
-        (g,) = mm.gradients([mm.sin(mm.exp(x))], [x], release=True)
+        (g,) = mm.gradients([mm.sin(mm.exp(x))], [x])
         with pytest.raises(mm.MpimeshError, match="were released"):
             mm.gradients([g], [x])
-        (g2,) = mm.gradients([mm.sin(mm.exp(x))], [x])  # the default keeps values: second order works
+        (g2,) = mm.gradients([mm.sin(mm.exp(x))], [x], retain=True)  # kept: second order works
         (gg,) = mm.gradients([g2], [x])
     e = np.exp([0.5, 1.0])
     np.testing.assert_allclose(gg.to_numpy(), -np.sin(e) * e * e + np.cos(e) * e, rtol=1e-12)
@@ -114,3 +115,25 @@ def test_profile_reports_peak_memory():
     with mm.profile() as plain:
         pass
     assert set(plain.peak_bytes) - {"gpu", "gpu_cached"} == {"host"}  # (a GPU's pool where CuPy is in use)
+
+
+def test_defaults_free_as_the_backward_goes():
+    """Issue 41's table (`benchmarks/backward_memory.py`): with `mm.gradients`' defaults, `mm.remat` per
+    block lowers the whole step's peak to at most 0.4x of the step without it, and the backward's own
+    part of the peak (less what the forward left and the gradients returned) does not grow with
+    depth; `retain=True` keeps every intermediate, as before (about twice the step's peak)."""
+    if mm.MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("one process: the 1-rank session runs it")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from backward_memory import residual_blocks, step_peaks
+    peaks = {}
+    for depth in (8, 16, 32):
+        x, params = residual_blocks(depth)
+        for remat in (False, True):
+            peaks[depth, remat] = step_peaks(x, params, remat, retain=False)
+    for depth in (16, 32):  # (the issue's 16 blocks; at 8 the parameters' gradients weigh more: about 0.43)
+        assert peaks[depth, True]["step"] <= 0.4 * peaks[depth, False]["step"], depth
+    for remat in (False, True):
+        assert peaks[32, remat]["backward"] <= peaks[8, remat]["backward"] + 64 * 1024, remat
+    x, params = residual_blocks(16)
+    assert step_peaks(x, params, False, retain=True)["step"] > 1.8 * peaks[16, False]["step"]

@@ -52,7 +52,7 @@ def _grads(mesh, cfg, seed):
     names = list(params)
     with mm.trace() as tr:
         loss = T.loss_fn(params, _batch(mesh, cfg), cfg, True, seed)
-        grads = mm.gradients([loss], [params[n] for n in names], release=True)
+        grads = mm.gradients([loss], [params[n] for n in names])
     return loss.to_numpy(), {n: g.to_numpy() for n, g in zip(names, grads)}, len(tr.ops)
 
 
@@ -84,7 +84,7 @@ def test_gradient_against_finite_differences():
     block = mm.remat(lambda x, w: mm.dropout(mm.tanh(mm.einsum([x, w], output_shape="batch:6;h:5")), 0.5, 11))
     with mm.trace():
         y = mm.reduce_sum(mm.square(block(x, w)))
-        gx, gw = mm.gradients([y], [x, w], release=True)
+        gx, gw = mm.gradients([y], [x, w])
     keep = mm.dropout(mesh.ones("batch:6;h:5", "float64"), 0.5, 11).to_numpy()  # the mask, scaled
 
     def loss(xv, wv):
@@ -117,7 +117,7 @@ def test_collectives_inside_run_again_and_are_counted(shape):
             cfg = replace(CFG, remat=remat)
             with mm.profile() as prof, mm.trace():
                 loss = T.loss_fn(params, batch, cfg, True, 0)
-                mm.gradients([loss], list(params.values()), release=True, bucket_bytes=0)
+                mm.gradients([loss], list(params.values()), bucket_bytes=0)
             calls[remat] = sum(c["calls"] for c in prof.transfers.values())
         p = layers.unflatten(params)
         x = layers.embedding(p["embed"], batch["inputs"], CFG.dtype) + mm.cast(p["pos"]["weights"], CFG.dtype)
@@ -265,9 +265,9 @@ def test_a_second_backward_after_release_is_a_clear_error():
     x = mesh.ones("a:3", "float64")
     with mm.trace():
         loss = mm.reduce_sum(mm.remat(lambda t: mm.sin(mm.exp(t)))(x))
-        mm.gradients([loss], [x], release=True)
+        mm.gradients([loss], [x])
         with pytest.raises(MpimeshError, match=r"mm.remat\(.*<lambda>, defined at .*\): its inputs were let go by an "
-                                               r"earlier mm.gradients\(..., release=True\).*retain_graph"):
+                                               r"earlier mm.gradients, so it cannot run again.*retain=True"):
             mm.gradients([loss], [x])
 
 
@@ -292,7 +292,7 @@ def test_auto_layout_remats_the_fewest_blocks_when_memory_is_short():
             h = x
             for w in ws:
                 h = block(h, w)
-            return mm.gradients([mm.reduce_sum(h * h)], ws, release=True)
+            return mm.gradients([mm.reduce_sum(h * h)], ws)
     args = (ArgSpec("batch:256;d:64", "float32"), [ArgSpec("d:64;d_out:64", "float32") for _ in range(4)])
     step_args = (args[0], [a for a in args[1]])
     mesh = DryMesh("x:2")

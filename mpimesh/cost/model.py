@@ -22,7 +22,7 @@ largest):
 Memory per rank: the arguments' blocks (parameters, optimizer state, batch) for the whole step,
 plus at the peak the op outputs alive then: each from its op to its last use, or, made while a
 trace of the program was open (`mm.trace()`, which every step with gradients has), until that
-trace closes or autodiff releases it (`mm.gradients(..., release=True)`); the function's outputs
+trace closes or autodiff releases it (`mm.gradients`, unless `retain=True`); the function's outputs
 to the end. An output that is a view of its input (a reshape or rename, a relayout that moves
 nothing, an einsum that only reorders dims) adds no bytes: it keeps its input's block alive.
 Kernel temporaries are not counted, but for an op that declares them (`OpDef.scratch`:
