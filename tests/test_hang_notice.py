@@ -9,6 +9,7 @@ rank 0 alone calls `mm.save` or `to_numpy`, the PyTorch habit `if rank == 0: sav
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import re
@@ -43,13 +44,17 @@ def _hook(seen: set):
 
 
 def _calls(fn) -> set:
-    """What `_hook` sees while `fn()` runs."""
+    """What `_hook` sees while `fn()` runs (no garbage collection meanwhile: a finaliser it ran, such as
+    an earlier test's mesh's `_release`, would be seen as a call of the program)."""
     seen: set = set()
+    gc.collect()
+    gc.disable()
     sys.setprofile(_hook(seen))
     try:
         fn()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return seen
 
 
