@@ -1,109 +1,15 @@
 """A decoder-only Transformer language model on bytes, data- and model-parallel, with one command.
 
-    mpiexec -n 4 python apps/transformer.py                       # the defaults: ~2 minutes on 2 cores
+    mpiexec -n 4 python apps/transformer.py                       # the defaults, on a 2x2 mesh
     mpiexec -n 4 python apps/transformer.py --mesh "rows:4;cols:1" --layout "batch:rows"
-    mpiexec -n 2 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 1000
-    mpiexec -n 4 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 2000 --resume
+    mpiexec -n 2 python apps/transformer.py --data notes.txt --checkpoint ckpt --steps 1000 [--resume]
 
-Every rank runs this same program (SPMD) and holds only its slices of the parameters, optimizer
-state and activations; the `--layout` rules decide what is split over which mesh dim. The default
-is the Mesh-TensorFlow paper's layout on a 2x2 mesh: batch over rows (data parallelism), attention
-heads, feed-forward hidden units and the vocabulary over cols (model parallelism).
-
-Data: byte-level text (vocabulary 256). The default corpus is the Python standard library's own
-source files (`sysconfig.get_paths()["stdlib"]`, *.py outside site-packages, sorted, each file
-placed by a hash of its path, capped by `--max-bytes`); `--data PATH` takes a text file or a folder.
-Files whose path hash falls in the last `--heldout` fraction are held out (one file: its tail).
-Every rank reads the same bytes and builds the same global batch from `(seed, step)`;
-`from_numpy` keeps each rank's slice, so training is deterministic and resumable.
-
-The training step is compiled (`mm.compile`): the first step runs op by op and is recorded, every
-later one replays the recorded kernels and collectives without per-op Python, with the same values
-bitwise, and updates the parameters and optimizer state in place (they are donated to it:
-`donate_argnums`); `--eager` runs every step op by op. Each step's seed is a seed tensor (`step_seed`), so
-the MoE layers' random choices are new in every replayed step.
-
-Rank 0 prints the corpus, the unigram baseline (entropy of the training bytes' frequencies, in bits
-per byte), a progress line every `--log-every` steps (a bar and the ETA, from the mean time per step
-since the first, which records the step, evaluations and saves included; loss, tokens/s, step time,
-the fraction of the step spent inside collectives, bytes sent), held-out loss and bits per byte every
-`--eval-every` steps and at the end, and finally a few sampled lines. Communication time is
-measured by timing every collective call of the mesh (wall time inside the call, which includes
-waiting for slower peers: on an oversubscribed machine that is mostly time slices lent to other
-ranks); the bytes come from `mm.profile()`'s counters; `--profile` prints them per step.
-
-Checkpoints: `--checkpoint DIR` saves `DIR/step-NNNNNNNN` every `--save-every` steps and at the
-end (the parameters and the whole optimizer state), then deletes all but the newest two. Each save
-is atomic (`mpimesh.checkpoint.save_step`: every rank writes and fsyncs its slices in a temporary
-sibling directory; after they all have, rank 0 writes the index last and renames the directory into
-place), so a job killed at any moment, even mid-save, leaves the previous checkpoint whole.
-Rank 0 logs each save in one line (step, path, MiB, seconds). `--steps` is the total step count:
-`--resume` continues from the newest complete checkpoint in DIR (`--resume 250`: from DIR's step
-250; `--resume PATH`: from the checkpoint directory PATH) up to `--steps`, on any rank count, mesh
-and layout, with the same batches (they depend only on `--seed` and the step), so the loss curve is
-the uninterrupted one to float rounding. A checkpoint already at `--steps` leaves nothing to do;
-one past it is an error; a damaged one (a file truncated or corrupted after it was saved) is refused
-naming the newest intact checkpoint in DIR and the `--resume STEP` that takes it. These are refused at start, on
-every rank, before any training: a DIR that holds anything but checkpoints; without `--resume`, a
-DIR that holds a checkpoint, unless `--overwrite` (which deletes them and starts from step 0); with
-`--resume`, a model of other sizes, naming the tensor and dim (`checkpoint has d_model:64, expected
-d_model:128`).
-
-`--log-json FILE`: rank 0 writes one JSON line per training step, e.g. (a tiny model on 2 ranks)
-
-    {"step": 3, "loss": 5.8116, "tokens_per_s": 5037.8, "step_ms": 12.70, "comm_share": 0.757,
-     "lr": 0.01, "peak_bytes": {"host": 74518528}, "heldout_loss": 5.8559}
-
-`step` counts from 1; `loss` is the step's training loss (nats per byte); `tokens_per_s` and
-`step_ms` are that step's alone (batch x length tokens over the wall time of the step, reading the
-loss back included); `comm_share` is the fraction of that time spent inside the mesh's collectives
-(null with --backend jax: XLA places its own); `lr` is the learning rate the optimizer applied, its
-schedule at the optimizer's step count (`learning_rate`; Adafactor's relative step, before it is
-scaled by each parameter's RMS; a float16 step skipped for overflow does not advance the count);
-`peak_bytes` is rank 0's peak memory during the step as `mm.profile()` measures it: `host`, the
-process's resident set high-water mark (VmHWM, reset at the step's start where Linux allows it,
-else the peak so far), and with --device gpu also `gpu` (CuPy's pool, bytes in use) and
-`gpu_cached`; `heldout_loss` (nats per byte) is there on the evaluated steps alone: every
-`--eval-every` steps and the last.
-
-    mpiexec -n 2 python apps/transformer.py --checkpoint ckpt --steps 40 --save-every 10 --log-json a.jsonl
-    mpiexec -n 4 python apps/transformer.py --checkpoint ckpt --steps 80 --resume --mesh "rows:4;cols:1"
-
-The training step (`make_train_step`) is pure mpimesh: forward, `mm.gradients`, optimizer update,
-recorded in one `mm.trace()`.
-
-`--moe-every K --experts E`: the feed-forward block of every K-th layer becomes GShard's top-2
-mixture of experts (`mm.layers.moe`; each sequence is a group, batch the group dim); its
-load-balancing loss joins the training loss. Unless `--layout` places `experts`, the rule
-`experts:<batch's mesh dim>` is added, so the dispatch and combine are alltoalls over that dim:
-
-    mpiexec -n 4 python apps/transformer.py --moe-every 2 --experts 4
-
-`--device gpu`: every rank holds its slices on its own GPU (CuPy, `python3 install.py gpu`; one rank
-per GPU, e.g. `mpiexec -n 8` on an 8-GPU node); the transport is chosen per mesh (see README.md).
-
-`--layout auto` needs jax (`python3 install.py tpu`): `mm.auto_layout` records the training step
-dry (shapes only, each op's output shapes from `jax.eval_shape`) and prices layout rules with the
-cost model (`mpimesh.cost`) on this machine's calibration for the mesh, measured once (a few
-seconds: a warm-up pass, then the median of 3 rounds) and kept in the user's cache
-(`~/.cache/mpimesh/calibration/`, `MPIMESH_CACHE_DIR`), so that every run prices alike;
-`--recalibrate` measures again. Rank 0 prints the chosen rules and the top 5 alternatives with their
-predicted step times, trains with the chosen rules, and after the first 20 steps prints the
-predicted step time beside the measured one:
-
-    mpiexec -n 4 python apps/transformer.py --layout auto
-
-`--backend jax` replays the step through JAX: recorded once with mpimesh on a 1-rank mesh with
---mesh's dim names, each of size 1 (the global program), each op's own kernel under `jax.numpy`,
-jitted with the `--layout` rules as shardings on a JAX mesh with the `--mesh` dims and sizes (XLA's
-SPMD partitioner places the collectives). As one process (host devices on CPU), or one process
-per rank under mpiexec, joined by `jax.distributed`, the leading mesh dims across processes (CPU
-collectives through gloo). Held-out evaluation, checkpoints (the MPI format: a run moves between
-the backends) and samples run in mpimesh on the parameters brought back (apps/transformer_jax.py);
-compiled programs are kept in JAX's persistent cache (`--compile-cache`):
-
-    python apps/transformer.py --backend jax --mesh "rows:2;cols:2"
-    mpiexec -n 2 python apps/transformer.py --backend jax --mesh "rows:2;cols:2"
+Every rank runs this program (SPMD) and holds only its slices of the parameters, optimizer state
+and activations; the `--layout` rules say which tensor dim is split over which mesh dim (default:
+the Mesh-TensorFlow paper's, batch over rows; heads, d_ff and vocab over cols). The training step
+(`make_train_step`: forward, `mm.gradients`, the optimizer update) is compiled (`mm.compile`).
+`--help` lists the flags; docs/transformer.md describes the data, the output, `--log-json`,
+checkpoints, MoE, GPUs, `--layout auto`, `--backend jax` and how `main` is split.
 """
 from __future__ import annotations
 
@@ -115,7 +21,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -297,11 +203,12 @@ def init_state(cfg: Config, optimizer, params: Params) -> dict:
     return state if scaler is None else scaler.init(state)
 
 
-def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
+def make_train_step(cfg: Config, optimizer, retain: bool = False) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
-    `seed` (an int, or a seed tensor: `step_seed`) draws the MoE layers' random second-expert choices. `release`: autodiff gives each
-    activation back as soon as the backward pass is done with it (a lower peak). With float16
+    `seed` (an int, or a seed tensor: `step_seed`) draws the MoE layers' random second-expert choices.
+    `release`: autodiff gives each activation back as soon as the backward pass is done with it (a
+    lower peak). With float16
     activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`), its scale held in
     `opt_state` (`init_state`): a step whose gradients overflow is skipped on every rank, compiled
     or not."""
@@ -314,7 +221,7 @@ def make_train_step(cfg: Config, optimizer, release: bool = True) -> Callable:
         with mm.trace():
             loss = loss_fn(params, batch, cfg, True, seed)
             target = loss if scaler is None else scaler.scaled(loss, opt_state)
-            grads = dict(zip(names, mm.gradients([target], [params[n] for n in names], release=release)))
+            grads = dict(zip(names, mm.gradients([target], [params[n] for n in names], retain=retain)))
             if scaler is None:
                 params, opt_state = optimizer.update(params, grads, opt_state)
             else:
@@ -608,14 +515,31 @@ def default_mesh(n: int) -> str:
     return f"rows:{r};cols:{n // r}"
 
 
+SIZES = {"d_model": "residual stream width", "heads": "attention heads", "d_kv": "per-head key/value size",
+         "d_ff": "feed-forward hidden units", "layers": "Transformer blocks", "vocab": "vocabulary (>= 256 bytes)",
+         "length": "positions per sequence (alias --seq)", "batch": "sequences per step"}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = parser(__doc__.split("\n\n")[0] + "\n\nFull description: the top of apps/transformer.py.", DIMS,
-                PAPER_LAYOUT)
+    """The flags (in --help's order, by group), checked: a bad one or a bad combination is one line on
+    stderr from rank 0 and exit status 2 on every rank, before any work."""
+    ap = parser(__doc__.split("\n\n")[0] + "\n\nFull description: docs/transformer.md.", DIMS, PAPER_LAYOUT)
+    for add in (_model_flags, _optimizer_flags, _step_flags, _parallel_flags, _data_flags, _eval_flags,
+                _checkpoint_flags, _output_flags):
+        add(ap)
+    args = ap.parse_args(argv)
+    _check_checkpoint_flags(ap, args)
+    _check_values(ap, args)
+    _check_log_json(ap, args)
+    for note in _idle_flags(ap, args) if mm.MPI.COMM_WORLD.Get_rank() == 0 else ():
+        print(f"note: {note}", file=sys.stderr)
+    return args
+
+
+def _model_flags(ap: argparse.ArgumentParser) -> None:
+    """The model's sizes, activation and activations' dtype."""
     c = Config()
-    sizes = {"d_model": "residual stream width", "heads": "attention heads", "d_kv": "per-head key/value size",
-             "d_ff": "feed-forward hidden units", "layers": "Transformer blocks", "vocab": "vocabulary (>= 256 bytes)",
-             "length": "positions per sequence (alias --seq)", "batch": "sequences per step"}
-    for name, what in sizes.items():
+    for name, what in SIZES.items():
         flags = dict.fromkeys([f"--{name.replace('_', '-')}", f"--{name}"])  # --d-model and --d_model
         ap.add_argument(*flags, dest=name, type=int, default=getattr(c, name), help=what)
     ap.add_argument("--seq", dest="length", type=int, help=argparse.SUPPRESS)
@@ -623,10 +547,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=c.dtype, choices=["float32", "bfloat16", "float16"],
                     help="the activations' dtype (parameters and optimizer state stay float32; float16 scales the "
                          "loss dynamically)")
+
+
+def _optimizer_flags(ap: argparse.ArgumentParser) -> None:
+    c = Config()
     ap.add_argument("--optimizer", default=c.optimizer, choices=["adafactor", "adam"])
     ap.add_argument("--lr", type=float, default=None,
                     help="the learning rate (default: adafactor, a relative step of min(0.01, 1/sqrt(t)); adam, 3e-3)")
     ap.add_argument("--warmup", type=int, default=c.warmup, help="adam's linear warmup steps")
+
+
+def _step_flags(ap: argparse.ArgumentParser) -> None:
+    """Mixtures of experts, rematerialisation and the number of steps."""
     ap.add_argument("--moe-every", dest="moe_every", type=int, default=0,
                     help="K > 0: every K-th feed-forward block (layers i with (i+1) %% K == 0) is a GShard top-2 "
                          "mixture of --experts experts (each sequence one group); if --layout does not place "
@@ -635,9 +567,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=0, help="experts per MoE layer (>= 2 with --moe-every)")
     ap.add_argument("--remat", nargs="?", type=int, const=math.inf, default=0, metavar="N",
                     help="rematerialise the first N blocks (all without N; mm.remat on each of their two "
-                    "sublayers): their activations are recomputed in the backward pass instead of kept (less memory, about one more forward pass); with --layout "
+                    "sublayers): their activations are recomputed in the backward pass instead of kept (less "
+                    "memory, about one more forward pass); with --layout "
                     "auto, mm.auto_layout remats the fewest blocks that let a layout fit when memory is short")
     ap.add_argument("--steps", type=int, default=200, help="the total number of training steps (with --resume too)")
+
+
+def _parallel_flags(ap: argparse.ArgumentParser) -> None:
+    """The mesh, the backend, the device and the layout."""
     ap.add_argument("--mesh", default=None, help="e.g. 'rows:2;cols:2' (default: the squarest rows x cols; with "
                     "--backend jax: rows:2;cols:2)")
     ap.add_argument("--backend", default="mpi", choices=["mpi", "jax"],
@@ -655,13 +592,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "dry run of the step: python3 install.py tpu)")
     ap.add_argument("--recalibrate", action="store_true", help="with --layout auto: measure the machine again "
                     "instead of using the calibration an earlier run kept for this mesh")
+
+
+def _data_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data", default=None, help="a text file or folder (default: the stdlib's sources)")
     ap.add_argument("--max-bytes", type=int, default=4 << 20, help="corpus bytes read at most")
     ap.add_argument("--heldout", type=float, default=0.1, help="held-out fraction")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
+
+
+def _eval_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     ap.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per evaluation")
+
+
+def _checkpoint_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--checkpoint", default=None, help=f"directory of step-NNNNNNNN checkpoints, saved every "
                     f"--save-every steps and at the end; the newest {KEEP} are kept")
     ap.add_argument("--save-every", type=int, default=100, help="steps between checkpoints")
@@ -671,6 +617,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "ones go)")
     ap.add_argument("--overwrite", action="store_true", help="start from step 0 although --checkpoint holds "
                     "checkpoints (they are deleted)")
+
+
+def _output_flags(ap: argparse.ArgumentParser) -> None:
+    """What rank 0 writes and prints, op-by-op steps, and the samples at the end."""
     ap.add_argument("--log-json", default=None, metavar="FILE", help="rank 0 writes one JSON line per training "
                     "step: step, loss, tokens_per_s and step_ms (that step's), comm_share (of its time in "
                     "collectives; null with --backend jax), lr (the optimizer's learning rate at its step count), "
@@ -682,7 +632,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=3, help="sampled lines at the end")
     ap.add_argument("--sample-bytes", type=int, default=120, help="bytes per sampled line")
     ap.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
-    args = ap.parse_args(argv)
+
+
+def _check_checkpoint_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--resume and --overwrite: what they need, and not both."""
     if args.resume is not None and not args.checkpoint and (args.resume == "newest" or args.resume.isdigit()):
         ap.error(f"--resume{'' if args.resume == 'newest' else ' ' + args.resume} needs --checkpoint DIR "
                  "(or give the checkpoint's path: --resume DIR/step-NNNNNNNN)")
@@ -692,7 +645,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--resume continues the checkpoint that --overwrite deletes: give one of them")
     if args.resume is not None and args.resume.lstrip("+-").isdigit() and not args.resume.isdigit():
         ap.error(f"--resume {args.resume}: a step is at least 0 (a checkpoint path: --resume ./{args.resume})")
-    check_at_least(args, 1, *sizes, "steps", "log_every", "eval_every", "eval_batches", "save_every", "max_bytes")
+
+
+def _check_values(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The numbers' ranges, the MoE flags together, --recalibrate's --layout auto."""
+    check_at_least(args, 1, *SIZES, "steps", "log_every", "eval_every", "eval_batches", "save_every", "max_bytes")
     check_at_least(args, 0, "moe_every", "experts", "warmup", "seed", "samples", "sample_bytes", "temperature",
                    *(["remat"] if args.remat != math.inf else []))  # inf: --remat without N, all blocks
     if args.moe_every > 0 and args.experts < 2:
@@ -706,18 +663,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--recalibrate needs --layout auto: it measures the machine for the cost model")
     if not 0 < args.heldout < 1:
         ap.error(f"--heldout {args.heldout}: a fraction between 0 and 1")
+
+
+def _check_log_json(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.log_json:  # rank 0 writes it: its answer, on every rank, before any work
         why = mm.MPI.COMM_WORLD.bcast(unwritable(args.log_json) if mm.MPI.COMM_WORLD.Get_rank() == 0 else None)
         if why:
             ap.error(f"--log-json {args.log_json!r}: {why}")
-    notes = []  # flags that change nothing here: said, not refused (scripts pass them to every run)
+
+
+def _idle_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list:
+    """Notes on flags that change nothing here: said, not refused (scripts pass them to every run)."""
+    notes = []
     if args.save_every != ap.get_default("save_every") and not args.checkpoint:
         notes.append(f"--save-every {args.save_every} does nothing without --checkpoint DIR")
     if args.warmup != ap.get_default("warmup") and args.optimizer == "adafactor":
         notes.append(f"--warmup {args.warmup} does nothing with --optimizer adafactor: it is Adam's linear warmup")
-    for note in notes if mm.MPI.COMM_WORLD.Get_rank() == 0 else ():
-        print(f"note: {note}", file=sys.stderr)
-    return args
+    return notes
 
 
 def unwritable(path: str) -> Optional[str]:
@@ -756,8 +718,73 @@ def on_first_rank(fn: Callable):
     return result
 
 
+class JaxSide(NamedTuple):
+    """--backend jax: apps/transformer_jax.py, the JAX mesh, how it spans the processes, --mesh's text."""
+    helper: object
+    mesh: object
+    across: object
+    shape: str
+
+
+@dataclass
+class Run:
+    """What `main` sets up before training: the flags, the model, the mesh and the corpus."""
+    args: argparse.Namespace
+    cfg: Config
+    mesh: mm.Mesh
+    train: np.ndarray
+    held: np.ndarray
+    predicted: Optional[float] = None  # --layout auto: the cost model's seconds per step
+    jax: Optional[JaxSide] = None  # --backend jax
+
+    @property
+    def first_rank(self) -> bool:
+        return mm.MPI.COMM_WORLD.Get_rank() == 0
+
+    def say(self, *args, **kwargs) -> None:
+        """`print` on world rank 0 alone."""
+        if self.first_rank:
+            print(*args, **kwargs)
+
+
+class Start(NamedTuple):
+    """Where training starts: the parameters, the optimizer and its state, the step, the checkpoint (or None)."""
+    params: Params
+    opt_state: dict
+    optimizer: object
+    step: int
+    path: Optional[str]
+
+
+class StepResult(NamedTuple):
+    """One training step as the loop logs it (`in_comm`: None where XLA places the collectives)."""
+    loss: float
+    seconds: float
+    in_comm: Optional[float]
+    sent: int
+    t: int  # the optimizer's step count after it
+    prof: object
+
+
 def main(argv=None) -> None:
+    """The app: flags, the model and mesh, training, the final evaluation and samples (docs/transformer.md)."""
     args = parse_args(argv)
+    cfg = make_config(args)
+    auto = check_layout_flags(args, cfg)
+    train, held, desc = read_corpus(args, cfg)
+    run = make_run(args, cfg, auto, train, held)
+    start = initial_state(run)
+    if start is None:
+        return
+    base = unigram_bits_per_byte(train)
+    print_banner(run, start, desc, base)
+    params, held_loss, train_time = train_loop(run, start, base)
+    print_summary(run, start, base, held_loss, train_time)
+    print_samples(run, params)
+
+
+def make_config(args: argparse.Namespace) -> Config:
+    """The model's `Config` from the flags; a vocabulary under 256 bytes or a bad --lr is refused."""
     cfg = Config(**{k: getattr(args, k) for k in ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length",
                                                   "batch", "activation", "optimizer", "lr", "warmup",
                                                   "moe_every", "experts", "dtype")},
@@ -766,8 +793,13 @@ def main(argv=None) -> None:
         raise UsageError(f"--vocab {cfg.vocab}: byte-level text needs a vocabulary of at least 256")
     if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr >= 0):
         raise UsageError(f"--lr {cfg.lr}: the learning rate must be a finite number >= 0")
-    world = mm.MPI.COMM_WORLD.Get_size()
-    auto, predicted = args.layout == "auto", None
+    return cfg
+
+
+def check_layout_flags(args: argparse.Namespace, cfg: Config) -> bool:
+    """Whether --layout is auto (which needs jax and --backend mpi); other rules are checked against the
+    model's dims and get MoE's `experts` rule (`moe_layout`) in `args.layout`."""
+    auto = args.layout == "auto"
     if auto and args.backend == "jax":
         raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
     if auto:  # before the corpus and the calibration: the dry run of the step needs jax.eval_shape
@@ -775,11 +807,24 @@ def main(argv=None) -> None:
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)
+    return auto
+
+
+def read_corpus(args: argparse.Namespace, cfg: Config) -> tuple:
+    """`load_corpus` of the flags: `(train, heldout, description)`; each part must hold a window."""
     train, held, desc = load_corpus(args.data, args.max_bytes, args.heldout)
     if min(len(train), len(held)) <= cfg.length + 1:
         raise UsageError(f"--length {cfg.length}: the text gives {len(train)} training and {len(held)} held-out "
                          f"bytes (--max-bytes {args.max_bytes}, --heldout {args.heldout}); each needs more than "
                          f"--length + 1")
+    return train, held, desc
+
+
+def make_run(args: argparse.Namespace, cfg: Config, auto: bool, train: np.ndarray, held: np.ndarray) -> Run:
+    """The mesh: with --backend jax, a 1-rank mesh with --mesh's dim names (each of size 1) and the JAX mesh
+    the step is replayed on; else --mesh (default: the squarest) under --layout, or under the rules
+    `--layout auto` chooses (then with the blocks it remats)."""
+    world = mm.MPI.COMM_WORLD.Get_size()
     if args.device == "gpu" and args.backend == "jax":
         raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
                          "devices JAX sees")
@@ -794,35 +839,47 @@ def main(argv=None) -> None:
             helper.use_compile_cache(args.compile_cache)
         ones = ";".join(f"{n}:1" for n in mm.Shape(jax_mesh).names)  # --mesh's dim names, each of size 1
         mesh = mm.Mesh(ones, layout=args.layout, comm=mm.MPI.COMM_SELF)
-    else:
-        if auto:
-            rules, predicted, remat = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
-            cfg = replace(cfg, remat=max(cfg.remat, remat))
-            args.layout = moe_layout(rules, cfg.moe_every)
-        mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
-                       backend="cupy" if args.device == "gpu" else "numpy")
-    first_rank = mm.MPI.COMM_WORLD.Get_rank() == 0
-    say = print if first_rank else (lambda *a, **k: None)
+        return Run(args, cfg, mesh, train, held, jax=JaxSide(helper, jm, across, jax_mesh))
+    predicted = None
+    if auto:
+        rules, predicted, remat = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
+        cfg = replace(cfg, remat=max(cfg.remat, remat))
+        args.layout = moe_layout(rules, cfg.moe_every)
+    mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
+                   backend="cupy" if args.device == "gpu" else "numpy")
+    return Run(args, cfg, mesh, train, held, predicted=predicted)
+
+
+def initial_state(run: Run) -> Optional[Start]:
+    """A fresh init, or --resume's checkpoint; None (said on rank 0) when that checkpoint is at --steps."""
+    args, mesh = run.args, run.mesh
     from_path = on_first_rank(lambda: resume_point(args, mesh)) if args.backend == "jax" else resume_point(args, mesh)
-    params = init_params(mesh, cfg, args.seed)
-    optimizer = make_optimizer(cfg)
-    opt_state = init_state(cfg, optimizer, params)
+    params = init_params(mesh, run.cfg, args.seed)
+    optimizer = make_optimizer(run.cfg)
+    opt_state = init_state(run.cfg, optimizer, params)
     start = 0
     if from_path:
         params, opt_state, start = resume(from_path, args, mesh, params, opt_state)
         if start == args.steps:
-            say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is the "
-                f"total step count; pass a larger --steps to train on")
-            return
-    base = unigram_bits_per_byte(train)
-    n_params = sum(t.shape.size for t in params.values())
-    if args.backend == "jax":
-        devices = jm.devices.ravel()
-        say(f"mpimesh transformer, jax backend: {world} process(es), jax mesh {mm.Shape(jax_mesh)} on {len(devices)} "
-            f"{devices[0].platform} devices ({helper.distributed.spans_text(across)}), layout {args.layout!r}")
+            run.say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is "
+                    f"the total step count; pass a larger --steps to train on")
+            return None
+    return Start(params, opt_state, optimizer, start, from_path)
+
+
+def print_banner(run: Run, start: Start, desc: str, base: float) -> None:
+    """Rank 0's first lines: ranks, mesh and layout, the model, the data, the baseline, where it resumed."""
+    args, cfg, say = run.args, run.cfg, run.say
+    world = mm.MPI.COMM_WORLD.Get_size()
+    n_params = sum(t.shape.size for t in start.params.values())
+    if run.jax:
+        devices = run.jax.mesh.devices.ravel()
+        say(f"mpimesh transformer, jax backend: {world} process(es), jax mesh {mm.Shape(run.jax.shape)} on "
+            f"{len(devices)} {devices[0].platform} devices ({run.jax.helper.distributed.spans_text(run.jax.across)}), "
+            f"layout {args.layout!r}")
     else:
-        say(f"mpimesh transformer: {world} ranks, mesh {mesh.shape}, layout {args.layout!r}; "
-            + (f"GPU {mesh.device} per rank (rank 0's), transport {mesh.transport}" if args.device == "gpu"
+        say(f"mpimesh transformer: {world} ranks, mesh {run.mesh.shape}, layout {args.layout!r}; "
+            + (f"GPU {run.mesh.device} per rank (rank 0's), transport {run.mesh.transport}" if args.device == "gpu"
                else mm.threads.describe()))
     say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads}x{cfg.d_kv}, d_ff {cfg.d_ff}, "
         f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}; "
@@ -832,112 +889,157 @@ def main(argv=None) -> None:
             f"(top-2 gating, groups = sequences)")
     say(f"data: {desc}")
     say(f"unigram baseline: {base:.3f} bits per byte (entropy of the training bytes)")
-    if from_path:
-        say(f"resumed from {from_path} at step {start}")
+    if start.path:
+        say(f"resumed from {start.path} at step {start.step}")
 
-    train_step = make_train_step(cfg, optimizer)
-    if args.backend == "jax":
-        first = make_batch(mesh, train, cfg, train_offsets(train, cfg, args.seed, start))
+
+def build_step(run: Run, start: Start) -> tuple:
+    """`(step, timer)`: the JAX replay of the training step (`JaxTrainStep`, timer None), or the step
+    compiled with the parameters and optimizer state donated (--eager: as it is) and a `CommTimer`."""
+    train_step = make_train_step(run.cfg, start.optimizer)
+    if run.jax:
+        mesh, args, jx = run.mesh, run.args, run.jax
+        first = make_batch(mesh, run.train, run.cfg, train_offsets(run.train, run.cfg, args.seed, start.step))
         t0 = time.perf_counter()
-        jstep = helper.JaxTrainStep(train_step, params, opt_state, first, step_seed(mesh, args.seed, start), jm,
-                                    args.layout)
-        say(f"jax: step recorded on 1 rank and compiled for the jax mesh {mm.Shape(jax_mesh)} in "
-            f"{time.perf_counter() - t0:.1f} s (tracing {jstep.seconds['trace']:.2f} s, XLA compile "
-            f"{jstep.seconds['compile']:.2f} s{', loaded from the cache' if jstep.from_cache else ''}; "
-            + (f"persistent cache {args.compile_cache})" if args.compile_cache != "none" else "no cache)"))
+        jstep = jx.helper.JaxTrainStep(train_step, start.params, start.opt_state, first,
+                                       step_seed(mesh, args.seed, start.step), jx.mesh, args.layout)
+        run.say(f"jax: step recorded on 1 rank and compiled for the jax mesh {mm.Shape(jx.shape)} in "
+                f"{time.perf_counter() - t0:.1f} s (tracing {jstep.seconds['trace']:.2f} s, XLA compile "
+                f"{jstep.seconds['compile']:.2f} s{', loaded from the cache' if jstep.from_cache else ''}; "
+                + (f"persistent cache {args.compile_cache})" if args.compile_cache != "none" else "no cache)"))
+        return jstep, None
+    timer = CommTimer(run.mesh)
+    if not run.args.eager:  # the parameters and optimizer state given to the step: updated in place
+        train_step = mm.compile(train_step, donate_argnums=(0, 1))
+    return train_step, timer
+
+
+def mpi_step(run: Run, train_step: Callable, timer: CommTimer, step: int, offsets: np.ndarray, params: Params,
+             opt_state: dict) -> tuple:
+    """Training step `step` on the mesh: `(params, opt_state, StepResult)`."""
+    batch = make_batch(run.mesh, run.train, run.cfg, offsets)
+    c0, t0 = timer.seconds, time.perf_counter()
+    with mm.profile() as prof:
+        params, opt_state, loss = train_step(params, opt_state, batch, step_seed(run.mesh, run.args.seed, step))
+        loss_value = float(loss)
+    seconds, in_comm = time.perf_counter() - t0, timer.seconds - c0
+    sent = sum(v["bytes"] for v in prof.transfers.values())
+    t = int(opt_state["step"].to_numpy())  # (float16 skips a step whose gradients overflow)
+    return params, opt_state, StepResult(loss_value, seconds, in_comm, sent, t, prof)
+
+
+def jax_step(run: Run, jstep, step: int, offsets: np.ndarray) -> StepResult:
+    """Training step `step` replayed by JAX (its state stays in JAX: `jstep.state()` brings it back)."""
+    with mm.profile() as prof:  # (the host's peak memory)
+        t0 = time.perf_counter()
+        loss_value = jstep.step(lambda a, b, offsets=offsets: batch_windows(run.train, run.cfg, offsets[a:b]),
+                                layers.subseed(run.args.seed, f"step{step}"))
+    return StepResult(loss_value, time.perf_counter() - t0, None, 0, step + 1, prof)
+
+
+def progress_line(run: Run, done: int, acc: np.ndarray, per_step: float) -> str:
+    """The progress line after step `done`: `acc` sums seconds, seconds in collectives, bytes sent and
+    losses over its `acc[4]` steps; `per_step`: the mean seconds per step, for the ETA."""
+    s, c, b, lo, n = acc
+    comm = "jax (XLA)" if run.jax else f"comm {100 * c / s:4.1f}%  {b / n / 2**20:.2f} MiB/step sent"
+    eta = eta_text(per_step * (run.args.steps - done))
+    return (f"step {done:5d}/{run.args.steps} {progress_bar(done / run.args.steps)} {eta}  loss {lo / n:.3f}  "
+            f"{run.cfg.batch * run.cfg.length * n / s:7.0f} tok/s  step {1e3 * s / n:6.1f} ms  {comm}")
+
+
+def save(run: Run, done: int, params: Params, opt_state: dict) -> None:
+    """The checkpoint of step `done` (with --backend jax every process holds all of it: the first writes it)."""
+    t0 = time.perf_counter()
+    if run.jax:
+        path = on_first_rank(lambda: save_checkpoint(run.args.checkpoint, done, params, opt_state))
     else:
-        timer = CommTimer(mesh)
-        if not args.eager:  # the parameters and optimizer state given to the step: updated in place
-            train_step = mm.compile(train_step, donate_argnums=(0, 1))
-    log = open(args.log_json, "w") if args.log_json and first_rank else None
+        path = save_checkpoint(run.args.checkpoint, done, params, opt_state)
+    seconds = time.perf_counter() - t0
+    if run.first_rank:
+        size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        run.say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
+
+
+def train_loop(run: Run, start: Start, base: float) -> tuple:
+    """Steps `start.step` to --steps, with progress lines, held-out evaluations, --log-json records and
+    checkpoints: `(params, the final held-out loss, seconds of training up to its evaluation)`."""
+    args, cfg = run.args, run.cfg
+    step_fn, timer = build_step(run, start)
+    params, opt_state = start.params, start.opt_state
+    log = open(args.log_json, "w") if args.log_json and run.first_rank else None
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
     t_begin = t_first = time.perf_counter()  # t_first: the end of the first step (it records the step)
-    for step in range(start, args.steps):
-        offsets = train_offsets(train, cfg, args.seed, step)
-        if args.backend == "jax":
-            with mm.profile() as prof:  # (the host's peak memory)
-                t0 = time.perf_counter()
-                loss_value = jstep.step(lambda a, b, offsets=offsets: batch_windows(train, cfg, offsets[a:b]),
-                                        layers.subseed(args.seed, f"step{step}"))
-            seconds, in_comm, sent, t = time.perf_counter() - t0, None, 0, step + 1
+    for step in range(start.step, args.steps):
+        offsets = train_offsets(run.train, cfg, args.seed, step)
+        if run.jax:
+            r = jax_step(run, step_fn, step, offsets)
         else:
-            batch = make_batch(mesh, train, cfg, offsets)
-            c0, t0 = timer.seconds, time.perf_counter()
-            with mm.profile() as prof:
-                params, opt_state, loss = train_step(params, opt_state, batch, step_seed(mesh, args.seed, step))
-                loss_value = float(loss)
-            seconds, in_comm = time.perf_counter() - t0, timer.seconds - c0
-            sent = sum(v["bytes"] for v in prof.transfers.values())
-            t = int(opt_state["step"].to_numpy())  # (float16 skips a step whose gradients overflow)
-            step_times.append(seconds)
-            if predicted and len(step_times) == min(20, args.steps - start):
-                say(predicted_beside_measured(predicted, step_times))
+            params, opt_state, r = mpi_step(run, step_fn, timer, step, offsets, params, opt_state)
+            step_times.append(r.seconds)
+            if run.predicted and len(step_times) == min(20, args.steps - start.step):
+                run.say(predicted_beside_measured(run.predicted, step_times))
             if args.profile:
-                say(f"step {step + 1} profile (rank 0):\n{prof.report()}")
-        acc += [seconds, in_comm or 0, sent, loss_value, 1]
+                run.say(f"step {step + 1} profile (rank 0):\n{r.prof.report()}")
+        acc += [r.seconds, r.in_comm or 0, r.sent, r.loss, 1]
         done = step + 1
-        record = {"step": done, "loss": loss_value, "tokens_per_s": cfg.batch * cfg.length / seconds,
-                  "step_ms": 1e3 * seconds, "comm_share": None if in_comm is None else in_comm / seconds,
-                  "lr": learning_rate(cfg, t), "peak_bytes": prof.peak_bytes}
+        record = {"step": done, "loss": r.loss, "tokens_per_s": cfg.batch * cfg.length / r.seconds,
+                  "step_ms": 1e3 * r.seconds, "comm_share": None if r.in_comm is None else r.in_comm / r.seconds,
+                  "lr": learning_rate(cfg, r.t), "peak_bytes": r.prof.peak_bytes}
         if done % args.log_every == 0 or done == args.steps:
-            s, c, b, lo, n = acc
-            per_step = (time.perf_counter() - t_first) / (done - start - 1) if done > start + 1 else s
-            comm = "jax (XLA)" if args.backend == "jax" else \
-                f"comm {100 * c / s:4.1f}%  {b / n / 2**20:.2f} MiB/step sent"
-            eta = eta_text(per_step * (args.steps - done))
-            say(f"step {done:5d}/{args.steps} {progress_bar(done / args.steps)} {eta}  loss {lo / n:.3f}  "
-                f"{cfg.batch * cfg.length * n / s:7.0f} tok/s  step {1e3 * s / n:6.1f} ms  {comm}",
-                flush=True)
+            per_step = (time.perf_counter() - t_first) / (done - start.step - 1) if done > start.step + 1 else acc[0]
+            run.say(progress_line(run, done, acc, per_step), flush=True)
             acc[:] = 0
         evaluating = done % args.eval_every == 0 or done == args.steps
         saving = args.checkpoint and (done % args.save_every == 0 or done == args.steps)
-        if args.backend == "jax" and (evaluating or saving):
-            params, opt_state = jstep.state()  # back to mpimesh tensors (from_numpy)
+        if run.jax and (evaluating or saving):
+            params, opt_state = step_fn.state()  # back to mpimesh tensors (from_numpy)
         if evaluating:
             t_end = time.perf_counter()  # (the last evaluation is the final one, not training)
-            held_loss = record["heldout_loss"] = evaluate(params, mesh, held, cfg, args.eval_batches)
+            held_loss = record["heldout_loss"] = evaluate(params, run.mesh, run.held, cfg, args.eval_batches)
             if done != args.steps:
-                say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
-                    f"(unigram baseline {base:.3f})", flush=True)
+                run.say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
+                        f"(unigram baseline {base:.3f})", flush=True)
         if log:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if saving:
-            t0 = time.perf_counter()
-            if args.backend == "jax":  # every process holds all of it: the first writes it
-                path = on_first_rank(lambda: save_checkpoint(args.checkpoint, done, params, opt_state))
-            else:
-                path = save_checkpoint(args.checkpoint, done, params, opt_state)
-            seconds = time.perf_counter() - t0
-            if first_rank:
-                size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-                say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
-        if done == start + 1:
+            save(run, done, params, opt_state)
+        if done == start.step + 1:
             t_first = time.perf_counter()
     if log:
         log.close()
-    train_time = t_end - t_begin
+    return params, held_loss, t_end - t_begin
+
+
+def print_summary(run: Run, start: Start, base: float, held_loss: float, train_time: float) -> None:
+    """The final held-out loss against the unigram baseline, the training time, the last checkpoint."""
     bpb = held_loss / math.log(2)
-    say(f"final held-out loss {held_loss:.3f} nats = {bpb:.3f} bits per byte, {abs(base - bpb):.3f} bits "
-        f"{'below' if bpb <= base else 'above'} the unigram baseline {base:.3f}; training {train_time:.1f} s "
-        f"({args.steps - start} steps)")
-    if args.checkpoint:
-        say(f"checkpoint: {checkpoint.step_path(args.checkpoint, args.steps)}")
-    if args.samples > 0 and args.sample_bytes > 0:
-        n = args.samples
-        lines = np.flatnonzero(held[:-cfg.length - 1] == ord("\n"))
-        picks = lines[np.linspace(0, len(lines) - 1, n + 2).astype(int)[1:-1]] + 1
-        prompts = np.stack([held[p - cfg.length:p] if p >= cfg.length else held[:cfg.length] for p in picks])
-        t0 = time.perf_counter()
-        out = sample(params, mesh, cfg, prompts, args.sample_bytes, args.temperature, args.seed)
-        say(f"samples (temperature {args.temperature}, {args.sample_bytes} bytes each after a held-out prompt, "
+    run.say(f"final held-out loss {held_loss:.3f} nats = {bpb:.3f} bits per byte, {abs(base - bpb):.3f} bits "
+            f"{'below' if bpb <= base else 'above'} the unigram baseline {base:.3f}; training {train_time:.1f} s "
+            f"({run.args.steps - start.step} steps)")
+    if run.args.checkpoint:
+        run.say(f"checkpoint: {checkpoint.step_path(run.args.checkpoint, run.args.steps)}")
+
+
+def print_samples(run: Run, params: Params) -> None:
+    """--samples lines sampled after held-out prompts (the text before evenly spaced line starts)."""
+    args, cfg, held = run.args, run.cfg, run.held
+    if args.samples <= 0 or args.sample_bytes <= 0:
+        return
+    n = args.samples
+    lines = np.flatnonzero(held[:-cfg.length - 1] == ord("\n"))
+    picks = lines[np.linspace(0, len(lines) - 1, n + 2).astype(int)[1:-1]] + 1
+    prompts = np.stack([held[p - cfg.length:p] if p >= cfg.length else held[:cfg.length] for p in picks])
+    t0 = time.perf_counter()
+    out = sample(params, run.mesh, cfg, prompts, args.sample_bytes, args.temperature, args.seed)
+    run.say(f"samples (temperature {args.temperature}, {args.sample_bytes} bytes each after a held-out prompt, "
             f"{time.perf_counter() - t0:.1f} s):")
-        for i in range(args.samples):
-            prompt = bytes(prompts[i]).decode("utf-8", "replace").rstrip("\n").rsplit("\n", 1)[-1]
-            text = bytes(out[i].astype(np.uint8)).decode("utf-8", "replace")
-            say(f"--- sample {i + 1}, after the prompt line {prompt!r}:")
-            say(text.rstrip())
+    for i in range(args.samples):
+        prompt = bytes(prompts[i]).decode("utf-8", "replace").rstrip("\n").rsplit("\n", 1)[-1]
+        text = bytes(out[i].astype(np.uint8)).decode("utf-8", "replace")
+        run.say(f"--- sample {i + 1}, after the prompt line {prompt!r}:")
+        run.say(text.rstrip())
 
 
 if __name__ == "__main__":
