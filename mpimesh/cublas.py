@@ -4,13 +4,21 @@ captures a graph (`mpimesh.graphs`).
 CuPy's bindings refuse every cuBLAS call during stream capture ("calling cuBLAS API during stream
 capture is currently unsupported"), though cuBLAS itself supports capture (its documentation's
 "CUDA Graphs Support": a GEMM whose alpha and beta are read from host memory is captured with
-their values). These bindings make the same calls on the same handle: the library is the one CuPy
-loaded (found in `/proc/self/maps`), so CuPy's handles are valid here; each GEMM first binds the
-handle to the current stream, as CuPy's own bindings do. Their method names are CuPy's.
+their values). These bindings make the same calls on the same handle: the library is the one CuPy's
+own bindings call, so CuPy's handles are valid here (a process may hold two, e.g. PyTorch's beside
+CuPy's: a handle of one passed to the other is undefined). Among the libcublas mapped into the process
+(`/proc/self/maps`), it is the one whose `cublasSetStream_v2` is where CuPy's bindings resolved it (their
+extension module is linked against libcublas: looked up through it, a symbol resolves as CuPy's calls
+do); each GEMM first binds the handle to the current stream, as CuPy's own bindings do. Their method
+names are CuPy's.
 
->>> maps = ["7f00-7f01 r-xp 0 00:1 2 /x/libcublasLt.so.13", "7f01-7f02 r-xp 0 00:1 2 /x/libcublas.so.13"]
->>> _library_path(maps)
+>>> maps = ["7f00-7f01 r-xp 0 00:1 2 /t/libcublas.so.12", "7f01-7f02 r-xp 0 00:1 2 /x/libcublasLt.so.13",
+...         "7f02-7f03 r-xp 0 00:1 2 /x/libcublas.so.13", "7f03-7f04 r--p 0 00:1 2 /x/libcublas.so.13"]
+>>> at = {"/t/libcublas.so.12": 0x7f00a0, "/x/libcublas.so.13": 0x7f02a0}
+>>> _library_path(maps, 0x7f02a0, at.get)   # CuPy's bindings resolved it in /x
 '/x/libcublas.so.13'
+>>> _library_path(maps, None, at.get) is None   # not known where, and two libraries: neither
+True
 """
 from __future__ import annotations
 
@@ -37,13 +45,59 @@ class CublasCallError(RuntimeError):
     """A cuBLAS call through these bindings returned an error status."""
 
 
-def _library_path(maps: Iterable[str]) -> Optional[str]:
-    """The path of the libcublas mapped into this process (lines of /proc/self/maps), or None."""
+_PROBE = "cublasSetStream_v2"  # a symbol of every libcublas, where CuPy's bindings and a candidate are compared
+
+
+def _address(lib) -> Optional[int]:
+    """Where `lib` (a ctypes library) resolves `_PROBE`, or None."""
+    try:
+        return ctypes.cast(getattr(lib, _PROBE), ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+def _loaded(path: str):
+    """The ctypes library of `path` if this process has loaded it already (never loading it), or None."""
+    try:
+        return ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+
+
+def _address_in(path: str) -> Optional[int]:
+    """Where the loaded library `path` has `_PROBE`, or None."""
+    lib = _loaded(path)
+    return None if lib is None else _address(lib)
+
+
+# A lookup through a library's handle searches it and its dependencies, not the libraries loaded
+# RTLD_GLOBAL before it (PyTorch's are) as its own calls may: where two define the same name, the calls
+# take the one of the version they were linked against (cuBLAS versions its symbols: libcublas.so.12,
+# .13), which is the dependency's.
+def _cupy_address() -> Optional[int]:
+    """Where CuPy's cuBLAS bindings (the extension module `cupy_backends.cuda.libs.cublas`) resolve
+    `_PROBE`: looked up through the module, from its own dependencies on; None where not found."""
+    try:
+        from cupy_backends.cuda.libs import cublas as bindings
+        path = bindings.__file__
+    except (ImportError, AttributeError):  # (older CuPy: no such module)
+        return None
+    return _address_in(path)
+
+
+def _library_path(maps: Iterable[str], want: Optional[int], address_in: Callable[[str], Optional[int]]
+                  ) -> Optional[str]:
+    """Among the libcublas mapped into this process (lines of /proc/self/maps), the one whose `_PROBE`
+    is at `want` (where CuPy's bindings resolved it; `address_in(path)`: where each library has it); where
+    `want` is None, the only one mapped. None where there is no such library."""
+    paths = []
     for line in maps:
         path = line.split()[-1] if len(line.split()) >= 6 else ""
-        if os.path.basename(path).startswith("libcublas.so"):
-            return path
-    return None
+        if os.path.basename(path).startswith("libcublas.so") and path not in paths:
+            paths.append(path)
+    if want is None:
+        return paths[0] if len(paths) == 1 else None
+    return next((path for path in paths if address_in(path) == want), None)
 
 
 class Bindings:
@@ -83,22 +137,22 @@ class Bindings:
         self._call("cublasGemmEx", handle, *args)
 
 
-_loaded: dict = {}
+_found: dict = {}
 
 
 def capturable(cupy) -> Optional[Bindings]:
-    """These bindings over the libcublas CuPy loaded, or None where it cannot be found (then CuPy's
-    own bindings are all there is, and a captured GEMM runs on the host)."""
-    if "bindings" not in _loaded:
+    """These bindings over the libcublas CuPy's own bindings call, or None where it cannot be told
+    (then CuPy's own bindings are all there is, and a captured GEMM runs on the host)."""
+    if "bindings" not in _found:
         path = None
         try:
             with open("/proc/self/maps") as f:
-                path = _library_path(f)
+                path = _library_path(f.read().splitlines(), _cupy_address(), _address_in)
         except OSError:
             pass
+        lib = None if path is None else _loaded(path)
         try:
-            _loaded["bindings"] = None if path is None else \
-                Bindings(ctypes.CDLL(path), lambda: cupy.cuda.get_current_stream().ptr)
-        except (OSError, AttributeError):  # not loadable, or a function missing
-            _loaded["bindings"] = None
-    return _loaded["bindings"]
+            _found["bindings"] = None if lib is None else Bindings(lib, lambda: cupy.cuda.get_current_stream().ptr)
+        except AttributeError:  # a function missing
+            _found["bindings"] = None
+    return _found["bindings"]

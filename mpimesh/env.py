@@ -94,6 +94,7 @@ KNOWN: dict[str, str] = {
     "MPIMESH_TEST_SLOW_SAVE": "checkpoint.py: a save sleeps, for the crash tests",
     "MPIMESH_TEST_RANKS": "tests/run.py: rank counts", "MPIMESH_TEST_TIMEOUT": "tests/run.py: seconds per run",
     "MPIMESH_TEST_QUIET_NONZERO": "tests/run.py writes it: ranks > 0 report only failures",
+    "MPIMESH_TEST_NO_PYTEST_MPI": "tests/run.py: 1 runs pytest-mpi's stand-in, tests/mpi_marks.py",
     "MPIMESH_TEST_XLA_FLAGS": "tests/jaxenv.py writes it: the XLA flags found accepted",
     "MPIMESH_TEST_INSTALL_INNER": "tests/test_install.py writes it: inside its own run",
     "MPIMESH_TEST_ENV_PARSER": "tests/test_env.py and the examples here: a variable to parse",
