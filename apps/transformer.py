@@ -588,8 +588,8 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
                     help="gpu: each rank's slices live on its GPU (CuPy; python3 install.py gpu), one rank per GPU; "
                          "the transport (nccl, CUDA-aware mpi, or staged through host) is chosen per mesh")
     ap.add_argument("--layout", default=PAPER_LAYOUT, help="layout rules: tensor dim:mesh dim pairs (see below), or "
-                    "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh; needs jax, for the "
-                    "dry run of the step: python3 install.py tpu)")
+                    "'auto': chosen by mm.auto_layout (the cost model, calibrated on this mesh, prices the step "
+                    "recorded dry under each candidate)")
     ap.add_argument("--recalibrate", action="store_true", help="with --layout auto: measure the machine again "
                     "instead of using the calibration an earlier run kept for this mesh")
 
@@ -797,13 +797,11 @@ def make_config(args: argparse.Namespace) -> Config:
 
 
 def check_layout_flags(args: argparse.Namespace, cfg: Config) -> bool:
-    """Whether --layout is auto (which needs jax and --backend mpi); other rules are checked against the
+    """Whether --layout is auto (which needs --backend mpi); other rules are checked against the
     model's dims and get MoE's `experts` rule (`moe_layout`) in `args.layout`."""
     auto = args.layout == "auto"
     if auto and args.backend == "jax":
         raise UsageError("--layout auto needs --backend mpi: it calibrates the cost model on the mesh's ranks")
-    if auto:  # before the corpus and the calibration: the dry run of the step needs jax.eval_shape
-        require("jax", "tpu", "--layout auto (its dry run of the training step)")
     if not auto:
         check_layout(args.layout, DIMS if cfg.moe_every else {k: v for k, v in DIMS.items() if k != "experts"})
         args.layout = moe_layout(args.layout, cfg.moe_every)

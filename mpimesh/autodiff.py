@@ -176,13 +176,17 @@ def _walk(ops: list, through: dict, memory, st: _State) -> None:
     hold the walk's tensors in a reference cycle). The ops of a `mm.remat` region run no rule: where
     the walk meets the region, the region runs again and that second run's ops are walked instead."""
     grads = st.grads
+    regions: dict[int, list] = {}  # a remat region's ops here (whose outputs the records hold, as grads' keys)
+    for op in ops:
+        if op.region is not None:
+            regions.setdefault(id(op.region.root()), []).append(op)
     for i in reversed(range(len(ops))):
         op = ops[i]
         if op.region is not None:
             region = op.region.root()
             if id(region) not in st.done:
                 st.done.add(id(region))
-                if any(id(o) in grads for o in region.outputs):
+                if any(id(o) in grads for rec in regions[id(region)] for o in rec.outputs):
                     _rematerialise(region, st)
         elif i in through:  # its rule runs once its output's gradient is summed: keep its place
             if through[i][0] in st.terms:
@@ -216,14 +220,9 @@ def _rematerialise(region, st: _State) -> None:
         region.forget()
 
 
-# Ops of one input whose gradient rule needs nothing but their output's gradient and the input's
-# dtype and layout: a leaf's gradient may wait in a bucket through them.
-_THROUGH = ("relayout", "cast")
-
-
 def _bucket_leaves(ops: list, xs: list) -> tuple:
     """`(leaves, through)`: the tensors whose gradients may wait in buckets, by id, those of `xs` that
-    no op of the walk produced and, transitively, the outputs of `_THROUGH` ops of those (a
+    no op of the walk produced and, transitively, the outputs of `OpDef.linear` ops of those (a
     parameter relayouted before its einsum, or a float32 master cast to bfloat16 in a layer);
     `through` maps each such op's index to (output id, input id). Its rule then runs once on its
     output's summed gradient, as in the unbucketed walk, so the values do not change."""
@@ -237,7 +236,7 @@ def _through(ops: list, leaves: dict) -> dict:
     region are left out: its second run's are walked)."""
     through = {}
     for i, op in enumerate(ops):
-        if (op.name in _THROUGH and op.grad is not None and op.region is None and len(op.inputs) == 1
+        if (op.op.linear and op.grad is not None and op.region is None and len(op.inputs) == 1
                 and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves):
             through[i] = (id(op.outputs[0]), id(op.inputs[0]))
             leaves[id(op.outputs[0])] = op.outputs[0]

@@ -1,5 +1,5 @@
 """The mesh's creation methods (`mesh.from_numpy`, `zeros`, `ones`, `full`, `random_normal`,
-`random_uniform`), attached to `Mesh` here, above the op layer.
+`random_uniform`), attached to `Mesh` and `DryMesh` here, above the op layer.
 
 `mesh.py` sits below the ops: a mesh is a shape, rules and communicators, and planning code uses
 it (or an `AbstractMesh`) without loading any op. Tensor creation belongs with tensors
@@ -14,6 +14,7 @@ spells on the mesh are bound here, and `mpimesh/__init__` imports this module, s
 """
 from __future__ import annotations
 
+from .dryrun import DryMesh
 from .mesh import Mesh
 from .ops.random import random_normal, random_uniform
 from .tensor import from_numpy, full
@@ -55,3 +56,4 @@ METHODS = {"from_numpy": _from_numpy, "zeros": _zeros, "ones": _ones, "full": _f
 for _name, _fn in METHODS.items():
     _fn.__name__, _fn.__qualname__ = _name, f"Mesh.{_name}"
     setattr(Mesh, _name, _fn)
+    setattr(DryMesh, _name, _fn)

@@ -95,7 +95,10 @@ class OpDef:
     allreduce that a replay may sum together with the others of its gradient bucket (`params["bucket"]`).
     `view(params, ins, outs)`: where its one output may be a view of input 0's memory (a reshape, a
     reordering): 0, else None (the cost model's memory counts it once). `gemm`: its kernel is a matrix
-    product (the cost model adds a machine's fixed cost per GEMM, not per elementwise pass)."""
+    product (the cost model adds a machine's fixed cost per GEMM, not per elementwise pass). `linear`:
+    one input, and a gradient rule that needs only its output's gradient and the input's dtype and
+    layout (a relayout, a cast): a parameter's gradient may wait in a bucket through it, its sum
+    over ranks still pending."""
 
     name: str
     kernel: Callable
@@ -112,6 +115,7 @@ class OpDef:
     bucketed: bool = False
     view: Optional[Callable] = None
     gemm: bool = False
+    linear: bool = False
 
     def __post_init__(self):
         if not callable(self.kernel):

@@ -49,11 +49,11 @@ from .errors import DTypeError, MeshError, MpimeshError, ShapeError
 from .mesh import layout_scope
 from .ops.einsum import einsum
 from .ops.elementwise import abs as abs_
-from .ops.elementwise import axpy, cast, equal, greater_equal, less, maximum, minimum, rsqrt, sqrt, square, where
+from .ops.elementwise import cast, equal, greater_equal, less, maximum, minimum, rsqrt, sqrt, square, where
 from .ops.reduce import reduce_mean, reduce_min
 from .ops.relayout import to_layout
 from .ops.adafactor import adafactor_update
-from .ops.updates import adam_update, sgd_update
+from .ops.updates import TENSOR_OPS, adam_step, adam_update, sgd_step, sgd_update
 from .shape import Dimension, Shape
 from .tensor import DistTensor, full
 
@@ -315,11 +315,8 @@ class SGD(Optimizer):
         return {"v": p.shape} if self.momentum else {}
 
     def _apply(self, p, g, slots, t):
-        lr = _value(self, "lr", t)
-        if not self.momentum:
-            return axpy(-lr, g, p), {}
-        v = axpy(self.momentum, slots["v"], g)
-        return axpy(-lr, v, p), {"v": v}
+        new_p, v = sgd_step(TENSOR_OPS, p, g, slots.get("v"), -_value(self, "lr", t), self.momentum)
+        return new_p, ({"v": v} if self.momentum else {})
 
     def _update_all(self, groups, t, work):
         return sgd_update(groups, _value(self, "lr", t), self.momentum, work)
@@ -353,13 +350,8 @@ class Adam(Optimizer):
     def _apply(self, p, g, slots, t):
         b1, b2 = self.beta1, self.beta2
         lr = _value(self, "lr", t)
-        m = axpy(1.0 - b1, g, b1 * slots["m"])
-        v = axpy(1.0 - b2, square(g), b2 * slots["v"])
-        m_hat = m / (1.0 - b1 ** t)
-        v_hat = v / (1.0 - b2 ** t)
-        new_p = axpy(-lr, m_hat / (sqrt(v_hat) + self.epsilon), p)
-        if self.weight_decay:
-            new_p = axpy(-(lr * self.weight_decay), p, new_p)
+        new_p, m, v = adam_step(TENSOR_OPS, p, g, slots["m"], slots["v"], 1.0 - b1 ** t, 1.0 - b2 ** t, -lr,
+                                -(lr * self.weight_decay) if self.weight_decay else None, b1, b2, self.epsilon)
         return new_p, {"m": m, "v": v}
 
     def _update_all(self, groups, t, work):

@@ -17,8 +17,9 @@ from .backend import as_dtype, check_dtype, is_float, to_host
 from .collectives.counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError, by_rank
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
+from .opdef import OpDef
 from .shape import Dimension, Shape, ShapeLike
-from .trace import dispatch_lower, note_host_read, tensor_type
+from .trace import dispatch, note_host_read, tensor_type
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
@@ -241,11 +242,16 @@ def full(mesh, shape: ShapeLike, value, dtype="float32", layout=None) -> DistTen
     dt = as_dtype(dtype)
     fill = fill_value(value, dt, f"full({shape})")
     tl = _layout(mesh, shape, layout)
-
-    def lower(ctx):
-        return ctx.xp.full(block_sizes(ctx, shape, tl), fill, dt)
-    (t,) = dispatch_lower("full", [], [(shape, tl)], lower, {"shape": shape, "dtype": dt, "value": fill.item()}, mesh=mesh)
+    (t,) = dispatch(FULL, [], [(shape, tl)], {"shape": shape, "dtype": dt, "value": fill.item(), "layout": tl},
+                    mesh=mesh)
     return t
+
+
+def _full(ctx, *, shape: Shape, dtype, value, layout):
+    return ctx.xp.full(block_sizes(ctx, shape, layout), np.asarray(value, dtype), dtype)  # (`fill_value`'s: exact)
+
+
+FULL = OpDef("full", _full, fill="position")
 
 
 def fill_value(value, dt: np.dtype, what: str):

@@ -1,11 +1,8 @@
 """The op record, the op trace, and `dispatch`: the one function through which every op runs.
 
-An op hands `dispatch` its inputs (already in the layouts its kernel needs), the shapes and
-layouts of its outputs, and a `lower(ctx, *local_arrays)` function: the local kernel plus the
-collectives its layout needs, written against `ctx.xp` and `ctx`'s collectives over mesh dims,
-so the same function runs on MPI ranks, under a JAX replay, and dry (`mpimesh.dryrun`: shapes and
-counted collectives on a mesh without processors). Ops that make tensors (`full`, the random
-ops) have no inputs and name their mesh.
+An op hands `dispatch` its definition (`mpimesh.opdef.OpDef`), its inputs (already in the layouts
+its kernel needs), the shapes and layouts of its outputs and its params; the mesh runs the kernel
+(on MPI ranks, under a JAX replay, or dry: `mpimesh.dryrun`), and the open traces record it.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -19,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from . import env
 from .collectives import counters
@@ -27,9 +24,7 @@ from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
 from .layout import check_step, local_sizes
-from .opdef import ALL, Aval, OpDef
-
-Lower = Callable[..., Any]
+from .opdef import Aval, OpDef
 
 _debug = {"on": env.early(env.flag, "MPIMESH_DEBUG", False)}  # a bad value: raised by the first Mesh
 
@@ -171,17 +166,6 @@ _open_traces: list[Trace] = []
 _regions: list = []  # the `mm.remat` calls running, innermost last (`mpimesh.recompute` pushes them)
 
 
-def saving(rule: Callable, inputs=(), outputs=()) -> Callable:
-    """Declare on a gradient rule passed to `dispatch_lower` what it reads (see `OpDef.saves`).
-
-    >>> rule = saving(lambda op, dz: [dz, dz])
-    >>> rule.saves
-    ((), ())
-    """
-    rule.saves = tuple(ALL if v == "all" else tuple(v) for v in (inputs, outputs))
-    return rule
-
-
 class _Kept:
     """While `trace()` blocks are open: which recorded tensors some gradient rule reads (`needed`),
     and the others (`held`: id -> [tensor, the records holding it, how many places]), each released
@@ -277,9 +261,9 @@ def release_unneeded() -> None:
 
 
 @contextmanager
-def trace() -> Iterator[Trace]:
-    """Record every op run inside the block."""
-    tr = Trace()
+def trace(into: Optional[Trace] = None) -> Iterator[Trace]:
+    """Record every op run inside the block (into `into`, a `Trace` of the caller's kind, or a new one)."""
+    tr = Trace() if into is None else into
     _open_traces.append(tr)
     _kept.depth += 1
     try:
@@ -306,6 +290,11 @@ def note_host_read(t, what: str) -> None:
 def current_trace() -> Optional[Trace]:
     """The innermost open trace, or None."""
     return _open_traces[-1] if _open_traces else None
+
+
+def open_traces() -> tuple:
+    """The traces open now, outermost first."""
+    return tuple(_open_traces)
 
 
 _spmd = guard._settings  # (the SPMD check's switch, read per op)
@@ -382,50 +371,6 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
 
 
 _NO_PARAMS: dict = {}  # (shared: never written)
-
-
-class LegacyOp(OpDef):
-    """An op dispatched through `dispatch_lower`: its kernel a closure, its other fields read off it."""
-
-
-def dispatch_lower(name: str, inputs: Sequence, out_specs: Sequence[tuple], lower: Lower,
-                   params: Optional[dict] = None, grad: Optional[Callable] = None, flops: int = 0,
-                   mesh=None, out=None) -> list:
-    """`dispatch` of an op given as a kernel closure `lower(ctx, *arrays)` (ops not yet declared as an
-    `OpDef`): `params` are kept in the record only, `grad.saves` (`saving`) says what the rule reads."""
-    def kernel(ctx, *arrays, into=None, out=None, **_):
-        if into is not None:
-            return lower(ctx, *arrays, into=into)
-        return lower(ctx, *arrays) if out is None else lower(ctx, *arrays, out=out)
-    saves = getattr(grad, "saves", (ALL, ALL)) if grad is not None else ((), ())
-    op = LegacyOp(name, kernel, grad=grad, saves=saves, into=getattr(lower, "into", {}),
-                  fill=_LEGACY_FILLS.get(name, "zero" if name in _LEGACY_PADDED_OK
-                                         or getattr(lower, "__module__", None) == "mpimesh.ops.elementwise" else None),
-                  flops=(lambda p, i, o: flops) if flops else None,
-                  scratch=lambda p, i, o: p.get("scratch_bytes", 0), view=lambda p, i, o: _legacy_view(name, p, i, o), gemm=name == "einsum")
-    object.__setattr__(op, "lower", lower)
-    return dispatch(op, inputs, out_specs, params or {}, mesh=mesh, out=out)
-
-
-def _legacy_view(name, params, ins, outs):
-    if name == "reshape" or (name == "relayout" and not params.get("steps")):
-        return 0
-    if name == "einsum" and not params.get("reduce_mesh_dims") and outs[0].dtype.itemsize > 2:
-        sub_in, _, sub_out = params.get("subscripts", ",->").partition("->")
-        return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
-    return None
-
-
-_LEGACY_FILLS = {"reduce_max": "lowest", "reduce_min": "highest", "reduce_logsumexp": "lowest",
-                 "softmax": "lowest", "log_softmax": "lowest", "top_k": "lowest", "argmax": "lowest",
-                 "softmax_cross_entropy": "lowest", "softmax_cross_entropy_grad": "lowest",
-                 "one_hot": "position", "gather": "position", "dropout": "position", "full": "position",
-                 "random_uniform": "position", "random_normal": "position"}
-_LEGACY_PADDED_OK = {"einsum", "relayout", "cumsum", "reshape", "transpose", "broadcast", "slice", "pad", "concat",
-                     "split", "shift", "halo_exchange", "halo_exchange_transpose", "conv", "conv_input_grad",
-                     "conv_filter_grad", "psum", "softmax_grad", "log_softmax_grad", "layer_norm", "layer_norm_grad",
-                     "adam_update", "sgd_update", "adafactor_update", "top2_slots", "dispatch_slots", "combine_slots",
-                     *(f"bias_{a}{g}" for a in ("add", "relu", "gelu", "tanh") for g in ("", "_grad"))}
 
 
 def _check_spec(name: str, shape, layout, mesh) -> None:

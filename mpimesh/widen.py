@@ -1,22 +1,11 @@
 """Matmuls into float32: of 16-bit floats, accumulating in float32, on every array module; and of
-float32 on CuPy, in the precision `mm.set_matmul_precision` chose.
+float32 on CuPy, in the precision `mm.set_matmul_precision` chose (`mpimesh.ops.einsum`'s kernels).
 
-An einsum of bfloat16 or float16 blocks sums in float32 and rounds once, after the sum across ranks
-(`mpimesh.ops.einsum`). The partial products must therefore come out of the matmul in float32:
-
-- numpy: the blocks are upcast to float32 and multiplied by sgemm (BLAS has no 16-bit kernels, and
-  ml_dtypes' own matmul loops in Python-level ufuncs);
-- CuPy: one cuBLAS GEMM (`GemmEx`, or `GemmStridedBatchedEx` for a batch) with 16-bit A and B, a
-  float32 C and `CUBLAS_COMPUTE_32F`: tensor cores read the 16-bit words directly, no upcast
-  copies are made;
-- JAX (a replay): `matmul(..., preferred_element_type=float32)`, which XLA lowers the same way.
-
-float32 blocks on CuPy take the same cuBLAS call, with `CUBLAS_COMPUTE_32F_FAST_TF32` (TF32 tensor
-cores) where `mm.set_matmul_precision` chose "tf32", and float64 blocks with `CUBLAS_COMPUTE_64F`
-(`gpu_matmul`): einsum sends its CuPy matmuls here, since CuPy's batched matmul ignores CuPy's TF32
-setting, and CuPy's cuBLAS bindings refuse to run while a CUDA graph is captured; this call then
-goes through `mpimesh.cublas`, which does not. `tf32_math` switches the rest of cuBLAS (CuPy's own
-routines) for a block of code.
+numpy upcasts 16-bit blocks and multiplies them by sgemm (`widening_matmul`); CuPy runs one cuBLAS GEMM
+(`GemmEx`, `GemmStridedBatchedEx`) that reads the 16-bit words with float32 compute (`gpu_widening_matmul`),
+also for float32 (TF32 tensor cores at "tf32") and float64 (`gpu_matmul`: CuPy's batched matmul ignores
+TF32, and its cuBLAS bindings refuse a CUDA graph's capture, where `mpimesh.cublas` serves); a JAX
+replay asks XLA for float32 results (`jax_widening_matmul`). `tf32_math` switches CuPy's own routines.
 
 >>> import numpy as np, ml_dtypes
 >>> a = np.ones((2, 3), ml_dtypes.bfloat16)
@@ -30,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from .backend import BFLOAT16, is_low_precision, matmul_precision, name
+from .backend import BFLOAT16, is_low_precision, matmul_precision
 from .cublas import capturable
 
 # cuBLAS and CUDA enums (cublas_api.h, library_types.h)
@@ -59,16 +48,9 @@ def compute_type(dtype, precision: str) -> int:
 
 def widening_matmul(xp, a, b, out=None):
     """`a @ b` in float32 for 16-bit float (or float32) `a` and `b` of shapes `[..., m, k]` and
-    `[..., k, n]` with the same leading (batch) shape, or 2-D; into `out` where given (a C-contiguous
-    float32 array of the product's shape)."""
+    `[..., k, n]` with the same leading (batch) shape, or 2-D, the blocks upcast first (numpy's: BLAS
+    has no 16-bit kernels); into `out` where given (a C-contiguous float32 array of the product's shape)."""
     f32 = np.float32
-    kind = name(xp)
-    if kind == "jax":
-        return xp.matmul(a, b, preferred_element_type=f32)
-    if kind == "cupy" and (is_low_precision(a.dtype) or a.dtype == f32):
-        y = gpu_matmul(xp, a, b, out)
-        if y is not None:
-            return y
     y = xp.matmul(a.astype(f32, copy=False), b.astype(f32, copy=False))
     if out is None:
         return y
@@ -76,11 +58,26 @@ def widening_matmul(xp, a, b, out=None):
     return out
 
 
-def rounding_matmul(xp, a, b, out=None):
+def jax_widening_matmul(xp, a, b, out=None):
+    """`widening_matmul` under JAX: one dot of the arrays as they are with float32 results, which XLA
+    lowers to a GEMM reading the 16-bit words (`out` is never given: JAX arrays are immutable)."""
+    return xp.matmul(a, b, preferred_element_type=np.float32)
+
+
+def gpu_widening_matmul(xp, a, b, out=None):
+    """`widening_matmul` on CuPy: one cuBLAS GEMM of the 16-bit (or float32) words as they lie
+    (`gpu_matmul`: no upcast copies); the upcast product where one call cannot take them."""
+    if is_low_precision(a.dtype) or a.dtype == np.float32:
+        y = gpu_matmul(xp, a, b, out)
+        if y is not None:
+            return y
+    return widening_matmul(xp, a, b, out)
+
+
+def rounding_matmul(xp, a, b, out=None, widening=widening_matmul):
     """`a @ b` of 16-bit floats `a` and `b` of one dtype, summed in float32 and rounded once to that
-    dtype (an einsum's 16-bit result that no rank sums: `widening_matmul`'s product, rounded), into
-    `out` where given (C-contiguous, that dtype). On CuPy the GEMM writes the 16-bit words itself
-    (cuBLAS rounds its float32 sums as it stores them): no float32 product is made and then cast.
+    dtype (an einsum's 16-bit result that no rank sums: the product of `widening`, e.g.
+    `jax_widening_matmul`, rounded), into `out` where given (C-contiguous, that dtype).
 
     >>> import ml_dtypes
     >>> a = np.array([[1.0] + [2.0 ** -9] * 256], ml_dtypes.bfloat16)  # a bfloat16 sum would stay at 1
@@ -88,16 +85,22 @@ def rounding_matmul(xp, a, b, out=None):
     >>> y.dtype, float(y[0, 0])
     (dtype(bfloat16), 1.5)
     """
-    dtype = a.dtype
-    if name(xp) == "cupy" and b.dtype == dtype and is_low_precision(dtype) and a.ndim >= 2 and b.ndim >= 2:
-        y = gpu_matmul(xp, a, b, out if out is not None else xp.empty(a.shape[:-1] + b.shape[-1:], dtype))
-        if y is not None:
-            return y
-    y = widening_matmul(xp, a, b).astype(dtype)
+    y = widening(xp, a, b).astype(a.dtype)
     if out is None:
         return y
     out[...] = y
     return out
+
+
+def gpu_rounding_matmul(xp, a, b, out=None):
+    """`rounding_matmul` on CuPy: the GEMM writes the 16-bit words itself (cuBLAS rounds its float32
+    sums as it stores them): no float32 product is made and then cast."""
+    dtype = a.dtype
+    if b.dtype == dtype and is_low_precision(dtype) and a.ndim >= 2 and b.ndim >= 2:
+        y = gpu_matmul(xp, a, b, out if out is not None else xp.empty(a.shape[:-1] + b.shape[-1:], dtype))
+        if y is not None:
+            return y
+    return rounding_matmul(xp, a, b, out, gpu_widening_matmul)
 
 
 def gpu_matmul(xp, a, b, out=None):
@@ -194,9 +197,9 @@ def cublas_matmul(xp, cublas, a, b, compute: int = _COMPUTE_32F, out=None):
 
 def tf32_math(xp, cublas=None):
     """A context in which cuBLAS may use TF32 tensor cores for float32 (its handle's math mode
-    `CUBLAS_TF32_TENSOR_OP_MATH`, restored afterwards) where the precision is "tf32" and `xp` is
-    CuPy: for CuPy's own routines, such as the matmuls inside `cupy.einsum`. Elsewhere it does nothing."""
-    if name(xp) != "cupy" or matmul_precision() != "tf32":
+    `CUBLAS_TF32_TENSOR_OP_MATH`, restored afterwards) where the precision is "tf32": for CuPy's own
+    routines (`xp`: CuPy), such as the matmuls inside `cupy.einsum`. At "highest" it does nothing."""
+    if matmul_precision() != "tf32":
         return nullcontext()
     return _math_mode(xp, cublas or _cublas(), _TF32_TENSOR_OP_MATH)
 

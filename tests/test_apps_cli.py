@@ -311,17 +311,17 @@ def test_transformer_help_names_the_log_fields_and_what_layout_auto_needs():
     for field in ("step", "loss", "tokens_per_s", "step_ms", "comm_share", "lr", "peak_bytes", "heldout_loss"):
         assert re.search(rf"\b{field}\b", log_help), f"--log-json's help lacks {field!r}: {log_help}"
     layout_help = block("--layout LAYOUT")
-    assert "'auto'" in layout_help and "needs jax" in layout_help and "install.py tpu" in layout_help, layout_help
+    assert "'auto'" in layout_help and "mm.auto_layout" in layout_help and "jax" not in layout_help, layout_help
 
 
-def test_transformer_layout_auto_without_jax_names_the_tpu_extra(tmp_path):
-    """`--layout auto` records the step dry through jax.eval_shape: with jax missing (a package here that
-    refuses to import stands in for it), one line before any work, naming the extra to install."""
+def test_transformer_layout_auto_without_jax(tmp_path):
+    """`--layout auto` records the step dry on shapes alone (each op's `OpDef`), so it runs with jax missing
+    (a package here that refuses to import stands in for it): it calibrates, chooses and trains."""
     (tmp_path / "jax").mkdir()
     (tmp_path / "jax" / "__init__.py").write_text('raise ImportError("jax hidden by the test")\n')
     cmd = [find_mpiexec(), "-n", "2", sys.executable, str(ROOT / "apps" / "transformer.py"), *TINY, "--steps", "1",
            "--layout", "auto"]
-    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, env=job_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=300,
                           cwd=ROOT)
-    line = _one_line(proc, "--layout auto", "needs jax", "install.py tpu")
-    assert "calibrat" not in proc.stdout + line, proc.stdout  # refused before the calibration
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "layout auto" in proc.stdout.lower() or "auto_layout" in proc.stdout, proc.stdout

@@ -156,6 +156,36 @@ def test_conv1d_forward(mesh_shape):
     assert not errs, f"{len(errs)} failures:\n" + "\n".join(errs[:4])
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_bfloat16_with_an_empty_in_channels_block(stride):
+    """In-channels split so that the last rank's block is empty: its zeros join the allreduce in the
+    dtype of the other ranks' partial sums (float32 where ml_dtypes multiplies bfloat16 matrices with
+    `@`, the stride-1 kernels; bfloat16 from `tensordot`, the strided ones). Before, they were
+    bfloat16 next to float32: wrong sums on some ranks, a crash on 4. Forward and both gradients,
+    against float64 numpy of the bfloat16-rounded inputs."""
+    mesh = get_mesh(SHAPES[0])
+    ci = max(1, mesh.size - 1)
+    xs, fs = f"b:2;len:6;ci:{ci}", f"tap:3;ci:{ci};co:2"
+    x, w = (global_array(s, seed=i).astype(mm.backend.as_dtype("bfloat16")) for i, s in enumerate((xs, fs)))
+    with mm.layout_scope(mesh, f"ci:{mesh.shape.names[0]}"):
+        xt, wt = mesh.from_numpy(x, xs), mesh.from_numpy(w, fs)
+        with mm.trace():
+            y = mm.conv1d(xt, wt, stride=stride)
+            gx, gw = mm.gradients([y], [xt, wt])
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want = np_conv(x64, w64, (stride,), "SAME", (1,))
+    np.testing.assert_allclose(y.to_numpy().astype(np.float64), want, rtol=0.02, atol=0.05)
+    eps = 1e-6  # the gradients of sum(y): by central differences of the float64 reference (linear in each)
+    for got, arr, f in ((gx, x64, lambda a: np_conv(a, w64, (stride,), "SAME", (1,))),
+                        (gw, w64, lambda a: np_conv(x64, a, (stride,), "SAME", (1,)))):
+        fd = np.zeros_like(arr)
+        for i in np.ndindex(arr.shape):
+            d = np.zeros_like(arr)
+            d[i] = eps
+            fd[i] = (f(arr + d).sum() - f(arr - d).sum()) / (2 * eps)
+        np.testing.assert_allclose(got.to_numpy().astype(np.float64), fd, rtol=0.02, atol=0.1)
+
+
 def test_explicit_padding():
     """Explicit (before, after) padding pairs, with the spatial dims split where possible."""
     mesh = get_mesh(SHAPES[-1])
@@ -286,7 +316,7 @@ def test_conv_second_order():
     def f(a, w, q):
         with mm.trace():
             y = mm.conv1d(a, w) * q
-            gx, gw = mm.gradients([y], [a, w])
+            gx, gw = mm.gradients([y], [a, w], retain=True)  # (kept: the second pass reads what the first did)
         return mm.reduce_sum(gx * gx) + mm.reduce_sum(gw * gw)
     with mm.layout_scope(mesh, rules):
         check_gradients(mesh, f, arrays, [xs, fs, ys], wrt=[0, 1])

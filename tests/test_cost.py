@@ -520,3 +520,70 @@ def test_a_bad_mesh_string_is_a_mesh_error_in_the_cost_model_too():
     rec = mm.cost.record(step, args, "rows:2", "batch:rows")
     with pytest.raises(mm.MeshError, match=r"bad mesh shape 'rows:2;cols'"):
         mm.cost.estimate(rec, "batch:rows", "rows:2;cols", mm.cost.TPUV2)
+
+
+def test_the_fused_optimizer_updates_are_priced_by_their_arithmetic():
+    """`record` of a step with SGD (momentum), AdamW and Adafactor (factored, with momentum) updates:
+    each update op is one op whose flops are its formulas' arithmetic per element of coordinate 0's
+    blocks (uneven: io 7 over 2), counted here by hand (issue 41)."""
+    w, b = "io:7;hidden:10", "hidden:10"
+    n_w, n_b = 4 * 5, 5  # coordinate 0's blocks under io:x;hidden:y on x:2;y:2
+    # SGD: v = 0.9 v + g, p = -lr v + p. Adam: m = b1 m + (1 - b1) g (3), v = b2 v + (1 - b2) g g (4),
+    # u = (m / c1) / (sqrt(v / c2) + eps) (5), p = -lr u + p (2), -lr wd p + p (2).
+    # Adafactor, w factored (d0 hidden, d1 io: vr over io, vc over hidden): per element of w g g, p p and its
+    # sum (the parameter scale), the sums of g g over hidden and io, u = g * outer(r, c) (2), u u and its sum
+    # (clipping), d = u * scale, m = 0.5 m + 0.5 d (3), p - d: 14; per element of vr its update
+    # decay * vr + (1 - decay) * (sum / n + eps1) (5), its sum over io (1), r = 1 / sqrt(vr / mean) (3); of vc
+    # its update (5), c = 1 / sqrt(vc) (2); vr's one row mean (1). b: g g, the parameter scale (2), v's update
+    # (4), u = g / sqrt(v) (2), clipping (2), d (1), m (3), p - d (1): 16.
+    cases = [(mm.optim.SGD(0.1, momentum=0.9), {"v": {"w": w, "b": b}}, "sgd_update", 4 * (n_w + n_b)),
+             (mm.optim.Adam(1e-3, weight_decay=0.01), {"m": {"w": w, "b": b}, "v": {"w": w, "b": b}}, "adam_update",
+              16 * (n_w + n_b)),
+             (mm.optim.Adafactor(beta1=0.5, min_dim_size_to_factor=4),
+              {"vr": {"w": "io:7"}, "vc": {"w": "hidden:10"}, "v": {"b": b}, "m": {"w": w, "b": b}},
+              "adafactor_update", 14 * n_w + 9 * 4 + 7 * 5 + 1 + 16 * n_b)]
+    params = {"w": ArgSpec(w, "float32"), "b": ArgSpec(b, "float32")}
+    for opt, slots, name, flops in cases:
+        state = {"step": ArgSpec("", "int32"),
+                 **{s: {k: ArgSpec(shape, "float32") for k, shape in of.items()} for s, of in slots.items()}}
+        rec = record(lambda p, g, s: opt.update(p, g, s), (params, dict(params), state), "x:2;y:2", "io:x;hidden:y")
+        assert [op.flops for op in rec.ops if op.name == name] == [flops], (name, rec.ops)
+
+
+def test_convolution_and_moe_routing_cost_what_their_definitions_say():
+    """Issue 41: the cost model priced every op but einsum at 0 flops, so convolution and MoE routing
+    were free in `estimate`. Each conv op of a recorded step (the forward and both gradients) and each
+    routing op of a MoE layer counts the flops written here from the step's sizes; on a machine bound
+    by its flops alone, `estimate`'s compute time is the ops' flops over its rate: the conv ops' all
+    of it (halved with the height blocks on 4 ranks), the routing's added to the rest of the layer's."""
+    machine = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)  # no memory time, no per-op time
+
+    def conv_step(x, f):
+        with mm.trace():
+            y = mm.conv2d(x, f)
+            return (y, *mm.gradients([y], [x, f]))
+    rec = record(conv_step, (ArgSpec("b:2;h:12;w:10;ci:3", "float32"), ArgSpec("fh:3;fw:3;ci:3;co:4", "float32")),
+                 "rows:2", "h:rows")
+    for mesh, rows in (("rows:2", 6), ("rows:4", 3)):
+        per_op = 2 * (2 * rows * 10 * 4) * (3 * 3) * 3  # 2 x outputs (b, h block, w, co) x taps x in-channels
+        assert [(op.name, op.flops) for op in rec.rerun("h:rows", mesh).ops if op.name.startswith("conv")] == \
+            [("conv", per_op), ("conv_input_grad", per_op), ("conv_filter_grad", per_op)]
+        e = estimate(rec, "h:rows", mesh, machine)
+        assert e["flops"] == 3 * per_op and e["compute_seconds"] == pytest.approx(3 * per_op / machine.flops)
+
+    def moe_step(x, wg, wi, wo):
+        return mm.layers.moe({"wg": wg, "wi": wi, "wo": wo}, x, "group", seed=1)  # the random second policy
+    g, s, m, e, h, c = 4, 16, 8, 4, 6, 5  # c = max(min(s, int(s * 1.25 / e)), 4)
+    rec = record(moe_step, (ArgSpec(f"group:{g};tokens:{s};d_model:{m}", "float32"),
+                            ArgSpec(f"d_model:{m};experts:{e}", "float32"),
+                            ArgSpec(f"experts:{e};d_model:{m};d_ff:{h}", "float32"),
+                            ArgSpec(f"experts:{e};d_ff:{h};d_model:{m}", "float32")),
+                 "rows:2", "group:rows;experts:rows")
+    g //= 2  # this rank's groups, in the routing's phase
+    want = {"top2_slots": 12 * g * s * e + 12 * g * s,  # per gate: the argmaxes, masks and counts; per token: the
+            "dispatch_slots": e * g * c * m,  # normalised gates, the policy's draw and the slots; a weight per element
+            "combine_slots": 2 * 2 * g * s * m}  # a multiply-add per token, feature and choice
+    assert {op.name: op.flops for op in rec.ops if op.name in want} == want
+    rest = sum(op.flops for op in rec.ops if op.name not in want)
+    assert estimate(rec, None, None, machine)["compute_seconds"] == \
+        pytest.approx((rest + sum(want.values())) / machine.flops)

@@ -23,6 +23,7 @@ from test_updates import OPTIMIZERS, SHAPES, both_ways  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.backend import resolve_backend  # noqa: E402
+from mpimesh.opdef import OpDef  # noqa: E402
 
 updates = importlib.import_module("mpimesh.ops.updates")
 dropout_op = importlib.import_module("mpimesh.ops.dropout")
@@ -35,12 +36,19 @@ pytestmark = [pytest.mark.mpi,
 KERNELS = {"adam": (*updates.ADAM_PARAMS, updates.ADAM_SOURCE), "sgd": (*updates.SGD_PARAMS, updates.SGD_SOURCE)}
 
 
+def cupy_kernels(monkeypatch, *ops) -> None:
+    """From now on `ops` (OpDefs) run their CuPy kernel (`OpDef.kernels["cupy"]`) on numpy."""
+    for op in ops:
+        monkeypatch.setitem(op.kernels, "numpy", op.kernels["cupy"])
+
+
 def take_cupy_branch(monkeypatch):
     """From now on the ops take their CuPy branch, with the kernels' sources compiled for the CPU."""
     compiled = {k: cuda_source.elementwise(*spec) for k, spec in KERNELS.items()}
-    monkeypatch.setattr(updates, "name", lambda xp: "cupy")
+    for kernels in (updates.SGD_KERNELS, updates.ADAM_KERNELS):  # (a numpy mesh runs the CuPy kernels)
+        monkeypatch.setitem(kernels, "numpy", kernels["cupy"])
     monkeypatch.setattr(updates, "_kernel", lambda xp, which: compiled[which])
-    monkeypatch.setattr(dropout_op, "name", lambda xp: "cupy")
+    cupy_kernels(monkeypatch, dropout_op.DROPOUT)
     monkeypatch.setitem(dropout_op._cuda, "kernel",
                         cuda_source.elementwise(*dropout_op.DROPOUT_PARAMS, dropout_op.DROPOUT_SOURCE))
 
@@ -118,7 +126,7 @@ def test_bias_activation_kernels_equal_the_numpy_lowering(shape, dtype, activati
     take_cupy_branch(monkeypatch)
     for key in [(a, g, b) for a in act_mod.SOURCES for g in (False, True) for b in (False, True)]:
         monkeypatch.setitem(act_mod._cuda, key, cuda_source.elementwise(*act_mod.kernel_params(*key)))
-    monkeypatch.setattr(act_mod, "name", lambda xp: "cupy")
+    cupy_kernels(monkeypatch, *(op for pair in act_mod.OPS.values() for op in pair))
     got = run()
     exact = activation in ("relu", None)
     eps = 16 * np.finfo(dtype).eps  # glibc's tanh and numpy's differ by up to 3 units in the last place
@@ -150,12 +158,18 @@ def _row_kernels_on_the_cpu(rowwise):
     return kernel
 
 
+def _module_ops(module) -> list:
+    """`module`'s OpDefs that have a CuPy kernel."""
+    return [v for v in vars(module).values() if isinstance(v, OpDef) and "cupy" in v.kernels]
+
+
 def _on_row_kernels(module, run, monkeypatch) -> tuple:
-    """`run()` again with `module`'s ops on the CPU-compiled kernels of `ROW_SOURCES` (the CuPy
-    branch): its results, and the kernels used, in order."""
+    """`run()` again with `module`'s ops on their CuPy kernels, with the CPU-compiled kernels of
+    `ROW_SOURCES` (not the one-kernel rows): its results, and the kernels used, in order."""
     used = []
     kernel = _row_kernels_on_the_cpu(importlib.import_module("mpimesh.ops.rowwise"))
-    monkeypatch.setattr(module, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
+    cupy_kernels(monkeypatch, *_module_ops(module))
+    monkeypatch.setattr(module, "rows_fit", lambda xp, a, axes: False)
     monkeypatch.setattr(module, "row_kernel", lambda *a, **k: used.append(a[1]) or kernel(*a, **k))
     return run(), used
 
@@ -195,9 +209,12 @@ def test_row_kernels_equal_the_numpy_lowering(shape, dtype, op, causal, monkeypa
 
 def _one_kernel_rows(module, names: tuple, monkeypatch) -> list:
     """`module`'s one-kernel rows (`rowwise.ROWS_SOURCE`, compiled for the CPU: a warp of one
-    thread; the functions `names`) taken where CuPy would take them; the names of those run, in order."""
+    thread; the functions `names`) taken where CuPy would take them (elsewhere, CuPy's steps without
+    the kernels of `ROW_SOURCES`); the names of those run, in order."""
     rowwise = importlib.import_module("mpimesh.ops.rowwise")
     used: list = []
+    cupy_kernels(monkeypatch, *_module_ops(module))
+    monkeypatch.setattr(module, "fusable", lambda *arrays: False)
     for dt in rowwise.PRELUDE_TYPES:
         source = rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE
         monkeypatch.setitem(rowwise._cuda, ("rows", dt), cuda_source.raw_module(source, rowwise.ROWS_PARAMS))

@@ -312,39 +312,107 @@ def test_output_mesh_dim_taken_from_contracted_dim(mshape: str) -> None:
 def test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu(shape, monkeypatch, dtype):
     """A bias's or a gain's gradient ("abc->c", "abc,abc->c") is a sum of an elementwise product: on
     CuPy it runs as one multiply and one sum (cupy.einsum took a slow cuBLAS GEMV there, which a CUDA
-    graph cannot capture). The path runs here with the array module named CuPy's: numpy's einsum on
-    the global arrays, in float64, over layouts that split the summed dims (an allreduce follows)."""
+    graph cannot capture). CuPy's kernel runs here on the numpy mesh's blocks, against numpy's einsum
+    on the global arrays, in float64, over layouts that split the summed dims (an allreduce follows)."""
     import mpimesh.ops.einsum as einsum_module
     from mpimesh.ops.einsum import sum_plan
     mesh = get_mesh(shape)
     assert sum_plan("ab,bc->ac") is None and sum_plan("aab->b") is None and sum_plan("ab,a->b") is None
     calls, columns = [], []
     real = einsum_module.summed_product
-    monkeypatch.setattr(einsum_module, "name", lambda xp: "cupy")
+    monkeypatch.setitem(einsum_module.EINSUM.kernels, "numpy", einsum_module.EINSUM.kernels["cupy"])
     monkeypatch.setattr(einsum_module, "summed_product", lambda *a: calls.append(1) or real(*a))
     # the column-sum kernel (its CUDA source: tests/test_cuda_sources.py) as numpy computes it
     monkeypatch.setattr(einsum_module, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
     monkeypatch.setattr(einsum_module, "column_sums", lambda xp, arrays, rows, cols: columns.append(len(arrays)) or
                         np.prod(arrays, axis=0).reshape(rows, cols).sum(axis=0))
-    einsum_module._plan.cache_clear()
-    try:
-        errs, einsums, sizes = Errors(), 0, {"a": 6, "b": 4, "c": 5}
-        a = global_array("a:6;b:4;c:5", seed=1, dtype=np.float64)
-        b = global_array("c:5;a:6;b:4", seed=2, dtype=np.float64)
-        abc, cab = "a:6;b:4;c:5", "c:5;a:6;b:4"
-        cases = [("c", [a], [abc], "a,b,c->c"), ("b;c", [a], [abc], "abc->bc"), ("", [a], [abc], "abc->"),
-                 ("c", [a, b], [abc, cab], "abc,cab->c"), ("c;a", [a, b], [abc, cab], "abc,cab->ca"),
-                 ("c", [a, a[::-1]], [abc, abc], "abc,abc->c")]
-        for out, arrays, shapes, subs in cases:
-            for lay in layouts(mesh, ["a", "b", "c"], limit=4):
-                xs = [mm.cast(mesh.from_numpy(g, s, layout=lay), dtype) for g, s in zip(arrays, shapes)]
-                y = mm.einsum(xs, output_shape=";".join(f"{d}:{sizes[d]}" for d in out.split(";") if d) or [])
-                einsums += 1
-                want = np.einsum(subs.replace("a,b,c", "abc"), *[mm.cast(x, "float64").to_numpy() for x in xs])
-                errs.close(f"{subs} {lay}", mm.cast(y, "float64").to_numpy(), want,
-                           rtol=1e-12 if dtype == "float64" else 2e-2, atol=1e-12 if dtype == "float64" else 2e-2)
-        errs.check()
-        assert len(calls) == einsums, (len(calls), einsums)
-        assert set(columns) == {1, 2}, columns  # "abc->c" and "abc,abc->c": the operands in one order
-    finally:
-        einsum_module._plan.cache_clear()
+    errs, einsums, sizes = Errors(), 0, {"a": 6, "b": 4, "c": 5}
+    a = global_array("a:6;b:4;c:5", seed=1, dtype=np.float64)
+    b = global_array("c:5;a:6;b:4", seed=2, dtype=np.float64)
+    abc, cab = "a:6;b:4;c:5", "c:5;a:6;b:4"
+    cases = [("c", [a], [abc], "a,b,c->c"), ("b;c", [a], [abc], "abc->bc"), ("", [a], [abc], "abc->"),
+             ("c", [a, b], [abc, cab], "abc,cab->c"), ("c;a", [a, b], [abc, cab], "abc,cab->ca"),
+             ("c", [a, a[::-1]], [abc, abc], "abc,abc->c")]
+    for out, arrays, shapes, subs in cases:
+        for lay in layouts(mesh, ["a", "b", "c"], limit=4):
+            xs = [mm.cast(mesh.from_numpy(g, s, layout=lay), dtype) for g, s in zip(arrays, shapes)]
+            y = mm.einsum(xs, output_shape=";".join(f"{d}:{sizes[d]}" for d in out.split(";") if d) or [])
+            einsums += 1
+            want = np.einsum(subs.replace("a,b,c", "abc"), *[mm.cast(x, "float64").to_numpy() for x in xs])
+            errs.close(f"{subs} {lay}", mm.cast(y, "float64").to_numpy(), want,
+                       rtol=1e-12 if dtype == "float64" else 2e-2, atol=1e-12 if dtype == "float64" else 2e-2)
+    errs.check()
+    assert len(calls) == einsums, (len(calls), einsums)
+    assert set(columns) == {1, 2}, columns  # "abc->c" and "abc,abc->c": the operands in one order
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gradient_in_a_bucket_runs_dry_as_on_rank_0(shape, dtype):
+    """A parameter's gradient summed over a split batch waits in a gradient bucket: its einsum writes
+    its slot in the bucket's float32 buffer (`out=`) and sums nothing itself (`reduce_mesh_dims` ()),
+    a "psum" sums it. A dry run of the same step counts the same collectives as rank 0 and gives the
+    gradient its dtype and block; the values are numpy's, in float64."""
+    from mpi4py import MPI
+    from mpimesh.collectives import counters
+    from mpimesh.dryrun import DryMesh, placeholder
+    mesh = get_mesh(shape)
+    rules = f"b:{mesh.shape.names[-1]}"
+    a, b = global_array("b:6;i:7", 3), global_array("i:7;h:5", 4)
+
+    def step(x, w):
+        with mm.trace() as tr:
+            (gw,) = mm.gradients([mm.reduce_sum(mm.einsum([x, w]) * 0.5)], [w])
+        return gw, tr
+
+    with mm.layout_scope(mesh, rules), mm.profile() as prof:
+        gw, tr = step(*(mm.cast(mesh.from_numpy(g, s), dtype) for g, s in ((a, "b:6;i:7"), (b, "i:7;h:5"))))
+    dry = DryMesh(shape, rules)
+    with counters.counting() as counts:
+        ghost, _ = step(placeholder(dry, "b:6;i:7", dtype), placeholder(dry, "i:7;h:5", dtype))
+    bucketed = [op for op in tr.ops if op.name == "einsum" and op.outputs[0].shape.names == ("i", "h")]
+    split = mesh.shape[mesh.shape.names[-1]].size > 1
+    assert [op.params["reduce_mesh_dims"] for op in bucketed] == [()]
+    assert any(op.name == "psum" for op in tr.ops) == split
+    wide = mm.cast(mesh.from_numpy(a.astype(dtype).astype(np.float64), "b:6;i:7"), "float64")
+    np.testing.assert_allclose(to_host(mm.cast(gw, "float64").to_numpy()),
+                               0.5 * wide.to_numpy().sum(axis=0)[:, None] * np.ones((1, 5)),
+                               rtol=1e-6 if dtype == "float32" else 1e-2)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        assert {k: v for k, v in counts.items() if k != "flops"} == \
+            {k: v for k, v in prof.counters.items() if k not in ("flops", "copies")}
+        assert (ghost.dtype, ghost.local.shape) == (gw.dtype, gw.local.shape)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("specs", [("b:3;i:5", "i:5;h:4", "b:3;h:4"), ("i:5;b:3", "i:5;h:4", "h:4;b:3"),
+                                   ("g:2;s:5;m:3", "g:2;s:5;e:4", "e:4;g:2;m:3")], ids=["2-d", "transposed", "batched"])
+def test_the_cupy_kernel_multiplies_by_cublas(monkeypatch, specs, dtype):
+    """CuPy's einsum kernel (`EINSUM.kernels["cupy"]`) runs its GEMMs as one cuBLAS call each
+    (`mpimesh.widen`), never CuPy's own matmul: a 2-D product (float32: its planned operand views),
+    one of a transposed operand, a batched one whose output is reordered, and 16-bit operands
+    (multiplied as they are into float32 sums, rounded once). On tests/test_widen.py's host model of
+    cuBLAS and fake device arrays, with the params of the same einsum on numpy, against numpy."""
+    import types
+    from types import SimpleNamespace
+
+    from test_widen import FAKE_XP, FakeCublas, _device, _values
+
+    from mpimesh import widen
+    from mpimesh.ops.einsum import EINSUM
+    cublas = FakeCublas()
+    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
+    cp = types.ModuleType("cupy")
+    cp.ascontiguousarray, cp.empty, cp.cuda = FAKE_XP.ascontiguousarray, FAKE_XP.empty, FAKE_XP.cuda
+    cp.transpose, cp.result_type = np.transpose, np.result_type
+    cp.matmul = lambda *args, **kwargs: pytest.fail("CuPy's own matmul")
+    mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    a, b = (_values(mm.Shape(s).sizes, mm.cast(mesh.ones("x:1"), dtype).dtype, seed) for s, seed in zip(specs, (1, 2)))
+    with mm.trace() as tr:  # (the params only)
+        mm.einsum([mesh.from_numpy(a, specs[0]), mesh.from_numpy(b, specs[1])], specs[2])
+    got = EINSUM.kernels["cupy"](SimpleNamespace(xp=cp), _device(a), _device(b), **tr.ops[-1].params)
+    subscripts = ",".join("".join(mm.Shape(s).names) for s in specs[:2]) + "->" + "".join(mm.Shape(specs[2]).names)
+    want = np.einsum(subscripts, a.astype(np.float64), b.astype(np.float64))  # (exact in float32: multiples of 1/8)
+    assert got.dtype == a.dtype and cublas.calls == 1
+    np.testing.assert_array_equal(np.asarray(got), want.astype(a.dtype))

@@ -27,7 +27,7 @@ from test_widen import BF16, FAKE_XP, FakeCublas, _device, _values  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh import backend, widen  # noqa: E402
-from mpimesh.ops.einsum import _matmul  # noqa: E402
+from mpimesh.ops.einsum import _matmul_cupy as _matmul  # noqa: E402  (the CuPy kernel's GEMM)
 
 F32, TF32_COMPUTE, F32_COMPUTE = np.dtype(np.float32), 77, 68
 
@@ -108,7 +108,7 @@ def test_16_bit_inputs_stay_float32_sums_and_2d_float32_takes_the_setting(monkey
     precision("tf32")
     cp = _cupy_like(cublas)
     a, b = _values((2, 3, 4), BF16, 3), _values((2, 4, 5), BF16, 4)
-    np.testing.assert_array_equal(np.asarray(widen.widening_matmul(cp, _device(a), _device(b))),
+    np.testing.assert_array_equal(np.asarray(widen.gpu_widening_matmul(cp, _device(a), _device(b))),
                                   a.astype(np.float64) @ b.astype(np.float64))
     assert cublas.computes == [F32_COMPUTE]
     a, b = _values((3, 4), F32, 5), _values((4, 2), F32, 6)

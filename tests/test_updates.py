@@ -3,7 +3,9 @@ all parameters of a dtype, equal to the unfused composition (the same optimizer 
 bitwise for SGD and Adam, to rounding for Adafactor (its sums are `xp.sum`s, not einsums), in
 float64 and float32, with bfloat16 parameters updated in float32, a scheduled learning rate,
 parameters split unevenly over 1-D/2-D/3-D meshes, over several steps; and the trace holds one
-update op."""
+update op. SGD and Adam run one formula both ways (`sgd_step`, `adam_step`) in other operations (numpy
+in place and in chunks, mpimesh ops): the formulas are checked against numpy references written from
+the papers in test_optim.py, and against the CUDA sources, bitwise, in test_cuda_sources.py."""
 from __future__ import annotations
 
 import os

@@ -17,7 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpimesh.widen import cublas_matmul, rounding_matmul, widening_matmul
+from mpimesh.widen import (cublas_matmul, gpu_rounding_matmul, jax_widening_matmul, rounding_matmul,
+                          widening_matmul)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _TYPES = {2: np.dtype(np.float16), 14: BF16, 0: np.dtype(np.float32), 1: np.dtype(np.float64)}  # cudaDataType_t
@@ -154,24 +155,23 @@ def test_float64_products_stay_float64_and_write_into_out():
 
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
 def test_a_16bit_result_is_rounded_by_the_gemm(monkeypatch, dtype):
-    """`rounding_matmul` on a GPU: one GEMM whose C is the 16-bit dtype (cuBLAS rounds the float32
+    """`gpu_rounding_matmul`: one GEMM whose C is the 16-bit dtype (cuBLAS rounds the float32
     sums as it stores them: no float32 product, no cast pass), into `out` where given; each entry
     1 + 256·2^-9 summed in float32 (1.5) and rounded once; where the shapes do not fit one call
     (a broadcast batch), the widening product rounded."""
     from mpimesh import widen
     fake = FakeCublas()
-    monkeypatch.setattr(widen, "name", lambda xp: "cupy" if xp is FAKE_XP else "numpy")
     monkeypatch.setattr(widen, "_cublas", lambda xp=None: fake)
     a = _device(np.tile(np.array([1.0] + [2.0 ** -9] * 256, dtype), (2, 3, 1)))  # [2, 3, 257]
     b = _device(np.ones((2, 257, 4), dtype))
-    got = rounding_matmul(FAKE_XP, a, b)
+    got = gpu_rounding_matmul(FAKE_XP, a, b)
     assert fake.calls == 1 and fake.types == (_CODE[dtype],) * 3 and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got).astype(np.float64), np.full((2, 3, 4), 1.5))
     out = _device(np.full((2, 3, 4), np.nan, dtype))
-    assert rounding_matmul(FAKE_XP, a, b, out) is out and fake.calls == 2
+    assert gpu_rounding_matmul(FAKE_XP, a, b, out) is out and fake.calls == 2
     np.testing.assert_array_equal(np.asarray(out).astype(np.float64), np.full((2, 3, 4), 1.5))
     monkeypatch.setattr(FAKE_XP, "matmul", np.matmul, raising=False)
-    wide = rounding_matmul(FAKE_XP, a[:1], b)  # (batch 1 against 2: not one strided call)
+    wide = gpu_rounding_matmul(FAKE_XP, a[:1], b)  # (batch 1 against 2: not one strided call)
     assert fake.calls == 2 and wide.dtype == dtype and wide.shape == (2, 3, 4)
     np.testing.assert_array_equal(np.asarray(wide).astype(np.float64), np.full((2, 3, 4), 1.5))
 
@@ -242,15 +242,17 @@ def test_accumulates_in_float32(dtype):
     assert widening_matmul(np, a, b).dtype == np.float32
     assert float(widening_matmul(np, a, b)[0, 0]) == 1.5
     jnp = pytest.importorskip("jax.numpy")
-    got = widening_matmul(jnp, jnp.asarray(a), jnp.asarray(b))
+    got = jax_widening_matmul(jnp, jnp.asarray(a), jnp.asarray(b))
     assert got.dtype == np.float32 and float(got[0, 0]) == 1.5
+    got = rounding_matmul(jnp, jnp.asarray(a), jnp.asarray(b), widening=jax_widening_matmul)  # rounded once
+    assert got.dtype == dtype and float(got[0, 0]) == 1.5
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "bfloat16 rounded"])
 def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
     """On a GPU: einsum's GEMM captured in a CUDA graph (CuPy's own cuBLAS calls refuse capture),
     launched into a poisoned output, writes what the same call writes eagerly, bit for bit; a
-    16-bit C ("rounded", `rounding_matmul`) is the float32 product rounded to the nearest (within
+    16-bit C ("rounded", `gpu_rounding_matmul`) is the float32 product rounded to the nearest (within
     one bfloat16 step of the cast CuPy makes)."""
     from mpimesh.backend import device_count
     if device_count() == 0:
@@ -258,7 +260,7 @@ def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
     import cupy
     from mpimesh.widen import gpu_matmul
     rounded = dtype.endswith("rounded")
-    matmul = rounding_matmul if rounded else gpu_matmul
+    matmul = gpu_rounding_matmul if rounded else gpu_matmul
     rng = np.random.default_rng(3)
     kind = BF16 if dtype.startswith("bfloat16") else np.dtype(dtype)
     for lead in ((3,), ()):  # a batch (GemmStridedBatchedEx) and one product (GemmEx)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ..backend import accumulation_dtype, is_float
 from ..opdef import Aval
 from ..shape import Shape
 from . import counters
@@ -57,7 +58,9 @@ class DryCollectives(Collectives):
         return Aval(_with(x.shape, axis, n), x.dtype)
 
     def _allreduce(self, x, mesh_dims: tuple, op: str, out=None):
-        self._count("allreduce", mesh_dims, x)
+        # a max or min of floats moves integers as wide as their accumulation dtype (`Collectives._extreme`)
+        wide = op != "sum" and is_float(x.dtype)
+        self._count("allreduce", mesh_dims, Aval(x.shape, accumulation_dtype(x.dtype)) if wide else x)
         return Aval(x.shape, x.dtype)
 
     def _allreduce_rounded(self, x, dims: tuple, op: str, dtype):
@@ -86,7 +89,8 @@ class DryCollectives(Collectives):
         return Aval(_with(x.shape, axis, first), x.dtype)
 
     def _permute(self, x, mesh_dim: str, offset: int, wrap: bool, out=None):
-        self._count("permute", mesh_dim, x)
+        sends = wrap or 0 <= offset < self._sizes[mesh_dim]  # (coordinate 0 sends to coordinate `offset`)
+        self._count("permute", mesh_dim, x if sends else Aval((0,), x.dtype))
         return Aval(x.shape, x.dtype)
 
     def _exscan(self, x, mesh_dim: str, op: str):

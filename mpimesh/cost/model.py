@@ -39,7 +39,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..backend import as_dtype, is_low_precision
+from ..backend import as_dtype
 from ..collectives import counters
 from ..errors import LayoutError, MpimeshError
 from ..layout import LayoutRules
@@ -99,6 +99,8 @@ class OpCost:
     """Floating-point operations on this rank's blocks, as the op's definition counts them."""
     nbytes: int
     """Bytes of this rank's blocks of the op's inputs and outputs together."""
+    gemm: bool
+    """Whether the op is a matrix product (priced with the machine's fixed cost per GEMM)."""
 
     def __init__(self, name: str, flops: int, nbytes: int, gemm: bool = False):
         self.name, self.flops, self.nbytes, self.gemm = name, flops, nbytes, gemm
@@ -238,7 +240,7 @@ class _Watched(set):
 def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
     """A `Trace` that, as each op is appended, notes its FLOPs (from the open counters), bytes
     and the lifetimes of its inputs and outputs."""
-    from ..trace import Trace, _open_traces
+    from ..trace import Trace, open_traces
 
     class RecordingTrace(Trace):
         def __init__(self):
@@ -251,7 +253,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
         def _append(self, op) -> None:
             super()._append(op)
             i = len(rec.ops)
-            users = [tr for tr in _open_traces if tr is not self]
+            users = [tr for tr in open_traces() if tr is not self]
             now = {id(tr) for tr in users}
             for closed in self.open - now:
                 self.life.close(closed, i)
@@ -324,7 +326,7 @@ def record(fn, args, mesh, rules=None) -> Recording:
     """
     from ..dryrun import DryMesh, placeholder
     from ..mesh import AbstractMesh, layout_scope
-    from ..trace import _open_traces
+    from ..trace import trace
     check_step("record", fn, args)
     if isinstance(mesh, (str, Shape, list, tuple)):
         mesh_shape, in_force = mesh_shape_of(mesh), LayoutRules("")
@@ -346,12 +348,8 @@ def record(fn, args, mesh, rules=None) -> Recording:
         for d in t.shape:
             rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
     with counters.counting() as counts:
-        tr = _recording_trace(rec, counts, {id(t) for t in arg_tensors})
-        _open_traces.append(tr)
-        try:
+        with trace(_recording_trace(rec, counts, {id(t) for t in arg_tensors})) as tr:
             out = fn(*ghosts)
-        finally:
-            _open_traces.remove(tr)
     rec.activation_bytes = tr.finish(out)
     rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec

@@ -31,7 +31,7 @@ around it carries it. The gates keep g1 + g2 ≈ 1 even when one choice is dropp
 
 Routing (`routing=`): "gather" finds e1, e2, p1, p2 and the kept choices in one op
 (`mpimesh.ops.routing.top2_slots`) and moves tokens with two gathers, `dispatch_slots` and
-`combine_slots` (each the other's gradient): no [G, S, E, C] tensor, no FLOPs. "one_hot" builds the
+`combine_slots` (each the other's gradient): no [G, S, E, C] tensor, no matmul. "one_hot" builds the
 masks dispatch[s, e, c] = [e = e1, c = p1, kept] + [e = e2, c = p2, kept] and combine (the same,
 weighted by g1, g2) and contracts them, einsums "GSEC,GSM->EGCM" and "GSEC,EGCM->GSM" (2·G·S·E·C·M
 FLOPs each way). Both keep and drop the same choices and give the same values. "auto" (default)

@@ -1,33 +1,11 @@
 """conv1d and conv2d over named dims, with spatial dims that may be split over mesh dims.
 
-Along a split spatial dim (input size N, output size O, k ranks) both the input and the output
-are cut like `numpy.array_split`: rank c holds input block c and computes output block c,
-`[o_c, o_c + ol_c)`, which reads the input window starting at `o_c*stride - pad_before` of length
-`(ol_c-1)*stride + (f-1)*dilation + 1`. Each rank gathers that window from its own block plus
-halos from its neighbours (point-to-point permutes, `shift.gather_window`): along height first,
-then along width on the already widened slab, which brings the corners with it (split dims go
-before unsplit ones, whose zero padding is then never sent). With equal blocks of input and
-output, when the window does not sit at the same place relative to every rank's block (VALID
-padding, or a stride not dividing the size), all ranks gather the union of the halos they need and
-each selects its own window (a k-way select on the coordinate: the same program on every rank).
-With unequal blocks (sizes that do not divide; with a stride the output blocks do not line up with
-the input blocks) each rank gathers exactly its own window, its pieces routed by coordinate (a
-piece may come from beyond the neighbours, past short or empty blocks; strips are zero-padded to
-the widest of their permute, see `shift`), and a rank whose output block is empty computes
-nothing. A JAX replay of unequal blocks, whose coordinate is traced and whose devices hold blocks
-zero-padded to the largest, allgathers the dim and takes each device's window from it (see
-`shift`); every device computes the first rank's number of outputs, the extra ones being padding
-(the replay zeroes it). Zeros beyond the edges are the padding. The local kernel, with stride 1,
-works on blocks of output rows (cache-sized with numpy): the block's slab rows with the width taps
-unrolled side by side, times one `[fw*in, out]` matrix per height tap (the input and filter
-gradients are the same kernel on the padded output gradient, resp. with the output gradient as the
-matrix); with other strides it sums, over the filter taps, a
-tensordot of a strided slice of the slab with that tap's `[in, out]` filter matrix.
-
-A split input-channels dim is contracted locally and allreduced (like einsum); batch and
-out-channel splits need no communication. The input gradient is the transposed kernel followed
-by the transposed halo exchange (halos sent back and added by their owners); the filter gradient
-is a reduction over positions, allreduced over the mesh dims that split batch and spatial dims.
+Along a split spatial dim input and output are cut like `numpy.array_split`: rank c computes output
+block c from the input window it reads, gathered from its own block plus halos from its neighbours
+(point-to-point permutes, `shift.gather_window`; see `_gather`). A split in-channels dim is
+contracted locally and allreduced (like einsum); batch and out-channel splits need no communication.
+The input gradient is the transposed kernel followed by the transposed halo exchange; the filter
+gradient is a reduction over positions, allreduced over the mesh dims that split batch and spatial dims.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -44,14 +22,17 @@ import numbers
 from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence, Union
 
+import numpy as np
+
 from ..errors import MpimeshError, ShapeError
-from ..layout import block_sizes, local_sizes, splitting
+from ..layout import block_sizes, splitting
+from ..opdef import Aval, OpDef
 from ..promotion import cast_operands, operand_casts, result_type
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch_lower
+from ..trace import dispatch
 from .relayout import to_layout
-from .shift import blocks_of, coordinate, gather_window, scatter_window, traced
+from .shift import blocks_of, coordinate, count_window, gather_window, scatter_window, traced
 
 
 class _Axis(NamedTuple):
@@ -200,13 +181,6 @@ def conv_plan(x_shape: Shape, f_shape: Shape, x_layout: tuple, f_layout: tuple, 
                  eff(out_layout[-1]), pos_mesh)
 
 
-def _flops(p: _Plan, mesh) -> int:
-    """This rank's multiply-adds, times 2: local outputs x taps x local in-channels."""
-    out_local = math.prod(local_sizes(p.out_shape, mesh.shape, p.out_layout, mesh.coords))
-    cin_local = local_sizes(p.x_shape, mesh.shape, p.x_layout, mesh.coords)[-1]
-    return 2 * out_local * math.prod(a.f for a in p.axes) * cin_local
-
-
 # ---- local kernels (only ctx.xp and ctx's collectives) ----
 
 def _order(p: _Plan) -> tuple:
@@ -234,7 +208,17 @@ def _union(ax: _Axis) -> tuple:
 def _gather(ctx, a, p: _Plan):
     """The input window of this rank: halos along each spatial dim in turn (split dims first, so
     a split dim's halo strip is not widened by an unsplit dim's zero padding), then (equal blocks,
-    windows not alike) this rank's own window out of the union."""
+    windows not alike) this rank's own window out of the union.
+
+    Output block c, `[o_c, o_c + ol_c)`, reads the input window starting at `o_c*stride -
+    pad_before` of length `(ol_c-1)*stride + (f-1)*dilation + 1` (zeros beyond the edges are the
+    padding). Along height first, then along width on the already widened slab, which brings the
+    corners with it. With equal blocks of input and output, when the window does not sit at the same
+    place relative to every rank's block (VALID padding, or a stride not dividing the size), all
+    ranks gather the union of the halos they need and each selects its own window (a k-way select on
+    the coordinate: the same program on every rank). With unequal blocks each rank gathers exactly
+    its own window, its pieces routed by coordinate (a piece may come from beyond the neighbours,
+    past short or empty blocks), and a rank whose output block is empty computes nothing."""
     xp = ctx.xp
     for i in _order(p):
         ax, axis = p.axes[i], p.lead + i
@@ -294,8 +278,10 @@ def _dilate(xp, a, axis: int, s: int):
 # Stride-1 kernels (the common case), as 2-D problems `[L, rows, cols, C]`: a block of output
 # rows at a time, the slab's rows are unrolled along the width taps only (`[rows, cols, fw*C]`,
 # one concatenate), and each height tap is then one matmul of contiguous rows with that tap's
-# `[fw*C, out]` matrix. With numpy a block holds about _BLOCK_BYTES, so it stays in cache; other
-# array modules (JAX, CuPy) take the whole array as one block (no unrolled loop to compile).
+# `[fw*C, out]` matrix. numpy's kernel (`chunked`) takes blocks of about _BLOCK_BYTES, so they stay
+# in cache; the generic kernel (JAX, CuPy) takes the whole array as one block (no unrolled loop to
+# compile). The input and filter gradients are the same kernel on the padded output gradient, resp.
+# with the output gradient as the matrix.
 _BLOCK_BYTES = 1 << 19
 
 
@@ -313,9 +299,9 @@ def _dil2(p: _Plan) -> tuple:
     return ((1,) * (2 - len(p.axes))) + tuple(ax.d for ax in p.axes)
 
 
-def _blocks(xp, n_lead: int, rows: int, row_bytes: int):
-    """(lead slice, first row, row count) of each block."""
-    if getattr(xp, "__name__", "") != "numpy":
+def _blocks(n_lead: int, rows: int, row_bytes: int, chunked: bool):
+    """(lead slice, first row, row count) of each block (`chunked`: cache-sized, else one)."""
+    if not chunked:
         yield slice(0, n_lead), 0, rows
         return
     step = max(1, _BLOCK_BYTES // max(row_bytes, 1))
@@ -324,13 +310,12 @@ def _blocks(xp, n_lead: int, rows: int, row_bytes: int):
             yield slice(b, b + 1), r0, min(step, rows - r0)
 
 
-def _unroll(xp, a, fw: int, dw: int, wo: int):
-    """`[..., cols, C]` -> `[..., wo, fw*C]`: the fw width taps side by side."""
+def _unroll(xp, a, fw: int, dw: int, wo: int, chunked: bool):
+    """`[..., cols, C]` -> `[..., wo, fw*C]`: the fw width taps side by side (`chunked`: numpy's kernel)."""
     if fw == 1:
         return a[..., :wo, :]
     ci, item = a.shape[-1], a.itemsize
-    if (dw == 1 and ci >= 4 and getattr(xp, "__name__", "") == "numpy" and a.strides[-1] == item
-            and a.strides[-2] == ci * item):
+    if chunked and dw == 1 and ci >= 4 and a.strides[-1] == item and a.strides[-2] == ci * item:
         # numpy: a row's fw taps are one run of fw*C consecutive values, so copy from an
         # overlapping strided view (runs of fw*C instead of C values: about twice as fast)
         view = xp.lib.stride_tricks.as_strided(a, a.shape[:-2] + (wo, fw * ci), a.strides, writeable=False)
@@ -338,15 +323,15 @@ def _unroll(xp, a, fw: int, dw: int, wo: int):
     return xp.concatenate([a[..., j * dw:j * dw + wo, :] for j in range(fw)], axis=-1)
 
 
-def _correlate(xp, a, w, dil: tuple, out_hw: tuple):
+def _correlate(xp, a, w, dil: tuple, out_hw: tuple, chunked: bool):
     """`y[l, r, c] = sum_ij a[l, r + i*dh, c + j*dw] @ w[i, j]`: a `[L, R, C, ci]`, w
     `[fh, fw, ci, co]` -> `[L, out_h, out_w, co]`."""
     fh, fw, ci, co = w.shape
     (dh, dw), (ho, wo) = dil, out_hw
     mats = [w[i].reshape(fw * ci, co) for i in range(fh)]
     per_lead: dict = {}
-    for lead, r0, r in _blocks(xp, a.shape[0], ho, wo * fw * ci * a.itemsize):
-        s3 = _unroll(xp, a[lead, r0:r0 + r + (fh - 1) * dh], fw, dw, wo)
+    for lead, r0, r in _blocks(a.shape[0], ho, wo * fw * ci * a.itemsize, chunked):
+        s3 = _unroll(xp, a[lead, r0:r0 + r + (fh - 1) * dh], fw, dw, wo, chunked)
         y = None
         for i in range(fh):
             term = s3[:, i * dh:i * dh + r].reshape(-1, fw * ci) @ mats[i]
@@ -356,14 +341,14 @@ def _correlate(xp, a, w, dil: tuple, out_hw: tuple):
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
 
 
-def _correlate_filter(xp, a, g, taps: tuple, dil: tuple):
+def _correlate_filter(xp, a, g, taps: tuple, dil: tuple, chunked: bool):
     """`dw[i, j] = sum_lrc a[l, r + i*dh, c + j*dw]^T g[l, r, c]`: a `[L, R, C, ci]`, g
     `[L, out_h, out_w, co]` -> `[fh, fw, ci, co]`."""
     (fh, fw), (dh, dw) = taps, dil
     ci, (ho, wo, co) = a.shape[-1], g.shape[1:]
     acc = [None] * fh
-    for lead, r0, r in _blocks(xp, a.shape[0], ho, wo * fw * ci * a.itemsize):
-        s3 = _unroll(xp, a[lead, r0:r0 + r + (fh - 1) * dh], fw, dw, wo)
+    for lead, r0, r in _blocks(a.shape[0], ho, wo * fw * ci * a.itemsize, chunked):
+        s3 = _unroll(xp, a[lead, r0:r0 + r + (fh - 1) * dh], fw, dw, wo, chunked)
         gb = g[lead, r0:r0 + r].reshape(-1, co)
         for i in range(fh):
             term = s3[:, i * dh:i * dh + r].reshape(-1, fw * ci).T @ gb
@@ -371,44 +356,49 @@ def _correlate_filter(xp, a, g, taps: tuple, dil: tuple):
     return xp.stack(acc).reshape(fh, fw, ci, co)
 
 
-def _forward_fast(xp, slab, w, p: _Plan):
+def _forward_fast(xp, slab, w, p: _Plan, chunked: bool):
     w4 = w.reshape((1,) * (2 - len(p.axes)) + w.shape)
     out_hw = ((1,) * (2 - len(p.axes))) + tuple(ax.ol for ax in p.axes)
-    y = _correlate(xp, _as_2d(p, slab), w4, _dil2(p), out_hw)
+    y = _correlate(xp, _as_2d(p, slab), w4, _dil2(p), out_hw, chunked)
     return y.reshape(slab.shape[:p.lead] + tuple(ax.ol for ax in p.axes) + (w.shape[-1],))
 
 
-def _input_grad_fast(xp, g, w, p: _Plan):
+def _input_grad_fast(xp, g, w, p: _Plan, chunked: bool):
     """The slab gradient: g zero-padded by (f-1)*d on both sides, correlated with the flipped,
     transposed filters."""
     widths = [(0, 0)] * p.lead + [((ax.f - 1) * ax.d,) * 2 for ax in p.axes] + [(0, 0)]
     w4 = w.reshape((1,) * (2 - len(p.axes)) + w.shape)
     wt = xp.swapaxes(xp.flip(w4, (0, 1)), -1, -2)
     out_hw = ((1,) * (2 - len(p.axes))) + tuple(ax.win for ax in p.axes)
-    d = _correlate(xp, _as_2d(p, xp.pad(g, widths)), wt, _dil2(p), out_hw)
+    d = _correlate(xp, _as_2d(p, xp.pad(g, widths)), wt, _dil2(p), out_hw, chunked)
     return d.reshape(g.shape[:p.lead] + tuple(ax.win for ax in p.axes) + (w.shape[-2],))
 
 
-def _filter_grad_fast(xp, slab, g, p: _Plan):
+def _filter_grad_fast(xp, slab, g, p: _Plan, chunked: bool):
     taps = ((1,) * (2 - len(p.axes))) + tuple(ax.f for ax in p.axes)
-    dw = _correlate_filter(xp, _as_2d(p, slab), _as_2d(p, g), taps, _dil2(p))
+    dw = _correlate_filter(xp, _as_2d(p, slab), _as_2d(p, g), taps, _dil2(p), chunked)
     return dw.reshape(tuple(ax.f for ax in p.axes) + dw.shape[-2:])
 
 
-def _empty(xp, shape: tuple, *arrays):
+def _empty(xp, shape: tuple, matmul: bool, a, b):
     """Zeros of `shape` when this rank's part is empty (an empty block of positions, channels or
-    output), else None."""
-    if 0 in shape or any(0 in a.shape for a in arrays):
-        return xp.zeros(shape, xp.result_type(*arrays))
+    output), else None. Their dtype is the product's, by `@` (`matmul`) or `tensordot`, as the other
+    ranks' (ml_dtypes multiplies bfloat16 matrices with `@` into float32): the sums across ranks
+    then add alike."""
+    if 0 in shape or 0 in a.shape or 0 in b.shape:
+        u, v = xp.ones((1, 1), a.dtype), xp.ones((1, 1), b.dtype)
+        return xp.zeros(shape, (u @ v if matmul else xp.tensordot(u, v, axes=([1], [0]))).dtype)
     return None
 
 
-def _forward_local(xp, slab, w, p: _Plan):
-    y = _empty(xp, slab.shape[:p.lead] + tuple(ax.ol for ax in p.axes) + (w.shape[-1],), slab, w)
+def _forward_local(xp, slab, w, p: _Plan, chunked: bool):
+    """This rank's outputs from its window `slab`: the stride-1 kernel above, else a sum over the
+    filter taps of a tensordot of a strided slice of the slab with that tap's `[in, out]` matrix."""
+    y = _empty(xp, slab.shape[:p.lead] + tuple(ax.ol for ax in p.axes) + (w.shape[-1],), _fast(p), slab, w)
     if y is not None:
         return y
     if _fast(p):
-        return _forward_fast(xp, slab, w, p)
+        return _forward_fast(xp, slab, w, p, chunked)
     for t, idx in _taps(p):
         patch = slab[idx]
         term = xp.tensordot(patch, w[t], axes=([patch.ndim - 1], [0]))
@@ -416,13 +406,13 @@ def _forward_local(xp, slab, w, p: _Plan):
     return y
 
 
-def _input_grad_local(xp, g, w, p: _Plan):
+def _input_grad_local(xp, g, w, p: _Plan, chunked: bool):
     """The gradient of this rank's input window."""
-    dslab = _empty(xp, g.shape[:p.lead] + tuple(ax.win for ax in p.axes) + (w.shape[-2],), g, w)
+    dslab = _empty(xp, g.shape[:p.lead] + tuple(ax.win for ax in p.axes) + (w.shape[-2],), _fast(p), g, w)
     if dslab is not None:
         return dslab
     if _fast(p):
-        return _input_grad_fast(xp, g, w, p)
+        return _input_grad_fast(xp, g, w, p, chunked)
     for t, _ in _taps(p):
         term = xp.tensordot(g, w[t], axes=([g.ndim - 1], [1]))
         widths = [(0, 0)] * term.ndim
@@ -434,76 +424,149 @@ def _input_grad_local(xp, g, w, p: _Plan):
     return dslab
 
 
-def _filter_grad_local(xp, slab, g, p: _Plan):
+def _filter_grad_local(xp, slab, g, p: _Plan, chunked: bool):
     taps = tuple(ax.f for ax in p.axes)
-    dw = _empty(xp, taps + (slab.shape[-1], g.shape[-1]), slab, g)
+    dw = _empty(xp, taps + (slab.shape[-1], g.shape[-1]), True, slab, g)
     if dw is not None:
         return dw
     if _fast(p):
-        return _filter_grad_fast(xp, slab, g, p)
+        return _filter_grad_fast(xp, slab, g, p, chunked)
     g2 = g.reshape(-1, g.shape[-1])  # positions x out-channels
     terms = [slab[idx].reshape(-1, slab.shape[-1]).T @ g2 for _, idx in _taps(p)]
     return xp.stack(terms).reshape(taps + terms[0].shape)
 
 
-def _forward_lower(p: _Plan):
-    def lower(ctx, a, w):
-        q = _local(ctx, p)
-        y = _forward_local(ctx.xp, _gather(ctx, a, q), w, q)
-        return ctx.allreduce(y, (q.cin_mesh,)) if q.cin_mesh else y
-    return lower
+def _forward_kernel(ctx, a, w, plan, casts, dtype, chunked=False):
+    """conv: this rank's input window (halos gathered), the local convolution, summed over a split
+    in-channels dim. Every kernel here takes blocks of two dtypes in their promotion `dtype`
+    (`mm.result_type`): cast first where numpy's would differ (int32 with float32 is float32), the
+    result rounded to it where the kernel's is wider (ml_dtypes multiplies bfloat16 matrices into
+    float32: summed across ranks in float32, then rounded once)."""
+    a, w = cast_operands((a, w), casts)
+    q = _local(ctx, plan)
+    y = _forward_local(ctx.xp, _gather(ctx, a, q), w, q, chunked)
+    y = ctx.allreduce(y, (q.cin_mesh,)) if q.cin_mesh else y
+    return y if y.dtype == dtype else y.astype(dtype)
 
 
-def _input_grad_lower(p: _Plan):
-    def lower(ctx, g, w):
-        q = _local(ctx, p)
-        dx = _scatter(ctx, _input_grad_local(ctx.xp, g, w, q), q)
-        return ctx.allreduce(dx, (q.cout_mesh,)) if q.cout_mesh else dx
-    return lower
+def _input_grad_kernel(ctx, g, w, plan, casts, dtype, chunked=False):
+    """conv_input_grad: the window's gradient, its halos sent back and added in, summed over a split
+    out-channels dim."""
+    g, w = cast_operands((g, w), casts)
+    q = _local(ctx, plan)
+    dx = _scatter(ctx, _input_grad_local(ctx.xp, g, w, q, chunked), q)
+    dx = ctx.allreduce(dx, (q.cout_mesh,)) if q.cout_mesh else dx
+    return dx if dx.dtype == dtype else dx.astype(dtype)
 
 
-def _filter_grad_lower(p: _Plan):
-    def lower(ctx, a, g):
-        q = _local(ctx, p)
-        dw = _filter_grad_local(ctx.xp, _gather(ctx, a, q), g, q)
-        return ctx.allreduce(dw, q.pos_mesh) if q.pos_mesh else dw
-    return lower
+def _filter_grad_kernel(ctx, a, g, plan, casts, dtype, chunked=False):
+    """conv_filter_grad: a reduction over this rank's positions, summed over the mesh dims that split them."""
+    a, g = cast_operands((a, g), casts)
+    q = _local(ctx, plan)
+    dw = _filter_grad_local(ctx.xp, _gather(ctx, a, q), g, q, chunked)
+    dw = ctx.allreduce(dw, q.pos_mesh) if q.pos_mesh else dw
+    return dw if dw.dtype == dtype else dw.astype(dtype)
+
+
+# ---- the dry run of each kernel: its halo permutes and allreduce on `Aval`s ----
+
+@lru_cache(maxsize=256)
+def _product_dtype(matmul: bool, a: np.dtype, b: np.dtype) -> np.dtype:
+    """The dtype of a local kernel's result on numpy blocks of `a` and `b`: the fast kernels multiply
+    with `@`, the others with `tensordot` (ml_dtypes gives float32 for bfloat16 from the one, bfloat16
+    from the other)."""
+    u, v = np.ones((1, 1), a), np.ones((1, 1), b)
+    return (u @ v if matmul else np.tensordot(u, v, axes=([1], [0]))).dtype
+
+
+def _local_dtype(matmul: bool, *blocks) -> np.dtype:
+    """The result dtype of a local kernel that multiplies blocks with `@` (`matmul`) or `tensordot`."""
+    return _product_dtype(matmul, *(np.dtype(x.dtype) for x in blocks))
+
+
+def _cast_avals(blocks, casts) -> list:
+    return [x if c is None else Aval(x.shape, c) for x, c in zip(blocks, casts or (None,) * len(blocks))]
+
+
+def _count_gather(ctx, a: Aval, p: _Plan) -> Aval:
+    """`_gather` dry: its halo permutes counted on `ctx`; the window's `Aval`."""
+    for i in _order(p):
+        ax, axis = p.axes[i], p.lead + i
+        a = count_window(ctx, a, axis, ax.mesh_dim, ax.size, ax.windows if not ax.even else _union(ax))
+        a = Aval(a.shape[:axis] + (ax.win,) + a.shape[axis + 1:], a.dtype)
+    return a
+
+
+def _count_scatter(ctx, g: Aval, p: _Plan) -> Aval:
+    """`_scatter` dry: its permutes counted on `ctx`; the block's `Aval`."""
+    for i in reversed(_order(p)):
+        ax, axis = p.axes[i], p.lead + i
+        g = count_window(ctx, g, axis, ax.mesh_dim, ax.size, ax.windows if not ax.even else _union(ax), back=True)
+    return g
+
+
+def _forward_abstract(ctx, shapes, a, w, plan, casts, dtype) -> tuple:
+    a, w = _cast_avals((a, w), casts)
+    q = _local(ctx, plan)
+    slab = _count_gather(ctx, a, q)
+    if q.cin_mesh:
+        ctx.allreduce(Aval(shapes[0], _local_dtype(_fast(q), slab, w)), (q.cin_mesh,))
+    return (dtype,)
+
+
+def _input_grad_abstract(ctx, shapes, g, w, plan, casts, dtype) -> tuple:
+    g, w = _cast_avals((g, w), casts)
+    q = _local(ctx, plan)
+    win = g.shape[:q.lead] + tuple(ax.win for ax in q.axes) + (w.shape[-2],)
+    dx = _count_scatter(ctx, Aval(win, _local_dtype(_fast(q), g, w)), q)
+    if q.cout_mesh:
+        ctx.allreduce(dx, (q.cout_mesh,))
+    return (dtype,)
+
+
+def _filter_grad_abstract(ctx, shapes, a, g, plan, casts, dtype) -> tuple:
+    a, g = _cast_avals((a, g), casts)
+    q = _local(ctx, plan)
+    slab = _count_gather(ctx, a, q)
+    if q.pos_mesh:
+        ctx.allreduce(Aval(shapes[0], _local_dtype(True, slab, g)), q.pos_mesh)  # (always `@`)
+    return (dtype,)
 
 
 # ---- the dispatched ops; each one's gradient is written with the other two ----
 
-def _promoted(lower, a, b):
-    """`lower` of tensors `a` and `b` giving their promotion (`mm.result_type`): their blocks cast
-    first where numpy's would differ (int32 with float32 is float32), the result rounded to it where
-    the kernel's is wider (ml_dtypes multiplies bfloat16 matrices into float32: summed across ranks
-    in float32, then rounded once)."""
-    want = result_type(a.dtype, b.dtype)
-    casts = None if a.dtype == b.dtype else operand_casts((a.dtype, b.dtype))
+def _conv_flops(out: Optional[int], taps_in: Optional[int]):
+    """A convolution's multiply-adds, times 2: this rank's outputs x taps x local in-channels (the
+    output block's elements from input `out`, else the output; taps x in-channels: the product of
+    the filter block's dims but out-channels, from input `taps_in`, else the output)."""
+    def flops(params, ins, outs) -> int:
+        y = ins[out] if out is not None else outs[0]
+        f = ins[taps_in] if taps_in is not None else outs[0]
+        return 2 * math.prod(y.shape) * math.prod(f.shape[:-1])
+    return flops
 
-    def promoted(ctx, u, v):
-        y = lower(ctx, *cast_operands((u, v), casts))
-        return y if y.dtype == want else y.astype(want)
-    return promoted
+
+def _params(p: _Plan, a, b) -> dict:
+    """The params of a kernel of blocks of tensors `a` and `b`: the plan and their promotion."""
+    casts = None if a.dtype == b.dtype else operand_casts((a.dtype, b.dtype))
+    return {"plan": p, "casts": casts, "dtype": result_type(a.dtype, b.dtype)}
 
 
 def _forward(x, w, p: _Plan):
     x, w = to_layout(x, p.x_layout), to_layout(w, p.f_layout)
-    (y,) = dispatch_lower("conv", [x, w], [(p.out_shape, p.out_layout)], _promoted(_forward_lower(p), x, w), {"plan": p},
-                    _forward_grad, _flops(p, x.mesh))
+    (y,) = dispatch(CONV, [x, w], [(p.out_shape, p.out_layout)], _params(p, x, w))
     return y
 
 
 def _input_grad(dy, w, p: _Plan):
     dy, w = to_layout(dy, p.out_layout), to_layout(w, p.f_layout)
-    (dx,) = dispatch_lower("conv_input_grad", [dy, w], [(p.x_shape, p.x_layout)], _promoted(_input_grad_lower(p), dy, w),
-                     {"plan": p}, _input_grad_grad, _flops(p, dy.mesh))
+    (dx,) = dispatch(CONV_INPUT_GRAD, [dy, w], [(p.x_shape, p.x_layout)], _params(p, dy, w))
     return dx
 
 
 def _filter_grad(x, dy, p: _Plan):
     x, dy = to_layout(x, p.x_layout), to_layout(dy, p.out_layout)
-    (dw,) = dispatch_lower("conv_filter_grad", [x, dy], [(p.f_shape, p.f_layout)], _promoted(_filter_grad_lower(p), x, dy),
-                     {"plan": p}, _filter_grad_grad, _flops(p, x.mesh))
+    (dw,) = dispatch(CONV_FILTER_GRAD, [x, dy], [(p.f_shape, p.f_layout)], _params(p, x, dy))
     return dw
 
 
@@ -520,6 +583,23 @@ def _input_grad_grad(op, g):
 def _filter_grad_grad(op, g):
     (x, dy), p = op.inputs, op.params["plan"]
     return [_input_grad(dy, g, p), _forward(x, g, p)]
+
+
+def _numpy(kernel):
+    """numpy's kernel of `kernel`: cache-sized blocks (`chunked`)."""
+    def numpy_kernel(ctx, *blocks, **params):
+        return kernel(ctx, *blocks, chunked=True, **params)
+    return numpy_kernel
+
+
+CONV = OpDef("conv", _forward_kernel, kernels={"numpy": _numpy(_forward_kernel)}, grad=_forward_grad,
+             saves=((0, 1), ()), flops=_conv_flops(None, 1), abstract=_forward_abstract)
+CONV_INPUT_GRAD = OpDef("conv_input_grad", _input_grad_kernel, kernels={"numpy": _numpy(_input_grad_kernel)},
+                        grad=_input_grad_grad, saves=((0, 1), ()), flops=_conv_flops(0, 1),
+                        abstract=_input_grad_abstract)
+CONV_FILTER_GRAD = OpDef("conv_filter_grad", _filter_grad_kernel, kernels={"numpy": _numpy(_filter_grad_kernel)},
+                         grad=_filter_grad_grad, saves=((0, 1), ()), flops=_conv_flops(1, None),
+                         abstract=_filter_grad_abstract)
 
 
 def _conv(x, filters, nsp: int, strides, padding, dilation, what: str):

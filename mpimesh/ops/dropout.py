@@ -4,9 +4,8 @@ Whether element i of the global tensor is kept is a hash of (seed, i) (the count
 `ops/random.py`), so for the same seed and shape the mask is the same on 1 rank or 8, under any
 layout, and each rank computes only its own slice of it: no communication.
 
-On CuPy the op is one kernel (`DROPOUT_SOURCE`, float16/32/64): each element's global index from
-its local one, the hash, the mask and the scale, with nothing written but the output; elsewhere
-(and for bfloat16) the numpy expressions below.
+Its CuPy kernel is one `ElementwiseKernel` (`DROPOUT_SOURCE`, float16/32/64): each element's global
+index from its local one, the hash, the mask and the scale, nothing written but the output.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -20,9 +19,10 @@ import numbers
 
 import numpy as np
 
-from ..backend import index_constant, name
+from ..backend import index_constant
 from ..errors import MpimeshError
-from ..trace import dispatch_lower, saving
+from ..opdef import OpDef, size
+from ..trace import dispatch
 from .random import check_seed, global_index, index_terms, key, seed_inputs, uniform01
 from .relayout import to_layout
 
@@ -71,24 +71,37 @@ def dropout(x, rate: float, seed):
         return x
     layout = x.mesh.plan(x.shape)
     x = to_layout(x, layout)
-    shape, mesh_shape = x.shape, x.mesh.shape
-    split = tuple(m for m in layout if m)
-    scale = 1.0 / (1.0 - rate)
-
-    def lower(ctx, a, *s):
-        xp = ctx.xp
-        coords = {m: ctx.coord(m) for m in split}
-        sd = s[0] if s else seed
-        if name(xp) == "cupy" and a.dtype.name in _KERNEL_DTYPES:
-            return _masked(xp, a, rate, scale, sd, *index_terms(shape, mesh_shape, layout, coords))
-        index = global_index(xp, shape, mesh_shape, layout, coords, a.shape)
-        keep = uniform01(xp, index, sd, _STREAM) >= rate
-        return xp.where(keep, a * scale, xp.zeros((), dtype=a.dtype)).astype(a.dtype)
-
-    def rule(op, dy):
-        sd = op.inputs[1] if len(op.inputs) > 1 else op.params["seed"]
-        return [dropout(dy, op.params["rate"], sd)] + [None] * (len(op.inputs) - 1)
     extra = seed_inputs(seed, x.mesh, "dropout")
-    (y,) = dispatch_lower("dropout", [x, *extra], [(x.shape, layout)], lower,
-                    {"rate": rate, "seed": None if extra else seed}, saving(rule, (1,)))
+    (y,) = dispatch(DROPOUT, [x, *extra], [(x.shape, layout)],
+                    {"rate": rate, "seed": None if extra else seed, "shape": x.shape, "mesh_shape": x.mesh.shape,
+                     "layout": layout})
     return y
+
+
+def _coords(ctx, layout) -> dict:
+    return {m: ctx.coord(m) for m in layout if m}
+
+
+def _dropout(ctx, a, *s, rate, seed, shape, mesh_shape, layout):
+    """x's block `a` masked and scaled; `s`: the seed tensor's block, if the seed is one."""
+    xp = ctx.xp
+    index = global_index(xp, shape, mesh_shape, layout, _coords(ctx, layout), a.shape)
+    keep = uniform01(xp, index, s[0] if s else seed, _STREAM) >= rate
+    return xp.where(keep, a * (1.0 / (1.0 - rate)), xp.zeros((), dtype=a.dtype)).astype(a.dtype)
+
+
+def _dropout_cupy(ctx, a, *s, rate, seed, shape, mesh_shape, layout):
+    if a.dtype.name in _KERNEL_DTYPES:
+        return _masked(ctx.xp, a, rate, 1.0 / (1.0 - rate), s[0] if s else seed,
+                       *index_terms(shape, mesh_shape, layout, _coords(ctx, layout)))
+    return _dropout(ctx, a, *s, rate=rate, seed=seed, shape=shape, mesh_shape=mesh_shape, layout=layout)
+
+
+def _rule(op, dy):
+    sd = op.inputs[1] if len(op.inputs) > 1 else op.params["seed"]
+    return [dropout(dy, op.params["rate"], sd)] + [None] * (len(op.inputs) - 1)
+
+
+DROPOUT = OpDef("dropout", _dropout, kernels={"cupy": _dropout_cupy}, grad=_rule, saves=((1,), ()), fill="position",
+                # the uniform's scaling to [0, 1), the comparison with the rate, the kept element's scaling
+                flops=lambda params, ins, outs: 3 * size(outs[0]))

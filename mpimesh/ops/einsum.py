@@ -1,16 +1,14 @@
 """Einsum by dim names: a local contraction on each rank's slices, then one allreduce over the
-mesh dims of the reduced dims that are split.
+mesh dims of the reduced dims that are split (`EINSUM` declares it, with a kernel per array module).
 
-Inputs of 16-bit floats (float16, bfloat16) are contracted in float32: each rank multiplies its own
-blocks into float32 (on numpy by upcasting them; on CuPy by a cuBLAS GEMM with float32 compute that
-reads the 16-bit words, `mpimesh.widen`), sums the float32 partial results across ranks, and rounds
-once to the inputs' dtype (their promotion, `mm.result_type`: bfloat16 with float32 gives float32;
-inputs of an integer and a float dtype are contracted in the float's, int32 with float32 in float32).
+Inputs of 16-bit floats are contracted in float32: each rank multiplies its blocks into float32 (numpy
+upcasts them; on CuPy a cuBLAS GEMM reads the 16-bit words, `mpimesh.widen`), the float32 partials are
+summed across ranks and rounded once to the inputs' promoted dtype (`mm.result_type`). Inputs of an
+integer and a float dtype are contracted in the float's (int32 with float32 in float32).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
->>> x = mesh.from_numpy(np.ones((2, 3)), "b:2;i:3")
->>> w = mesh.from_numpy(np.ones((3, 4)), "i:3;h:4")
+>>> x, w = mesh.from_numpy(np.ones((2, 3)), "b:2;i:3"), mesh.from_numpy(np.ones((3, 4)), "i:3;h:4")
 >>> y = mm.einsum([x, w])
 >>> y.shape, float(y.to_numpy()[0, 0])
 (Shape('[b:2, h:4]'), 3.0)
@@ -20,22 +18,25 @@ from __future__ import annotations
 import math
 import string
 from collections import Counter
-from functools import lru_cache
+from contextlib import nullcontext
+from functools import lru_cache, partial
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import opt_einsum
 
-from ..backend import accumulation_dtype, align, contiguous, is_low_precision, name, result_type
+from ..backend import accumulation_dtype, align, contiguous, is_low_precision, result_type
 from ..collectives import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
+from ..opdef import ALL, Aval, OpDef
 from ..partials import claim, partial_for, pending
 from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
-from ..trace import dispatch_lower, saving
-from ..widen import gpu_matmul, rounding_matmul, tf32_math, widening_matmul
+from ..trace import dispatch
+from ..widen import (gpu_matmul, gpu_rounding_matmul, gpu_widening_matmul, jax_widening_matmul, rounding_matmul,
+                     tf32_math)
 from .relayout import to_layout
 from .rowwise import column_sums, fused_rows
 
@@ -97,6 +98,16 @@ def _subscripts(in_names: tuple, out_names: tuple) -> str:
 def _expression(subscripts: str, shapes: tuple):
     _, info = opt_einsum.contract_path(subscripts, *shapes, shapes=True)
     return opt_einsum.contract_expression(subscripts, *shapes), int(info.opt_cost)
+
+
+def contraction_flops(subscripts: str, shapes: tuple) -> int:
+    """The flops of the einsum `subscripts` of blocks of `shapes` along opt_einsum's path: 2 per
+    multiply-add (a matmul's 2·m·k·n; 1 per element of a reordering).
+
+    >>> contraction_flops("ab,bc->ac", ((2, 3), (3, 4))), contraction_flops("ab->ba", ((2, 3),))
+    (48, 6)
+    """
+    return _expression(subscripts, tuple(tuple(s) for s in shapes))[1]
 
 
 @lru_cache(maxsize=4096)
@@ -172,18 +183,15 @@ def summed_product(xp, arrays: list, plan: tuple):
 
 @lru_cache(maxsize=4096)
 def batched_plan(subscripts: str, shapes: tuple) -> Optional[tuple]:
-    """`(swap, perm_a, shape_a, perm_b, shape_b, shape_c, perm_c, into)`: a two-input contraction
-    with batch dims (or an output order tensordot cannot give) as one `matmul` of the inputs
-    transposed (None: no transpose) and reshaped to [batch, free, contracted] @ [batch, contracted,
-    free], reshaped and transposed to the output order. `into` (when perm_c is not None): the
-    permutation that views the output as the matmul's result, if that view needs no copy (each
-    input's free dims adjacent and in order in the output), so the matmul writes the output in
-    place; else None. None when the plan does not apply (a dim repeated or summed within one
-    input, nothing contracted, or a matrix-vector product at most).
-
-    `perm_a` and `perm_b` (or the identity, for None) list the batch axes, then the free (for b, the
-    contracted) axes, then the others; `n_batch` and `n_a`, `n_b` (returned last) count the batch
-    axes and a's free and b's contracted axes, so the groups can be told apart (`_operand`).
+    """`(swap, perm_a, shape_a, perm_b, shape_b, shape_c, perm_c, into, (n_batch, n_a, n_b))`: a
+    two-input contraction with batch dims (or an output order tensordot cannot give) as one `matmul`
+    of the inputs transposed by `perm_a`, `perm_b` (None: as they are; the batch axes, then a's free or
+    b's contracted axes, then the others: `n_batch`, `n_a`, `n_b` of them, `_operand`) and reshaped to
+    [batch, free, contracted] @ [batch, contracted, free], then reshaped to `shape_c` and transposed by
+    `perm_c` (a's and b's swapped where `swap`). `into`: the permutation viewing the output as the
+    matmul's result where that view needs no copy (each input's free dims adjacent and in order in the
+    output), so the matmul writes the output in place; else None. None where the plan does not apply
+    (a dim repeated or summed within one input, nothing contracted, or a matrix-vector product at most).
 
     >>> batched_plan("gsm,gse->egm", ((2, 3, 4), (2, 3, 5)))
     (True, (0, 2, 1), (2, 5, 3), None, (2, 3, 4), (2, 5, 4), (1, 0, 2), (1, 0, 2), (1, 1, 1))
@@ -297,7 +305,7 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
     into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
         if bucket else None
-    (y,) = dispatch_lower("einsum", xs, [(out, out_layout)], plan.lower, plan.params, _einsum_grad, plan.flops, out=into)
+    (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into)
     return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
 
 
@@ -318,22 +326,33 @@ def _front(in_shapes: tuple, in_layouts: tuple, output_shape, reduced_dims, mesh
 
 class _Plan(NamedTuple):
     targets: tuple
-    subscripts: str
-    flops: int
-    summed: tuple
     out_dtype: Optional[object]
-    lower: Callable
     params: dict  # the op record's (shared by every record of this plan: never written)
+
+
+class Contraction:
+    """What an einsum's kernel does on its blocks, planned once per shapes, layouts and dtypes (the
+    `plan` param of `EINSUM`, hashed by identity): the operands' `casts`, the opt_einsum expression,
+    the `pair`, `bmm` and `sums` plans of its faster paths (each None where it does not apply), the
+    planned operand `views` of a two-operand GEMM of C-contiguous blocks, whether operands are 16-bit
+    floats (`low`, contracted in float32) and the result is rounded to `out_dtype` here (`rounded`),
+    and `dtype`: the contraction's own result dtype, before any rounding (what a bucket sums)."""
+
+    __slots__ = ("casts", "expr", "pair", "bmm", "sums", "views", "low", "out_dtype", "rounded", "dtype")
+
+    def __init__(self, **fields):
+        for k, v in fields.items():
+            setattr(self, k, v)
 
 
 @lru_cache(maxsize=4096)
 def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLayout, mesh_shape: Shape,
           coords: tuple, dtypes: tuple, bucketed: bool) -> _Plan:
     """Everything an einsum decides from its operands' shapes, layouts and dtypes, once: the inputs'
-    layouts, the subscripts and flops, the mesh dims summed here (none where a bucket sums them),
-    the 16-bit result dtype, and the lowered kernel (`_lowering`). Operands of several dtypes are
-    first cast as `mpimesh.promotion.operand_casts` says (int32 with float32: float32, not numpy's
-    float64), and the rest is planned for their dtypes after that."""
+    layouts, the subscripts, the mesh dims summed here (none where a bucket sums them), the 16-bit
+    result dtype, and the kernel's `Contraction`. Operands of several dtypes are first cast as
+    `mpimesh.promotion.operand_casts` says (int32 with float32: float32, not numpy's float64), and the
+    rest is planned for their dtypes after that."""
     casts = operand_casts(dtypes) if len(set(dtypes)) > 1 else None
     if casts is not None:
         dtypes = tuple(d if c is None else c for d, c in zip(dtypes, casts))
@@ -341,60 +360,55 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
     subs = _subscripts(tuple(s.names for s in in_shapes), out.names)
     where = dict(coords)
     local = tuple(local_sizes(s, mesh_shape, t, where) for s, t in zip(in_shapes, targets))
-    expr, flops = _expression(subs, local)
+    expr = _expression(subs, local)[0]
     pair = pair_plan(subs)
     bmm = None if pair is not None else batched_plan(subs, local)
     low = any(is_low_precision(d) for d in dtypes)
     out_dtype = result_type(*dtypes) if low else None
     summed = () if bucketed else reduce_mesh
-    rounded = low and not bucketed  # a bucket sums the float32 partials, then rounds to out_dtype
-    sums = None if pair is not None or bmm is not None else sum_plan(subs)
-    lower = _lowering(expr, pair, bmm, low, out_dtype, summed, rounded, sums)
-    if pair is not None and pair[1] and not low and not summed:
-        lower = _pair_lowering(pair, local, dtypes, lower)
-    if casts is not None:
-        lower = _casting(lower, casts)
-    return _Plan(targets, subs, flops, summed, out_dtype, lower, {"subscripts": subs, "reduce_mesh_dims": summed})
+    views = _pair_views(pair, local, dtypes) if pair is not None and pair[1] and not low and not summed else None
+    plan = Contraction(casts=casts, expr=expr, pair=pair, bmm=bmm, views=views, low=low, out_dtype=out_dtype,
+                       rounded=low and not bucketed,  # a bucket sums the float32 partials, then rounds to out_dtype
+                       sums=None if pair is not None or bmm is not None else sum_plan(subs),
+                       dtype=np.result_type(*(accumulation_dtype(d) for d in dtypes)) if low else
+                       np.result_type(*dtypes))
+    return _Plan(targets, out_dtype, {"subscripts": subs, "reduce_mesh_dims": summed, "plan": plan})
 
 
-def _casting(lower: Callable, casts: tuple) -> Callable:
-    """`lower` of operands cast first as `casts` says (`mpimesh.promotion.cast_operands`)."""
-    def cast_lower(ctx, *arrays, out=None):
-        return lower(ctx, *cast_operands(arrays, casts), out=out)
-    return cast_lower
-
-
-def _pair_lowering(pair: tuple, local: tuple, dtypes: tuple, general: Callable) -> Callable:
-    """A two-operand contraction's kernel with its operands' views planned ahead for C-contiguous
-    blocks of the recorded shapes (the common case: no per-call planning); anything else takes
-    `general`."""
+def _pair_views(pair: tuple, local: tuple, dtypes: tuple) -> Optional[tuple]:
+    """A two-operand contraction's operand views planned ahead for C-contiguous blocks of the recorded
+    shapes (the common case: no per-call planning), `(swap, shape a, shape b, view a, view b, as is,
+    result shape)` for `_planned_pair`; None where an operand would be copied."""
     swap, axes_a, axes_b = pair
     (sa, sb), (da, db) = (local[::-1], dtypes[::-1]) if swap else (local, dtypes)
     free_a, free_b = _free(len(sa), axes_a), _free(len(sb), axes_b)
     va = _view_plan(sa, _c_strides(sa, np.dtype(da).itemsize), (), free_a, axes_a)
     vb = _view_plan(sb, _c_strides(sb, np.dtype(db).itemsize), (), axes_b, free_b)
     if va[3] or vb[3]:
-        return general
+        return None
     out_shape = tuple(sa[i] for i in free_a) + tuple(sb[i] for i in free_b)
     same = (va[0] is None and not va[2] and va[1] == sa, vb[0] is None and not vb[2] and vb[1] == sb,
             va[1][:-1] + vb[1][-1:] == out_shape)  # (views and the result's shape that are the arrays as they are)
+    return swap, sa, sb, va, vb, same, out_shape
 
-    def view(x, plan, as_is: bool):
-        if as_is:  # (a 2-D matmul: no view to make, per-op time)
-            return x
-        perm, shape, turn, _ = plan
-        m = (x if perm is None else x.transpose(perm)).reshape(shape)
-        return m.swapaxes(-1, -2) if turn else m
 
-    def lower(ctx, a, b, out=None):
-        if swap:
-            a, b = b, a
-        if a.shape != sa or b.shape != sb or not (getattr(a, "flags", None) and a.flags.c_contiguous
-                                                  and b.flags.c_contiguous):
-            return general(ctx, *((b, a) if swap else (a, b)), out=out)
-        y = _into(ctx.xp, _matmul, view(a, va, same[0]), view(b, vb, same[1]), out)
-        return out if out is not None else y if same[2] else y.reshape(out_shape)
-    return lower
+def _planned_pair(xp, matmul, arrays, views: tuple, out):
+    """The GEMM `_pair_views` planned, or None where the blocks are not as planned (C-contiguous, of
+    the recorded shapes): the general path then runs."""
+    swap, sa, sb, va, vb, same, out_shape = views
+    a, b = arrays[::-1] if swap else arrays
+    if a.shape != sa or b.shape != sb or not (a.flags.c_contiguous and b.flags.c_contiguous):
+        return None
+    y = _into(xp, matmul, True, _view(a, va, same[0]), _view(b, vb, same[1]), out)
+    return out if out is not None else y if same[2] else y.reshape(out_shape)
+
+
+def _view(x, plan: tuple, as_is: bool):
+    if as_is:  # (a 2-D matmul: no view to make, per-op time)
+        return x
+    perm, shape, turn, _ = plan
+    m = (x if perm is None else x.transpose(perm)).reshape(shape)
+    return m.swapaxes(-1, -2) if turn else m
 
 
 def _c_strides(shape: tuple, itemsize: int) -> tuple:
@@ -406,87 +420,128 @@ def _c_strides(shape: tuple, itemsize: int) -> tuple:
     return tuple(reversed(strides))
 
 
-def _lowering(expr, pair, bmm, low: bool, out_dtype, summed: tuple, rounded: bool, sums=None) -> Callable:
-    """The einsum's kernel: `lower(ctx, *arrays, out=None)`. `out` (a bucketed gradient's slot in its
-    bucket, `mpimesh.buckets`; never with `summed`): a C-contiguous array of the local result's
-    shape and dtype that the GEMM writes, returned."""
-    def lower(ctx, *arrays, out=None):
-        xp = ctx.xp
-        # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
-        # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
-        # rounds once to the 16-bit result, whose words its second half moves (`allreduce(dtype=)`:
-        # 3/4 of a float32 allreduce's bytes). A bucket sums the float32 partials (`mpimesh.buckets`).
-        # A result no rank sums is rounded by the GEMM itself on a GPU (`rounding_matmul`).
-        wide = low and name(xp) != "numpy" and (bmm is not None or pair is not None and bool(pair[1]))
-        if low and not wide:
-            arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
-        matmul = _matmul if not wide else rounding_matmul if (
-            rounded and not summed and out is None and all(a.dtype == out_dtype for a in arrays)) else widening_matmul
-        if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
-            a, b = arrays[::-1] if pair[0] else arrays
-            if pair[1]:
-                y = _tensordot(xp, matmul, a, b, pair[1], pair[2], out)
-            else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
-                y = a.reshape(a.shape + (1,) * b.ndim) * b if out is None else \
-                    xp.multiply(a.reshape(a.shape + (1,) * b.ndim), b, out=out)
-        elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
-            swap, pa, sa, pb, sb, sc, pc, into, (nb, nf, nk) = bmm
-            a, b = arrays[::-1] if swap else arrays
-            pa, pb = pa or tuple(range(a.ndim)), pb or tuple(range(b.ndim))
-            a = _operand(xp, a, pa[:nb], pa[nb:nb + nf], pa[nb + nf:])
-            b = _operand(xp, b, pb[:nb], pb[nb:nb + nk], pb[nb + nk:])
-            if pc is None:
-                y = _into(xp, matmul, a, b, out).reshape(sc)
-            elif into is not None and name(xp) == "numpy":  # the matmul writes the output: no transposed copy
-                y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b)) if out is None else out
-                view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
-                assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
-                xp.matmul(a, b, out=view)
-            else:  # the output reordered: a copy, counted
-                y = xp.transpose(matmul(xp, a, b).reshape(sc), pc)
-                if out is not None:
-                    y = _write(out, y)
-                elif getattr(y, "strides", None) is not None:
-                    counters.record("copies", (), y.size, y.nbytes)
-                    y = contiguous(xp, y)
-        elif sums is not None and name(xp) == "cupy":
-            y = summed_product(xp, arrays, sums)
-            if out is not None:
-                y = _write(out, y)
-        else:
-            into = {"out": out} if out is not None and xp is np else {}  # cupy.einsum takes no `out`
-            with tf32_math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
-                y = expr(*arrays, backend=xp.__name__.split(".")[0], **into)
-            if out is not None and y is not out:
-                y = _write(out, y)
-        if out is not None:  # every path above wrote the result into it
-            return out
-        if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
-            return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
-        return y.astype(out_dtype) if rounded and y.dtype != out_dtype else y  # (rounding_matmul's: rounded)
-    return lower
-
-
 def _matmul(xp, a, b, out=None):
-    """`a @ b` (into `out`, where given: a C-contiguous array of the result's shape and dtype). On
-    CuPy through `mpimesh.widen`'s cuBLAS call, in the matmul precision (CuPy's batched matmul
+    """`a @ b` (into `out`, where given: a C-contiguous array of the result's shape and dtype)."""
+    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)  # (jax.numpy takes no `out`)
+
+
+def _matmul_numpy(xp, a, b, out=None):
+    return np.matmul(a, b, out=out)
+
+
+def _matmul_cupy(xp, a, b, out=None):
+    """`_matmul` through `mpimesh.widen`'s cuBLAS call, in the matmul precision (CuPy's batched matmul
     ignores TF32, and CuPy's own cuBLAS calls cannot be captured in a CUDA graph)."""
-    if xp is np:
-        return np.matmul(a, b, out=out)
-    if name(xp) == "cupy":
-        y = gpu_matmul(xp, a, b, out)
+    y = gpu_matmul(xp, a, b, out)
+    return y if y is not None else _matmul(xp, a, b, out)
+
+
+def _no_math(xp):
+    return nullcontext()
+
+
+class _Backend(NamedTuple):
+    """What an array module's einsum kernel does its own way (`_contract`)."""
+
+    matmul: Callable  # `matmul(xp, a, b, out=None)`
+    widening: Optional[Callable]  # a GEMM of 16-bit operands as they are into float32 sums (`mpimesh.widen`);
+    rounding: Optional[Callable]  # the same rounded once to their dtype; both None: operands upcast first
+    gemm_out: bool  # the widening GEMMs write a given `out` themselves (cuBLAS)
+    bmm_out: bool  # a batched matmul may write the output through a transposed view of it
+    sums: bool  # sums of elementwise products as `summed_product` (not the expression's GEMV)
+    views: bool  # the planned GEMM of C-contiguous blocks (`_pair_views`)
+    backend: str  # opt_einsum's name for the array module ("auto": the arrays')
+    expr_out: bool  # opt_einsum's expression takes `out=`
+    math: Callable  # `math(xp)`: the context for the module's own cuBLAS calls (`tf32_math`)
+
+
+_GENERIC = _Backend(_matmul, jax_widening_matmul, partial(rounding_matmul, widening=jax_widening_matmul), False,
+                    False, False, False, "auto", False, _no_math)  # (JAX's: the generic kernel runs a replay)
+_NUMPY = _Backend(_matmul_numpy, None, None, False, True, False, True, "numpy", True, _no_math)
+_CUPY = _Backend(_matmul_cupy, gpu_widening_matmul, gpu_rounding_matmul, True, False, True, True, "cupy", False,
+                 tf32_math)
+
+
+def _contract(ctx, arrays, plan: Contraction, summed: tuple, out, be: _Backend):
+    """The einsum's kernel on backend `be`: this rank's contraction, then the allreduce over `summed`.
+    `out` (a bucketed gradient's slot in its bucket, `mpimesh.buckets`; never with `summed`): a
+    C-contiguous array of the local result's shape and dtype that the GEMM writes, returned."""
+    xp = ctx.xp
+    if plan.casts is not None:
+        arrays = cast_operands(arrays, plan.casts)
+    if plan.views is not None and be.views:
+        y = _planned_pair(xp, be.matmul, arrays, plan.views, out)
         if y is not None:
             return y
-    return xp.matmul(a, b) if out is None else xp.matmul(a, b, out=out)  # jax.numpy takes no `out`
+    pair, bmm, low, out_dtype, rounded = plan.pair, plan.bmm, plan.low, plan.out_dtype, plan.rounded
+    # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
+    # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
+    # rounds once to the 16-bit result, whose words its second half moves (`allreduce(dtype=)`:
+    # 3/4 of a float32 allreduce's bytes). A bucket sums the float32 partials (`mpimesh.buckets`).
+    # A result no rank sums is rounded by the GEMM itself on a GPU (`gpu_rounding_matmul`).
+    wide = low and be.widening is not None and (bmm is not None or pair is not None and bool(pair[1]))
+    if low and not wide:
+        arrays = [a.astype(accumulation_dtype(a.dtype)) for a in arrays]
+    matmul = be.matmul if not wide else be.rounding if (
+        rounded and not summed and out is None and all(a.dtype == out_dtype for a in arrays)) else be.widening
+    writes = matmul is be.matmul or be.gemm_out  # whether `matmul` writes a given `out` itself
+    if pair is not None:  # opt_einsum may return a transposed view; later ops would pay for that
+        a, b = arrays[::-1] if pair[0] else arrays
+        if pair[1]:
+            y = _tensordot(xp, matmul, writes, a, b, pair[1], pair[2], out)
+        else:  # an outer product: BLAS is slow at it (a matmul with one contracted element)
+            y = a.reshape(a.shape + (1,) * b.ndim) * b if out is None else \
+                xp.multiply(a.reshape(a.shape + (1,) * b.ndim), b, out=out)
+    elif bmm is not None:  # numpy's einsum would loop over the batch dims without BLAS
+        swap, pa, sa, pb, sb, sc, pc, into, (nb, nf, nk) = bmm
+        a, b = arrays[::-1] if swap else arrays
+        pa, pb = pa or tuple(range(a.ndim)), pb or tuple(range(b.ndim))
+        a = _operand(xp, a, pa[:nb], pa[nb:nb + nf], pa[nb + nf:])
+        b = _operand(xp, b, pb[:nb], pb[nb:nb + nk], pb[nb + nk:])
+        if pc is None:
+            y = _into(xp, matmul, writes, a, b, out).reshape(sc)
+        elif into is not None and be.bmm_out:  # the matmul writes the output: no transposed copy
+            y = xp.empty(tuple(sc[i] for i in pc), xp.result_type(a, b)) if out is None else out
+            view = xp.transpose(y, into).reshape(sa[:-1] + sb[-1:])
+            assert view.size == 0 or xp.may_share_memory(view, y), "einsum: output view is a copy"
+            xp.matmul(a, b, out=view)
+        else:  # the output reordered: a copy, counted
+            y = xp.transpose(matmul(xp, a, b).reshape(sc), pc)
+            if out is not None:
+                y = _write(out, y)
+            elif getattr(y, "strides", None) is not None:
+                counters.record("copies", (), y.size, y.nbytes)
+                y = contiguous(xp, y)
+    elif plan.sums is not None and be.sums:
+        y = summed_product(xp, arrays, plan.sums)
+        if out is not None:
+            y = _write(out, y)
+    else:
+        into = {"out": out} if out is not None and be.expr_out else {}
+        with be.math(xp):  # CuPy's matmuls inside opt_einsum's steps follow the matmul precision
+            y = plan.expr(*arrays, backend=be.backend, **into)
+        if out is not None and y is not out:
+            y = _write(out, y)
+    if out is not None:  # every path above wrote the result into it
+        return out
+    if summed:  # a 16-bit result: float32 partials summed across ranks and rounded once (see above)
+        return ctx.allreduce(y, summed, dtype=out_dtype if rounded else None)
+    return y.astype(out_dtype) if rounded and y.dtype != out_dtype else y  # (rounding_matmul's: rounded)
 
 
-def _into(xp, matmul, a, b, out):
-    """`matmul(xp, a, b)` (`_matmul` or `widening_matmul`) into `out` (None: a new array), viewed in
-    the product's shape: the one array a bucketed gradient's GEMM writes (`mpimesh.buckets`)."""
+def _kernel(be: _Backend) -> Callable:
+    def kernel(ctx, *arrays, plan: Contraction, subscripts: str, reduce_mesh_dims: tuple, out=None):
+        return _contract(ctx, arrays, plan, reduce_mesh_dims, out, be)
+    return kernel
+
+
+def _into(xp, matmul, writes: bool, a, b, out):
+    """`matmul(xp, a, b)` into `out` (None: a new array), viewed in the product's shape: the one array
+    a bucketed gradient's GEMM writes (`mpimesh.buckets`); `writes`: whether `matmul` can write it."""
     if out is None:
         return matmul(xp, a, b)
     out = out.reshape(a.shape[:-1] + b.shape[-1:])
-    if matmul is _matmul or name(xp) == "cupy":  # numpy's matmul and cuBLAS write into it
+    if writes:
         return matmul(xp, a, b, out)
     return _write(out, matmul(xp, a, b))
 
@@ -498,13 +553,13 @@ def _write(out, y):
     return out
 
 
-def _tensordot(xp, matmul, a, b, axes_a: tuple, axes_b: tuple, out=None):
+def _tensordot(xp, matmul, writes: bool, a, b, axes_a: tuple, axes_b: tuple, out=None):
     """`tensordot(a, b, (axes_a, axes_b))` as one `matmul(xp, a2, b2)` of 2-D views (`_operand`),
     into `out` where it can (see `_into`)."""
     free_a, free_b = _free(a.ndim, axes_a), _free(b.ndim, axes_b)
     a2 = _operand(xp, a, (), free_a, axes_a)
     b2 = _operand(xp, b, (), axes_b, free_b)
-    y = _into(xp, matmul, a2, b2, out)
+    y = _into(xp, matmul, writes, a2, b2, out)
     return y.reshape(tuple(a.shape[i] for i in free_a) + tuple(b.shape[i] for i in free_b))
 
 
@@ -582,7 +637,28 @@ def _einsum_grad(op, dy):
     return grads
 
 
-saving(_einsum_grad, "all")
+def _einsum_abstract(ctx, shapes, *ins, plan: Contraction, subscripts: str, reduce_mesh_dims: tuple) -> tuple:
+    """The dry run of `_contract`: its result, then the allreduce of it (rounded to 16 bits)."""
+    if reduce_mesh_dims:
+        y = ctx.allreduce(Aval(shapes[0], plan.dtype), reduce_mesh_dims, dtype=plan.out_dtype if plan.rounded else None)
+        return (y.dtype,)
+    return (plan.out_dtype if plan.rounded else plan.dtype,)
+
+
+def _einsum_view(params, ins, outs) -> Optional[int]:
+    """0 where the einsum only reorders its one operand's dims, none repeated, at 32 bits or more
+    (numpy's einsum may give a view), no sum across ranks."""
+    if params["reduce_mesh_dims"] or outs[0].dtype.itemsize <= 2:
+        return None
+    sub_in, _, sub_out = params["subscripts"].partition("->")
+    return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
+
+
+EINSUM = OpDef("einsum", _kernel(_GENERIC), kernels={"numpy": _kernel(_NUMPY), "cupy": _kernel(_CUPY)},
+               grad=_einsum_grad, saves=(ALL, ()), abstract=_einsum_abstract, view=_einsum_view, gemm=True,
+               flops=lambda params, ins, outs: contraction_flops(params["subscripts"], [a.shape for a in ins]))
+"""An einsum: `plan` (`Contraction`), `subscripts` and `reduce_mesh_dims` (the mesh dims its kernel sums
+over; none where a gradient bucket sums them) are its params."""
 
 
 def sum_to(g, shape: Shape):
@@ -608,10 +684,14 @@ def broadcast(x, new_shape: ShapeLike):
     dst = x.mesh.plan(new)
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
     sizes = local_sizes(new, x.mesh.shape, dst, x.mesh.coords)
-    xd, nd = x.shape.names, new.names
-
-    def lower(ctx, a):
-        return contiguous(ctx.xp, ctx.xp.broadcast_to(align(ctx.xp, a, xd, nd), sizes))
-    (y,) = dispatch_lower("broadcast", [x], [(new, dst)], lower, {"shape": new},
-                    saving(lambda op, dy: [sum_to(dy, op.inputs[0].shape)]))
+    (y,) = dispatch(BROADCAST, [x], [(new, dst)], {"shape": new, "dims": x.shape.names, "sizes": sizes})
     return y
+
+
+def _broadcast(ctx, a, shape: Shape, dims: tuple, sizes: tuple):
+    """The kernel: block `a` (axes `dims`) repeated to this rank's block `sizes` of `shape`."""
+    xp = ctx.xp
+    return contiguous(xp, xp.broadcast_to(align(xp, a, dims, shape.names), sizes))
+
+
+BROADCAST = OpDef("broadcast", _broadcast, grad=lambda op, dy: [sum_to(dy, op.inputs[0].shape)], saves=((), ()))

@@ -142,7 +142,8 @@ def _probe_dtype(ctx, shapes, *ins, **params) -> tuple:
 @lru_cache(maxsize=4096)
 def _dtype_of(op: OpDef, blocks: tuple, params: tuple) -> np.dtype:
     kwargs = {k: v for k, _, v in params}
-    return np.dtype(op.kernel(_PROBE, *(np.empty((0,) * n, dt) for dt, n in blocks), **kwargs).dtype)
+    with np.errstate(all="ignore"):  # (a 0-d block holds one element: ones, not whatever memory held)
+        return np.dtype(op.kernel(_PROBE, *(np.ones((0,) * n, dt) for dt, n in blocks), **kwargs).dtype)
 
 
 def _refuse(name: str, why: str, *operands):
@@ -535,7 +536,7 @@ def _cast(ctx, a, dtype):
     return a.astype(dtype)
 
 
-CAST = OpDef("cast", _cast, grad=lambda op, dy: [cast(dy, op.inputs[0].dtype)], saves=((), ()))
+CAST = OpDef("cast", _cast, grad=lambda op, dy: [cast(dy, op.inputs[0].dtype)], saves=((), ()), linear=True)
 CAST_NO_GRAD = OpDef("cast", _cast)
 
 

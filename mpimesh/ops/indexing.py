@@ -10,26 +10,26 @@ the final winners locally: the full dim is never gathered.
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.array([[3.0, 1.0, 4.0, 1.0]]), "b:1;v:4")
 >>> values, indices = mm.top_k(x, "v", mm.Dimension("k", 2))
->>> values.shape, values.to_numpy().tolist(), indices.to_numpy().tolist()
-(Shape('[b:1, k:2]'), [[4.0, 3.0]], [[2, 0]])
->>> mm.argmax(x, "v").to_numpy().tolist()
-[2]
+>>> values.shape, values.to_numpy().tolist(), indices.to_numpy().tolist(), mm.argmax(x, "v").to_numpy().tolist()
+(Shape('[b:1, k:2]'), [[4.0, 3.0]], [[2, 0]], [2])
 """
 from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
-from ..backend import as_dtype, is_float, is_low_precision, name
+from ..backend import as_dtype, is_float, is_low_precision
 from ..errors import MpimeshError, ShapeError
 from ..layout import TensorLayout, block_sizes, splitting
 from ..mesh import layout_scope
+from ..opdef import Aval, OpDef
 from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value, tensor_arg
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 from .einsum import contraction_plan, einsum
 from .elementwise import cast
 from .relayout import to_layout
@@ -90,44 +90,60 @@ def one_hot(indices, output_dim, on_value=1, off_value=0, dtype="float32"):
     out = indices.shape + Shape([dim])
     out_layout = mesh.plan(out)
     indices = to_layout(indices, out_layout[:-1])
-    m = splitting(out_layout[-1], mesh.shape)
-
-    def lower(ctx, a):
-        xp = ctx.xp
-        start, n = ctx.span(dim.size, m)
-        if xp is np:  # `off` everywhere, then `on` written at each index in range: no comparison array
-            out = np.full(a.shape + (n,), off, dt)
-            if out.size == 0:
-                return out
-            i = np.asarray(a, np.int64).reshape(-1) - start
-            rows = np.flatnonzero((i >= 0) & (i < n))
-            out.reshape(-1, n)[rows, i[rows]] = on
-            return out
-        pos = xp.arange(n) + start  # this rank's global index range (in a JAX replay, run on into the padding)
-        y = xp.where(a[..., None] == pos, xp.asarray(on, dt), xp.asarray(off, dt))
-        return y.astype(dt, copy=False)  # (CuPy's where of two bfloat16 arrays gives float32)
-    (y,) = dispatch_lower("one_hot", [indices], [(out, out_layout)], lower,
-                    {"output_dim": dim, "on_value": on_value, "off_value": off_value, "dtype": dt})
+    params = {"output_dim": dim, "on_value": on[()], "off_value": off[()], "dtype": dt,  # (numpy scalars: hashable)
+              "mesh_dim": splitting(out_layout[-1], mesh.shape)}
+    (y,) = dispatch(ONE_HOT, [indices], [(out, out_layout)], params)
     return y
+
+
+def _one_hot(ctx, a, output_dim, on_value, off_value, dtype, mesh_dim):
+    """The kernel: each index against this rank's global index range of the new dim (in a JAX
+    replay, run on into the padding)."""
+    xp = ctx.xp
+    start, n = ctx.span(output_dim.size, mesh_dim)
+    pos = xp.arange(n) + start
+    y = xp.where(a[..., None] == pos, xp.asarray(on_value, dtype), xp.asarray(off_value, dtype))
+    return y.astype(dtype, copy=False)  # (CuPy's where of two bfloat16 arrays gives float32)
+
+
+def _one_hot_numpy(ctx, a, output_dim, on_value, off_value, dtype, mesh_dim):
+    """numpy's kernel: `off` everywhere, then `on` written at each index in range (no comparison array)."""
+    start, n = ctx.span(output_dim.size, mesh_dim)
+    out = np.full(a.shape + (n,), off_value, dtype)
+    if out.size == 0:
+        return out
+    i = np.asarray(a, np.int64).reshape(-1) - start
+    rows = np.flatnonzero((i >= 0) & (i < n))
+    out.reshape(-1, n)[rows, i[rows]] = on_value
+    return out
+
+
+ONE_HOT = OpDef("one_hot", _one_hot, kernels={"numpy": _one_hot_numpy}, fill="position")
 
 
 # -------------------------------------------------------------------------------------- gather
 
+class _GatherPlan(NamedTuple):
+    """Static index arithmetic of the local lookup: transposes of both slices and of the result."""
+    n_shared: int
+    n_iother: int
+    n_oonly: int
+    wperm: tuple
+    iperm: tuple
+    operm: tuple
+
+
 @lru_cache(maxsize=1024)
-def _gather_plan(wnames: tuple, inames: tuple, v: str, onames: tuple) -> dict:
-    """Static index arithmetic of the local lookup (names only: the local sizes, which may differ
-    between ranks, are read off the slices): transposes of both slices and of the result."""
+def _gather_plan(wnames: tuple, inames: tuple, v: str, onames: tuple) -> _GatherPlan:
+    """The plan of a lookup along `v` (names only: the local sizes, which may differ between ranks,
+    are read off the slices)."""
     others = [n for n in wnames if n != v]
     shared = [n for n in inames if n in others]  # batch dims of a batched lookup
     iother = [n for n in inames if n not in shared]
     oonly = [n for n in others if n not in shared]
     order = iother + shared + oonly
-    return {
-        "n_shared": len(shared), "n_iother": len(iother), "n_oonly": len(oonly),
-        "wperm": tuple(wnames.index(n) for n in [v] + shared + oonly),
-        "iperm": tuple(inames.index(n) for n in iother + shared),
-        "operm": tuple(order.index(n) for n in onames),
-    }
+    return _GatherPlan(len(shared), len(iother), len(oonly), tuple(wnames.index(n) for n in [v] + shared + oonly),
+                       tuple(inames.index(n) for n in iother + shared), tuple(order.index(n) for n in onames))
 
 
 def gather(weights, indices, dim, dtype=None):
@@ -164,42 +180,58 @@ def gather(weights, indices, dim, dtype=None):
                                              (weights.tensor_layout, indices.tensor_layout),
                                              out, out_layout, mesh.shape)
     weights, indices = to_layout(weights, wl), to_layout(indices, il)
-    p = _gather_plan(weights.shape.names, indices.shape.names, vdim.name, out.names)
-    mv = splitting(wl[weights.shape.index(vdim.name)], mesh.shape)
-    ns, no = p["n_shared"], p["n_oonly"]
     out_dtype = None if dtype is None else as_dtype(dtype)
-    wide = np.int32 if vdim.size < 2 ** 31 else np.int64  # block positions of the looked-up dim fit
-
-    def lower(ctx, w, i):
-        xp = ctx.xp
-        w, i = xp.transpose(w, p["wperm"]), xp.transpose(i, p["iperm"])
-        gshape = i.shape + w.shape[1 + ns:]  # iother, shared, oonly: local sizes
-        sflat = math.prod(w.shape[1:1 + ns])
-        w = w.reshape(w.shape[:1] + (sflat,) + w.shape[1 + ns:])
-        i = i.reshape(i.shape[:p["n_iother"]] + (sflat,))
-        nv = w.shape[0]
-        if nv:  # a padded block (JAX replay) looks up zeros past its end: the next block's rows are the next's
-            if np.dtype(i.dtype).kind == "u" or np.dtype(i.dtype).itemsize < np.dtype(wide).itemsize:
-                i = i.astype(wide)  # (int8 -100 - 100 wrapped into the block; a block start past int8 raised)
-            i = i - ctx.span(vdim.size, mv)[0]  # position inside this rank's block
-            valid = (i >= 0) & (i < nv)
-            if xp is np and sflat == 1:  # a plain lookup: `take`, the same rows as the fancy index
-                g = np.expand_dims(np.take(w[:, 0], np.where(valid, i, 0)[..., 0], axis=0), i.ndim - 1)
-            else:
-                g = w[xp.where(valid, i, 0), xp.arange(sflat)]
-            if xp is not np or not valid.all():  # (on numpy, looked at: no pass when all are in range)
-                g = xp.where(valid.reshape(valid.shape + (1,) * no), g, 0)
-                g = g.astype(w.dtype, copy=False)  # (CuPy's where of bfloat16 gives float32)
-        else:  # an empty block of the looked-up dim: nothing to look up here
-            g = xp.zeros(i.shape + w.shape[2:], w.dtype)
-        g = xp.transpose(g.reshape(gshape), p["operm"])
-        if out_dtype is not None:  # exact before the sum: each row comes from one rank, zeros from the others
-            g = g.astype(out_dtype)
-        return ctx.allreduce(g, reduce_mesh) if reduce_mesh else g
-    grad = _gather_grad if is_float(weights.dtype) and (out_dtype is None or is_float(out_dtype)) else None
-    (y,) = dispatch_lower("gather", [weights, indices], [(out, out_layout)], lower,
-                    {"dim": vdim, "reduce_mesh_dims": reduce_mesh}, grad)
+    params = {"dim": vdim, "reduce_mesh_dims": reduce_mesh,
+              "plan": _gather_plan(weights.shape.names, indices.shape.names, vdim.name, out.names),
+              "mesh_dim": splitting(wl[weights.shape.index(vdim.name)], mesh.shape), "dtype": out_dtype}
+    differentiable = is_float(weights.dtype) and (out_dtype is None or is_float(out_dtype))
+    (y,) = dispatch(GATHER if differentiable else GATHER_NO_GRAD, [weights, indices], [(out, out_layout)], params)
     return y
+
+
+def _gather(ctx, w, i, dim, reduce_mesh_dims, plan, mesh_dim, dtype, numpy=False):
+    """The kernel: the rows of this rank's block of `dim` that the indices pick, zeros for indices
+    outside it, summed over `reduce_mesh_dims`. `numpy`: numpy's kernel (`take` for a plain lookup,
+    no masking pass when every index is in range)."""
+    xp, p = ctx.xp, plan
+    ns = p.n_shared
+    w, i = xp.transpose(w, p.wperm), xp.transpose(i, p.iperm)
+    gshape = i.shape + w.shape[1 + ns:]  # iother, shared, oonly: local sizes
+    sflat = math.prod(w.shape[1:1 + ns])
+    w = w.reshape(w.shape[:1] + (sflat,) + w.shape[1 + ns:])
+    i = i.reshape(i.shape[:p.n_iother] + (sflat,))
+    nv = w.shape[0]
+    if nv:  # a padded block (JAX replay) looks up zeros past its end: the next block's rows are the next's
+        wide = np.int32 if dim.size < 2 ** 31 else np.int64  # block positions of the looked-up dim fit
+        if np.dtype(i.dtype).kind == "u" or np.dtype(i.dtype).itemsize < np.dtype(wide).itemsize:
+            i = i.astype(wide)  # (int8 -100 - 100 wrapped into the block; a block start past int8 raised)
+        i = i - ctx.span(dim.size, mesh_dim)[0]  # position inside this rank's block
+        valid = (i >= 0) & (i < nv)
+        if numpy and sflat == 1:  # a plain lookup: `take`, the same rows as the fancy index
+            g = np.expand_dims(np.take(w[:, 0], np.where(valid, i, 0)[..., 0], axis=0), i.ndim - 1)
+        else:
+            g = w[xp.where(valid, i, 0), xp.arange(sflat)]
+        if not numpy or not valid.all():  # (numpy's, looked at: no pass when all are in range)
+            g = xp.where(valid.reshape(valid.shape + (1,) * p.n_oonly), g, 0)
+            g = g.astype(w.dtype, copy=False)  # (CuPy's where of bfloat16 gives float32)
+    else:  # an empty block of the looked-up dim: nothing to look up here
+        g = xp.zeros(i.shape + w.shape[2:], w.dtype)
+    g = xp.transpose(g.reshape(gshape), p.operm)
+    if dtype is not None:  # exact before the sum: each row comes from one rank, zeros from the others
+        g = g.astype(dtype)
+    return ctx.allreduce(g, reduce_mesh_dims) if reduce_mesh_dims else g
+
+
+def _gather_numpy(ctx, w, i, **params):
+    return _gather(ctx, w, i, numpy=True, **params)
+
+
+def _gather_abstract(ctx, shapes, w, i, reduce_mesh_dims, dtype, **_) -> tuple:
+    """The output's allreduce over the mesh dims that split the looked-up dim."""
+    dt = np.dtype(dtype or w.dtype)
+    if reduce_mesh_dims:
+        ctx.allreduce(Aval(shapes[0], dt), reduce_mesh_dims)
+    return (dt,)
 
 
 def _scatter_hot(indices, dim: Dimension, dtype):
@@ -226,7 +258,10 @@ def _gather_grad(op, dy):
         return [einsum([hot, dy], output_shape=weights.shape), None]
 
 
-saving(_gather_grad, (1,))
+GATHER = OpDef("gather", _gather, kernels={"numpy": _gather_numpy}, grad=_gather_grad, saves=((1,), ()),
+               fill="position", abstract=_gather_abstract)
+GATHER_NO_GRAD = OpDef("gather", _gather, kernels={"numpy": _gather_numpy}, fill="position",
+                       abstract=_gather_abstract)
 
 
 # -------------------------------------------------------------------------------- top_k, argmax
@@ -240,53 +275,61 @@ def _candidate_layout(x, axis: int, others: TensorLayout) -> tuple:
     return others[:axis] + (m,) + others[axis:], m
 
 
-def _exchange(ctx, vals, idx, size: int, k: int, m: str, kr: int, a: int) -> tuple:
+def _candidates(size: int, k: int, kr: int) -> int:
+    """How many candidates the ranks send in all: min(k, block length) from each of the `kr` blocks of
+    a dim of `size` (none from an empty block). Those counts are `numpy.array_split`'s of their
+    total (the block lengths are, and min with k keeps that), the `size` the allgathers are told."""
+    return sum(min(k, n) for n in block_sizes(size, kr))
+
+
+def _exchange(ctx, vals, idx, size: int, k: int, m: str, a: int) -> tuple:
     """Every rank's candidates along axis `a` (values, and local positions that become global)
-    gathered over mesh dim `m` (of size `kr`), which splits a dim of `size`: min(k, block length)
-    from each rank (none from an empty block). Those counts are `numpy.array_split`'s of their
-    total (the block lengths are, and min with k keeps that), the `size` the allgathers are told.
-    Candidates arrive in coordinate order, so among equal values a lower global position comes
-    first."""
+    gathered over mesh dim `m`, which splits a dim of `size`. Candidates arrive in coordinate
+    order, so among equal values a lower global position comes first."""
     idx = (idx + ctx.span(size, m)[0]).astype(np.int32)
-    total = sum(min(k, n) for n in block_sizes(size, kr))
+    total = _candidates(size, k, ctx.size((m,)))
     return ctx.allgather(vals, m, a, size=total), ctx.allgather(idx, m, a, size=total)
+
+
+def _count_exchange(ctx, x, size: int, k: int, m: str, a: int) -> None:
+    """`_exchange`'s allgathers in a dry run: of coordinate 0's min(k, n) candidates of block `x`."""
+    shape = x.shape[:a] + (min(k, x.shape[a]),) + x.shape[a + 1:]
+    total = _candidates(size, k, ctx.size((m,)))
+    for dt in (x.dtype, np.int32):
+        ctx.allgather(Aval(shape, dt), m, a, size=total)
 
 
 def _take(a, axis: int, k: int):
     return a[(slice(None),) * axis + (slice(0, k),)]
 
 
-def _argsort(xp, key, axis: int):
-    """A stable argsort on every array module: numpy's is stable only when asked (`kind="stable"`);
-    CuPy's always is (thrust's stable sort) and takes no `stable=` (older versions no `kind=` either);
-    jax.numpy's is stable by default."""
-    return xp.argsort(key, axis=axis, kind="stable") if name(xp) == "numpy" else xp.argsort(key, axis=axis)
-
-
-def _top(xp, a, axis: int, k: int):
+def _top(xp, a, axis: int, k: int, numpy: bool = False):
     """The k largest along `axis`, descending, ties to the lower position: (values, positions).
 
-    For small k a partition finds the k-th largest value t; the winners are every value above t
-    and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per row
-    instead of a full sort). NaNs, JAX's traced arrays and CuPy's take the full stable sort."""
+    The generic kernel (CuPy, JAX) sorts the whole row (stably: CuPy's and JAX's argsort are; CuPy
+    sorts no 16-bit float, so those are sorted as float32, which holds them exactly). numpy's
+    (`numpy`) for small k partitions to find the k-th largest value t; the winners are every value
+    above t and the lowest-placed values equal to t, and only those k are sorted (O(n + k log k) per
+    row instead of a full sort); NaNs take the full sort, which numpy makes stable when asked."""
     key = a.astype(np.int8) if a.dtype.kind == "b" else a
-    if is_low_precision(key.dtype) and name(xp) == "cupy":  # CuPy sorts no 16-bit float: float32 holds them exactly
-        key = key.astype(np.float32)
-    n = a.shape[axis]
-    # not jax (a traced shape must not vary), nor cupy (the NaN probe and nonzero's size are host reads)
-    partition = getattr(xp, "__name__", "") == "numpy"
-    if not partition or 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(xp.isnan(key).any())):
-        order = _take(_argsort(xp, _reversed(key), axis), axis, k)
+    if not numpy:
+        if is_low_precision(key.dtype):
+            key = key.astype(np.float32)
+        order = _take(xp.argsort(_reversed(key), axis=axis), axis, k)  # (CuPy's takes no `kind=`)
         return xp.take_along_axis(a, order, axis=axis), order
-    key = xp.moveaxis(key, axis, -1)
-    t = xp.partition(key, n - k, axis=-1)[..., n - k:n - k + 1]
+    n = a.shape[axis]
+    if 4 * k > n or ((key.dtype.kind == "c" or is_float(key.dtype)) and bool(np.isnan(key).any())):
+        order = _take(np.argsort(_reversed(key), axis=axis, kind="stable"), axis, k)
+        return np.take_along_axis(a, order, axis=axis), order
+    key = np.moveaxis(key, axis, -1)
+    t = np.partition(key, n - k, axis=-1)[..., n - k:n - k + 1]
     above, tied = key > t, key == t
     need = k - above.sum(-1, keepdims=True)
-    chosen = above | (tied & (xp.cumsum(tied, -1) <= need))  # exactly k per row, in position order
-    pos = xp.nonzero(chosen)[-1].reshape(key.shape[:-1] + (k,))
-    order = _argsort(xp, _reversed(xp.take_along_axis(key, pos, -1)), -1)
-    pos = xp.moveaxis(xp.take_along_axis(pos, order, -1), -1, axis)
-    return xp.take_along_axis(a, pos, axis=axis), pos
+    chosen = above | (tied & (np.cumsum(tied, -1) <= need))  # exactly k per row, in position order
+    pos = np.nonzero(chosen)[-1].reshape(key.shape[:-1] + (k,))
+    order = np.argsort(_reversed(np.take_along_axis(key, pos, -1)), axis=-1, kind="stable")
+    pos = np.moveaxis(np.take_along_axis(pos, order, -1), -1, axis)
+    return np.take_along_axis(a, pos, axis=axis), pos
 
 
 def _reversed(key):
@@ -325,29 +368,40 @@ def top_k(x, reduced_dim, k_dim):
     out_layout = mesh.plan(out)
     target, mr = _candidate_layout(x, a, out_layout[:a] + out_layout[a + 1:])
     x = to_layout(x, target)
-    mk = splitting(out_layout[a], mesh.shape)
-    k = kd.size
-
-    def lower(ctx, xa):
-        xp = ctx.xp
-        n = xa.shape[a]  # this rank's block: possibly shorter than k, or empty
-        if mr and k >= n:  # every local element is a candidate: no local sort needed
-            vals = xa
-            idx = xp.broadcast_to(xp.arange(n, dtype=np.int32).reshape((n,) + (1,) * (xa.ndim - a - 1)), xa.shape)
-        else:
-            vals, idx = _top(xp, xa, a, k)
-            idx = idx.astype(np.int32)
-        if mr:
-            vals, idx = _exchange(ctx, vals, idx, r.size, k, mr, mesh.shape[mr].size, a)
-            vals, pos = _top(xp, vals, a, k)
-            idx = xp.take_along_axis(idx, pos, axis=a)
-        if mk:
-            vals, idx = ctx.block(vals, mk, a), ctx.block(idx, mk, a)
-        return vals, idx
-    grad = _top_k_grad if is_float(x.dtype) else None
-    values, indices = dispatch_lower("top_k", [x], [(out, out_layout), (out, out_layout)], lower,
-                               {"reduced_dim": r, "k_dim": kd, "mesh_dim": mr}, grad)
+    params = {"reduced_dim": r, "k_dim": kd, "mesh_dim": mr, "axis": a,
+              "k_mesh_dim": splitting(out_layout[a], mesh.shape)}
+    values, indices = dispatch(TOP_K if is_float(x.dtype) else TOP_K_NO_GRAD, [x], [(out, out_layout)] * 2, params)
     return values, indices
+
+
+def _top_k(ctx, xa, reduced_dim, k_dim, mesh_dim, axis, k_mesh_dim, numpy=False):
+    """The kernel: this block's candidates (all of them where there are no more than k), over a split
+    `reduced_dim` gathered from every rank and searched again; this rank's block of the k winners."""
+    xp, a, k = ctx.xp, axis, k_dim.size
+    n = xa.shape[a]  # this rank's block: possibly shorter than k, or empty
+    if mesh_dim and k >= n:  # every local element is a candidate: no local sort needed
+        vals = xa
+        idx = xp.broadcast_to(xp.arange(n, dtype=np.int32).reshape((n,) + (1,) * (xa.ndim - a - 1)), xa.shape)
+    else:
+        vals, idx = _top(xp, xa, a, k, numpy)
+        idx = idx.astype(np.int32)
+    if mesh_dim:
+        vals, idx = _exchange(ctx, vals, idx, reduced_dim.size, k, mesh_dim, a)
+        vals, pos = _top(xp, vals, a, k, numpy)
+        idx = xp.take_along_axis(idx, pos, axis=a)
+    if k_mesh_dim:
+        vals, idx = ctx.block(vals, k_mesh_dim, a), ctx.block(idx, k_mesh_dim, a)
+    return vals, idx
+
+
+def _top_k_numpy(ctx, xa, **params):
+    return _top_k(ctx, xa, numpy=True, **params)
+
+
+def _top_k_abstract(ctx, shapes, x, reduced_dim, k_dim, mesh_dim, axis, **_) -> tuple:
+    if mesh_dim:
+        _count_exchange(ctx, x, reduced_dim.size, k_dim.size, mesh_dim, axis)
+    return x.dtype, np.dtype(np.int32)
 
 
 def _top_k_grad(op, dvalues, dindices):
@@ -355,6 +409,11 @@ def _top_k_grad(op, dvalues, dindices):
     x, indices = op.inputs[0], op.outputs[1]
     hot = _scatter_hot(indices, op.params["reduced_dim"], dvalues.dtype)
     return [einsum([hot, dvalues], output_shape=x.shape)]
+
+
+TOP_K = OpDef("top_k", _top_k, kernels={"numpy": _top_k_numpy}, grad=_top_k_grad, saves=((), (1,)), fill="lowest",
+              abstract=_top_k_abstract)
+TOP_K_NO_GRAD = OpDef("top_k", _top_k, kernels={"numpy": _top_k_numpy}, fill="lowest", abstract=_top_k_abstract)
 
 
 def argmax(x, reduced_dim):
@@ -377,18 +436,29 @@ def argmax(x, reduced_dim):
     out_layout = mesh.plan(out)
     target, mr = _candidate_layout(x, a, out_layout)
     x = to_layout(x, target)
-
-    def lower(ctx, xa):
-        xp = ctx.xp
-        if not mr:
-            return xp.argmax(xa, axis=a).astype(np.int32)  # the first maximum: the lowest position on ties
-        if xa.shape[a]:
-            li = xp.expand_dims(xp.argmax(xa, axis=a), a)
-        else:  # an empty block: no candidate
-            li = xp.zeros(xa.shape, dtype=np.int32)
-        vals, idx = _exchange(ctx, xp.take_along_axis(xa, li, axis=a), li, r.size, 1, mr,
-                              mesh.shape[mr].size, a)
-        j = xp.expand_dims(xp.argmax(vals, axis=a), a)  # first max: lowest coordinate
-        return xp.squeeze(xp.take_along_axis(idx, j, axis=a), axis=a)
-    (y,) = dispatch_lower("argmax", [x], [(out, out_layout)], lower, {"reduced_dim": r, "mesh_dim": mr})
+    (y,) = dispatch(ARGMAX, [x], [(out, out_layout)], {"reduced_dim": r, "mesh_dim": mr, "axis": a})
     return y
+
+
+def _argmax(ctx, xa, reduced_dim, mesh_dim, axis):
+    """The kernel: the first maximum (the lowest position on ties); over a split `reduced_dim`, each
+    rank's one candidate gathered, and the first maximum among them (the lowest coordinate)."""
+    xp, a = ctx.xp, axis
+    if not mesh_dim:
+        return xp.argmax(xa, axis=a).astype(np.int32)
+    if xa.shape[a]:
+        li = xp.expand_dims(xp.argmax(xa, axis=a), a)
+    else:  # an empty block: no candidate
+        li = xp.zeros(xa.shape, dtype=np.int32)
+    vals, idx = _exchange(ctx, xp.take_along_axis(xa, li, axis=a), li, reduced_dim.size, 1, mesh_dim, a)
+    j = xp.expand_dims(xp.argmax(vals, axis=a), a)
+    return xp.squeeze(xp.take_along_axis(idx, j, axis=a), axis=a)
+
+
+def _argmax_abstract(ctx, shapes, x, reduced_dim, mesh_dim, axis) -> tuple:
+    if mesh_dim:
+        _count_exchange(ctx, x, reduced_dim.size, 1, mesh_dim, axis)
+    return (np.dtype(np.int32),)
+
+
+ARGMAX = OpDef("argmax", _argmax, fill="lowest", abstract=_argmax_abstract)

@@ -1,16 +1,16 @@
-"""Kernels that write an op's result over one of its inputs, for a compiled step's replay when it
-holds that input's only reference (a donated parameter: `mm.compile(..., donate_argnums=...)`),
-and `axpy_new`, the op's own kernel; the `_chunked` forms are their numpy kernels. Each gives
-bitwise the values of the op's own kernel: the same roundings in the same order.
+"""Kernels that write a result over one of their inputs (a compiled replay's donated parameter:
+`mm.compile(..., donate_argnums=...)`), `axpy_new` (`mm.axpy`'s kernel), their numpy `_chunked` forms,
+and the operations the optimizers' formulas are written in (`mpimesh.ops.updates`): `Functional` (new
+arrays: JAX), `Eager` (over temporaries and donated inputs: numpy, CuPy). Each gives bitwise the
+values of the op's own kernel: the same roundings in the same order.
 
 >>> import numpy as np
 >>> y = np.ones(3, np.float32)
 >>> axpy_into_chunked(np, np.float32(-0.5), np.array([1, 2, 3], np.float32), y) is y, y.tolist()
 (True, [0.5, 0.0, -0.5])
->>> scale_add_into(np, 2.0, y, np.ones(3, np.float32)).tolist()
-[2.0, 1.0, 0.0]
->>> axpy_new_chunked(np, 2.0, y, np.ones(3, np.float32)).tolist()
-[5.0, 3.0, 1.0]
+>>> z = np.ones(2)
+>>> Eager(np, chunked=True).axpy(2.0, np.ones(2), z, over="y") is z, z.tolist()
+(True, [3.0, 3.0])
 """
 from __future__ import annotations
 
@@ -84,3 +84,60 @@ def scale_add_into_chunked(xp, alpha, x, y):
         part = xs[a:a + step]
         np.add(np.multiply(part, alpha, out=part), ys[a:a + step], out=part)
     return x
+
+
+class Functional:
+    """The operations of the optimizers' formulas (`mpimesh.ops.updates`), each making a new array:
+    the generic kernels' (JAX). `over` ("x", "y" or None; True or False) says which input the result
+    may be written over (a donated block, or a temporary): `Eager` does, this ignores it."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def axpy(self, alpha, x, y, over=None):
+        """`alpha * x + y`, the product rounded to its dtype and then added (`axpy_new`)."""
+        return self.xp.multiply(x, alpha) + y
+
+    def scale(self, a, s, over: bool = False):
+        """`s * a`."""
+        return s * a
+
+    def plus(self, a, b):
+        """`a + b`, `a` a temporary."""
+        return a + b
+
+    def quotient(self, a, b):
+        """`a / b`, `a` a temporary."""
+        return a / b
+
+    def sqrt(self, a):
+        return self.xp.sqrt(a)
+
+
+class Eager(Functional):
+    """`Functional`'s operations on numpy or CuPy, each result written over the input `over` names
+    and over a temporary `a` where it has the result's dtype; `chunked` (numpy): a chunk at a time."""
+
+    def __init__(self, xp, chunked: bool = False):
+        super().__init__(xp)
+        self.chunked = chunked
+
+    def axpy(self, alpha, x, y, over=None):
+        if over == "y":
+            return (axpy_into_chunked if self.chunked else axpy_into)(self.xp, alpha, x, y)
+        if over == "x":
+            return (scale_add_into_chunked if self.chunked else scale_add_into)(self.xp, alpha, x, y)
+        return (axpy_new_chunked if self.chunked else axpy_new)(self.xp, alpha, x, y)
+
+    def scale(self, a, s, over: bool = False):
+        return self.xp.multiply(a, s, out=a) if over else s * a
+
+    def plus(self, a, b):
+        return self.xp.add(a, b, out=a) if self._takes(a, b) else a + b
+
+    def quotient(self, a, b):
+        return self.xp.divide(a, b, out=a) if self._takes(a, b) else a / b
+
+    def _takes(self, a, b) -> bool:
+        """Whether `a` (not a numpy scalar) can hold the result of `a` and `b` (of a's dtype)."""
+        return isinstance(a, self.xp.ndarray) and a.dtype == self.xp.result_type(a, b)

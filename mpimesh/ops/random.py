@@ -25,8 +25,9 @@ from ..backend import as_dtype, finfo, is_float
 from ..errors import DTypeError, MpimeshError
 from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
+from ..opdef import OpDef, size
 from ..tensor import _layout, block_sizes
-from ..trace import dispatch_lower
+from ..trace import dispatch
 from .relayout import to_layout
 
 _MASK = (1 << 64) - 1
@@ -136,13 +137,17 @@ def derive_seed(seed, name: str):
     (True, dtype('int64'))
     """
     seed = check_seed(seed, "derive_seed")
-    salt = zlib.crc32(name.encode())
-
-    def lower(ctx, s):
-        return (key(ctx.xp, s, salt) & np.uint64(0x7FFFFFFF)).astype(np.int64)
-    (t,) = dispatch_lower("derive_seed", seed_inputs(seed, seed.mesh, "derive_seed"), [(Shape(()), ())], lower,
-                    {"name": name})
+    (t,) = dispatch(DERIVE_SEED, seed_inputs(seed, seed.mesh, "derive_seed"), [(Shape(()), ())],
+                    {"name": name, "salt": zlib.crc32(name.encode())})
     return t
+
+
+def _derive_seed(ctx, s, *, name, salt):
+    return (key(ctx.xp, s, salt) & np.uint64(0x7FFFFFFF)).astype(np.int64)
+
+
+DERIVE_SEED = OpDef("derive_seed", _derive_seed, fill="position",
+                    abstract=lambda ctx, shapes, s, **params: (np.dtype(np.int64),))
 
 
 def _real(value, what: str) -> float:
@@ -158,21 +163,20 @@ def _real(value, what: str) -> float:
     return f
 
 
-def _random(name: str, mesh, shape: ShapeLike, layout, seed, params: dict, fill):
-    """The op `name` (no inputs, or the seed tensor): each rank fills its block from the global
-    indices it holds, `fill(xp, index, seed)` (an int, or the seed tensor's array)."""
+def _random(op: OpDef, mesh, shape: ShapeLike, layout, seed, params: dict):
+    """The op `op` (no inputs, or the seed tensor): each rank fills its block from the global indices it holds."""
     shape = Shape(shape)
     tl = _layout(mesh, shape, layout)
-    mesh_shape, split = mesh.shape, tuple(m for m in tl if m)
-
-    def lower(ctx, *s):
-        coords = {m: ctx.coord(m) for m in split}
-        index = global_index(ctx.xp, shape, mesh_shape, tl, coords, block_sizes(ctx, shape, tl))
-        return fill(ctx.xp, index, s[0] if s else seed)
-    inputs = seed_inputs(seed, mesh, name)
-    (t,) = dispatch_lower(name, inputs, [(shape, tl)], lower,
-                    {"shape": shape, **params, "seed": None if inputs else seed}, mesh=mesh)
+    inputs = seed_inputs(seed, mesh, op.name)
+    (t,) = dispatch(op, inputs, [(shape, tl)], {"shape": shape, **params, "seed": None if inputs else seed,
+                                                "layout": tl, "mesh_shape": mesh.shape}, mesh=mesh)
     return t
+
+
+def _index(ctx, shape: Shape, layout, mesh_shape: Shape):
+    """The global flat indices of this rank's block (`global_index`)."""
+    coords = {m: ctx.coord(m) for m in layout if m}
+    return global_index(ctx.xp, shape, mesh_shape, layout, coords, block_sizes(ctx, shape, layout))
 
 
 def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="float32", layout=None):
@@ -191,17 +195,17 @@ def random_uniform(mesh, shape: ShapeLike, seed, minval=0.0, maxval=1.0, dtype="
     if minval < lo or maxval > top + (dt.kind in "iu"):  # (astype would wrap or saturate: values outside the range)
         raise DTypeError(f"random_uniform: [{minval}, {maxval}) does not fit dtype {dt.name}, which holds {lo} to "
                          f"{top}: narrow the range or widen the dtype")
+    return _random(RANDOM_UNIFORM, mesh, shape, layout, seed, {"minval": minval, "maxval": maxval, "dtype": dt})
 
-    def fill(xp, i, seed):
-        y = minval + (maxval - minval) * uniform01(xp, i, seed)
-        y = (xp.floor(y) if dt.kind in "iu" else y).astype(dt)  # whole numbers: floor, in [minval, maxval)
-        if is_float(dt) and maxval > minval:  # rounding to dt may reach maxval: clamp below it
-            top = dt.type(maxval)
-            top = top if top < maxval else np.nextafter(top, dt.type(-np.inf))
-            y = xp.minimum(y, top)
-        return y
-    return _random("random_uniform", mesh, shape, layout, seed,
-                   {"minval": minval, "maxval": maxval, "dtype": dt}, fill)
+
+def _uniform(ctx, *s, shape, minval, maxval, dtype, seed, layout, mesh_shape):
+    y = minval + (maxval - minval) * uniform01(ctx.xp, _index(ctx, shape, layout, mesh_shape), s[0] if s else seed)
+    y = (ctx.xp.floor(y) if dtype.kind in "iu" else y).astype(dtype)  # whole numbers: floor, in [minval, maxval)
+    if is_float(dtype) and maxval > minval:  # rounding to dtype may reach maxval: clamp below it
+        top = dtype.type(maxval)
+        top = top if top < maxval else np.nextafter(top, dtype.type(-np.inf))
+        y = ctx.xp.minimum(y, top)
+    return y
 
 
 def random_normal(mesh, shape: ShapeLike, seed, mean=0.0, stddev=1.0, dtype="float32", layout=None):
@@ -211,11 +215,19 @@ def random_normal(mesh, shape: ShapeLike, seed, mean=0.0, stddev=1.0, dtype="flo
         raise DTypeError(f"random_normal: dtype {dt.name} cannot hold normal values: draw a float dtype")
     seed = check_seed(seed, "random_normal")
     mean, stddev = _real(mean, "random_normal: mean"), _real(stddev, "random_normal: stddev")
+    return _random(RANDOM_NORMAL, mesh, shape, layout, seed, {"mean": mean, "stddev": stddev, "dtype": dt})
 
-    def fill(xp, i, seed):
-        u1 = 1.0 - uniform01(xp, i, seed, 0)  # in (0, 1]: log is finite
-        u2 = uniform01(xp, i, seed, 1)
-        z = xp.sqrt(-2.0 * xp.log(u1)) * xp.cos(2.0 * math.pi * u2)
-        return (mean + stddev * z).astype(dt)
-    return _random("random_normal", mesh, shape, layout, seed,
-                   {"mean": mean, "stddev": stddev, "dtype": dt}, fill)
+
+def _normal(ctx, *s, shape, mean, stddev, dtype, seed, layout, mesh_shape):
+    xp, index, seed = ctx.xp, _index(ctx, shape, layout, mesh_shape), s[0] if s else seed
+    u1 = 1.0 - uniform01(xp, index, seed, 0)  # in (0, 1]: log is finite
+    u2 = uniform01(xp, index, seed, 1)
+    z = xp.sqrt(-2.0 * xp.log(u1)) * xp.cos(2.0 * math.pi * u2)
+    return (mean + stddev * z).astype(dtype)
+
+
+# Flops per element: uniform: the uniform's scaling to [0, 1), then minval + width * u (the rounding, floor
+# and clamp not counted); normal: two uniforms' scalings, 1 - u1, log, -2 *, sqrt, 2 pi *, cos, their
+# product, then mean + stddev * z.
+RANDOM_UNIFORM = OpDef("random_uniform", _uniform, fill="position", flops=lambda params, ins, outs: 3 * size(outs[0]))
+RANDOM_NORMAL = OpDef("random_normal", _normal, fill="position", flops=lambda params, ins, outs: 11 * size(outs[0]))

@@ -20,9 +20,10 @@ import numpy as np
 
 from ..backend import accumulation_dtype
 from ..errors import DTypeError, ShapeError
+from ..opdef import Aval, OpDef, per_element, size
 from ..shape import Shape, ShapeLike, dim_names
 from ..tensor import tensor_arg
-from ..trace import dispatch_lower
+from ..trace import dispatch
 from .einsum import contraction_plan, einsum, reduced_dims_arg
 from .elementwise import cast, equal, exp
 from .nn import local_extreme  # an empty block (uneven split) gives the allreduce's identity
@@ -72,8 +73,11 @@ def reduce_mean(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, 
     return einsum([_counted(x, "reduce_mean")], out) * scale
 
 
-def _local_reduce(name: str, kernel, grad, floats: bool = False):
-    def op(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
+def _local_reduce(op: OpDef, floats: bool = False):
+    """The reduction `op` (a local reduction, then an allreduce) as a function of a tensor."""
+    name = op.name
+
+    def reduction(x, output_shape: Optional[ShapeLike] = None, reduced_dims=None, *, reduced_dim=None):
         tensor_arg(name, x, floats=floats)
         if name != "reduce_logsumexp" and np.dtype(x.dtype).kind == "c":
             raise DTypeError(f"{name}: x is a {x.shape} {x.dtype} tensor, and complex numbers have no order "
@@ -85,18 +89,20 @@ def _local_reduce(name: str, kernel, grad, floats: bool = False):
         axes = tuple(i for i, n in enumerate(x.shape.names) if n not in out)
         kept = [n for n in x.shape.names if n in out]
         perm = tuple(kept.index(n) for n in out.names)
-
-        def lower(ctx, a):
-            y = kernel(ctx, a, axes, reduce_mesh)
-            if perm != tuple(range(len(perm))):
-                y = ctx.xp.transpose(y, perm)
-            return y
-        (y,) = dispatch_lower(name, [x], [(out, out_layout)], lower, {"axes": axes, "reduce_mesh_dims": reduce_mesh},
-                        grad)
+        (y,) = dispatch(op, [x], [(out, out_layout)], {"axes": axes, "reduce_mesh_dims": reduce_mesh,
+                                                      "perm": None if perm == tuple(range(len(perm))) else perm})
         return y
-    op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"{name} over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."
-    return op
+    reduction.__name__ = reduction.__qualname__ = name
+    reduction.__doc__ = f"{name} over the dims not in `output_shape` (or over `reduced_dims`; neither: everything)."
+    return reduction
+
+
+def _kernel(reduce):
+    """An op's kernel: `reduce(ctx, a, axes, mesh_dims)`, its result's axes then put in output order."""
+    def kernel(ctx, a, axes: tuple, reduce_mesh_dims: tuple, perm: Optional[tuple]):
+        y = reduce(ctx, a, axes, reduce_mesh_dims)
+        return y if perm is None else ctx.xp.transpose(y, perm)
+    return kernel
 
 
 def _max(ctx, a, axes, mesh_dims):  # (a NaN on any rank: NaN on all, `Collectives._extreme`)
@@ -118,6 +124,25 @@ def _logsumexp(ctx, a, axes, mesh_dims):
         return xp.log(s) + xp.squeeze(m, axis=axes)
 
 
+def _reduced(a: Aval, axes: tuple, dtype, keepdims: bool = False) -> Aval:
+    return Aval(tuple(1 if i in axes else n for i, n in enumerate(a.shape) if keepdims or i not in axes), dtype)
+
+
+def _extreme_abstract(op: str):
+    """The dry run of `_max` or `_min`: one allreduce of the local extremes."""
+    def abstract(ctx, shapes, a, axes, reduce_mesh_dims, perm):
+        return (ctx.allreduce(_reduced(a, axes, a.dtype), reduce_mesh_dims, op).dtype,)
+    return abstract
+
+
+def _logsumexp_abstract(ctx, shapes, a, axes, reduce_mesh_dims, perm):
+    """The dry run of `_logsumexp`: the allreduce of the maxima, then of the sums, in float32 for 16 bits."""
+    acc = accumulation_dtype(a.dtype)
+    ctx.allreduce(_reduced(a, axes, acc, keepdims=True), reduce_mesh_dims, "max")
+    ctx.allreduce(_reduced(a, axes, acc), reduce_mesh_dims, "sum")
+    return (np.dtype(a.dtype),)
+
+
 def _extreme_grad(op, dy):
     """Ties share the gradient equally."""
     x, y = op.inputs[0], op.outputs[0]
@@ -129,6 +154,18 @@ def _logsumexp_grad(op, dy):
     return [exp(op.inputs[0] - op.outputs[0]) * dy]
 
 
-reduce_max = _local_reduce("reduce_max", _max, _extreme_grad)
-reduce_min = _local_reduce("reduce_min", _min, _extreme_grad)
-reduce_logsumexp = _local_reduce("reduce_logsumexp", _logsumexp, _logsumexp_grad, floats=True)
+def _logsumexp_flops(params, ins, outs) -> int:
+    """Per input element a max, a subtraction, an exp and an add; per output element a log and an add."""
+    return 4 * size(ins[0]) + 2 * size(outs[0])
+
+
+REDUCE_MAX = OpDef("reduce_max", _kernel(_max), grad=_extreme_grad, saves=((0,), (0,)), fill="lowest",
+                   flops=per_element(1, "in"), abstract=_extreme_abstract("max"))
+REDUCE_MIN = OpDef("reduce_min", _kernel(_min), grad=_extreme_grad, saves=((0,), (0,)), fill="highest",
+                   flops=per_element(1, "in"), abstract=_extreme_abstract("min"))
+REDUCE_LOGSUMEXP = OpDef("reduce_logsumexp", _kernel(_logsumexp), grad=_logsumexp_grad, saves=((0,), (0,)),
+                         fill="lowest", flops=_logsumexp_flops, abstract=_logsumexp_abstract)
+
+reduce_max = _local_reduce(REDUCE_MAX)
+reduce_min = _local_reduce(REDUCE_MIN)
+reduce_logsumexp = _local_reduce(REDUCE_LOGSUMEXP, floats=True)

@@ -18,9 +18,10 @@ from functools import lru_cache
 
 from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
+from ..opdef import OpDef
 from ..shape import Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 
 
 @lru_cache(maxsize=4096)
@@ -58,33 +59,36 @@ def relayout_plan(shape: Shape, mesh_shape: Shape, src: TensorLayout, dst: Tenso
     return tuple(steps)
 
 
-def _run_steps(steps, shape: Shape):
-    """The lowering of `steps` for a tensor of global `shape` (whose sizes fix the uneven blocks)."""
-    def lower(ctx, x):
-        for step in steps:
-            if step[0] == "slice":
-                x = ctx.block(x, step[1], step[2])
-            elif step[0] == "allgather":
-                x = ctx.allgather(x, step[1], step[2], shape[step[2]].size)
-            else:
-                x = ctx.alltoall(x, step[1], step[2], step[3], shape[step[3]].size)
-        return x
-    return lower
+def _relayout(ctx, x, layout: TensorLayout, steps: tuple, shape: Shape):
+    """The kernel: `steps` (`relayout_plan`) on this rank's block `x` of a tensor of global `shape`
+    (whose sizes fix the uneven blocks); `layout`, the layout they give, is for the record. It runs on
+    `Aval`s too (the dry run)."""
+    for step in steps:
+        if step[0] == "slice":
+            x = ctx.block(x, step[1], step[2])
+        elif step[0] == "allgather":
+            x = ctx.allgather(x, step[1], step[2], shape[step[2]].size)
+        else:
+            x = ctx.alltoall(x, step[1], step[2], step[3], shape[step[3]].size)
+    return x
 
 
 def _relayout_grad(op, dy):
     return [to_layout(dy, op.inputs[0].tensor_layout)]
 
 
-saving(_relayout_grad)
+RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), linear=True,
+                 abstract=lambda ctx, shapes, x, **params: (_relayout(ctx, x, **params).dtype,),
+                 view=lambda params, ins, outs: None if params["steps"] else 0)
+
 
 def to_layout(x, tensor_layout: TensorLayout):
     """`x` with the given tensor layout (a tuple with one mesh dim or None per dim)."""
     if x.tensor_layout == tensor_layout:
         return x
     steps = relayout_plan(x.shape, x.mesh.shape, x.tensor_layout, tensor_layout)
-    (y,) = dispatch_lower("relayout", [x], [(x.shape, tensor_layout)], _run_steps(steps, x.shape),
-                    {"layout": tensor_layout, "steps": steps}, _relayout_grad)
+    (y,) = dispatch(RELAYOUT, [x], [(x.shape, tensor_layout)],
+                    {"layout": tensor_layout, "steps": steps, "shape": x.shape})
     return y
 
 

@@ -20,9 +20,10 @@ from functools import lru_cache
 
 from ..errors import ShapeError
 from ..layout import TensorLayout, block, local_sizes, splitting
+from ..opdef import OpDef
 from ..shape import Dimension, Shape, ShapeLike
 from ..tensor import tensor_arg
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 from .relayout import to_layout
 
 
@@ -91,7 +92,13 @@ def _reshape_grad(op, dy):
     return [reshape(dy, op.inputs[0].shape)]
 
 
-saving(_reshape_grad)
+def _reshape(ctx, a, shape: Shape, sizes: tuple):
+    """The kernel: this rank's block `a` as its block `sizes` of the new `shape` (a view)."""
+    return a.reshape(sizes)
+
+
+RESHAPE = OpDef("reshape", _reshape, grad=_reshape_grad, saves=((), ()), view=lambda params, ins, outs: 0)
+
 
 def reshape(x, new_shape: ShapeLike):
     """The same elements (row-major order) under `new_shape`."""
@@ -105,8 +112,7 @@ def reshape(x, new_shape: ShapeLike):
     mid, post = reshape_plan(x.shape, new, mesh.shape, x.tensor_layout, dst)
     x = to_layout(x, mid)
     sizes = local_sizes(new, mesh.shape, post, mesh.coords)
-    (y,) = dispatch_lower("reshape", [x], [(new, post)], lambda ctx, a: a.reshape(sizes), {"shape": new},
-                    _reshape_grad)
+    (y,) = dispatch(RESHAPE, [x], [(new, post)], {"shape": new, "sizes": sizes})
     return to_layout(y, dst)
 
 
@@ -118,6 +124,10 @@ def rename_dimension(x, old_name: str, new_name: str):
     return reshape(x, [Dimension(new_name, d.size) if e.name == old_name else e for e in x.shape])
 
 
+TRANSPOSE = OpDef("transpose", lambda ctx, a, perm: ctx.xp.transpose(a, perm),
+                  grad=lambda op, dy: [transpose(dy, op.inputs[0].shape)], saves=((), ()))
+
+
 def transpose(x, new_shape: ShapeLike):
     """x with its dims reordered as `new_shape`."""
     new = Shape(new_shape)
@@ -126,8 +136,5 @@ def transpose(x, new_shape: ShapeLike):
     dst = x.mesh.plan(new)
     x = to_layout(x, tuple(dst[new.index(n)] for n in x.shape.names))
     perm = tuple(x.shape.index(n) for n in new.names)
-    (y,) = dispatch_lower("transpose", [x], [(new, dst)], lambda ctx, a: ctx.xp.transpose(a, perm), {"perm": perm},
-                    saving(lambda op, dy: [transpose(dy, op.inputs[0].shape)]))
+    (y,) = dispatch(TRANSPOSE, [x], [(new, dst)], {"perm": perm})
     return y
-
-

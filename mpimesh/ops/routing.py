@@ -1,12 +1,8 @@
-"""Routing ops of a top-2 mixture of experts: `top2_slots` picks each token's two experts and
-its slots in their capacity buffers; `dispatch_slots` gathers the tokens into those slots and
-`combine_slots` gathers the slots back to the tokens, weighted. The two gathers are each other's
-adjoint, so each one's gradient is the other (plus a row dot product for the weights).
-
-A slot is `e·C + p` (expert e, position p < C in its buffer), or -1 for a dropped choice; one
-slot holds at most one token. The kernels gather along the tokens, experts and capacity dims, so
-the ops hold those whole; the other dims (groups, features) keep the splits the rules give them
-and need no communication (a split feature dim only sums the weights' gradient over its mesh dim).
+"""Routing ops of a top-2 mixture of experts: `top2_slots` picks each token's two experts and its
+slots in their capacity buffers; `dispatch_slots` gathers the tokens into those slots, `combine_slots`
+the slots back to the tokens, weighted: each other's adjoint, so each one's gradient is the other
+(plus a row dot product for the weights). The ops hold the tokens, experts and capacity dims whole;
+the other dims (groups, features) keep their splits and need no communication.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -15,10 +11,7 @@ and need no communication (a split feature dim only sums the weights' gradient o
 >>> e1.to_numpy().tolist(), e2.to_numpy().tolist(), slots.tensors[1].to_numpy().tolist()
 ([[0, 0, 0]], [[1, 2, 1]], [[2, 4, 3]])
 >>> x = mesh.from_numpy(np.array([[[1.0], [2.0], [3.0]]]), "g:1;s:3;d:1")
->>> ein = dispatch_slots(x, slots)  # expert 0 holds tokens 0 and 1; token 2's first choice overflows
->>> ein.shape, ein.to_numpy()[..., 0].tolist()
-(Shape('[e:3, g:1, c:2, d:1]'), [[[1.0, 2.0]], [[1.0, 3.0]], [[2.0, 0.0]]])
->>> combine_slots(ein, slots).to_numpy()[..., 0].tolist()  # each token's kept copies, summed
+>>> combine_slots(dispatch_slots(x, slots), slots).to_numpy()[..., 0].tolist()  # each token's kept copies, summed
 [[2.0, 4.0, 3.0]]
 """
 from __future__ import annotations
@@ -28,10 +21,11 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..backend import is_eager, is_float, is_low_precision
+from ..backend import is_float, is_low_precision
 from ..errors import DTypeError, MpimeshError, ShapeError
+from ..opdef import ALL, OpDef, per_element
 from ..shape import Dimension, Shape, union_shape
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 from .einsum import einsum
 from .relayout import to_layout
 
@@ -39,8 +33,9 @@ POLICIES = ("random", "all", "none", "threshold")
 
 
 class Slots(NamedTuple):
-    """Where tokens go: one int32 tensor of slots per choice (`[..., tokens]`, -1: dropped), the
-    tokens dim's name and the experts and capacity dims of the buffers."""
+    """Where tokens go: one int32 tensor of slots per choice (`[..., tokens]`), the tokens dim's name
+    and the experts and capacity dims of the buffers. A slot is `e·C + p` (expert e, position p < C in
+    its buffer), or -1 for a dropped choice; one slot holds at most one token."""
     tensors: tuple
     tokens: str
     experts: Dimension
@@ -121,41 +116,53 @@ def top2_slots(gates, tokens_dim: str, experts_dim: str, capacity, policy: str =
     gates = _like(gates, out + Shape([experts]), out_layout + (None,))
     inputs = [gates] + ([] if uniform is None else [_like(uniform, out, out_layout)])
     batch = [n for n in out.names if n != tokens]
-    gperm = _perm(gates.shape.names, batch + [tokens, experts.name])
-    uperm = None if uniform is None else _perm(uniform.shape.names, batch + [tokens])
-    operm = _perm(tuple(batch + [tokens]), out.names)
-    c, n_exp, dt, r = cap.size, experts.size, gates.dtype, _round(gates.dtype)
-    scale = 1.0 / max(threshold, 1e-9)
-
-    def lower(ctx, g, *u):
-        xp = ctx.xp
-        g = xp.transpose(g, gperm)
-        pos = xp.arange(n_exp, dtype=np.int32)
-        e1 = xp.argmax(g, axis=-1).astype(np.int32)
-        hot1 = e1[..., None] == pos
-        e2 = xp.argmax(xp.where(hot1, xp.zeros((), dt), g), axis=-1).astype(np.int32)
-        g1, g2 = (xp.take_along_axis(g, e[..., None], -1)[..., 0] for e in (e1, e2))
-        g2 = g2 / r(r(g1 + g2) + 1e-9)
-        if policy == "random":
-            second = xp.transpose(u[0], uperm) < r(g2 * scale)
-        elif policy == "threshold":
-            second = g2 > threshold
-        else:
-            second = xp.full(e2.shape, policy == "all")
-        first = hot1.astype(np.int32)
-        p1 = xp.take_along_axis(xp.cumsum(first, axis=-2, dtype=np.int32) - first, e1[..., None], -1)[..., 0]
-        taken = xp.minimum(first.sum(axis=-2, dtype=np.int32), c)  # kept first choices per expert
-        hot2 = ((e2[..., None] == pos) & second[..., None]).astype(np.int32)
-        p2 = xp.take_along_axis(xp.cumsum(hot2, axis=-2, dtype=np.int32) - hot2 + taken[..., None, :],
-                                e2[..., None], -1)[..., 0]
-        s1 = xp.where(p1 < c, e1 * c + p1, -1).astype(np.int32)
-        s2 = xp.where(second & (p2 < c), e2 * c + p2, -1).astype(np.int32)
-        return tuple(xp.transpose(a, operm) for a in (e1, e2, s1, s2))
-    spec = (out, out_layout)
-    e1, e2, s1, s2 = dispatch_lower("top2_slots", inputs, [spec] * 4, lower,
-                              {"tokens": tokens, "experts": experts, "capacity": cap, "policy": policy,
-                               "threshold": threshold})
+    params = {"tokens": tokens, "experts": experts, "capacity": cap, "policy": policy, "threshold": threshold,
+              "gperm": _perm(gates.shape.names, batch + [tokens, experts.name]),
+              "uperm": None if uniform is None else _perm(uniform.shape.names, batch + [tokens]),
+              "operm": _perm(tuple(batch + [tokens]), out.names)}
+    e1, e2, s1, s2 = dispatch(TOP2_SLOTS, inputs, [(out, out_layout)] * 4, params)
     return e1, e2, Slots((s1, s2), tokens, experts, cap)
+
+
+def _top2_slots(ctx, g, *u, tokens, experts, capacity, policy, threshold, gperm, uperm, operm):
+    """The kernel: `[..., tokens, experts]` gates -> e1, e2, and their slots (-1: dropped)."""
+    xp, c, r = ctx.xp, capacity.size, _round(g.dtype)
+    g = xp.transpose(g, gperm)
+    pos = xp.arange(experts.size, dtype=np.int32)
+    e1 = xp.argmax(g, axis=-1).astype(np.int32)
+    hot1 = e1[..., None] == pos
+    e2 = xp.argmax(xp.where(hot1, xp.zeros((), g.dtype), g), axis=-1).astype(np.int32)
+    g1, g2 = (xp.take_along_axis(g, e[..., None], -1)[..., 0] for e in (e1, e2))
+    g2 = g2 / r(r(g1 + g2) + 1e-9)
+    if policy == "random":
+        second = xp.transpose(u[0], uperm) < r(g2 * (1.0 / max(threshold, 1e-9)))
+    elif policy == "threshold":
+        second = g2 > threshold
+    else:
+        second = xp.full(e2.shape, policy == "all")
+    first = hot1.astype(np.int32)
+    p1 = xp.take_along_axis(xp.cumsum(first, axis=-2, dtype=np.int32) - first, e1[..., None], -1)[..., 0]
+    taken = xp.minimum(first.sum(axis=-2, dtype=np.int32), c)  # kept first choices per expert
+    hot2 = ((e2[..., None] == pos) & second[..., None]).astype(np.int32)
+    p2 = xp.take_along_axis(xp.cumsum(hot2, axis=-2, dtype=np.int32) - hot2 + taken[..., None, :],
+                            e2[..., None], -1)[..., 0]
+    s1 = xp.where(p1 < c, e1 * c + p1, -1).astype(np.int32)
+    s2 = xp.where(second & (p2 < c), e2 * c + p2, -1).astype(np.int32)
+    return tuple(xp.transpose(a, operm) for a in (e1, e2, s1, s2))
+
+
+def _top2_flops(params, ins, outs) -> int:
+    """Per gate: the two argmaxes and the two choices' masks (4), the where (1), the first choices'
+    exclusive count (a cumsum and a subtraction) and their sum per expert (3), the second choices'
+    mask and count (an and, a cumsum, a subtraction and the kept firsts added: 4), 12 in all; per
+    token: the two gates' normalisation (3), the policy (a multiply and a compare for "random", a
+    compare for "threshold") and the slots (a compare and a multiply-add; the second's also an and: 7)."""
+    policy = {"random": 2, "threshold": 1}.get(params["policy"], 0)
+    return 12 * math.prod(ins[0].shape) + (10 + policy) * math.prod(outs[0].shape)
+
+
+TOP2_SLOTS = OpDef("top2_slots", _top2_slots, flops=_top2_flops,
+                   abstract=lambda ctx, shapes, *ins, **params: (np.dtype(np.int32),) * 4)
 
 
 # ------------------------------------------------------------------------ dispatch_slots, combine_slots
@@ -214,12 +221,15 @@ def _laid_out(out: Shape, output_shape, whole: list, gone: list, inputs: list, w
     return out, out_layout, [_like(t, full, fl) for t in inputs]
 
 
-def _set(xp, a, index, values):
-    """`a[index] = values`: in place on numpy and CuPy; a new array on JAX (its arrays are immutable)."""
-    if is_eager(xp):
-        a[index] = values
-        return a
+def _set(a, index, values):
+    """`a[index] = values` as a new array (the generic kernel: JAX's arrays are immutable)."""
     return a.at[index].set(values)
+
+
+def _set_in_place(a, index, values):
+    """`a[index] = values`, in place (numpy's and CuPy's kernels)."""
+    a[index] = values
+    return a
 
 
 def _scaled(xp, slot, weight, dt):
@@ -257,14 +267,10 @@ def _combine_grad(op, dz):
     return _gather_grad(op, dz, False)
 
 
-def _rule(grad, weighted: bool):
-    """`grad`, declared to read the slots alone, or every input when weighted (the weights' gradient
+def _reads(params) -> tuple:
+    """What a gather's gradient reads: the slots, or every input when weighted (the weights' gradient
     reads the gathered source)."""
-    return saving(lambda op, dz: grad(op, dz), "all" if weighted else (1, 2))
-
-
-_RULES = {(which, weighted): _rule(grad, weighted)
-          for which, grad in (("dispatch", _dispatch_grad), ("combine", _combine_grad)) for weighted in (False, True)}
+    return (ALL, ()) if params["weighted"] else ((1, 2), ())
 
 
 def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_shape=None):
@@ -274,7 +280,15 @@ def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_s
     The output is `[experts] + x's dims with tokens replaced by capacity` (or `output_shape`, the
     same dims in another order); x's dims other than the slots' are features. The gradient w.r.t.
     x is `combine_slots` with the same weights; w.r.t. a weight, the row dot product of the
-    output's gradient at the slot with x.
+    output's gradient at the slot with x (a split feature dim sums it over its mesh dim).
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> slots = Slots((mesh.from_numpy(np.array([[2, 0, -1]], np.int32), "g:1;s:3"),), "s", mm.Dimension("e", 2),
+    ...               mm.Dimension("c", 2))
+    >>> x = mesh.from_numpy(np.array([[[1.0], [2.0], [3.0]]]), "g:1;s:3;d:1")
+    >>> dispatch_slots(x, slots).to_numpy()[..., 0].tolist()  # token 0 in slot (1, 0), token 1 in (0, 0)
+    [[[2.0, 0.0]], [[1.0, 0.0]]]
     """
     shape = _check_slots(slots, "dispatch_slots")
     weights = _check_weights(weights, slots, shape, "dispatch_slots")
@@ -286,40 +300,52 @@ def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_s
     out, out_layout, (x, *idx) = _laid_out(Shape([e] + [c if d.name == s else d for d in x.shape]), output_shape,
                                            [e.name, c.name], [x.shape[s]], [x, *slots.tensors, *weights],
                                            "dispatch_slots")
-    mesh = x.mesh
     idx, weights = idx[:len(slots.tensors)], idx[len(slots.tensors):]
-    xperm = _perm(x.shape.names, batch + [s] + feats)
-    sperm = _perm(shape.names, batch + [s])
-    operm = _perm(tuple([e.name] + batch + [c.name] + feats), out.names)
-    ec, k = e.size * c.size, len(idx)
-
-    def lower(ctx, a, *rest):
-        xp = ctx.xp
-        a = xp.transpose(a, xperm)
-        lead, n_tok, tail = a.shape[:len(batch)], a.shape[len(batch)], a.shape[len(batch) + 1:]
-        if n_tok == 0:  # no token here (a tokens dim of 0, or an empty block): every slot empty
-            return xp.transpose(xp.zeros((e.size,) + lead + (c.size,) + tail, a.dtype), operm)
-        nb = math.prod(lead)
-        a = a.reshape(nb, n_tok, math.prod(tail))
-        rows = xp.arange(nb)[:, None]
-        tok = xp.zeros((nb, ec + 1), np.int32)  # the token in each slot; column ec takes the dropped
-        scale = xp.zeros((nb, ec + 1), a.dtype)  # 0 for an empty slot
-        tokens = xp.arange(n_tok, dtype=np.int32)
-        for j in range(k):
-            sl = xp.transpose(rest[j], sperm).reshape(nb, n_tok)
-            at = (rows, xp.where(sl >= 0, sl, ec))
-            tok = _set(xp, tok, at, tokens)
-            w = xp.transpose(rest[k + j], sperm).reshape(nb, n_tok) if weights else None
-            scale = _set(xp, scale, at, _scaled(xp, sl, w, a.dtype))
-        tok = xp.transpose(tok[:, :ec].reshape(nb, e.size, c.size), (1, 0, 2))
-        scale = xp.transpose(scale[:, :ec].reshape(nb, e.size, c.size), (1, 0, 2))
-        y = a[xp.arange(nb)[None, :, None], tok] * scale[..., None]  # [E, B, C, F]
-        return xp.transpose(y.reshape((e.size,) + lead + (c.size,) + tail), operm)
-    local = math.prod(mesh.block_shape(out, out_layout))
-    (y,) = dispatch_lower("dispatch_slots", [x] + idx + weights, [(out, out_layout)], lower,
-                    {"tokens": s, "experts": e, "capacity": c, "choices": k},
-                    _RULES["dispatch", bool(weights)] if is_float(x.dtype) else None, flops=local)
+    params = {"tokens": s, "experts": e, "capacity": c, "choices": len(idx), "weighted": bool(weights),
+              "n_batch": len(batch), "xperm": _perm(x.shape.names, batch + [s] + feats),
+              "sperm": _perm(shape.names, batch + [s]), "operm": _perm(tuple([e.name] + batch + [c.name] + feats),
+                                                                       out.names)}
+    (y,) = dispatch(DISPATCH_SLOTS if is_float(x.dtype) else DISPATCH_SLOTS_NO_GRAD, [x] + idx + weights,
+                    [(out, out_layout)], params)
     return y
+
+
+def _dispatch_slots(ctx, a, *rest, tokens, experts, capacity, choices, weighted, n_batch, xperm, sperm, operm,
+                    put=_set):
+    """The kernel: each slot's token (and its weight), then the rows gathered into the buffers.
+    `put`: how an index is written (`_set`, or `_set_in_place` for numpy and CuPy)."""
+    xp, ne, nc, k = ctx.xp, experts.size, capacity.size, choices
+    ec = ne * nc
+    a = xp.transpose(a, xperm)
+    lead, n_tok, tail = a.shape[:n_batch], a.shape[n_batch], a.shape[n_batch + 1:]
+    if n_tok == 0:  # no token here (a tokens dim of 0, or an empty block): every slot empty
+        return xp.transpose(xp.zeros((ne,) + lead + (nc,) + tail, a.dtype), operm)
+    nb = math.prod(lead)
+    a = a.reshape(nb, n_tok, math.prod(tail))
+    rows = xp.arange(nb)[:, None]
+    tok = xp.zeros((nb, ec + 1), np.int32)  # the token in each slot; column ec takes the dropped
+    scale = xp.zeros((nb, ec + 1), a.dtype)  # 0 for an empty slot
+    positions = xp.arange(n_tok, dtype=np.int32)
+    for j in range(k):
+        sl = xp.transpose(rest[j], sperm).reshape(nb, n_tok)
+        at = (rows, xp.where(sl >= 0, sl, ec))
+        tok = put(tok, at, positions)
+        w = xp.transpose(rest[k + j], sperm).reshape(nb, n_tok) if weighted else None
+        scale = put(scale, at, _scaled(xp, sl, w, a.dtype))
+    tok = xp.transpose(tok[:, :ec].reshape(nb, ne, nc), (1, 0, 2))
+    scale = xp.transpose(scale[:, :ec].reshape(nb, ne, nc), (1, 0, 2))
+    y = a[xp.arange(nb)[None, :, None], tok] * scale[..., None]  # [E, B, C, F]
+    return xp.transpose(y.reshape((ne,) + lead + (nc,) + tail), operm)
+
+
+def _dispatch_in_place(ctx, *blocks, **params):
+    return _dispatch_slots(ctx, *blocks, put=_set_in_place, **params)
+
+
+_IN_PLACE = {"numpy": _dispatch_in_place, "cupy": _dispatch_in_place}
+DISPATCH_SLOTS = OpDef("dispatch_slots", _dispatch_slots, kernels=_IN_PLACE, grad=_dispatch_grad, saves=_reads,
+                       flops=per_element(1))  # a multiply by the slot's weight per output element
+DISPATCH_SLOTS_NO_GRAD = OpDef("dispatch_slots", _dispatch_slots, kernels=_IN_PLACE, flops=per_element(1))
 
 
 def combine_slots(expert_out, slots: Slots, weights: Optional[Sequence] = None, output_shape=None):
@@ -342,32 +368,41 @@ def combine_slots(expert_out, slots: Slots, weights: Optional[Sequence] = None, 
     out, out_layout, (eo, *idx) = _laid_out(Shape([tok if d.name == c.name else d for d in expert_out.shape
                                                    if d.name != e.name]), output_shape, [s], [e, c],
                                             [expert_out, *slots.tensors, *weights], "combine_slots")
-    mesh = eo.mesh
     idx, weights = idx[:len(slots.tensors)], idx[len(slots.tensors):]
-    eperm = _perm(eo.shape.names, [e.name] + batch + [c.name] + feats)
-    sperm = _perm(shape.names, batch + [s])
-    operm = _perm(tuple(batch + [s] + feats), out.names)
-    k, nc = len(idx), c.size
-
-    def lower(ctx, a, *rest):
-        xp = ctx.xp
-        a = xp.transpose(a, eperm)
-        lead, tail = a.shape[1:1 + len(batch)], a.shape[2 + len(batch):]
-        if e.size * nc == 0:  # buffers without a slot: every choice was dropped
-            return xp.transpose(xp.zeros(lead + (tok.size,) + tail, a.dtype), operm)
-        nb = math.prod(lead)
-        a = a.reshape(e.size, nb, nc, math.prod(tail))
-        rows = xp.arange(nb)[:, None]
-        y = None
-        for j in range(k):
-            sl = xp.transpose(rest[j], sperm).reshape(nb, tok.size)
-            i = xp.where(sl >= 0, sl, 0)
-            w = xp.transpose(rest[k + j], sperm).reshape(nb, tok.size) if weights else None
-            term = a[i // nc, rows, i % nc] * _scaled(xp, sl, w, a.dtype)[..., None]  # [B, S, F]
-            y = term if y is None else y + term
-        return xp.transpose(y.reshape(lead + (tok.size,) + tail), operm)
-    local = math.prod(mesh.block_shape(out, out_layout))
-    (y,) = dispatch_lower("combine_slots", [eo] + idx + weights, [(out, out_layout)], lower,
-                    {"tokens": s, "experts": e, "capacity": c, "choices": k},
-                    _RULES["combine", bool(weights)] if is_float(eo.dtype) else None, flops=2 * k * local)
+    params = {"tokens": s, "experts": e, "capacity": c, "choices": len(idx), "weighted": bool(weights),
+              "n_batch": len(batch), "n_tokens": tok.size,
+              "eperm": _perm(eo.shape.names, [e.name] + batch + [c.name] + feats),
+              "sperm": _perm(shape.names, batch + [s]), "operm": _perm(tuple(batch + [s] + feats), out.names)}
+    (y,) = dispatch(COMBINE_SLOTS if is_float(eo.dtype) else COMBINE_SLOTS_NO_GRAD, [eo] + idx + weights,
+                    [(out, out_layout)], params)
     return y
+
+
+def _combine_slots(ctx, a, *rest, tokens, experts, capacity, choices, weighted, n_batch, n_tokens, eperm, sperm,
+                   operm):
+    """The kernel: for each token and choice, the row of its slot, weighted, summed over the choices."""
+    xp, ne, nc, k = ctx.xp, experts.size, capacity.size, choices
+    a = xp.transpose(a, eperm)
+    lead, tail = a.shape[1:1 + n_batch], a.shape[2 + n_batch:]
+    if ne * nc == 0:  # buffers without a slot: every choice was dropped
+        return xp.transpose(xp.zeros(lead + (n_tokens,) + tail, a.dtype), operm)
+    nb = math.prod(lead)
+    a = a.reshape(ne, nb, nc, math.prod(tail))
+    rows = xp.arange(nb)[:, None]
+    y = None
+    for j in range(k):
+        sl = xp.transpose(rest[j], sperm).reshape(nb, n_tokens)
+        i = xp.where(sl >= 0, sl, 0)
+        w = xp.transpose(rest[k + j], sperm).reshape(nb, n_tokens) if weighted else None
+        term = a[i // nc, rows, i % nc] * _scaled(xp, sl, w, a.dtype)[..., None]  # [B, S, F]
+        y = term if y is None else y + term
+    return xp.transpose(y.reshape(lead + (n_tokens,) + tail), operm)
+
+
+def _combine_flops(params, ins, outs) -> int:
+    """A multiply and an add per output element and choice."""
+    return 2 * params["choices"] * math.prod(outs[0].shape)
+
+
+COMBINE_SLOTS = OpDef("combine_slots", _combine_slots, grad=_combine_grad, saves=_reads, flops=_combine_flops)
+COMBINE_SLOTS_NO_GRAD = OpDef("combine_slots", _combine_slots, flops=_combine_flops)

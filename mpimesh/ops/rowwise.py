@@ -1,57 +1,75 @@
-"""Row and column sums, as the fused kernels (softmax, layer norm, cross-entropy) and the bias
-gradients take them, and the CuPy kernels of softmax and layer norm.
+"""Row and column sums as the fused kernels (softmax, layer norm, cross-entropy) and the bias gradients
+take them, and the CuPy kernels of softmax and layer norm.
 
-numpy's `sum(a, axis=-1)` over short rows (64 to 256 elements, a head's or a model's width) pays
-a per-row cost: about 4x what `einsum("...i->...")` takes for the same sums (56 against 14 us for
-the tiny Transformer's attention probabilities). On numpy, a reduction over the last axis alone
-goes through `einsum` (float rounding of a different order, the same for eager and compiled
-steps); every other case, and CuPy and JAX, take `xp.sum`.
-
-On CuPy, softmax and its gradient are two kernels each (`ROW_SOURCES`, `row_kernel`): a reduction
-whose map is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then
-one elementwise kernel for the output, where the unfused composition makes a pass for each of
-subtract, exp, sum, divide (and multiply, sum, subtract, multiply backwards) over the logits.
-Layer norm likewise: the mean, the centred squares' sum and one output kernel forwards; the
-normalised x, the two sums and dx backwards. Column sums over leading axes (`column_sums`) take a
-kernel of their own.
-
-Where a softmax's (or a layer norm's) row is the last axis of a contiguous block, whole on this
-rank (no sum across ranks), one kernel does all of it each way (`ROWS_SOURCE`: `softmax_rows`,
-`layer_norm_rows` and their gradients): one warp per row reads the row for its max (mean), again
-(from cache) for the sum (of squares), and writes the output, softmax's causal mask added as it
-reads; bfloat16 is read and written as it is and computed in float32. The kernels above made a pass
-for each step (and, in bfloat16, a cast each way). The same source compiles for the CPU with a warp
-of one thread (`PRELUDE_TYPES` holds everything but the warp's shuffles), which is how the CPU
-suite checks it.
+An op's kernels share one body, told what its backend allows (`Backend`: `GENERIC`, functional, for
+JAX; `NUMPY`, in place, row sums by einsum; `CUPY`, in place, the `ROW_SOURCES` kernels); its CuPy
+kernel first tries the one-kernel rows (`ROWS_SOURCE`), where a row is the last axis of a contiguous
+block, whole on this rank. The CUDA sources also compile for the CPU (a warp of one thread,
+`PRELUDE_TYPES`), which is how the CPU suite checks them (tests/test_cuda_sources.py).
 
 >>> import numpy as np
 >>> a = np.arange(6.0).reshape(2, 3)
->>> row_sum(np, a, (1,)).tolist(), row_dot(np, a, a, (1,)).tolist()
+>>> row_sum(np, a, (1,)).tolist(), row_dot(np, a, a, (1,), einsum=True).tolist()
 ([[3.0], [12.0]], [[5.0], [50.0]])
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 
-
-def _last_axis_on_numpy(xp, a, axes: tuple) -> bool:
-    return xp is np and tuple(axes) == (a.ndim - 1,) and a.dtype.kind == "f"
+from ..backend import name
 
 
-def row_sum(xp, a, axes: tuple):
-    """`xp.sum(a, axis=axes, keepdims=True)`."""
-    if _last_axis_on_numpy(xp, a, axes):
+class Backend(NamedTuple):
+    """What a kernel body may do on one backend (the OpDef's kernels pick it)."""
+
+    in_place: bool
+    """numpy, CuPy: steps write into the kernel's own arrays (the same values, fewer arrays)."""
+    einsum: bool
+    """numpy: a float row sum over the last axis alone by `einsum` (see `row_sum`)."""
+    fused: bool
+    """CuPy: the reductions and outputs of `ROW_SOURCES`."""
+
+
+GENERIC, NUMPY, CUPY = Backend(False, False, False), Backend(True, True, False), Backend(True, False, True)
+
+
+def variant(body: Callable, **flags) -> Callable:
+    """A kernel `(ctx, *arrays, **params)` that runs `body` with `flags` (e.g. `be=NUMPY`) added."""
+    def kernel(ctx, *arrays, **params):
+        return body(ctx, *arrays, **flags, **params)
+    return kernel
+
+
+# numpy's `sum(a, axis=-1)` over short rows (64 to 256 elements, a head's or a model's width) pays a
+# per-row cost: about 4x what `einsum("...i->...")` takes for the same sums (56 against 14 us for the
+# tiny Transformer's attention probabilities). So numpy's kernels (`einsum=True`) sum over the last
+# axis alone by einsum (float rounding of another order, the same for eager and compiled steps);
+# every other case, and CuPy and JAX, take `xp.sum`.
+def _by_einsum(a, axes: tuple) -> bool:
+    return tuple(axes) == (a.ndim - 1,) and a.dtype.kind == "f"
+
+
+def row_sum(xp, a, axes: tuple, einsum: bool = False):
+    """`xp.sum(a, axis=axes, keepdims=True)` (`einsum`: numpy's kernels)."""
+    if einsum and _by_einsum(a, axes):
         return np.einsum("...i->...", a)[..., None]
     return xp.sum(a, axis=axes, keepdims=True)
 
 
-def row_dot(xp, a, b, axes: tuple):
-    """`xp.sum(a * b, axis=axes, keepdims=True)`, on numpy without the product's array."""
-    if _last_axis_on_numpy(xp, a, axes) and a.shape == b.shape and a.dtype == b.dtype:
+def row_dot(xp, a, b, axes: tuple, einsum: bool = False):
+    """`xp.sum(a * b, axis=axes, keepdims=True)`; `einsum` (numpy's kernels): without the product's array."""
+    if einsum and _by_einsum(a, axes) and a.shape == b.shape and a.dtype == b.dtype:
         return np.einsum("...i,...i->...", a, b)[..., None]
     return xp.sum(a * b, axis=axes, keepdims=True)
 
 
+# On CuPy, softmax and its gradient are two kernels each (`ROW_SOURCES`, `row_kernel`): a reduction whose
+# map is the elementwise term (`sum(exp(x - m))`, `sum(dy * y)`: no array of the terms), then one
+# elementwise kernel for the output, where the unfused composition makes a pass for each of subtract,
+# exp, sum, divide (and multiply, sum, subtract, multiply backwards). Layer norm likewise: the mean, the
+# centred squares' sum and one output kernel forwards; the normalised x, the two sums and dx backwards.
 # name -> (inputs, output, reduction's map or elementwise body): the arithmetic of the numpy lowering in
 # nn.py in the same order; `m` the row maximum, `s` the row sum, `y` softmax's (log-softmax's) output.
 ROW_SOURCES = {
@@ -92,10 +110,14 @@ COLUMN_CHUNK = 128
 _cuda: dict = {}
 
 
+def fusable(*arrays) -> bool:
+    """Whether the kernels of `ROW_SOURCES` take `arrays` (of one float32 or float64 dtype)."""
+    return arrays[0].dtype.name in ("float32", "float64") and all(a.dtype == arrays[0].dtype for a in arrays)
+
+
 def fused_rows(xp, *arrays) -> bool:
     """Whether the CuPy kernels of `ROW_SOURCES` take `arrays` (CuPy arrays of one float32 or float64 dtype)."""
-    return getattr(xp, "__name__", "") == "cupy" and arrays[0].dtype.name in ("float32", "float64") and all(
-        a.dtype == arrays[0].dtype for a in arrays)
+    return name(xp) == "cupy" and fusable(*arrays)
 
 
 def row_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
@@ -122,7 +144,12 @@ def column_sums(xp, arrays: list, rows: int, cols: int):
     return partial.reshape(chunks, cols).sum(axis=0) if chunks > 1 else partial
 
 
-# One warp per row (`WARP_ROW`: the row, the lane, rows past the end return; `LANES(j)`: the lane's
+# Where a softmax's (or a layer norm's) row is the last axis of a contiguous block, whole on this rank (no
+# sum across ranks), one kernel does all of it each way (`ROWS_SOURCE`: `softmax_rows`, `layer_norm_rows`
+# and their gradients): one warp per row reads the row for its max (mean), again (from cache) for the sum
+# (of squares), and writes the output, softmax's causal mask added as it reads; bfloat16 is read and
+# written as it is and computed in float32 (the kernels above made a pass for each step, and a cast each
+# way). One warp per row (`WARP_ROW`: the row, the lane, rows past the end return; `LANES(j)`: the lane's
 # elements of the row): `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `_GPU_PRELUDE` (a
 # CPU build gives a warp of one thread); `T` the stored dtype, `A` the arithmetic's, `load`/`store`
 # convert (`PRELUDE_TYPES`). The row's max skips NaN (a NaN makes the sum, so the whole row, NaN),
@@ -250,10 +277,10 @@ ROWS_PER_BLOCK = 8  # warps (rows) per block of 256 threads
 
 
 def rows_fit(xp, a, axes: tuple) -> bool:
-    """Whether `softmax_rows` takes `a` (a CuPy array of float32, float64 or bfloat16, C-contiguous,
+    """Whether `softmax_rows` takes `a` (a CuPy kernel's block: float32, float64 or bfloat16, C-contiguous,
     reduced over its last axis alone, not empty) and its kernels compiled."""
-    return (getattr(xp, "__name__", "") == "cupy" and a.dtype.name in PRELUDE_TYPES and a.ndim >= 1
-            and tuple(axes) == (a.ndim - 1,) and a.size > 0 and a.flags.c_contiguous and _rows_kernels(xp, a.dtype))
+    return (a.dtype.name in PRELUDE_TYPES and a.ndim >= 1 and tuple(axes) == (a.ndim - 1,) and a.size > 0
+            and a.flags.c_contiguous and _rows_kernels(xp, a.dtype))
 
 
 def _rows_kernels(xp, dtype):

@@ -1,43 +1,17 @@
-"""Shift and halo exchange along a dim that may be split over a mesh dim.
-
-Both are built on one primitive, a *window*: the rank at coordinate c gathers a range of global
-indices of the dim, `windows[c] = (start, length)` (its own block, moved or widened). The dim is cut
-into k blocks like `numpy.array_split` (`layout.block`; unequal, possibly empty). Each window is cut
-into pieces by the blocks that own them; the own piece is a local slice, every other piece one
-point-to-point permute of a boundary strip (a piece several blocks away, e.g. a halo wider than
-the short or empty blocks next to it, a permute by several coordinates), and indices outside the
-dim are zeros (or wrap around). Its transpose sends each piece back to its owner, which adds it
-in: that is the gradient of every windowed op (shift, halo exchange, convolution).
-
-A permute moves the same shape on every rank, so a strip shorter than the widest one at its
-offset travels zero-padded to that width. With equal blocks and windows alike relative to each
-block, every strip at an offset has the same width (no padding) and the route needs no coordinate
-(so a JAX replay can trace it); with unequal blocks strips differ by a few elements at most, e.g.
-blocks (3, 2, 2) shifted by 4 pad one strip by one element per row.
-
-A JAX replay of unequal blocks (`mm.tpu.replay`) cannot route by coordinate: the coordinate is
-traced and every device's array has one static shape, its block zero-padded to the largest. There
-each device allgathers the dim whole and takes its window with a gather indexed by its coordinate
-(a table of every coordinate's window, padded to the longest); the transpose scatters the window
-into the whole dim and reduce-scatters it, each device keeping its padded block. That moves the
-whole dim where MPI moves boundary strips, but gives MPI's values; MPI and equal blocks keep the
-minimal exchange.
+"""Shift and halo exchange along a dim that may be split over a mesh dim, both built on a *window*:
+the rank at coordinate c gathers the global range `windows[c] = (start, length)` of the dim (its own
+block moved or widened; blocks as `numpy.array_split`'s, unequal, possibly empty). The own piece is a
+local slice, every other piece one point-to-point permute of a boundary strip (`window_routes`), and
+indices outside the dim are zeros (or wrap around). The transpose sends each piece back to its
+owner, which adds it in: the gradient of every windowed op (shift, halo exchange, convolution).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.arange(5.0), "a:5")
->>> mm.shift(x, 2, "a", wrap=False).to_numpy().tolist()
-[0.0, 0.0, 0.0, 1.0, 2.0]
->>> mm.shift(x, -1, "a", wrap=True).to_numpy().tolist()
-[1.0, 2.0, 3.0, 4.0, 0.0]
+>>> [mm.shift(x, 2, "a", wrap=False).to_numpy().tolist(), mm.shift(x, -1, "a", wrap=True).to_numpy().tolist()]
+[[0.0, 0.0, 0.0, 1.0, 2.0], [1.0, 2.0, 3.0, 4.0, 0.0]]
 >>> mm.halo_exchange(x, "a", 1).to_numpy().tolist()
 [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 0.0]
->>> # a halo of 1 over blocks (3, 2, 2) of 7: who sends what to whom
->>> for r in window_routes(7, 3, ((-1, 5), (2, 4), (4, 4)), False):
-...     print(r.p, r.width, r.recv)
--1 1 (None, (2, 3, 0), (1, 2, 0))
-0 3 ((0, 3, 1), (0, 2, 1), (0, 2, 1))
-1 1 ((0, 1, 4), (0, 1, 3), None)
 """
 from __future__ import annotations
 
@@ -49,8 +23,9 @@ import numpy as np
 
 from ..errors import MpimeshError, ShapeError
 from ..layout import block, block_sizes, splitting
+from ..opdef import Aval, OpDef
 from ..shape import Dimension, Shape
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 from .relayout import to_layout
 
 
@@ -73,7 +48,22 @@ def uniform(size: int, k: int, windows: tuple) -> bool:
 @lru_cache(maxsize=4096)
 def window_routes(size: int, k: int, windows: tuple, wrap: bool) -> tuple:
     """The `Route`s, by increasing p, that bring coordinate c the global range `windows[c]` of a
-    dim of `size` cut into k blocks. Pieces beyond the dim's ends (without `wrap`) have no route."""
+    dim of `size` cut into k blocks. Pieces beyond the dim's ends (without `wrap`) have no route; a
+    piece several blocks away (a halo wider than the short or empty blocks next to it) is a permute
+    by several coordinates.
+
+    A permute moves the same shape on every rank, so a strip shorter than the widest one at its
+    offset travels zero-padded to that width. With equal blocks and windows alike relative to each
+    block, every strip at an offset has the same width (no padding) and the route needs no
+    coordinate (so a JAX replay can trace it); with unequal blocks strips differ by a few elements at
+    most, e.g. blocks (3, 2, 2) shifted by 4 pad one strip by one element per row.
+
+    >>> for r in window_routes(7, 3, ((-1, 5), (2, 4), (4, 4)), False):  # a halo of 1 over blocks (3, 2, 2)
+    ...     print(r.p, r.width, r.recv)
+    -1 1 (None, (2, 3, 0), (1, 2, 0))
+    0 3 ((0, 3, 1), (0, 2, 1), (0, 2, 1))
+    1 1 ((0, 1, 4), (0, 1, 3), None)
+    """
     bounds = [block(size, k, j) for j in range(k)]
     by_p: dict = {}
     for c, (start, length) in enumerate(windows):
@@ -178,7 +168,11 @@ def window_sources(size: int, windows: tuple, wrap: bool) -> np.ndarray:
 def _gather_whole(ctx, a, axis: int, mesh_dim: str, size: int, windows: tuple, wrap: bool):
     """`gather_window` with a traced coordinate (a JAX replay of unequal blocks; `a` is the block
     padded to the largest): the whole dim allgathered, then this coordinate's window of
-    `window_index`, zero-padded to the longest window."""
+    `window_index`, zero-padded to the longest window.
+
+    A JAX replay (`mm.tpu.replay`) cannot route by coordinate there: the coordinate is traced and
+    every device's array has one static shape. This moves the whole dim where MPI moves boundary
+    strips, but gives MPI's values; MPI and equal blocks keep the minimal exchange."""
     xp = ctx.xp
     whole = ctx.allgather(a, mesh_dim, axis, size)
     whole = xp.concatenate([whole, _zeros(xp, whole, axis, 1)], axis)
@@ -267,6 +261,20 @@ def scatter_window(ctx, g, axis: int, mesh_dim: Optional[str], size: int, window
     return out[0] if len(out) == 1 else xp.concatenate(out, axis)
 
 
+def count_window(ctx, a, axis: int, mesh_dim: Optional[str], size: int, windows: tuple, wrap: bool = False,
+                 back: bool = False) -> Aval:
+    """The dry run of `gather_window` (`scatter_window` with `back`) of the block `a` (an `Aval`):
+    its permutes, one per route from another rank, each of the route's width, counted on `ctx` (a
+    `DryCollectives`, coordinate 0); the window's (the block's) `Aval`."""
+    k = len(windows)
+    for r in window_routes(size, k, windows, wrap):
+        if not _local(r, k, mesh_dim, wrap):
+            ctx.permute(Aval(a.shape[:axis] + (r.width,) + a.shape[axis + 1:], a.dtype), mesh_dim,
+                        r.p if back else -r.p, wrap)
+    n = (block(size, k, 0)[1] - block(size, k, 0)[0]) if back else windows[0][1]
+    return Aval(a.shape[:axis] + (n,) + a.shape[axis + 1:], a.dtype)
+
+
 def blocks_of(size: int, k: int) -> tuple:
     """The k blocks `(start, stop)` of a dim of `size`."""
     return tuple(block(size, k, c) for c in range(k))
@@ -319,12 +327,26 @@ def shift(x, offset: int, dim: Union[str, Dimension], wrap: bool):
     x = to_layout(x, x.mesh.plan(x.shape))
     m, k = _split(x.mesh, x.tensor_layout, axis)
     windows = tuple((b0 - offset, b1 - b0) for b0, b1 in blocks_of(size, k))
-
-    def lower(ctx, a):
-        return gather_window(ctx, a, axis, m, size, windows, wrap)
-    (y,) = dispatch_lower("shift", [x], [(x.shape, x.tensor_layout)], lower,
-                    {"offset": offset, "dim": name, "wrap": wrap}, _shift_grad)
+    params = {"offset": offset, "dim": name, "wrap": wrap, "axis": axis, "mesh_dim": m, "size": size,
+              "windows": windows}
+    (y,) = dispatch(SHIFT, [x], [(x.shape, x.tensor_layout)], params)
     return y
+
+
+def _gather_kernel(ctx, a, axis, mesh_dim, size, windows, wrap, **_):
+    return gather_window(ctx, a, axis, mesh_dim, size, windows, wrap)
+
+
+def _scatter_kernel(ctx, g, axis, mesh_dim, size, windows, wrap, **_):
+    return scatter_window(ctx, g, axis, mesh_dim, size, windows, wrap)
+
+
+def _counted(back: bool):
+    """The `abstract` rule of a windowed op: its permutes counted, its input's dtype."""
+    def abstract(ctx, shapes, a, axis, mesh_dim, size, windows, wrap, **_) -> tuple:
+        count_window(ctx, a, axis, mesh_dim, size, windows, wrap, back)
+        return (a.dtype,)
+    return abstract
 
 
 def _shift_grad(op, dy):
@@ -332,7 +354,9 @@ def _shift_grad(op, dy):
     return [shift(dy, -p["offset"], p["dim"], p["wrap"])]
 
 
-saving(_shift_grad)
+SHIFT = OpDef("shift", _gather_kernel, grad=_shift_grad, saves=((), ()), abstract=_counted(False))
+"""A shift moves data only: no flops (so do the halo exchanges; the transpose's halo sums are boundary strips)."""
+
 
 def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
     """Each slice of x along `dim` widened by `halo` elements from its neighbours on both sides.
@@ -375,20 +399,19 @@ def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
 def _halo_apply(x, p: dict):
     """halo_exchange with a fixed plan `p` (also the gradient of its transpose)."""
     x = to_layout(x, p["in_layout"])
-
-    def lower(ctx, a):
-        return gather_window(ctx, a, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
-    (y,) = dispatch_lower("halo_exchange", [x], [(p["out_shape"], p["out_layout"])], lower, p,
-                    lambda op, dy: [_halo_transpose(dy, op.params)])
+    (y,) = dispatch(HALO_EXCHANGE, [x], [(p["out_shape"], p["out_layout"])], p)
     return y
 
 
 def _halo_transpose(dy, p: dict):
     """The transpose of halo_exchange: halos sent back to their owners and added in."""
     dy = to_layout(dy, p["out_layout"])
-
-    def lower(ctx, g):
-        return scatter_window(ctx, g, p["axis"], p["mesh_dim"], p["size"], p["windows"], p["wrap"])
-    (dx,) = dispatch_lower("halo_exchange_transpose", [dy], [(p["in_shape"], p["in_layout"])], lower, p,
-                     lambda op, g: [_halo_apply(g, op.params)])
+    (dx,) = dispatch(HALO_EXCHANGE_TRANSPOSE, [dy], [(p["in_shape"], p["in_layout"])], p)
     return dx
+
+
+HALO_EXCHANGE = OpDef("halo_exchange", _gather_kernel, grad=lambda op, dy: [_halo_transpose(dy, op.params)],
+                      saves=((), ()), abstract=_counted(False))
+HALO_EXCHANGE_TRANSPOSE = OpDef("halo_exchange_transpose", _scatter_kernel,
+                                grad=lambda op, g: [_halo_apply(g, op.params)], saves=((), ()),
+                                abstract=_counted(True))

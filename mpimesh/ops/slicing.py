@@ -3,30 +3,15 @@
 All four are *windows*: output element g of the dim is input element g + shift when that lies in
 [0, n), else zero (slice: shift = begin; pad: shift = -before; split and concat: one window per
 piece). The output keeps the dim's name with its new size and is laid out by the rules in force.
-
-Communication, when the dim is split over mesh dim m (k ranks) in the input and in the output
-(blocks cut like `numpy.array_split`, so possibly unequal or empty): output block j needs the few
-input blocks that overlap it. For each block offset o that occurs, every coordinate i sends one
-fixed-width window (as wide as the smaller of the largest input and the largest output block) of
-its block, zero-padded to the largest block, to coordinate i - o: one `permute` along m per offset,
-and the receiver picks its elements by index arithmetic. Nothing else moves, and no rank ever holds
-the whole dim. Only when that would send more than an allgather brings the rank with the largest
-block, or the input dim is split over another mesh dim (or the output dim is not split), the dim is
-allgathered along its own mesh dim only, cut locally, and the output blocks are taken locally (free).
+Along a split dim only the parts of blocks a window needs move (`_window`: a `permute` per block offset).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> x = mesh.from_numpy(np.arange(6.0), "i:6")
->>> mm.slice(x, 1, 3, "i").to_numpy().tolist(), mm.pad(x, [1, 2], "i").shape
-([1.0, 2.0, 3.0], Shape('[i:9]'))
+>>> mm.slice(x, 1, 3, "i").to_numpy().tolist(), mm.pad(x, [1, 2], "i").shape, mm.concat([x, x], "i").shape
+([1.0, 2.0, 3.0], Shape('[i:9]'), Shape('[i:12]'))
 >>> [t.to_numpy().tolist() for t in mm.split(x, "i", [2, 4])]
 [[0.0, 1.0], [2.0, 3.0, 4.0, 5.0]]
->>> mm.concat([x, x], "i").shape
-Shape('[i:12]')
->>> window_offsets(16, 8, 3, 4)  # slice(begin=3, size=8) of a dim of 16 split 4 ways
-(-1, 0, 1)
->>> window_offsets(7, 5, 1, 3)  # slice(1, 5) of 7 over 3: blocks [0,3) [3,5) [5,7) -> [1,3) [3,5) [5,6)
-(0,)
 """
 from __future__ import annotations
 
@@ -35,13 +20,16 @@ import numbers
 from functools import lru_cache
 from typing import Optional, Sequence, Union
 
+import numpy as np
+
 from ..backend import index_constant
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, block, block_sizes, splitting
+from ..opdef import Aval, OpDef
 from ..promotion import cast_operands, operand_casts
 from ..shape import Dimension, Shape
 from ..tensor import tensor_arg
-from ..trace import dispatch_lower, saving
+from ..trace import dispatch
 from .relayout import to_layout
 
 _slice = builtins.slice  # this module defines its own `slice`
@@ -49,8 +37,13 @@ _slice = builtins.slice  # this module defines its own `slice`
 Piece = tuple  # (n, s, shift): input size, output size, output g <- input g + shift
 
 
-def _dim_name(x, dim: Union[str, Dimension], what: str) -> str:
-    """The name of `dim` in x's shape; ShapeError if absent or of another size."""
+def dim_name_of(x, dim: Union[str, Dimension], what: str) -> str:
+    """The name of `dim` in x's shape; ShapeError if absent or of another size (`what`: the op).
+
+    >>> import mpimesh as mm
+    >>> dim_name_of(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2;b:3"), "b", "slice")
+    'b'
+    """
     name = dim.name if isinstance(dim, Dimension) else dim
     if not isinstance(name, str) or name not in tensor_arg(what, x).shape:
         raise ShapeError(f"{what}: dim {name!r} is not in shape {x.shape}")
@@ -77,7 +70,11 @@ def _int(v, what: str) -> int:
 
 @lru_cache(maxsize=4096)
 def window_offsets(n: int, s: int, shift: int, k: int) -> tuple:
-    """Block offsets q - j such that output block j of a window needs input block q (k blocks)."""
+    """Block offsets q - j such that output block j of a window needs input block q (k blocks).
+
+    >>> window_offsets(16, 8, 3, 4)  # slice(begin=3, size=8) of a dim of 16 split 4 ways
+    (-1, 0, 1)
+    """
     ins = [block(n, k, q) for q in range(k)]
     offs: set[int] = set()
     for j in range(k):
@@ -121,7 +118,18 @@ def _starts(size: int, k: int) -> tuple:
 
 
 def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets: Optional[tuple]):
-    """This rank's output block of one window (see the module docstring)."""
+    """This rank's output block of one window.
+
+    Communication, when the dim is split over mesh dim m (k ranks) in the input and in the output
+    (blocks cut like `numpy.array_split`, so possibly unequal or empty): output block j needs the few
+    input blocks that overlap it. For each block offset o that occurs, every coordinate i sends one
+    fixed-width window (as wide as the smaller of the largest input and the largest output block) of
+    its block, zero-padded to the largest block, to coordinate i - o: one `permute` along m per offset,
+    and the receiver picks its elements by index arithmetic. Nothing else moves, and no rank ever holds
+    the whole dim. Only when that would send more than an allgather brings the rank with the largest
+    block, or the input dim is split over another mesh dim (or the output dim is not split), the dim is
+    allgathered along its own mesh dim only, cut locally, and the output blocks are taken locally (free).
+    """
     xp = ctx.xp
     n, s, shift = piece
     lead, tail = (_slice(None),) * axis, (_slice(None),) * (a.ndim - axis - 1)
@@ -175,15 +183,53 @@ def _window(ctx, a, axis: int, piece: Piece, md: Optional[str], k: int, offsets:
     return out
 
 
-def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list, params: dict, grad,
-                 combine: bool, casts: Optional[tuple] = None):
+def _windows(ctx, *arrays, axis: int, pieces: tuple, split_over: Optional[str], routes: tuple, combine: bool,
+             casts: Optional[tuple] = None, **record):
+    """The kernel of the four ops: one output per piece of the one input (`combine` False), or the
+    inputs' pieces summed into one output (`combine`: concat, the inputs first cast as `casts` says).
+    `split_over`: the output dim's mesh dim (None: not split); `record`: the op's own params (its
+    gradient reads them)."""
+    k = ctx.size((split_over,)) if split_over else 1
+    if combine:
+        arrays = cast_operands(arrays, casts)
+        if all(r is None for r in routes):  # every input whole along the dim
+            whole = ctx.xp.concatenate(arrays, axis=axis)
+            return ctx.block(whole, split_over, axis) if split_over else whole
+        parts = [_window(ctx, a, axis, p, split_over, k, r) for a, p, r in zip(arrays, pieces, routes)]
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
+        return out
+    outs = tuple(_window(ctx, arrays[0], axis, p, split_over, k, r) for p, r in zip(pieces, routes))
+    return outs if len(outs) > 1 else outs[0]
+
+
+def _windows_abstract(ctx, shapes, *ins, axis: int, pieces: tuple, split_over: Optional[str], routes: tuple,
+                      combine: bool, casts: Optional[tuple] = None, **record) -> tuple:
+    """The dry run of `_windows`: each permute `_window` makes (a window of `_width`, from every block
+    padded to the largest); slicing out a block moves nothing."""
+    ins = [a if c is None else Aval(a.shape, c) for a, c in zip(ins, casts or (None,) * len(ins))]
+    for j, (piece, route) in enumerate(zip(pieces, routes)):
+        a = ins[j if combine else 0]
+        n, s, _ = piece
+        for o in route or ():
+            if o:
+                width = _width(n, s, ctx.size((split_over,)))
+                ctx.permute(Aval(a.shape[:axis] + (width,) + a.shape[axis + 1:], a.dtype), split_over, -o, wrap=False)
+    return (np.result_type(*(a.dtype for a in ins)),) * len(shapes)
+
+
+def _window_op(name: str, grad) -> OpDef:
+    return OpDef(name, _windows, grad=grad, saves=((), ()), abstract=_windows_abstract)
+
+
+def _run_windows(op: OpDef, xs: list, axis: int, pieces: list, out_shapes: list, params: dict, combine: bool,
+                 casts: Optional[tuple] = None):
     """Dispatch windows: one input and one output per piece (`combine=False`), or one input per
     piece summed into a single output (`combine=True`, the inputs first cast as `casts` says:
     `mpimesh.promotion.operand_casts`)."""
     mesh = xs[0].mesh
     out_layouts = [mesh.plan(s) for s in out_shapes]
-    md = out_layouts[0][axis]
-    k = mesh.shape[md].size if md else 1
     ins, route_list = [], []
     if combine:
         for x, p in zip(xs, pieces):
@@ -195,22 +241,9 @@ def _run_windows(name: str, xs: list, axis: int, pieces: list, out_shapes: list,
         in_layout, routes = window_plan(xs[0].shape, axis, xs[0].tensor_layout, out_layouts[0], mesh.shape,
                                         tuple(pieces))
         ins.append(to_layout(xs[0], in_layout))
-
-    def lower(ctx, *arrays):
-        if combine:
-            arrays = cast_operands(arrays, casts)
-            if all(r is None for r in routes):  # every input whole along the dim
-                whole = ctx.xp.concatenate(arrays, axis=axis)
-                return ctx.block(whole, md, axis) if md else whole
-            parts = [_window(ctx, a, axis, p, md, k, r) for a, p, r in zip(arrays, pieces, routes)]
-            out = parts[0]
-            for part in parts[1:]:
-                out = out + part
-            return out
-        outs = tuple(_window(ctx, arrays[0], axis, p, md, k, r) for p, r in zip(pieces, routes))
-        return outs if len(outs) > 1 else outs[0]
     specs = [(s, lay) for s, lay in zip(out_shapes, out_layouts)]
-    return dispatch_lower(name, ins, specs, lower, {**params, "routes": routes}, grad)
+    return dispatch(op, ins, specs, {**params, "routes": routes, "axis": axis, "pieces": tuple(pieces),
+                                     "split_over": out_layouts[0][axis], "combine": combine, "casts": casts})
 
 
 def slice(x, begin: int, size: int, dim_name: str):  # noqa: A001 - Mesh-TensorFlow's name
@@ -218,14 +251,14 @@ def slice(x, begin: int, size: int, dim_name: str):  # noqa: A001 - Mesh-TensorF
 
     Gradient: `pad` of dy back to the input's size.
     """
-    name = _dim_name(x, dim_name, "slice")
+    name = dim_name_of(x, dim_name, "slice")
     axis, n = x.shape.index(name), x.shape[name].size
     begin, size = _int(begin, "slice begin"), _int(size, "slice size")
     if begin < 0 or size < 0 or begin + size > n:
         raise ShapeError(f"slice [{begin}, {begin + size}) of dim {name!r} (size {n}) is out of range "
                          f"in shape {x.shape}")
-    (y,) = _run_windows("slice", [x], axis, [(n, size, begin)], [_resized(x.shape, axis, size)],
-                        {"begin": begin, "size": size, "dim": name}, _slice_grad, combine=False)
+    (y,) = _run_windows(SLICE, [x], axis, [(n, size, begin)], [_resized(x.shape, axis, size)],
+                        {"begin": begin, "size": size, "dim": name}, combine=False)
     return y
 
 
@@ -235,14 +268,15 @@ def _slice_grad(op, dy):
     return [pad(dy, [p["begin"], n - p["begin"] - p["size"]], p["dim"])]
 
 
-saving(_slice_grad)
+SLICE = _window_op("slice", _slice_grad)
+
 
 def pad(x, paddings: Sequence[int], dim_name: str):
     """x with `paddings = [before, after]` zeros added along dim `dim_name` (same name, new size).
 
     Gradient: `slice` of dy.
     """
-    name = _dim_name(x, dim_name, "pad")
+    name = dim_name_of(x, dim_name, "pad")
     axis, n = x.shape.index(name), x.shape[name].size
     if isinstance(paddings, (str, bytes)) or not hasattr(paddings, "__len__") or len(paddings) != 2:
         raise ShapeError(f"pad of dim {name!r}: paddings must be [before, after], got {paddings!r}")
@@ -250,8 +284,8 @@ def pad(x, paddings: Sequence[int], dim_name: str):
     if before < 0 or after < 0:
         raise ShapeError(f"pad of dim {name!r} (size {n}): paddings {[before, after]} must be >= 0")
     s = n + before + after
-    (y,) = _run_windows("pad", [x], axis, [(n, s, -before)], [_resized(x.shape, axis, s)],
-                        {"paddings": (before, after), "dim": name}, _pad_grad, combine=False)
+    (y,) = _run_windows(PAD, [x], axis, [(n, s, -before)], [_resized(x.shape, axis, s)],
+                        {"paddings": (before, after), "dim": name}, combine=False)
     return y
 
 
@@ -260,7 +294,8 @@ def _pad_grad(op, dy):
     return [slice(dy, p["paddings"][0], op.inputs[0].shape[p["dim"]].size, p["dim"])]
 
 
-saving(_pad_grad)
+PAD = _window_op("pad", _pad_grad)
+
 
 def concat(xs: Sequence, dim_name: str):
     """The tensors `xs` joined along dim `dim_name`; all other dims must agree (ShapeError). The result
@@ -274,7 +309,7 @@ def concat(xs: Sequence, dim_name: str):
     for i, x in enumerate(xs):
         if not hasattr(x, "tensor_layout"):
             raise TypeError(f"concat: input {i} is a {type(x).__name__}, not a DistTensor")
-    names = [_dim_name(x, dim_name, "concat") for x in xs]
+    names = [dim_name_of(x, dim_name, "concat") for x in xs]
     name = names[0]
     axis = xs[0].shape.index(name)
     rest = xs[0].shape.without([name])
@@ -289,8 +324,8 @@ def concat(xs: Sequence, dim_name: str):
     total, offsets = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
     pieces = [(n, total, -off) for n, off in zip(sizes, offsets)]
     dtypes = tuple(x.dtype for x in xs)
-    (y,) = _run_windows("concat", xs, axis, pieces, [_resized(xs[0].shape, axis, total)],
-                        {"sizes": tuple(sizes), "dim": name}, _concat_grad, combine=True,
+    (y,) = _run_windows(CONCAT, xs, axis, pieces, [_resized(xs[0].shape, axis, total)],
+                        {"sizes": tuple(sizes), "dim": name}, combine=True,
                         casts=operand_casts(dtypes) if len(set(dtypes)) > 1 else None)
     return y
 
@@ -299,14 +334,15 @@ def _concat_grad(op, dy):
     return split(dy, op.params["dim"], list(op.params["sizes"]))
 
 
-saving(_concat_grad)
+CONCAT = _window_op("concat", _concat_grad)
+
 
 def split(x, dim: Union[str, Dimension], num_or_sizes: Union[int, Sequence[int]]) -> list:
     """x cut along `dim` into `num_or_sizes` equal pieces, or pieces of the listed sizes.
 
     Gradient: `concat` of the pieces' dys.
     """
-    name = _dim_name(x, dim, "split")
+    name = dim_name_of(x, dim, "split")
     axis, n = x.shape.index(name), x.shape[name].size
     if isinstance(num_or_sizes, (str, bytes)) or not hasattr(num_or_sizes, "__iter__"):
         num = _int(num_or_sizes, f"split of dim {name!r}: the number of pieces")
@@ -318,13 +354,14 @@ def split(x, dim: Union[str, Dimension], num_or_sizes: Union[int, Sequence[int]]
         if not sizes or min(sizes) < 0 or sum(sizes) != n:
             raise ShapeError(f"split: sizes {sizes} of dim {name!r} must be >= 0 and sum to its size {n}")
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return _run_windows("split", [x], axis, [(n, s, off) for s, off in zip(sizes, offsets)],
+    return _run_windows(SPLIT, [x], axis, [(n, s, off) for s, off in zip(sizes, offsets)],
                         [_resized(x.shape, axis, s) for s in sizes], {"sizes": tuple(sizes), "dim": name},
-                        _split_grad, combine=False)
+                        combine=False)
 
 
 def _split_grad(op, *dys):
     return [concat(list(dys), op.params["dim"])]
 
 
-saving(_split_grad)
+SPLIT = _window_op("split", _split_grad)
+

@@ -1,17 +1,9 @@
-"""Optimizer updates as one op for many parameters (multi-tensor, as PyTorch's `foreach` and
-`fused` optimizers): `sgd_update` and `adam_update` update every parameter of one dtype in one
-dispatch, instead of a dozen small ops per parameter.
-
-Each op's inputs are the shared 0-d tensors (the step as a float, a scheduled learning rate),
-then each parameter's tensors (parameter, gradient, state slots), all in the parameter's layout;
-its outputs are each parameter's new value and new slots, in the same layout. The update is
-elementwise, so no communication. The kernels sit side by side:
-
-- numpy and JAX (`_sgd`, `_adam`): the same arithmetic, in the same order, as the unfused
-  composition in `mpimesh.optim` (`axpy`, `*`, `/`, `sqrt`): bitwise the same values on numpy;
-- CuPy: one `ElementwiseKernel` per parameter (`ADAM_SOURCE`, `SGD_SOURCE`), compiled once. nvcc
-  may contract a multiply-add into an FMA, so a GPU's values can differ from the unfused ops in
-  the last bit.
+"""Optimizer updates as one op for many parameters (multi-tensor, as PyTorch's `foreach` optimizers):
+`sgd_update` and `adam_update` update every parameter of one dtype in one dispatch. Inputs: the shared
+0-d tensors (the step as a float, a scheduled lr), then each parameter's tensors (itself, its gradient,
+its slots); outputs: each one's new value and slots, in its layout. Each formula is written once
+(`sgd_step`, `adam_step`) over a few operations: new arrays (JAX), in place a chunk at a time (numpy),
+mpimesh ops (`mpimesh.optim` op by op), bitwise alike; CuPy runs `ADAM_SOURCE`, `SGD_SOURCE`.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -22,15 +14,16 @@ elementwise, so no communication. The kernels sit side by side:
 """
 from __future__ import annotations
 
-import math
-from typing import Sequence
+from functools import lru_cache
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ..backend import is_eager, name
 from ..errors import MpimeshError
-from ..trace import dispatch_lower
-from . import inplace
+from ..opdef import OpDef, size
+from ..trace import dispatch
+from .elementwise import axpy, sqrt
+from .inplace import Eager, Functional
 from .relayout import to_layout
 
 ADAM_SOURCE = """
@@ -55,18 +48,6 @@ SGD_PARAMS = ("T p, T g, T v, T neg_lr, T mom, bool momentum", "T p1, T v1")
 _cuda: dict = {}
 
 
-def _axpy(xp, alpha, x, y):
-    return (inplace.axpy_new_chunked if name(xp) == "numpy" else inplace.axpy_new)(xp, alpha, x, y)
-
-
-def axpy_into(xp, alpha, x, y):
-    return (inplace.axpy_into_chunked if name(xp) == "numpy" else inplace.axpy_into)(xp, alpha, x, y)
-
-
-def scale_add_into(xp, alpha, x, y):
-    return (inplace.scale_add_into_chunked if name(xp) == "numpy" else inplace.scale_add_into)(xp, alpha, x, y)
-
-
 def _kernel(xp, which: str):
     """The CuPy ElementwiseKernel `which` ("adam" or "sgd"), compiled on first use."""
     if which not in _cuda:
@@ -75,62 +56,49 @@ def _kernel(xp, which: str):
     return _cuda[which]
 
 
-def _plus(xp, a, b):
-    """`a + b`, into `a` on an eager backend (`a` is a temporary: one array fewer, the same values)."""
-    if is_eager(xp) and a.ndim:
-        return xp.add(a, b, out=a)
-    return a + b
+# ------------------------------------------------------------------ the formulas, written once
+
+def sgd_step(k, p, g, v, neg_lr, momentum: float, over=()) -> tuple:
+    """`mpimesh.optim.SGD`'s step of one parameter in the operations `k` (`mpimesh.ops.inplace`'s
+    `Functional`, `Eager`, or `TENSOR_OPS`): `(new p, new v)`; v None: no momentum (new v is g).
+    `over`: the outputs (0: p, 1: v) it may write over their inputs."""
+    v1 = g if v is None else k.axpy(momentum, v, g, "x" if 1 in over else None)
+    return k.axpy(neg_lr, v1, p, "y" if 0 in over else None), v1
 
 
-def _quotient(xp, a, b):
-    """`a / b`, into `a` on an eager backend (as `_plus`)."""
-    if is_eager(xp) and a.ndim and a.dtype == xp.result_type(a, b):
-        return xp.divide(a, b, out=a)
-    return a / b
+def adam_step(k, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1: float, b2: float, eps: float, over=()) -> tuple:
+    """`mpimesh.optim.Adam`'s step of one parameter in the operations `k` (as `sgd_step`): `(new p,
+    new m, new v)`; `c1`, `c2`: 1 - b1**t, 1 - b2**t; `neg_lr_wd`: -lr * weight decay, None for none.
+    `over`: the outputs (0: p, 1: m, 2: v) it may write over their inputs."""
+    m1 = k.axpy(1.0 - b1, g, k.scale(m, b1, 1 in over), "y" if 1 in over else None)
+    v1 = k.axpy(1.0 - b2, g * g, k.scale(v, b2, 2 in over), "y" if 2 in over else None)
+    u = k.quotient(m1 / c1, k.plus(k.sqrt(v1 / c2), eps))
+    if neg_lr_wd is None:
+        return k.axpy(neg_lr, u, p, "y" if 0 in over else None), m1, v1
+    if 0 in over:  # the decay of the old p, taken before p's block gets the new value (q + d == d + q)
+        decay = p * neg_lr_wd
+        return k.plus(k.axpy(neg_lr, u, p, "y"), decay), m1, v1
+    return k.axpy(neg_lr_wd, p, k.axpy(neg_lr, u, p)), m1, v1
 
 
-def _fused(op: str, kernel, groups: Sequence[tuple], shared: Sequence, n_out: int, params: dict,
-           flops_per_element: int, scratch: int, dtype=None, into: dict = None) -> list:
-    """Dispatch `op`: `kernel(xp, shared_arrays, *group_arrays, into=...)` -> n_out arrays, for each
-    group (a parameter's tensors, the parameter first); returns each group's n_out output tensors.
-    `scratch`: how many parameter-sized temporaries (in `dtype`, default the parameter's, plus a
-    copy of p and g where they are narrower) the kernel holds at once, for the cost model.
-    `into`: `{output: input}` positions within a group that the kernel can write in place (passed
-    `into=` the outputs a compiled replay lets it: `mpimesh.compiled`)."""
-    if not groups:
-        return []
-    first = groups[0][0]
-    mesh = first.mesh
-    for group in groups:
-        p = group[0]
-        if p.mesh is not mesh:
-            raise MpimeshError(f"{op}: parameters live on different meshes")
-        for t in group[1:]:
-            if t.shape != p.shape:
-                raise MpimeshError(f"{op}: a tensor of shape {t.shape} goes with a parameter of shape {p.shape}")
-    groups = [tuple(to_layout(t, g[0].tensor_layout) for t in g) for g in groups]
-    sizes = [len(g) for g in groups]
-    n_shared = len(shared)
+class _TensorOps(Functional):
+    """The formulas' operations as mpimesh ops on DistTensors (`mm.axpy`, `*`, `+`, `/`, `mm.sqrt`)."""
 
-    def lower(ctx, *arrays, into=()):
-        xp, out, i = ctx.xp, [], n_shared
-        values = arrays[:n_shared]
-        for g, k in enumerate(sizes):
-            mine = {j for j in range(n_out) if g * n_out + j in into}
-            out.extend(kernel(xp, values, *arrays[i:i + k], into=mine))
-            i += k
-        return tuple(out) if len(out) > 1 else out[0]  # (dispatch takes one output bare)
-    if into:
-        starts = [n_shared + sum(sizes[:g]) for g in range(len(sizes))]
-        lower.into = {g * n_out + j: starts[g] + i for g in range(len(sizes)) for j, i in into.items()}
-    specs = [(g[0].shape, g[0].tensor_layout) for g in groups for _ in range(n_out)]
-    flops = flops_per_element * sum(math.prod(g[0].local.shape) for g in groups)
-    widest = max(math.prod(g[0].local.shape) * np.dtype(dtype or g[0].dtype).itemsize
-                 * (scratch + 2 * (dtype is not None and g[0].dtype != dtype)) for g in groups)
-    params = dict(params, scratch_bytes=widest)
-    outs = dispatch_lower(op, [*shared, *(t for g in groups for t in g)], specs, lower, params, None, flops)
-    return [tuple(outs[j * n_out:(j + 1) * n_out]) for j in range(len(groups))]
+    def __init__(self):
+        super().__init__(None)
 
+    def axpy(self, alpha, x, y, over=None):
+        return axpy(alpha, x, y)
+
+    def sqrt(self, a):
+        return sqrt(a)
+
+
+TENSOR_OPS = _TensorOps()
+"""`sgd_step` and `adam_step` on DistTensors, one op each: `mpimesh.optim`'s update op by op."""
+
+
+# ------------------------------------------------------------------ the kernels
 
 def _widened(p, g, dtype):
     """`p` and `g` in the update's dtype (as `cast` makes them), where theirs is narrower."""
@@ -139,69 +107,22 @@ def _widened(p, g, dtype):
     return (p if p.dtype == dtype else p.astype(dtype)), (g if g.dtype == dtype else g.astype(dtype))
 
 
-def sgd_update(groups: Sequence[tuple], lr, momentum: float = 0.0, dtype=None) -> list:
-    """SGD for many parameters in one op: each group is `(p, g)`, or `(p, g, v)` with momentum;
-    returns `(new_p,)` or `(new_p, new_v)` per group. `lr`: a number or a 0-d tensor (a schedule);
-    `dtype`: as in `adam_update`. The formulas are `mpimesh.optim.SGD`'s:
-
-        v <- momentum * v + g;  p <- p - lr * v       (v is g without momentum)
-    """
-    scaled = hasattr(lr, "tensor_layout")
-
-    def kernel(xp, shared, p, g, v=None, into=()):
-        pdt = p.dtype
-        neg_lr = -shared[0] if scaled else -lr
-        if into and _in_place(xp, dtype, p, g, v, neg_lr):
-            v1 = g if v is None else scale_add_into(xp, momentum, v, g) if 1 in into else _axpy(xp, momentum, v, g)
-            p1 = axpy_into(xp, neg_lr, v1, p) if 0 in into else _axpy(xp, neg_lr, v1, p)
-            return (p1, v1) if v is not None else (p1,)
-        p, g = _widened(p, g, dtype)
-        if name(xp) == "cupy" and v is not None:
-            p1, v1 = _kernel(xp, "sgd")(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
-        else:
-            v1 = _axpy(xp, momentum, v, g) if v is not None else g
-            p1 = _axpy(xp, neg_lr, v1, p)
-        p1 = p1 if p1.dtype == pdt else p1.astype(pdt)
-        return (p1, v1) if v is not None else (p1,)
-    n_out = 2 if momentum else 1
-    return _fused("sgd_update", kernel, groups, [lr] if scaled else [], n_out,
-                  {"momentum": momentum, "lr": None if scaled else lr}, 2 * n_out, 0, dtype,
-                  {0: 0, 1: 2} if momentum else {0: 0})
+def _rounded(a, dtype):
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
-def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsilon: float,
-                weight_decay: float = 0.0, dtype=None) -> list:
-    """Adam(W) for many parameters in one op: each group is `(p, g, m, v)`, `t` the 1-based step as
-    a 0-d float tensor, `lr` a number or a 0-d tensor; returns `(new_p, new_m, new_v)` per group.
-    `dtype`: the dtype the update computes in, where a parameter's is narrower (its new value is
-    rounded back once, as `cast` would). The formulas are `mpimesh.optim.Adam`'s."""
-    scaled = hasattr(lr, "tensor_layout")
-    b1, b2, eps, wd = beta1, beta2, epsilon, weight_decay
+def _groups(arrays, n_shared: int, k: int) -> tuple:
+    """The shared blocks, and each parameter's `k` blocks."""
+    return arrays[:n_shared], [arrays[i:i + k] for i in range(n_shared, len(arrays), k)]
 
-    def kernel(xp, shared, p, g, m, v, into=()):
-        tt = shared[0]
-        lr_ = shared[1] if scaled else lr
-        pdt = p.dtype
-        c1, c2 = xp.asarray(1.0 - b1 ** tt), xp.asarray(1.0 - b2 ** tt)
-        neg_lr = -lr_
-        neg_lr_wd = -(lr_ * wd)
-        if into and _in_place(xp, dtype, p, g, m, v, c1, c2, neg_lr, neg_lr_wd):
-            return _adam_into(xp, into, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, wd)
-        p, g = _widened(p, g, dtype)
-        if name(xp) == "cupy":
-            c1, c2, neg_lr, neg_lr_wd = (_typed(u, p.dtype) for u in (c1, c2, neg_lr, neg_lr_wd))
-            p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, 1.0 - b1, 1.0 - b2,
-                                             eps, bool(wd))
-        else:
-            m1 = _axpy(xp, 1.0 - b1, g, b1 * m)
-            v1 = _axpy(xp, 1.0 - b2, g * g, b2 * v)
-            p1 = _axpy(xp, neg_lr, _quotient(xp, m1 / c1, _plus(xp, xp.sqrt(v1 / c2), eps)), p)
-            if wd:
-                p1 = _axpy(xp, neg_lr_wd, p, p1)
-        return (p1.astype(pdt) if p1.dtype != pdt else p1), m1, v1
-    return _fused("adam_update", kernel, groups, [t, lr] if scaled else [t], 3,
-                  {"beta1": b1, "beta2": b2, "epsilon": eps, "weight_decay": wd,
-                   "lr": None if scaled else lr}, 12, 2, dtype, {0: 0, 1: 2, 2: 3})
+
+def _mine(into, j: int, n_out: int) -> frozenset:
+    """The outputs (0..n_out-1) of parameter j that the replay lets the kernel write over their inputs."""
+    return frozenset(o for o in range(n_out) if j * n_out + o in into)
+
+
+def _result(out: list):
+    return tuple(out) if len(out) > 1 else out[0]  # (dispatch takes one output bare)
 
 
 def _typed(value, dtype):
@@ -210,24 +131,182 @@ def _typed(value, dtype):
     return value.astype(dtype) if hasattr(value, "astype") and value.dtype != dtype else value
 
 
-def _in_place(xp, dtype, p, *values) -> bool:
-    """Whether the in-place kernels give the usual kernel's values: on numpy, with no widening, and
-    every other array and number of the update in p's dtype (a Python number adapts to it; numpy's
-    scalars do not), so that no intermediate is computed wider and rounded back."""
-    if name(xp) != "numpy" or (dtype is not None and np.dtype(dtype) != p.dtype):
+def _in_place(dtype, p, *values) -> bool:
+    """Whether writing over the inputs gives the usual values: no widening, and every other array
+    and number of the update in p's dtype (a Python number adapts to it; numpy's scalars do not), so
+    that no intermediate is computed wider and rounded back."""
+    if dtype is not None and dtype != p.dtype:
         return False
     return all(v is None or type(v) in (int, float) or getattr(v, "dtype", None) == p.dtype for v in values)
 
 
-def _adam_into(xp, into, p, g, m, v, c1, c2, neg_lr, neg_lr_wd, b1, b2, eps, wd) -> tuple:
-    """`adam_update`'s numpy kernel with the new p, m, v (outputs 0, 1, 2 in `into`) written over
-    the old: the same operations in the same order, so the same values."""
-    m1 = axpy_into(xp, 1.0 - b1, g, np.multiply(m, b1, out=m)) if 1 in into else _axpy(xp, 1.0 - b1, g, b1 * m)
-    v1 = axpy_into(xp, 1.0 - b2, g * g, np.multiply(v, b2, out=v)) if 2 in into else _axpy(xp, 1.0 - b2, g * g, b2 * v)
-    u = _quotient(xp, m1 / c1, _plus(xp, xp.sqrt(v1 / c2), eps))
-    decay = np.multiply(p, neg_lr_wd) if wd else None  # (of the old p)
-    if 0 not in into:
-        p1 = _axpy(xp, neg_lr, u, p)
-        return (_axpy(xp, neg_lr_wd, p, p1) if wd else p1), m1, v1
-    p1 = axpy_into(xp, neg_lr, u, p)
-    return (np.add(p1, decay, out=p1) if wd else p1), m1, v1
+def _sgd_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> Callable:
+    """An `sgd_update` kernel in the operations `ops(xp)`; `in_place`: it writes over what `into`
+    allows; `cuda`: a parameter with momentum and one dtype runs `SGD_SOURCE`."""
+    def kernel(ctx, *arrays, lr, momentum, dtype, into=()):
+        xp = ctx.xp
+        shared, groups = _groups(arrays, int(lr is None), 3 if momentum else 2)
+        neg_lr = -shared[0] if lr is None else -lr
+        k, n_out, out = ops(xp), 2 if momentum else 1, []
+        for j, (p, g, *v) in enumerate(groups):
+            v = v[0] if v else None
+            over = _mine(into, j, n_out) if in_place and into and _in_place(dtype, p, g, v, neg_lr) else ()
+            pdt = p.dtype
+            p, g = _widened(p, g, dtype)
+            if cuda and v is not None and p.dtype == g.dtype == v.dtype:
+                p1, v1 = _kernel(xp, "sgd")(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
+            else:
+                p1, v1 = sgd_step(k, p, g, v, neg_lr, momentum, over)
+            out += [_rounded(p1, pdt), v1][:n_out]
+        return _result(out)
+    return kernel
+
+
+def _adam_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> Callable:
+    """An `adam_update` kernel, as `_sgd_kernel` (`cuda`: a parameter of one dtype runs `ADAM_SOURCE`)."""
+    def kernel(ctx, *arrays, lr, beta1, beta2, epsilon, weight_decay, dtype, into=()):
+        xp = ctx.xp
+        shared, groups = _groups(arrays, 1 + (lr is None), 4)
+        lr_ = shared[1] if lr is None else lr
+        c1, c2 = xp.asarray(1.0 - beta1 ** shared[0]), xp.asarray(1.0 - beta2 ** shared[0])
+        neg_lr, neg_lr_wd = -lr_, -(lr_ * weight_decay)
+        k, out = ops(xp), []
+        for j, (p, g, m, v) in enumerate(groups):
+            mine = in_place and into and _in_place(dtype, p, g, m, v, c1, c2, neg_lr, neg_lr_wd)
+            pdt = p.dtype
+            p, g = _widened(p, g, dtype)
+            if cuda and p.dtype == g.dtype == m.dtype == v.dtype:
+                scalars = (_typed(a, p.dtype) for a in (c1, c2, neg_lr, neg_lr_wd))
+                p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, *scalars, beta1, beta2, 1.0 - beta1, 1.0 - beta2, epsilon,
+                                                 bool(weight_decay))
+            else:
+                p1, m1, v1 = adam_step(k, p, g, m, v, c1, c2, neg_lr, neg_lr_wd if weight_decay else None, beta1,
+                                       beta2, epsilon, _mine(into, j, 3) if mine else ())
+            out += [_rounded(p1, pdt), m1, v1]
+        return _result(out)
+    return kernel
+
+
+def _numpy(xp):
+    return Eager(xp, chunked=True)
+
+
+SGD_KERNELS = {"numpy": _sgd_kernel(_numpy, in_place=True), "cupy": _sgd_kernel(Eager, cuda=True)}
+ADAM_KERNELS = {"numpy": _adam_kernel(_numpy, in_place=True), "cupy": _adam_kernel(Eager, cuda=True)}
+"""The update ops' kernels per backend (every `OpDef` of an op shares its dict); JAX runs the generic
+kernels (`Functional`: new arrays)."""
+
+
+# ------------------------------------------------------------------ the ops
+
+def _news(outs, n_out: int) -> list:
+    """The parameters' new blocks among an update's outputs (each parameter's n_out, p's first)."""
+    return list(outs[::n_out])
+
+
+def _scratch(n_out: int, temporaries: int) -> Callable:
+    """An update's `scratch`: `temporaries` parameter-sized arrays in the update's dtype at once, and
+    a copy of p and g where they are widened (the largest parameter's)."""
+    def scratch(params, ins, outs) -> int:
+        dtype = params["dtype"]
+        return max((size(p) * np.dtype(dtype or p.dtype).itemsize
+                    * (temporaries + 2 * (dtype is not None and p.dtype != dtype)) for p in _news(outs, n_out)),
+                   default=0)
+    return scratch
+
+
+def _sgd_flops(params, ins, outs) -> int:
+    """Per element: v = momentum * v + g (2, with momentum), p = -lr * v + p (2)."""
+    n_out = 2 if params["momentum"] else 1
+    return 2 * n_out * sum(size(p) for p in _news(outs, n_out))
+
+
+def _adam_flops(params, ins, outs) -> int:
+    """Per element: m = (1 - b1) g + b1 m (3), v = (1 - b2) g*g + b2 v (4), u = (m / c1) / (sqrt(v /
+    c2) + eps) (5), p = -lr u + p (2), and -lr wd p + p (2) with weight decay."""
+    return (16 if params["weight_decay"] else 14) * sum(size(p) for p in _news(outs, 3))
+
+
+def _sgd_abstract(ctx, shapes, *ins, lr, momentum, dtype) -> tuple:
+    """New p in p's dtype; new v in numpy's promotion of `momentum * v + g` (g widened to `dtype`)."""
+    _, groups = _groups(ins, int(lr is None), 3 if momentum else 2)
+    return tuple(d for p, g, *v in groups
+                 for d in (p.dtype, *(np.result_type(s.dtype, dtype or g.dtype, momentum) for s in v)))
+
+
+def _adam_abstract(ctx, shapes, *ins, lr, beta1, beta2, dtype, **_) -> tuple:
+    """New p in p's dtype; m and v in numpy's promotion of their formulas (g widened to `dtype`)."""
+    _, groups = _groups(ins, 1 + (lr is None), 4)
+    return tuple(d for p, g, m, v in groups for d in (p.dtype, np.result_type(m.dtype, dtype or g.dtype, beta1),
+                                                      np.result_type(v.dtype, dtype or g.dtype, beta2)))
+
+
+_SGD, _ADAM = _sgd_kernel(Functional), _adam_kernel(Functional)  # (the generic kernels: JAX's)
+_KINDS = {  # name, tensors per parameter, {output: input} of one parameter, kernels, flops, abstract, temporaries
+    "sgd": ("sgd_update", 2, {0: 0}, _SGD, SGD_KERNELS, _sgd_flops, _sgd_abstract, 0),
+    "sgd momentum": ("sgd_update", 3, {0: 0, 1: 2}, _SGD, SGD_KERNELS, _sgd_flops, _sgd_abstract, 0),
+    "adam": ("adam_update", 4, {0: 0, 1: 2, 2: 3}, _ADAM, ADAM_KERNELS, _adam_flops, _adam_abstract, 2)}
+
+
+@lru_cache(maxsize=256)
+def _update_op(kind: str, n_groups: int, n_shared: int) -> OpDef:
+    """The `OpDef` of update `kind` (a key of `_KINDS`) of `n_groups` parameters after `n_shared`
+    shared inputs: its `into` maps each parameter's new value and slots over the old."""
+    name, k, slots, kernel, kernels, flops, abstract, temporaries = _KINDS[kind]
+    n_out = len(slots)
+    into = {j * n_out + o: n_shared + j * k + i for j in range(n_groups) for o, i in slots.items()}
+    return OpDef(name, kernel, kernels=kernels, into=into, flops=flops, scratch=_scratch(n_out, temporaries),
+                 abstract=abstract)
+
+
+def _fused(kind: str, groups: Sequence[tuple], shared: Sequence, params: dict) -> list:
+    """Dispatch update `kind` (`_KINDS`) over `groups` (each parameter's tensors, the parameter first,
+    all brought to its layout) after the 0-d tensors `shared`; returns each group's new tensors."""
+    if not groups:
+        return []
+    op, k, slots = _KINDS[kind][:3]
+    n_out = len(slots)
+    mesh = groups[0][0].mesh
+    for group in groups:
+        p = group[0]
+        if len(group) != k:
+            raise MpimeshError(f"{op}: each group must be {k} tensors here, got {len(group)} for a parameter of "
+                               f"shape {p.shape}")
+        if p.mesh is not mesh:
+            raise MpimeshError(f"{op}: parameters live on different meshes")
+        for t in group[1:]:
+            if t.shape != p.shape:
+                raise MpimeshError(f"{op}: a tensor of shape {t.shape} goes with a parameter of shape {p.shape}")
+    groups = [tuple(to_layout(t, g[0].tensor_layout) for t in g) for g in groups]
+    specs = [(g[0].shape, g[0].tensor_layout) for g in groups for _ in range(n_out)]
+    outs = dispatch(_update_op(kind, len(groups), len(shared)), [*shared, *(t for g in groups for t in g)], specs,
+                    params)
+    return [tuple(outs[j * n_out:(j + 1) * n_out]) for j in range(len(groups))]
+
+
+def _dtype(dtype):
+    return None if dtype is None else np.dtype(dtype)
+
+
+def sgd_update(groups: Sequence[tuple], lr, momentum: float = 0.0, dtype=None) -> list:
+    """SGD for many parameters in one op: each group is `(p, g)`, or `(p, g, v)` with momentum;
+    returns `(new_p,)` or `(new_p, new_v)` per group. `lr`: a number or a 0-d tensor (a schedule);
+    `dtype`: as in `adam_update`. The formulas are `mpimesh.optim.SGD`'s (`sgd_step`):
+
+        v <- momentum * v + g;  p <- p - lr * v       (v is g without momentum)
+    """
+    scaled = hasattr(lr, "tensor_layout")
+    params = {"lr": None if scaled else lr, "momentum": momentum, "dtype": _dtype(dtype)}
+    return _fused("sgd momentum" if momentum else "sgd", groups, [lr] if scaled else [], params)
+
+
+def adam_update(groups: Sequence[tuple], t, lr, beta1: float, beta2: float, epsilon: float,
+                weight_decay: float = 0.0, dtype=None) -> list:
+    """Adam(W) for many parameters in one op: each group is `(p, g, m, v)`, `t` the 1-based step as
+    a 0-d float tensor, `lr` a number or a 0-d tensor; returns `(new_p, new_m, new_v)` per group.
+    `dtype`: the dtype the update computes in, where a parameter's is narrower (its new value is
+    rounded back once, as `cast` would). The formulas are `mpimesh.optim.Adam`'s (`adam_step`)."""
+    scaled = hasattr(lr, "tensor_layout")
+    params = {"beta1": beta1, "beta2": beta2, "epsilon": epsilon, "weight_decay": weight_decay,
+              "lr": None if scaled else lr, "dtype": _dtype(dtype)}
+    return _fused("adam", groups, [t, lr] if scaled else [t], params)
