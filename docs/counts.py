@@ -36,7 +36,7 @@ kernel, which an op definition holds), so it counts; `cublas.py` (ctypes binding
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("errors", ("errors",)),
     ("env", ("env", "extras")),
-    ("pure", ("shape", "layout", "tree")),
+    ("pure", ("shape", "layout", "tree", "liveness")),
     ("counters", ("collectives.counters", "collectives.callsite")),
     ("backend", ("promotion", "backend")),
     ("opdef", ("opdef",)),
@@ -263,8 +263,9 @@ def liveness_computations(root: Path = ROOT) -> List[Match]:
     counts when its name says liveness (`lifetime`, `liveness`, `last_use`, `read_after`, ...), or
     when its docstring does ("last use", "last reader", "lifetimes", "may release", "released once",
     ...) and it keeps state by tensor identity (calls `id()` and stores into a container). Not counted:
-    one nested in a counted one (its class counts), and one that calls another counted one (a user of
-    that analysis, e.g. the cost model's pricing loop creating a `_Lifetimes`)."""
+    one nested in a counted one (its class counts), and one that calls another counted one or a
+    function of `mpimesh/liveness.py` (a user of that analysis, e.g. the cost model's pricing loop
+    creating a `_Lifetimes`)."""
     cands: List[Tuple[str, ast.AST, str]] = []
     for path in _files(root, ["mpimesh"], skip=("mpimesh/collectives", "mpimesh/testing")):
         rel = _rel(root, path)
@@ -278,7 +279,9 @@ def liveness_computations(root: Path = ROOT) -> List[Match]:
                 cands.append((rel, node, f"{node.name} (docstring: {_LIVENESS_PROSE.search(doc).group(0)!r})"))
     inner = {id(n) for _, c, _ in cands for n in ast.walk(c) if n is not c}
     outer = [c for c in cands if id(c[1]) not in inner]
-    names = {c[1].name for c in outer}
+    shared = root / "mpimesh" / "liveness.py"  # the one analysis: calling any of it makes a user
+    names = {c[1].name for c in outer} | ({n.name for n in _parse(shared).body if isinstance(n, ast.FunctionDef)}
+                                          if shared.exists() else set())
     return [Match(rel, node.lineno, why) for rel, node, why in outer
             if not (_calls(node) & (names - {node.name} - {n.name for n in ast.walk(node) if hasattr(n, "name")}))]
 

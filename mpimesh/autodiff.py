@@ -18,10 +18,10 @@ force when `gradients` is called.
 """
 from __future__ import annotations
 
-import sys
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
+from . import liveness
 from .buckets import Bucketer, _checked, bucket_bytes
 from .backend import is_float
 from .errors import DTypeError, MeshError, MpimeshError, ShapeError
@@ -305,11 +305,10 @@ class _Release:
         for op in reversed(ops):
             if any(id(o) in back for o in op.outputs):
                 back.update(id(t) for t in op.inputs)
-        last: dict[int, int] = {}
-        for i, op in enumerate(ops):
-            if op.grad is not None and any(id(o) in reach and id(o) in back for o in op.outputs):
-                for t in op.inputs + op.outputs:
-                    last.setdefault(id(t), i)
+        runs = [op.grad is not None and any(id(o) in reach and id(o) in back for o in op.outputs) for op in ops]
+        walked = liveness.last_uses([id(t) for t in op.inputs + op.outputs] if run else ()  # (in walk order)
+                                    for op, run in zip(reversed(ops), reversed(runs)))
+        last = {t_id: len(ops) - 1 - k for t_id, k in walked.items()}  # the earliest op whose rule reads it
         for i in self.tensors:
             if i in last:
                 self.due.setdefault(last[i], []).append(i)
@@ -356,24 +355,11 @@ class _Release:
 
     def _sweep(self) -> None:
         for t_id in list(self.pending):
-            if _only_in_records(self.tensors, t_id, self.refs[t_id]):
+            if liveness.held_only_by(self.tensors, t_id, self.refs[t_id]):
                 self.tr.release(self.tensors.pop(t_id), self.holders.pop(t_id))
                 del self.refs[t_id]
                 self.pending.discard(t_id)
                 self.reach.discard(t_id)  # its id may be reused by a new tensor from now on
-
-
-def _refcount(tensors: dict, t_id: int) -> int:
-    t = tensors[t_id]
-    return sys.getrefcount(t)
-
-
-_OWN_REFS = _refcount({0: object()}, 0)  # the count of a dict value nothing else refers to
-
-
-def _only_in_records(tensors: dict, t_id: int, record_refs: int) -> bool:
-    """Whether the tensor `tensors[t_id]` is held by nothing but `record_refs` places in trace records."""
-    return _refcount(tensors, t_id) - _OWN_REFS == record_refs
 
 
 def _trace_gradients(self: Trace, ys, xs) -> list:

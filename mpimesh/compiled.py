@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -63,6 +62,7 @@ from .collectives import counters, guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
+from . import liveness
 from .program import BucketStep, OpStep, Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
 from .trace import current_trace, trace
@@ -312,17 +312,13 @@ class _Engine:
         for i in program.input_ids:
             slot(i)
         self.constants = [(slot(i), t.local) for i, t in program.constants.items()]
-        last: dict[int, int] = {}
-        for k, rec in enumerate(program.ops):
-            for t in rec.inputs:
-                last[slot(id(t))] = k
+        reads = []
+        for rec in program.ops:
+            reads.append([slot(id(t)) for t in rec.inputs])
             for t in rec.outputs:
                 slot(id(t))
         keep = {slots[i] for i in program.output_ids} | {s for s, _ in self.constants}  # (inputs: freed)
-        frees: dict[int, list] = {}
-        for s, k in last.items():
-            if s not in keep:
-                frees.setdefault(k, []).append(s)
+        frees = liveness.frees(reads, keep)
         buckets = _buckets(program.ops, slots, program.mesh)
         starts = {b.start_at: b for b in buckets}
         waits: dict[int, list] = {}
@@ -401,18 +397,11 @@ class _Engine:
                 step.bucket.finish(flying.pop(id(step.bucket)), env)
 
 
-def _refs(env: list, s: int) -> int:
-    return sys.getrefcount(env[s])
-
-
-_ONLY = _refs([np.empty(0)], 0)  # the count when a list holds an array's only reference
-
-
 def _sole(env: list, s: int) -> bool:
     """Whether `env` holds the only reference to slot s's array (no tensor, view or caller's
     variable holds it: numpy's own test before it reuses a temporary), a writable array that owns
     its memory: then an op may write its output over it."""
-    if _refs(env, s) != _ONLY:  # (first: a name bound to it here would count)
+    if not liveness.held_only_by(env, s):  # (first: a name bound to it here would count)
         return False
     a = env[s]
     return getattr(a, "base", 0) is None and getattr(getattr(a, "flags", None), "writeable", True)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from . import env
 from .backend import name as backend_name
 from .collectives import counters
+from . import liveness
 from .program import OpStep
 
 _TRANSFERS = frozenset({"allreduce", "iallreduce", "allgather", "alltoall", "reduce_scatter", "permute",
@@ -130,6 +131,7 @@ class GraphEngine:
         self.plan: list = []
         self.held: dict = {}  # slot -> the array a graph writes, kept for the graphs' life
         self.segments = self.host_steps = 0
+        self.last_read = liveness.last_uses(_read(step) for step in engine.steps)  # slot -> its last reader
 
     def run(self, arrays: list) -> list:
         self.runs += 1
@@ -213,10 +215,7 @@ class GraphEngine:
 
     def _read_after(self, j: int) -> set:
         """Slots read by the steps from j on, or returned."""
-        out = set(self.engine.outputs)
-        for step in self.engine.steps[j:]:
-            out.update(_read(step))
-        return out
+        return liveness.used_from(self.last_read, j) | set(self.engine.outputs)
 
     def _replay(self, arrays: list) -> list:
         engine, cap = self.engine, self.cap

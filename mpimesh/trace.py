@@ -14,11 +14,10 @@ its kernel needs), the shapes and layouts of its outputs and its params; the mes
 """
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
-from . import env
+from . import env, liveness
 from .collectives import counters
 from .collectives import guard
 from .collectives.guard import user_frame
@@ -227,7 +226,7 @@ class _Kept:
             entry = self.held.get(i)
             if entry is None:
                 continue
-            if _refs(entry) - _OWN_REFS == entry[2]:
+            if liveness.held_only_by(entry, 0, entry[2]):
                 _release(entry[0], entry[1])
             else:
                 self.old.append(i)
@@ -237,11 +236,6 @@ class _Kept:
         self.held.pop(i, None)
 
 
-def _refs(entry: list) -> int:
-    return sys.getrefcount(entry[0])
-
-
-_OWN_REFS = _refs([object()])  # the count of a tensor that only its entry holds
 _kept = _Kept()
 
 

@@ -32,7 +32,6 @@ allreduce); otherwise, and over a group of one, the result is copied into `out`.
 """
 from __future__ import annotations
 
-import sys
 import time
 from typing import Optional, Protocol, Sequence
 
@@ -41,6 +40,7 @@ import numpy as np
 from ..backend import accumulation_dtype, is_eager, is_float
 from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
+from ..liveness import held_only_by
 from ..shape import Shape
 from . import counters
 
@@ -457,14 +457,7 @@ def idle(items: list, i: int) -> bool:
     >>> idle(bufs, 0)
     True
     """
-    return _refcount(items, i) == _IDLE_REFS
-
-
-def _refcount(items: list, i: int) -> int:
-    return sys.getrefcount(items[i])
-
-
-_IDLE_REFS = _refcount([object()], 0)  # the count of a list item nothing else refers to
+    return held_only_by(items, i)
 
 
 def _with(shape: tuple, axis: int, n: int) -> tuple:

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..backend import as_dtype
+from .. import liveness
 from ..collectives import counters
 from ..errors import LayoutError, MpimeshError
 from ..layout import LayoutRules
@@ -169,11 +170,13 @@ class _Lifetimes:
         self.live: dict[int, int] = {}  # id -> index into spans
         self.spans: list[list] = []  # [first op, last op, bytes, tensors not released yet]
         self.held: dict[int, list[int]] = {}  # id of the trace holding them -> span indices
+        self.uses: list[list[int]] = []  # per op: the spans it reads
 
     def use(self, t, i: int) -> None:
         j = self.live.get(id(t))
         if j is not None:
-            self.spans[j][1] = max(self.spans[j][1], i)
+            self.uses.extend([] for _ in range(i + 1 - len(self.uses)))
+            self.uses[i].append(j)
 
     def make(self, t, i: int, holder: Optional[int] = None, base=None, nbytes: Optional[int] = None) -> None:
         """`t` made by op `i` (`nbytes`: its block's, default from `t.local`); `base`: the tensor
@@ -207,6 +210,8 @@ class _Lifetimes:
             self.spans.append([i, i, int(nbytes), 0])
 
     def peak(self, n: int) -> int:
+        for j, i in liveness.last_uses(self.uses).items():  # a block lives at least to its last reader
+            self.spans[j][1] = max(self.spans[j][1], i)
         delta = np.zeros(n + 2, np.int64)
         for first, last, b, _ in self.spans:
             delta[first] += b
