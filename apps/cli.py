@@ -1,15 +1,12 @@
-"""What the apps share on the command line: help that explains layouts on the app's own dims and
-shows every default, layout rules checked against the model's dims, and errors as one line per
-job (from rank 0) instead of a traceback per rank.
+"""What the apps share on the command line: help that explains layouts on the app's own dims and shows
+every default, layout rules checked against the model's dims, and one-line errors from rank 0.
 
 >>> p = parser("demo", {"batch": "examples per step", "hidden": "the hidden layer's units"},
 ...            example="batch:rows;hidden:cols")
 >>> _ = p.add_argument("--steps", type=int, default=3, help="training steps")
 >>> _ = p.add_argument("--data", default=None, help="a text file (default: the stdlib's sources)")
->>> "(default: 3)" in p.format_help() and "hidden:cols" in p.format_help()
-True
->>> p.format_help().count("default: ") == 2   # --data's own, not again as "(default: None)"
-True
+>>> help = p.format_help(); "(default: 3)" in help, "hidden:cols" in help, help.count("default: ")
+(True, True, 2)
 >>> try:
 ...     check_layout("batch:all;nope:all", {"batch": "", "hidden": ""})
 ... except UsageError as e:

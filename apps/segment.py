@@ -1,34 +1,16 @@
 """Spatially partitioned segmentation: a small fully convolutional network trained end to end on
 large synthetic images whose height and width are split over a 2-D mesh.
 
-Each image is a binary mask of random discs and rectangles (many thin or small) drawn with numpy
-from a seed, optionally with Gaussian noise added. The target is that mask blurred by a
-`blur`x`blur` box filter and thresholded at 0.5 (a majority vote over the neighbourhood: thin
-bars and small shapes vanish, corners round off), so the network has to learn a local operation.
-The network is `depth` 3x3 SAME convolutions (`mm.layers.conv2d`) with relu, `width` channels each,
-then a 3x3 convolution to one logit per pixel; its receptive field (2·depth+3 pixels) covers the
-blur window. The loss is the sigmoid cross-entropy `mean(relu(z) - z·t + log(1 + exp(-|z|)))`
-written with mm ops; gradients come from `mm.gradients` inside `mm.trace()` and `mm.optim.Adam`
-updates the parameters.
-
-Only the input's layout is chosen (`--layout`, the mesh's rules, default
-"height:rows;width:cols"): every op's output follows the same rules, so every activation stays
-split like the input. Any rank count works: the default mesh is the squarest rows x cols shape
-with rows * cols = ranks (1 x p, a 1-D split, for a prime p), and image sizes need not divide
-(blocks of `numpy.array_split`; a block may be shorter than a halo, or empty). Each convolution
-brings one-pixel halos from its neighbours by
-point-to-point permutes (corners come with the second, widened exchange), the bias, relu and loss
-terms are local, and the loss mean and the filter gradients are allreduces. Every rank draws the
-same global images with numpy and keeps its own slice. Rank 0 prints the loss and pixel accuracy
-every `--print-every` steps, then the accuracy on held-out images beside the accuracy of copying
-the input mask, the step time, and the communication of one step.
+The images are random discs and rectangles; the target is the mask blurred by a box filter and
+thresholded, a local operation to learn. The network is `depth` 3x3 SAME convolutions with relu,
+then a 3x3 convolution to one logit per pixel, trained with Adam on a sigmoid cross-entropy. Only
+the input's layout is chosen (`--layout`): every activation stays split like it, any rank count and
+image size work, and each convolution brings halos from its neighbours. More: docs/apps.md.
 
 Run::
 
     mpiexec -n 4 python apps/segment.py                       # 2x2 mesh, 256x256 images, ~1 min
     mpiexec -n 3 python apps/segment.py --size 64 --steps 20  # 1x3 mesh, width in blocks 22, 21, 21
-    mpiexec -n 4 python apps/segment.py --mesh "rows:4;cols:1" --layout "height:rows"
-    mpiexec -n 2 python apps/segment.py --size 2048 --steps 20   # the benchmark size
     python apps/segment.py --mesh "all:1" --layout ""          # one process, unsplit
 """
 from __future__ import annotations

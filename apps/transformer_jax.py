@@ -1,19 +1,12 @@
 """`apps/transformer.py --backend jax`: one training step recorded by mpimesh, replayed by JAX.
 
-One process, or one per rank under a launcher (`mpiexec -n N ... --backend jax`): JAX's processes
-are then joined by `jax.distributed` (`mpimesh.tpu.distributed`), and their devices form one global
-`jax.sharding.Mesh` of the `--mesh` shape, processes outermost (the leading mesh dims span them).
-Every process records the step on a 1-rank mesh (`all:1`, COMM_SELF): its trace is the global
-program (every collective of a size-1 mesh dim is a no-op, every coordinate 0), the same on every
-process (checked before anything runs). It is replayed with `layout=` the `--layout` rules on the
-global mesh: XLA's SPMD partitioner places the collectives, across processes through JAX's CPU
-collectives (gloo). The kernels are the ops' own `lower` functions, run with `jax.numpy`.
-
-Each call feeds the step's outputs (new parameters and optimizer state) back as its inputs; the
-step's seed is an input too (a 0-d tensor), so dropout and the MoE layers draw each step's own
-numbers, those of `--backend mpi`. Each process builds only the rows of the batch its devices hold
-(`jax.make_array_from_callback`). Compiled programs are kept in JAX's persistent cache.
-"""
+One process, or one per rank under a launcher, joined by `jax.distributed`
+(`mpimesh.tpu.distributed`), their devices one global `jax.sharding.Mesh` of the `--mesh` shape.
+Every process records the step on a 1-rank mesh (the global program, checked to be the same
+everywhere) and replays it with the `--layout` rules: XLA's SPMD partitioner places the
+collectives. Each call feeds the step's outputs (parameters, optimizer state) back as its inputs;
+the step's seed is an input too, so dropout and MoE draw `--backend mpi`'s numbers. Each process
+builds only the batch rows its devices hold. More: docs/transformer.md."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

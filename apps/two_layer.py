@@ -1,21 +1,11 @@
 """The Mesh-TensorFlow paper's two-layer example (section 8), one SGD step under five layouts
 
-The model is two fully-connected layers, y = relu(x·w + bias)·v, with x[batch, io],
-w[io, hidden], bias[hidden], v[hidden, io], trained by plain SGD on a fixed regression target made
-by a random "teacher" net of the same shape (loss 0.5·sum((y - target)²)/batch). The step is
-written only with mpimesh's public API; its backward pass is `mm.gradients` over the step's
-trace (`backward()`), itself distributed: one einsum (and at most one allreduce) per gradient.
-
-For each layout of the paper (`[]`, `batch:all`, `hidden:all`, `batch:rows;hidden:cols`,
-`batch:rows;hidden:cols;io:planes`) it runs one step inside `mm.profile()` and prints the mesh,
-the elements each processor fed to allreduces (measured) beside the paper's Table 1 formula for
-these sizes, then the median time of a few more steps and the loss, which falls step by step.
-Every rank computes; rank 0 prints.
-
-Meshes use all ranks: 1-D `all:N`; 2-D `rows:r;cols:c` and 3-D `rows:r;cols:c;planes:p` are the
-most balanced factorisations of N, with the factors ascending, so the larger ones go to the model
-dims (`cols` splits hidden, `planes` splits io): 2 ranks -> 1×2 and 1×1×2, 4 ranks -> 2×2 and
-1×2×2, 8 ranks -> 2×4 and 2×2×2. A mesh dim of size 1 splits nothing and costs no communication.
+y = relu(x·w + bias)·v, trained by plain SGD towards a random "teacher" net of the same shape,
+written with mpimesh's public API (its backward pass `mm.gradients`). For each layout of the paper
+(`[]`, `batch:all`, `hidden:all`, `batch:rows;hidden:cols`, `batch:rows;hidden:cols;io:planes`) it
+profiles one step and prints the elements each processor fed to allreduces beside the paper's
+Table 1 formula, then the median time of a few more steps and the loss. Meshes use all ranks (the
+most balanced factorisations). More: docs/apps.md.
 
 Run::
 
@@ -162,22 +152,12 @@ def _split(mesh: mm.Mesh, rules: mm.LayoutRules, dim: str) -> tuple[Optional[str
 def expected_allreduces(mesh: mm.Mesh, rules, s: Sizes, input_grad: bool = True) -> Dict[str, int]:
     """Elements each processor allreduces in one step, per collective key, derived from the step.
 
-    With batch split r ways (mesh dim R), hidden c ways (C) and io p ways (P), each einsum
-    allreduces its local output over the mesh dim of its split reduced dim:
-      forward   h_pre = x·w   reduces io      -> over P: b·d_h/(r·c)
-                y = h·v       reduces hidden  -> over C: b·d_io/(r·p)
-      backward  dv = h·dy     reduces batch   -> over R: d_h·d_io/(c·p)
-                dh = dy·v     reduces io      -> over P: b·d_h/(r·c)
-                dbias = Σ dh_pre over batch   -> over R: d_h/c
-                dw = x·dh_pre reduces batch   -> over R: d_io·d_h/(p·c)
-                dx = dh_pre·w reduces hidden  -> over C: b·d_io/(r·p)   (input_grad only)
-    The elementwise ops (bias add, relu, mask, loss gradient, SGD) need none: their inputs share
-    one layout. An allreduce over a mesh dim of size 1 sends nothing and is not counted. This
-    gives the paper's Table 1 rows: [] -> 0; batch:all -> 2·d_io·d_h + d_h; hidden:all ->
-    2·b·d_io; batch:rows;hidden:cols -> 2·b·d_io/r + 2·d_io·d_h/c + d_h/c; and with io:planes
-    added, 2·b·d_h/(r·c) + 2·b·d_io/(r·p) + 2·d_io·d_h/(p·c) + d_h/c. Where a split is uneven,
-    each quotient is rank 0's block size, rounded up (`_first`).
-    """
+    Each einsum allreduces its local output over the mesh dim of its split reduced dim: with batch
+    split r ways (mesh dim R), hidden c ways (C) and io p ways (P), x·w and dy·v over P (b·d_h/(r·c)
+    each), h·v and dx over C (b·d_io/(r·p)), dv, dbias and dw over R (d_h·d_io/(c·p), d_h/c,
+    d_io·d_h/(p·c)); elementwise ops need none and a mesh dim of size 1 counts nothing. This gives the
+    paper's Table 1 rows. Where a split is uneven, each quotient is rank 0's block size, rounded up
+    (`_first`). The derivation written out: docs/apps.md."""
     rules = mm.LayoutRules(rules)
     b, dio, dh = s.batch.size, s.io.size, s.hidden.size
     (rm, r), (cm, c), (pm, p) = (_split(mesh, rules, d) for d in ("batch", "hidden", "io"))

@@ -26,18 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ENGINES = ("mpimesh/trace.py", "mpimesh/compiled.py", "mpimesh/graphs.py", "mpimesh/tpu/replay.py",
            "mpimesh/dryrun.py", "mpimesh/cost", "mpimesh/autodiff.py", "mpimesh/buckets.py",
-           "mpimesh/program.py", "mpimesh/recompute.py")
+           "mpimesh/program.py", "mpimesh/remat.py")
 """The engines: the modules that run, replay, differentiate or price recorded ops (a missing one is skipped)."""
 
 BACKEND_LAYER = ("mpimesh/backend.py",)
-"""The one module that may know the array module. `widen.py` picks its matmul by backend (a per-backend
+"""The one module that may know the array module. `gemm.py` picks its matmul by backend (a per-backend
 kernel, which an op definition holds), so it counts; `cublas.py` (ctypes bindings) has no such test."""
 
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("errors", ("errors",)),
+    ("errors", ("errors", "version")),
     ("env", ("env", "extras")),
-    ("pure", ("shape", "layout", "tree", "liveness")),
-    ("counters", ("collectives.counters", "collectives.callsite")),
+    ("pure", ("shape", "layout", "tree", "liveness", "stack")),
+    ("counters", ("counters", "collectives.callsite")),
     ("backend", ("promotion", "backend")),
     ("opdef", ("opdef",)),
     ("runtime", ("abort", "threads", "launch", "collectives", "collectives.*")),
@@ -45,9 +45,9 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("trace", ("trace",)),
     ("tensor", ("tensor",)),
     ("replay", ("program", "dryrun", "tpu", "tpu.*")),
-    ("ops", ("ops", "ops.*", "partials", "widen", "cublas", "creation")),
+    ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
-    ("engines", ("compiled", "graphs", "recompute", "cost", "cost.*")),
+    ("engines", ("compiled", "graphs", "remat", "cost", "cost.*")),
     ("optim", ("optim",)),
     ("layers", ("layers", "layers.*")),
     ("api", ("profile", "checkpoint", "repl", "testing", "testing.*", "")),
@@ -446,7 +446,7 @@ def import_arrows(root: Path = ROOT) -> List[Arrow]:
 def layer_of(module: str) -> Optional[int]:
     """The index in `LAYERS` of a module (`mpimesh.trace`, `apps.cli`), or None when no layer holds it.
 
-    >>> [LAYERS[layer_of(m)][0] for m in ("mpimesh.collectives.counters", "mpimesh.collectives.mpi", "mpimesh")]
+    >>> [LAYERS[layer_of(m)][0] for m in ("mpimesh.counters", "mpimesh.collectives.mpi", "mpimesh")]
     ['counters', 'runtime', 'api']
     """
     name = module[len("mpimesh."):] if module.startswith("mpimesh.") else "" if module == "mpimesh" else module

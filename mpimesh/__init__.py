@@ -42,7 +42,7 @@ from .ops.elementwise import stop_gradient
 from .ops.indexing import argmax, gather, one_hot, top_k
 from .ops.nn import log_softmax, softmax
 from .profile import profile, visualize
-from .recompute import remat
+from .remat import remat
 from .shape import Dimension, Shape
 from .tensor import DistTensor, arange as range, from_local, from_numpy
 from .trace import trace
@@ -52,7 +52,7 @@ from . import layers
 from . import cost
 from .cost import LayoutPlan, auto_layout
 
-__version__ = "0.1.0"
+from .version import __version__
 
 # The public API: `from mpimesh import *` and the API reference (docs/build_api.py) list exactly these.
 # tests/test_api_docs.py fails if a public name imported above is missing here.

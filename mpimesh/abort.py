@@ -1,37 +1,11 @@
 """One rank's uncaught exception ends the whole job, from `import mpimesh` on, and prints once.
 
-Without this, a rank that dies (say, before its first `Mesh`, opening a missing file) leaves the
-others waiting forever in their next collective. `install()` wraps `sys.excepthook`; under MPI with
-more than one rank, the hook prints the error, leaves the launcher `ABORT_GRACE` seconds to forward
-it, then calls `MPI_Abort`.
-
-An error every rank raises alike (a bad einsum in SPMD code) prints once, for all of them:
-`mpimesh: uncaught exception on ranks 0-3 (the same on each); aborting all ranks`, then the
-traceback. The hook cannot run a collective (the other ranks may be anywhere), so it sends
-point-to-point messages on tags of its own on `COMM_WORLD`: each rank sends a digest of its text
-to rank 0, which gathers them for up to `COLLECT` seconds (less once every rank has sent), prints
-once for the ranks whose text is its own, and tells every rank which ranks it printed for. A rank
-not among them (another error; or rank 0 never came, being stuck elsewhere or dead) prints its
-own after at most `WORD` seconds. A collective that failed (time-out, departed rank, divergence)
-prints only its message, one paragraph that already names where each rank was; a time-out's or a
-departure's names the rank that raised it, so it is printed at once, as its own.
-
-Tracebacks show the program's frames, not mpimesh's: frames inside the package are dropped, and
-so are those of libraries (numpy, the standard library) it called, down to the next frame of the
-program (a function it handed mpimesh, such as a `mm.remat` block, keeps its frames). An exception
-other than mpimesh's own errors (a TypeError, one from numpy or MPI, a bug) raised inside mpimesh
-adds a last line naming where, `(raised inside mpimesh at ops/einsum.py:269, in einsum;
-MPIMESH_DEBUG=1 shows mpimesh's frames)`. With `MPIMESH_DEBUG=1` in the environment tracebacks are
-left whole. The same trimming applies without a launcher (one process: Python's own output,
-trimmed, and no abort) and to the SPMD REPL's tracebacks (`mpimesh.repl`, through `shown`).
-
-Set `MPIMESH_NO_ABORT=1` (or on, true, yes) to keep Python's own hook (a debugger's post-mortem,
-say); any value but those and 0/off/false/no still installs the hook, and the first `Mesh` raises
-its error.
-
-`MPI_Abort` asks the launcher to end the job; a rank on a node cut off from it (a failed link)
-would wait there forever, holding its GPU and memory. So a watchdog process is started first: if
-the rank is still alive `ABORT_WATCHDOG` seconds later, it says so on the rank's stderr and kills it.
+`install()` wraps `sys.excepthook`: under MPI with more than one rank the hook prints the error
+once for all the ranks that raised it alike (point-to-point digests to rank 0, no collective), then
+calls `MPI_Abort`, with a watchdog that kills a rank the abort has not ended. Tracebacks show the
+program's frames, not mpimesh's (also in one process and in the REPL: `shown`); `MPIMESH_DEBUG=1`
+keeps every frame and `MPIMESH_NO_ABORT=1` keeps Python's own hook. How ranks agree on what to print,
+and the time limits: docs/failures.md.
 
 >>> install()  # idempotent
 >>> ranks_text([3, 0, 1, 2, 5])

@@ -1,11 +1,8 @@
 """Reverse-mode autodiff over the op trace.
 
-`gradients(ys, xs)` walks the open trace backwards, calling each op's gradient rule (written
-with mpimesh ops, so the backward pass is itself distributed and is recorded in the trace too).
-Ops without a rule (comparisons, argmax, one_hot's indices) pass no gradient: their inputs get
-zero gradient by design. Each op's gradient rule runs under the layout rules that were in force
-when the op ran (a forward `mm.layout_scope` also lays out its backward), whatever the rules in
-force when `gradients` is called.
+`gradients(ys, xs)` walks the open trace backwards, calling each op's gradient rule (mpimesh ops:
+the backward is distributed and recorded too) under the layout rules the op ran with, and frees
+what no rule still needs. Ops without a rule pass no gradient. More: docs/autodiff.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -85,28 +82,16 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, *,
     """Gradients of the sum of all elements of `ys` with respect to each of `xs`.
 
     Each gradient has the shape and layout of its x; an x that `ys` do not depend on gets zeros.
-    Must run inside `mm.trace()` (or pass the trace), and ys and xs must be tensors of that trace:
-    float tensors, in lists (or one tensor each); the result is a list.
+    Must run inside `mm.trace()` (or pass the trace, `tr=`); ys and xs are float tensors of that
+    trace, in lists (or one tensor each); the result is a list. `grad_ys`: one cotangent per y, of
+    its shape and dtype (TensorFlow's `grad_ys`, the argument of JAX's `vjp` function): the gradients
+    of the sum of all elements of `y * grad_y`, without computing that product. Default: ones.
 
-    `grad_ys`: one tensor per y, of its shape and dtype (the cotangents, as TensorFlow's `grad_ys` or
-    the argument of JAX's `vjp` function): the gradients are then those of the sum of all elements
-    of `y * grad_y` over the ys, without computing that product (e.g. a loss's gradient dy, fed
-    back through the layers that made y). Default: ones.
-
-    Memory, as PyTorch's backward: an open trace keeps, of the tensors nothing else holds, only those
-    some gradient rule reads (`OpDef.saves`); and as the walk goes, each intermediate tensor that
-    nothing but the trace holds gives its values back as soon as no remaining gradient rule needs
-    them (the trace keeps its shape and layout, `trace.Released`, all a replay needs). So the
-    backward's peak does not grow with depth. Differentiating the same ops again (second-order
-    gradients) then fails with a clear error; `retain=True` (PyTorch's `retain_graph`) keeps what
-    the rules read until the trace is dropped.
-
-    Data-parallel sums of gradients go in buckets (`mpimesh.buckets`): the gradient of an x that
-    the trace did not produce (a parameter, also through a relayout or a cast, as a float32 master
-    cast to bfloat16 in a layer), where it still awaits a sum over mesh dims, waits in a
-    bucket of `bucket_bytes` (None: `mm.set_bucket_bytes`'s, 25 MiB unless set; 0: no buckets, each
-    summed on the spot), and a full bucket is summed by one non-blocking allreduce while the
-    backward pass goes on. The values are the same as without buckets.
+    The walk releases each intermediate's values once no remaining rule needs them, so second-order
+    gradients fail unless `retain=True` (PyTorch's `retain_graph`). `bucket_bytes`: the size of the
+    buckets in which parameters' data-parallel gradient sums overlap the walk (None:
+    `mm.set_bucket_bytes`'s, 25 MiB unless set; 0: none); the values are the same as without.
+    More: docs/autodiff.md.
     """
 
     tr = tr if tr is not None else current_trace()

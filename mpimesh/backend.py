@@ -1,14 +1,9 @@
 """The array module in use: numpy on CPU, cupy on GPU. Only this module knows which.
 
-Other modules ask here instead of testing `xp.__name__` or array types: `name(xp)` says which
-module an op's kernel runs on (also "jax" under a replay), `to_host`/`to_device` move arrays
-between host and GPU and count each copy in the profile (`"d2h"`, `"h2d"`), so a test can
-assert that an op makes none.
-
-The dtype policy lives here too: `is_float` (bfloat16 included, which numpy calls kind 'V'),
-`accumulation_dtype` (float32 for the 16-bit floats), `wire_dtype` (what MPI moves) and
-`result_type` (`mpimesh.promotion`'s table, JAX's, whatever numpy and ml_dtypes would say); and the
-precision of float32 contractions on a GPU (`set_matmul_precision`).
+`name(xp)` says which module a kernel runs on (also "jax" under a replay); `to_host`/`to_device`
+move arrays and count each copy in the profile (`"d2h"`, `"h2d"`). The dtype policy lives here too
+(`is_float`, `accumulation_dtype`, `wire_dtype`, `result_type`), and the precision of float32
+contractions on a GPU (`set_matmul_precision`); see docs/dtypes.md.
 
 >>> array_module("numpy").__name__, name(np), resolve_backend("numpy")
 ('numpy', 'numpy', 'numpy')
@@ -19,17 +14,19 @@ precision of float32 contractions on a GPU (`set_matmul_precision`).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 import os
 from functools import lru_cache
 from types import ModuleType
-from typing import Optional
+from typing import Any, Callable, Hashable, Optional
 
 import ml_dtypes
 import numpy as np
 
 from . import env
-from .collectives import counters
+from . import counters
 from .errors import DTypeError, MpimeshError
 from .promotion import BFLOAT16, result_type  # noqa: F401  (the dtype policy's promotion, here with the rest)
 
@@ -52,9 +49,9 @@ def keep_freed_memory() -> bool:
     """Let glibc's malloc keep freed host memory for reuse instead of handing it back to the OS
     (once per process; `MPIMESH_KEEP_MEMORY=0`, or off, opts out). A training step frees and allocates the
     same large arrays every step; by default glibc serves them with fresh mmaps and trims the heap,
-    so every step page-faults (and zero-fills) memory it just had: on 2 ranks about 1,300 faults per
-    MLP step, as costly as the arithmetic. Arrays up to 32 MiB now come from the heap and up to 1 GiB
-    of free heap stays mapped (resident memory stays at its peak, as with a caching allocator).
+    so every step page-faults (and zero-fills) memory it just had, which can cost as much as the
+    arithmetic. With it, arrays up to 32 MiB come from the heap and up to 1 GiB of free heap stays
+    mapped (resident memory stays at its peak, as with a caching allocator).
     Returns whether it took effect (False without glibc's `mallopt`).
 
     >>> isinstance(keep_freed_memory(), bool)
@@ -62,8 +59,6 @@ def keep_freed_memory() -> bool:
     """
     if not env.flag("MPIMESH_KEEP_MEMORY", True):
         return False
-    import ctypes
-    import ctypes.util
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
@@ -110,16 +105,11 @@ _matmul = {"precision": "tf32" if _tf32_from_env() else "highest", "cupy": False
 
 
 def set_matmul_precision(precision: str) -> None:
-    """Run float32 contractions on a GPU in full float32 (`"highest"`) or on TF32 tensor cores
-    (`"tf32"`: inputs rounded to 10 mantissa bits, float32 sums; several times faster on GPUs of
-    compute capability 8.0 and later). The default is `"tf32"` where `CUPY_TF32` is a positive integer
-    (as CuPy reads it), else `"highest"`.
-
-    It reaches every float32 GEMM on CuPy: CuPy's own dot, tensordot and matmul (its compute type),
-    einsum's matmuls (`mpimesh.widen`'s cuBLAS call, as CuPy's batched matmul ignores TF32) and
-    einsum's opt_einsum fallback (the cuBLAS handle's TF32 math mode); and a JAX replay
-    (matmul precision "tensorfloat32" or "float32"). 16-bit inputs are multiplied as they are either
-    way; numpy on the CPU has no TF32, so there it changes nothing.
+    """Run float32 contractions on a GPU in full float32 (`"highest"`) or on TF32 tensor cores (`"tf32"`:
+    inputs rounded to 10 mantissa bits, float32 sums). The default is `"tf32"` where `CUPY_TF32` is a
+    positive integer, else `"highest"`. It reaches every float32 GEMM on CuPy (dot, tensordot, matmul,
+    einsum's) and a JAX replay's matmul precision; 16-bit inputs and numpy are unaffected. Details:
+    docs/dtypes.md.
 
     >>> import mpimesh as mm
     >>> before = mm.matmul_precision()
@@ -155,6 +145,63 @@ def name(xp) -> str:
 def is_eager(xp) -> bool:
     """Whether arrays of `xp` have concrete values (numpy, cupy), not traced ones (jax)."""
     return name(xp) in BACKENDS
+
+
+def on_host(xp) -> bool:
+    """Whether `xp` keeps its arrays in host memory (numpy), where the host may read and pool them.
+
+    >>> on_host(np), on_gpu(np)
+    (True, False)
+    """
+    return name(xp) == "numpy"
+
+
+def on_gpu(xp) -> bool:
+    """Whether `xp` keeps its arrays in GPU memory (CuPy: its kernels, streams and memory pool)."""
+    return name(xp) == "cupy"
+
+
+def synchronize(xp) -> None:
+    """Wait until the work queued so far on `xp`'s GPU is done (CuPy's default stream); on the host
+    there is nothing to wait for. For timings."""
+    if on_gpu(xp):
+        xp.cuda.Stream.null.synchronize()
+
+
+def free_memory(xp) -> Optional[float]:
+    """The free bytes of `xp`'s current GPU, or None where its arrays are in host memory."""
+    return float(xp.cuda.runtime.memGetInfo()[0]) if on_gpu(xp) else None
+
+
+def device_name(xp, device: Optional[int]) -> str:
+    """The name of GPU `device` for `xp` (CuPy), "" where its arrays are in host memory."""
+    if not on_gpu(xp):
+        return ""
+    return xp.cuda.runtime.getDeviceProperties(device)["name"].decode(errors="replace")
+
+
+def pinned_empty(nbytes: int):
+    """A uint8 host buffer of `nbytes` in page-locked memory (CuPy's), which GPU copies reach directly."""
+    return importlib.import_module("cupyx").empty_pinned((nbytes,), np.uint8)
+
+
+_kernels: dict = {}  # the compiled GPU kernels, by key (`cached_kernel`)
+_UNBUILT = object()
+
+
+def cached_kernel(key: Hashable, build: Callable[[], Any]) -> Any:
+    """The kernel cached under `key`, made by `build()` on first use (CuPy compiles it for a device
+    when it first launches there). `key` names the kernel's module and variant, e.g. `("rowwise",
+    "sum_exp")`; what `build` returns is kept, None too (a kernel the GPU's compiler refused).
+
+    >>> cached_kernel(("doc", "twice"), lambda: lambda a: 2 * a)(21), cached_kernel(("doc", "twice"), None)(1)
+    (42, 2)
+    >>> del _kernels["doc", "twice"]
+    """
+    kernel = _kernels.get(key, _UNBUILT)
+    if kernel is _UNBUILT:
+        kernel = _kernels[key] = build()
+    return kernel
 
 
 def device_count() -> int:
@@ -302,12 +349,15 @@ def as_dtype(dtype) -> np.dtype:
 
 
 def contiguous(xp, a):
-    """`a` C-contiguous where the array module has strides (numpy, cupy); as is otherwise (JAX).
-    Its shape is kept: a 0-d array stays 0-d (a copy: `ascontiguousarray` would make it 1-d)."""
-    f = getattr(xp, "ascontiguousarray", None)
-    if f is None:
-        return a
-    return a.copy() if a.ndim == 0 else f(a)
+    """`a` itself where it is C-contiguous (a 0-d array always is: `ascontiguousarray` would make it
+    1-d) or has no strides (a JAX array), else a C-contiguous copy of it (`xp.ascontiguousarray`).
+
+    >>> a = np.zeros((3, 2))
+    >>> contiguous(np, a) is a, contiguous(np, a.T).flags.c_contiguous, contiguous(np, np.array(1.0)).shape
+    (True, True, ())
+    """
+    flags = getattr(a, "flags", None)
+    return a if flags is None or flags.c_contiguous else xp.ascontiguousarray(a)
 
 
 @lru_cache(maxsize=4096)

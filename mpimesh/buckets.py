@@ -1,52 +1,13 @@
 """Bucketed, overlapped gradient sums: the "partial" state of a gradient.
 
-In a data-parallel step each rank's gradient of a parameter is a partial sum: it still awaits a sum
-over the mesh dims the batch is split over (Mesh-TensorFlow's `LazyAllreduceSum`, DTensor's
-`Partial()`). Inside `mm.gradients`, the gradient rule that makes a leaf's gradient (a tensor the
-trace did not produce, e.g. a parameter) marks its einsum with `partial_for(leaf)` (`mpimesh.partials`,
-below the ops): the einsum then skips its allreduce, and the gradient joins the bucket of gradients that need the same allreduce
-(mesh dims, dtype). The einsum writes that gradient straight into its slot of the bucket's flat
-buffer (PyTorch DDP's `gradient_as_bucket_view`): nothing is copied in. A bucket that is full, or
-that the next gradient would overflow, starts one non-blocking allreduce of the buffer in place
-(`Collectives.iallreduce`, `MPI.IN_PLACE`) while the backward pass goes on; `mm.gradients` starts
-the rest and waits for every bucket, and each gradient is a view of its slot: nothing is unpacked.
-An elementwise sum of a concatenation is the per-tensor sums, so the values are those of
-unbucketed reduction (bitwise, where the transport sums each element in an order that does not
-depend on the message length, as MPICH's algorithms do).
-
-Ownership: every walk (and every compiled replay) sums into buffers of its own, so a later step
-never overwrites the gradients a step returned; a buffer lives as long as any of its gradients.
-The transport hands them out (`Collectives.bucket_buffer`): on the host, from a pool that gives a
-buffer again only once nothing refers to it (a fresh one would page-fault each step), in shared
-memory where the group's ranks share a node, which the transport then sums in place without
-messages (`collectives/shm.py`).
-
-Bucket size, in bytes of local gradient blocks: `mm.gradients(..., bucket_bytes=N)`, else
-`set_bucket_bytes(N)` or `MPIMESH_BUCKET_BYTES=N`; the default is 25 MiB, PyTorch DDP's
-`bucket_cap_mb=25`. 0 turns bucketing off: each gradient is summed on the spot, as before. A bucket
-takes gradients while they fit in that size (one bigger than it gets a bucket of its own), counting
-each gradient as its largest block (`slot_bytes`), the same on every rank, so that every rank cuts
-the same buckets even where uneven blocks differ in length. Its buffer is no bigger than the
-gradients still to come may fill: each use of a leaf in the forward ops may give one.
-
-Through a cast: a layer casts its float32 master parameter to the bfloat16 or float16 activation
-dtype, so the einsum gives the cast's output's gradient, not the leaf's. `mm.gradients` treats the
-outputs of casts and relayouts of a leaf as leaves too, and runs their gradient rules once their
-(summed) gradients are in, where the unbucketed walk would have. An einsum of 16-bit inputs adds
-float32 partial sums to a float32 bucket (so never a blocking 16-bit allreduce), and its gradient
-is rounded to the 16-bit dtype once, after the sum (its one copy): float32 local sums, float32 sum over ranks, one
-rounding, then the cast's rule back to float32, the unbucketed path step for step.
-
-In the trace, the einsum is recorded without its allreduce and followed by a `"psum"` op whose
-kernel is `ctx.allreduce(a, mesh_dims)` (then the rounding to `dtype`, where it has one): a JAX
-replay runs it as `psum`. Its `params["bucket"]` is `(bucket serial, position, members)`: a
-compiled step (`mpimesh.compiled`) makes each bucket's buffer afresh, its members' einsums write
-their slots, and one non-blocking allreduce sums it in place, as the eager walk did.
+A parameter's gradient that still awaits its data-parallel sum (`partials.partial_for`) is written
+into its slot of a bucket per (mesh dims, dtype); a full bucket is summed in place by one non-blocking
+allreduce while the backward goes on (a `"psum"` op in the trace). Values: unbucketed reduction's.
+Size: `set_bucket_bytes` (default 25 MiB; 0: off). More: docs/compile.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
->>> w = mesh.from_numpy(np.array([1.0, 2.0]), "h:2")
->>> x = mesh.ones("b:3;h:2")
+>>> w, x = mesh.from_numpy(np.array([1.0, 2.0]), "h:2"), mesh.ones("b:3;h:2")
 >>> with mm.trace():
 ...     (g,) = mm.gradients([mm.reduce_sum(x * w)], [w], bucket_bytes=1 << 20)
 >>> g.to_numpy().tolist(), bucket_bytes()
@@ -60,11 +21,12 @@ import math
 import numpy as np
 
 from . import env
-from .backend import accumulation_dtype, name as backend_name
+from .backend import accumulation_dtype, on_host
 from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
 from .layout import local_sizes
 from .ops.elementwise import cast
+from .ops.relayout import sum_abstract, sum_kernel
 from .partials import active
 from .tensor import DistTensor
 from .opdef import OpDef
@@ -154,13 +116,12 @@ class Bucketer:
         self.uses -= 1
         return bucket.reserve(local_sizes(shape, mesh.shape, layout, mesh.coords), nbytes)
 
-    def partial(self, y, dims: tuple, dtype=None):
-        """`y` (an einsum's local sums, written into its `slot`, replicated over `dims` in its layout
-        but not yet summed there) as a gradient awaiting that sum: recorded as a `"psum"` op, its
-        values arriving at `finish`. `dtype` (a 16-bit float, where `y` holds float32 partials of
-        16-bit inputs): the sum is rounded to it once, as an unbucketed einsum rounds its float32
-        allreduce."""
-        dtype = None if dtype is None or dtype == y.dtype else dtype
+    def partial(self, y, dtype=None):
+        """`y` (a `PartialTensor`: an einsum's local sums, written into its `slot`, awaiting their sum
+        over `y.partial`) as a gradient: recorded as a `"psum"` op, its values arriving at `finish`.
+        `dtype` (a 16-bit float, where `y` holds float32 partials of 16-bit inputs): the sum is
+        rounded to it once, as an unbucketed einsum rounds its float32 allreduce."""
+        dtype, dims = None if dtype is None or dtype == y.dtype else dtype, y.partial
         out = DistTensor(y.mesh, y.shape, y.tensor_layout, Unreduced(y.local, dims, dtype))
         rec = None
         if _open_traces:
@@ -282,7 +243,7 @@ def slot_step(xp, itemsize: int) -> int:
     >>> slot_step(np, 4)
     1
     """
-    return 1 if backend_name(xp) == "numpy" else max(256 // itemsize, 1)
+    return 1 if on_host(xp) else max(256 // itemsize, 1)
 
 
 def next_slot(at: int, n: int, step: int) -> int:
@@ -294,22 +255,13 @@ def next_slot(at: int, n: int, step: int) -> int:
     return -(-(at + n) // step) * step
 
 
-def _psum(ctx, a, mesh_dims: tuple, dtype=None, bucket=None):
-    total = ctx.allreduce(a, mesh_dims)
-    return total if dtype is None else total.astype(dtype)
-
-
 def _psum_grad(op, dy):
     if dy.dtype == op.inputs[0].dtype:
         return [dy]
     return [cast(dy, op.inputs[0].dtype)]
 
 
-def _psum_abstract(ctx, shapes, a, mesh_dims: tuple, dtype=None, bucket=None) -> tuple:
-    ctx.allreduce(a, mesh_dims)
-    return (a.dtype if dtype is None else dtype,)
-
-
-PSUM = OpDef("psum", _psum, grad=_psum_grad, saves=((), ()), abstract=_psum_abstract, bucketed=True)
+PSUM = OpDef("psum", sum_kernel, grad=_psum_grad, saves=((), ()), abstract=sum_abstract, bucketed=True,
+             partial_inputs=True)
 """A gradient's sum over mesh dims, recorded after the einsum that left it to a bucket (`bucket`:
 `(bucket id, position, members)`, which a replay groups into one allreduce)."""

@@ -1,63 +1,17 @@
 """Checkpoints: each rank writes its own slices, atomically; loading reshards onto any mesh.
 
-A checkpoint is a directory holding `index.json` and one `part-NNNNN.bin` per mesh position that
-writes slices (NNNNN: the position's row-major index in the mesh it was saved from). A part file is
-the raw little-endian bytes of that position's slices, one after another. Among ranks holding
-identical replicas of a slice only the one at coordinate 0 of every mesh dim the tensor is not split
-over writes it. Slices are the layout's blocks (`numpy.array_split`'s), so they may differ in shape
-and be empty. The index names each tensor (dims and sizes, dtype, layout, the mesh it was saved
-from) and each slice (file, global offset, shape, byte offset and length, a CRC-32 per chunk of
-`chunk_elements` elements), and a CRC-32 of its own content (`index_crc32`, over the index's
-canonical JSON without that field: a damaged index that still parses is refused, not loaded with a
-renamed tensor or a changed dtype; indexes written before it are read without). No pickle anywhere.
-
-What is saved is a dict: of DistTensors (version 1 of the format, as before nests), or a nest of
-dicts (str keys), lists and tuples holding DistTensors and plain values: ints, floats, str, bool,
-None (version 2: the index's `tree` holds the nest as JSON, plain values in it, each tensor named by
-its path, keys joined by '/' and escaped as in a JSON Pointer: `{"a": {"b": t}}` holds the tensor
-'a/b', and the flat `{"a/b": t}` the tensor 'a/b' in version 1, 'a~1b' in a nest). `load` gives back
-the same nest; each tensor it returns knows where it came from (`DistTensor.origin`), so the
-optimizers' checks name the checkpoint and the tensor when a state does not fit its parameters.
-
-`save` writes into a temporary directory `.<name>.tmp-<random>` beside `path`, fsyncs, and after every
-rank has finished, rank 0 renames it into place (an existing checkpoint is first renamed away, then
-removed), so a reader never sees a half-written checkpoint. `load` reads from each saved slice only
-the chunks that overlap this rank's new slice, verifies their checksums, and assembles its block.
-Any failure on any rank raises the same `CheckpointError` on every rank. `load(..., shapes=)`
-checks the names and shapes against what the caller expects, from the index alone, before reading.
+`save(path, tree)` writes a nest of dicts, lists and tuples of DistTensors and plain values; `load`
+gives it back on any mesh and layout, checked against `shapes=` when given. `save_step` and `steps`
+keep numbered checkpoints in one directory; `verify` and `newest_intact` find an intact one. No
+pickle; a failure on any rank raises the same `CheckpointError` on every rank. The format and how
+writes stay atomic: docs/checkpoints.md.
 
 >>> import numpy as np, os, tempfile, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
->>> mm.save(path, {"w": mesh.from_numpy(np.arange(6.0).reshape(2, 3), "a:2;b:3")})
->>> mm.load(path, mesh)["w"].to_numpy()[1]
-array([3., 4., 5.])
->>> mm.load(path, mesh, shapes={"w": "a:2;b:4"})
-Traceback (most recent call last):
-mpimesh.errors.CheckpointError: checkpoint '...ckpt' does not fit: tensor 'w': checkpoint has b:3, expected b:4
->>> params = {"l1/kernel": mesh.ones("a:2;b:3")}  # (mm.layers.flatten's keys)
->>> opt = mm.optim.Adam(0.1)
->>> mm.save(path, {"params": params, "state": opt.init(params), "epoch": 3})
->>> back = mm.load(path, mesh, shapes={"params": params, "state": opt.init(params)})
->>> back["epoch"], back["state"]["m"]["l1/kernel"].origin[1]
-(3, 'state/m/l1~1kernel')
-
-A training loop keeps numbered checkpoints in one directory: `save_step(root, step, tensors, keep=2)`
-saves `root/step-NNNNNNNN` as above, then deletes all but the newest `keep` complete ones and the
-temporary directories of interrupted saves; `steps(root, mesh)` lists the complete ones. A save killed
-on any rank never leaves a `step-*` directory behind, so the newest listed is always loadable unless its
-files were damaged later: `verify(path)` says why one cannot be loaded, and `newest_intact(root, mesh)`
-finds the newest one that can.
-
->>> root = os.path.join(tempfile.mkdtemp(), "run")
->>> for step in (10, 20, 30):
-...     _ = save_step(root, step, {"w": mesh.zeros("a:2")})
->>> steps(root, mesh), sorted(os.listdir(root))
-([20, 30], ['step-00000020', 'step-00000030'])
-
-`MPIMESH_TEST_SLOW_SAVE=SECONDS` (for tests only): every rank, once its part file is written and before
-the index (the commit marker), prints its rank and pid to stderr and sleeps that long, a window in
-which a test kills it (tests/test_crash_safe.py).
+>>> mm.save(path, {"w": mesh.from_numpy(np.arange(6.0).reshape(2, 3), "a:2;b:3"), "epoch": 3})
+>>> back = mm.load(path, mesh); back["w"].to_numpy()[1], back["epoch"]
+(array([3., 4., 5.]), 3)
 """
 from __future__ import annotations
 
@@ -278,17 +232,20 @@ def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:
 # ---------------------------------------------------------------- save
 
 def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """Write the dict `tensors` to the directory `path`: name -> DistTensor, or nested dicts (str keys),
-    lists and tuples of DistTensors (all on one mesh) and plain values (int, float, str, bool, None),
-    such as `{"params": params, "opt": opt.init(params), "epoch": 3}`. Every rank must call it.
+    """Write the dict `tensors` to the directory `path`: DistTensors (one mesh) and plain values (int,
+    float, str, bool, None), nested in dicts (str keys), lists and tuples. A collective: every rank must
+    call it with the same `path` (as rank 0 sees it), `chunk_bytes`, tensor names, shapes, dtypes and
+    layouts, and plain values; ranks that differ raise CheckpointError on every rank before anything is
+    written. Each rank writes its own distinct slices; the checkpoint appears at `path` all at once,
+    replacing a checkpoint there (any other file or non-empty directory is refused). `mesh` is needed
+    only when there is no tensor.
 
-    A collective: every rank calls it with the same `path` (as rank 0 sees it), `chunk_bytes` and
-    tensors (names, shapes, dtypes and layouts; the dict's order may differ between ranks: the
-    checkpoint keeps rank 0's) and plain values. Ranks that differ raise CheckpointError on every
-    rank, naming the first difference, before anything is written. Each rank writes only its own
-    distinct slices; the checkpoint appears at `path` all at once. An existing checkpoint at `path`
-    is replaced; any other existing file or non-empty directory is refused. `mesh` is needed only
-    when there is no tensor.
+    >>> import tempfile, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> params, opt = {"l1/kernel": mesh.ones("a:2;b:3")}, mm.optim.Adam(0.1)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt"); mm.save(path, {"params": params, "state": opt.init(params)})
+    >>> mm.load(path, mesh)["state"]["m"]["l1/kernel"].origin[1]   # (names escaped as in a JSON Pointer)
+    'state/m/l1~1kernel'
     """
     path = _path(path)
     chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
@@ -443,17 +400,19 @@ def _swap_in(tmp: str, target: str) -> None:
 
 def load(path: str, mesh, layout: Optional[RulesLike] = None,
          shapes: Optional[Mapping[str, ShapeLike]] = None) -> dict:
-    """What was saved at `path`, as saved: a dict name -> DistTensor, or the same nest of dicts,
-    lists and tuples, DistTensors and plain values; each tensor on `mesh`, laid out by `layout`
-    (layout rules for every tensor; default: the rules in force on `mesh`). Every rank must call it.
+    """What was saved at `path`, as saved (the same nest of dicts, lists and tuples, DistTensors and
+    plain values), each tensor on `mesh` laid out by `layout` (default: the rules in force on `mesh`),
+    whatever mesh it was saved from. A collective: every rank must call it. A missing, damaged or
+    inconsistent checkpoint, or one whose tensors differ from `shapes` (the saved nest with a shape or a
+    tensor at each tensor's place), raises CheckpointError on every rank. Each tensor returned has
+    `origin`: (the checkpoint's absolute path, the tensor's name in it).
 
-    A collective. Works whatever mesh shape and layout the checkpoint was saved from. A missing,
-    truncated, corrupted or inconsistent checkpoint raises CheckpointError on every rank, and so
-    does one whose tensors are not exactly the names and shapes `shapes` gives (when given):
-    the message names the first tensor and the dims whose sizes differ. `shapes` has the nesting of
-    what was saved, each tensor's place holding its shape, or a tensor of that shape (a fresh
-    `{"params": params, "opt": opt.init(params)}` serves); its plain values are ignored. Each
-    tensor returned has `origin` `(the checkpoint's absolute path, the tensor's name in it)`.
+    >>> import numpy as np, tempfile, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt"); mm.save(path, {"w": mesh.ones("a:2;b:3")})
+    >>> mm.load(path, mesh, shapes={"w": "a:2;b:4"})
+    Traceback (most recent call last):
+    mpimesh.errors.CheckpointError: checkpoint '...ckpt' does not fit: tensor 'w': checkpoint has b:3, expected b:4
     """
     path, mesh = _path(path), _mesh(mesh)
     if shapes is not None and not isinstance(shapes, Mapping):
@@ -739,7 +698,15 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
     """`save(step_path(root, step), tensors)`, then delete all but the newest `keep` complete
     checkpoints in `root` and the leftovers of interrupted saves (after the new one is complete).
     A collective; returns the new checkpoint's path. `step` is an int >= 0 and `keep` an int >= 1
-    (the new checkpoint is always kept), checked before anything is written."""
+    (the new checkpoint is always kept), checked before anything is written.
+
+    >>> import tempfile, mpimesh as mm
+    >>> mesh, root = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF), os.path.join(tempfile.mkdtemp(), "run")
+    >>> for step in (10, 20, 30):
+    ...     _ = save_step(root, step, {"w": mesh.zeros("a:2")})
+    >>> steps(root, mesh), sorted(os.listdir(root))
+    ([20, 30], ['step-00000020', 'step-00000030'])
+    """
     path, keep = step_path(root, step), _int(keep, "keep", 1)
     mesh = _nest(tensors, mesh)[2]
     steps(root, mesh)  # refuses a directory of other things before writing into it

@@ -1,51 +1,17 @@
 """`mm.compile(fn)`: record a step once, then run its kernels again without the per-op Python.
 
-The first call with a signature runs `fn` eagerly inside a trace and keeps the program of its
-outputs (`mpimesh.program.Program`): the op records in order, each with its own local kernel and
-collectives. A later call with the same signature runs that program on the new arguments' blocks
-(`_Engine`): a flat list of kernels bound to slots, each array freed after its last reader, with
-none of dispatch's layout planning, checks, tensor objects or autodiff bookkeeping. The values are
-eager's, bitwise: the same kernels on the same blocks, in the same order.
-On CuPy that engine runs as CUDA graphs between the steps that need the host (`mpimesh.graphs`).
-
-The signature: each tensor argument's mesh, shape, layout and dtype; every other argument by
-value (numbers, strings, seeds: a new value records again, as `jax.jit`'s static arguments); the
-mesh's layout rules, the bucket size and the matmul precision in force. A bounded cache keeps the
-`cache_size` most recently used programs. Arguments and results may be nested tuples, lists and
-dicts of tensors and other values.
-
-`fn` may not read values on the host while it records (`to_numpy()`, `float(t)`, a tensor's
-`print` or `repr` that shows values, a branch on a value, `mm.save`): a compiled step runs no
-Python, so it would read them once and never again. The read itself raises `CompileError`, naming
-it and its file and line, before the rest of the step runs (its traceback ends at that line); a
-rank that did not read raises too, saying that another rank did (see `Compiled._agree`). Nor may it
-assign into its arguments (`p["w"] = ...` in a dict passed in): it returns its new state instead.
-What it cannot see: a read of `.local` (numpy on the block itself), and tensors it reads from
-outside its arguments (a closure, a global), which are constants of the recording: a replay uses
-the values they had then. Which arguments are one tensor passed twice is part of the signature.
-Called inside an open `mm.trace()`, the step runs eagerly (its ops recorded there, for gradients
-through it).
-
-Donation (`donate_argnums`, as `jax.jit`'s): the tensors in those positional arguments are given to
-the step, which may write its results into their blocks. A replay then updates parameters and
-optimizer state in place (`p - lr * g` into p's block: a pass over memory and a parameter-sized
-array less) and frees each donated block after its last reader. After every call, eager or
-replayed, a donated tensor raises `MpimeshError` wherever it is used: use what the step returned
-(`params = step(params, ...)`). A donated tensor also passed in a position that is not donated, or
-returned as it is, stays valid and is not written. A block is written only where the replay holds
-the only reference to it and owns its memory, so nothing else can see it change (a numpy array you
-gave `mm.from_local` and still hold is not overwritten). Inside an open trace donation is ignored.
-How a kernel writes in place: its function has `into = {output index: input index}`, and the engine
-passes `into=` the outputs it may write over their inputs (see `_Engine`).
+The first call per signature (each tensor argument's mesh, shape, layout and dtype, other arguments
+by value, the rules, bucket size and matmul precision in force) runs `fn` eagerly in a trace; later
+calls replay its `Program`'s kernels, bitwise eager's values (as CUDA graphs on CuPy). `fn` may not
+read values on the host (a `CompileError` at the read) nor assign into its arguments; donated
+tensors (`donate_argnums`) may have results written over them. More: docs/compile.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> step = mm.compile(lambda x, w: mm.einsum([x, w], output_shape="b:2") * 2.0)
 >>> w = mesh.from_numpy(np.array([1.0, 2.0]), "d:2")
->>> step(mesh.ones("b:2;d:2"), w).to_numpy().tolist(), step(mesh.ones("b:2;d:2") * 3.0, w).to_numpy().tolist()
-([6.0, 6.0], [18.0, 18.0])
->>> step.recordings, step.replays
-(1, 1)
+>>> [step(mesh.ones("b:2;d:2") * s, w).to_numpy().tolist() for s in (1.0, 3.0)], step.recordings, step.replays
+([[6.0, 6.0], [18.0, 18.0]], 1, 1)
 """
 from __future__ import annotations
 
@@ -58,7 +24,8 @@ import numpy as np
 
 from .backend import matmul_precision
 from .buckets import bucket_bytes, next_slot, slot_step
-from .collectives import counters, guard
+from . import counters
+from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
@@ -416,7 +383,7 @@ class _ReplayBucket:
     more): the gradients a run returns are views of it, which the next run does not overwrite."""
 
     def __init__(self, records: list, slots: dict, ops: list, mesh):
-        self.dims = records[0].params["mesh_dims"]
+        self.dims = records[0].inputs[0].partial  # (the sum its members await: a `PartialTensor`'s state)
         partials = [rec.inputs[0] for rec in records]
         self.ins = [slots[id(t)] for t in partials]
         self.outs = [slots[id(rec.outputs[0])] for rec in records]

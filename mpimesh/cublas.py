@@ -1,16 +1,7 @@
-"""cuBLAS called through ctypes: the few calls `mpimesh.widen` makes, usable while a CUDA stream
-captures a graph (`mpimesh.graphs`).
-
-CuPy's bindings refuse every cuBLAS call during stream capture ("calling cuBLAS API during stream
-capture is currently unsupported"), though cuBLAS itself supports capture (its documentation's
-"CUDA Graphs Support": a GEMM whose alpha and beta are read from host memory is captured with
-their values). These bindings make the same calls on the same handle: the library is the one CuPy's
-own bindings call, so CuPy's handles are valid here (a process may hold two, e.g. PyTorch's beside
-CuPy's: a handle of one passed to the other is undefined). Among the libcublas mapped into the process
-(`/proc/self/maps`), it is the one whose `cublasSetStream_v2` is where CuPy's bindings resolved it (their
-extension module is linked against libcublas: looked up through it, a symbol resolves as CuPy's calls
-do); each GEMM first binds the handle to the current stream, as CuPy's own bindings do. Their method
-names are CuPy's.
+"""cuBLAS called through ctypes: the few calls `mpimesh.gemm` makes, usable while a CUDA stream
+captures a graph (`mpimesh.graphs`), which CuPy's own bindings refuse. The calls go to the
+libcublas CuPy's bindings resolved (found in `/proc/self/maps`), on CuPy's handle, bound to the
+current stream first. Why and how the library is found: docs/gpu_kernels.md.
 
 >>> maps = ["7f00-7f01 r-xp 0 00:1 2 /t/libcublas.so.12", "7f01-7f02 r-xp 0 00:1 2 /x/libcublasLt.so.13",
 ...         "7f02-7f03 r-xp 0 00:1 2 /x/libcublas.so.13", "7f03-7f04 r--p 0 00:1 2 /x/libcublas.so.13"]

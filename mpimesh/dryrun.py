@@ -1,13 +1,11 @@
 """Dry runs: ops on tensors without values, over a mesh without processors (no MPI, no kernels).
 
-On a `DryMesh`, `dispatch` computes nothing: each op's output blocks are `Aval`s (shapes from its
-output layouts at coordinate 0, whose blocks are the largest; dtypes from its `OpDef.abstract`
-rule, which counts its collectives in the profile's counters as the MPI transport counts them). A
-trace records the ops as usual, so a step can be priced under any rules on any mesh shape, without
-the ranks, the memory or JAX (mpimesh's cost model, `mm.auto_layout`).
+On a `DryMesh` each op's output blocks are `Aval`s (coordinate 0's, the largest), dtypes and counted
+collectives from its `OpDef.abstract` rule; traces record the ops as usual, so the cost model prices
+a step on any mesh shape under any rules. More: docs/cost_model.md.
 
 >>> import mpimesh as mm
->>> from mpimesh.collectives import counters
+>>> from mpimesh import counters
 >>> mesh = DryMesh("rows:4;cols:2", layout="batch:rows;hidden:cols")
 >>> x, w = placeholder(mesh, "batch:64;hidden:32"), placeholder(mesh, "hidden:32;out:8")
 >>> with counters.counting() as c, mm.trace() as tr:
@@ -22,7 +20,7 @@ import math
 import numpy as np
 
 from .backend import as_dtype
-from .collectives import counters
+from . import counters
 from .collectives.base import Request
 from .collectives.dry import AVALS, DryCollectives
 from .errors import MpimeshError

@@ -1,67 +1,17 @@
 """The one parser of mpimesh's environment variables: every `MPIMESH_*` variable is read through it.
 
-`flag` reads a yes/no setting, `whole` a whole number, `number` a real number, `choice` one name
-of a list, `text` a free string. Each takes the variable's name and its default: an unset
-variable, or one set to the empty string or to spaces only, gives the default; surrounding spaces
-and the case of words are ignored. Anything else raises `MpimeshError` naming the variable, its
-value and what it accepts, so a typo is never read as some other setting (`off` as on, `-2` as
-unset). Every rank sees the same environment under `mpiexec`, so every rank raises alike.
-
-A variable read while `import mpimesh` runs is read with `early`: a bad value gives the default
-for now and its error is kept, to be raised at first use (`raise_kept`: by every `Mesh`, and by
-the accessor of that setting), where the abort hook is in place and the message is the
-traceback's last line, instead of failing the import itself.
+`flag` (1/0, true/false, yes/no, on/off), `whole`, `number`, `choice` and `text` take a variable's
+name and its default: unset or blank gives the default, a value that does not parse an `MpimeshError`
+naming the variable, its value and what it accepts. `early` keeps such an error from failing
+`import mpimesh` (raised at first use); `KNOWN` lists every variable and `unknown` names the
+misspelled ones. The variables and what they set: docs/environment.md. Imports only `errors.py`.
 
 >>> import os
 >>> name = "MPIMESH_TEST_ENV_PARSER"  # (the tests' own variable)
 >>> os.environ[name] = " Off "
->>> flag(name, True)
-False
->>> os.environ[name] = "maybe"
->>> flag(name, True)
-Traceback (most recent call last):
-...
-mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='maybe': expected 1/0, true/false, yes/no or on/off
->>> os.environ[name] = "-5"
->>> whole(name, 7, minimum=0, what="a whole number of bytes >= 0")
-Traceback (most recent call last):
-...
-mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='-5' is not a whole number of bytes >= 0
+>>> flag(name, True), whole(name, 7, words={"off": 0})
+(False, 0)
 >>> del os.environ[name]
->>> whole(name, 7), flag(name, True), choice(name, "numpy", ("numpy", "cupy"))
-(7, True, 'numpy')
-
-The variables (README.md and the modules' docstrings say more), with when they are read:
-
-| variable | read by | meaning | accepts (default) |
-|---|---|---|---|
-| `MPIMESH_BACKEND` | `backend.py`, each `Mesh` | array module for `Mesh(backend=None)` | `numpy`, `cupy` (`numpy`) |
-| `MPIMESH_KEEP_MEMORY` | `backend.py`, first mesh | glibc's malloc keeps freed memory | flag (on) |
-| `MPIMESH_GPU_MEMORY_FRACTION` | `backend.py`, CuPy meshes | cap of a GPU's CuPy pool | [0, 1], `0`/`off`: no cap (0.9) |
-| `MPIMESH_NO_ABORT` | `abort.py`, import and `Mesh` | keep Python's excepthook | flag (off) |
-| `MPIMESH_THREADS` | `threads.py`, import | BLAS/OpenMP threads per rank | whole number >= 1 (cores // local ranks) |
-| `MPIMESH_SPMD_CHECK` | `collectives/guard.py`, import | check before each collective | flag (off) |
-| `MPIMESH_COLLECTIVE_TIMEOUT` | `collectives/guard.py`, import | time-out, seconds | > 0, `0`/`off`/`none`: none (600) |
-| `MPIMESH_HANG_NOTICE` | `collectives/guard.py`, import | where ranks are, after s | > 0, `0`/`off`/`none`: none (30) |
-| `MPIMESH_SHM` | `collectives/shm.py`, import | in-node sums through shared memory | flag (on) |
-| `MPIMESH_CUDA_AWARE_MPI` | `collectives/placement.py`, CuPy meshes | MPI reads GPU memory | flag (ask MPI) |
-| `MPIMESH_DEBUG` | `trace.py`, import; `abort.py` | check each op's local outputs; whole tracebacks | flag (off) |
-| `MPIMESH_BUCKET_BYTES` | `buckets.py`, import | gradient bucket size | whole number >= 0, 0: none (25 MiB) |
-| `MPIMESH_CUDA_GRAPHS` | `graphs.py`, compiled steps on CuPy | CUDA graphs for compiled steps | flag (on) |
-| `MPIMESH_JAX_COORDINATOR` | `tpu/distributed.py`, `initialize` | JAX's coordinator | `host:port` (rank 0 picks) |
-| `MPIMESH_CACHE_DIR` | `cost/cache.py`, calibration | where calibrations are kept | a path (`$XDG_CACHE_HOME/mpimesh`) |
-| `MPIMESH_RECALIBRATE` | `cost/cache.py`, calibration | measure again, not from the cache | flag (off) |
-
-A flag accepts 1/0, true/false, yes/no and on/off. `KNOWN` lists these and the variables that are
-no settings: marks that mpimesh and the benchmarks write for their child processes, and those of
-the tests (`MPIMESH_TEST_SLOW_SAVE`, read by `checkpoint.py`, slows a save down for the crash tests).
-Any other `MPIMESH_*` variable in the environment is a typo, silently ignored otherwise: `import
-mpimesh` warns (`UnknownVariableWarning`, on the launcher's rank 0 only) naming the closest known one.
-
->>> unknown({"MPIMESH_SPMD_CHEK": "1", "MPIMESH_DEBUG": "1", "HOME": "/root"})
-['MPIMESH_SPMD_CHEK is not a variable mpimesh reads: did you mean MPIMESH_SPMD_CHECK?']
-
-Pure Python: it imports nothing of mpimesh but `errors.py`, so every module may import it.
 """
 from __future__ import annotations
 
@@ -77,7 +27,7 @@ __all__ = ["flag", "whole", "number", "choice", "text", "early", "raise_kept", "
            "launcher_rank", "UnknownVariableWarning"]
 
 KNOWN: dict[str, str] = {
-    # the settings (the table above)
+    # the settings (docs/environment.md's table)
     "MPIMESH_BACKEND": "backend.py", "MPIMESH_KEEP_MEMORY": "backend.py",
     "MPIMESH_GPU_MEMORY_FRACTION": "backend.py", "MPIMESH_NO_ABORT": "abort.py", "MPIMESH_THREADS": "threads.py",
     "MPIMESH_SPMD_CHECK": "collectives/guard.py", "MPIMESH_COLLECTIVE_TIMEOUT": "collectives/guard.py",
@@ -126,7 +76,16 @@ def _raw(name: str) -> Optional[str]:
 
 def flag(name: str, default: Any) -> Any:
     """A yes/no variable: True for 1/true/yes/on, False for 0/false/no/off (any case), `default`
-    where unset or blank; anything else raises `MpimeshError`."""
+    where unset or blank; anything else raises `MpimeshError`.
+
+    >>> import os
+    >>> os.environ["MPIMESH_TEST_ENV_PARSER"] = "maybe"
+    >>> flag("MPIMESH_TEST_ENV_PARSER", True)
+    Traceback (most recent call last):
+    ...
+    mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='maybe': expected 1/0, true/false, yes/no or on/off
+    >>> del os.environ["MPIMESH_TEST_ENV_PARSER"]
+    """
     raw = _raw(name)
     if raw is None:
         return default
@@ -172,7 +131,16 @@ def whole(name: str, default: Any, *, minimum: Optional[int] = None, maximum: Op
           words: Optional[Mapping[str, Any]] = None, what: Optional[str] = None) -> Any:
     """A whole-number variable (decimal digits, an optional sign) within [`minimum`, `maximum`];
     `words` maps words (any case) to values of their own. `default` where unset or blank; anything
-    else raises `MpimeshError` saying what it accepts (`what`, by default "a whole number" and the range)."""
+    else raises `MpimeshError` saying what it accepts (`what`, by default "a whole number" and the range).
+
+    >>> import os
+    >>> os.environ["MPIMESH_TEST_ENV_PARSER"] = "-5"
+    >>> whole("MPIMESH_TEST_ENV_PARSER", 7, minimum=0, what="a whole number of bytes >= 0")
+    Traceback (most recent call last):
+    ...
+    mpimesh.errors.MpimeshError: MPIMESH_TEST_ENV_PARSER='-5' is not a whole number of bytes >= 0
+    >>> del os.environ["MPIMESH_TEST_ENV_PARSER"]
+    """
     done, raw = _given(name, default, words)
     if done:
         return raw
@@ -266,7 +234,11 @@ def launcher_rank() -> Optional[int]:
 
 def unknown(environ: Mapping[str, str] = os.environ) -> list:
     """A line for each `MPIMESH_*` variable of `environ` (any case) that is not in `KNOWN`, with the
-    closest known name where one is close."""
+    closest known name where one is close.
+
+    >>> unknown({"MPIMESH_SPMD_CHEK": "1", "MPIMESH_DEBUG": "1", "HOME": "/root"})
+    ['MPIMESH_SPMD_CHEK is not a variable mpimesh reads: did you mean MPIMESH_SPMD_CHECK?']
+    """
     lines = []
     for name in sorted(environ):
         if not name.upper().startswith(_PREFIX) or name in KNOWN:

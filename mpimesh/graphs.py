@@ -1,41 +1,23 @@
-"""CUDA graphs for a compiled step on CuPy: the kernels between two host collectives captured once,
-then launched as one graph each (`mm.compile`'s engine on a GPU).
+"""CUDA graphs for a compiled step on CuPy: `GraphEngine` captures the kernels between two host steps
+(collectives, bucket allreduces, libraries that refuse capture) once, then launches each as one graph.
 
-`GraphEngine` wraps a compiled step's flat engine (`mpimesh.compiled._Engine`). Its first replay
-runs the steps on its own stream (a warm-up: cuBLAS workspaces, kernels compiled). The second
-captures: from each step on, as many steps as capture cleanly become one graph segment. A step
-whose kernel calls a collective (the SPMD check, the time-out and staged transfers run on the
-host), syncs with the host (a CUDA error while capturing) or calls a library that refuses capture
-(CuPy's own cuBLAS routines; einsum's GEMMs go through `mpimesh.cublas`) ends the segment and runs
-on the host, as do the gradient buckets' allreduces: the step becomes graph, host, graph, ...
-Every later replay launches the graphs and runs only the host steps in Python.
-
-As PyTorch's CUDA graphs: what a segment reads from outside the graphs (the step's arguments, a
-host step's results) is copied into static buffers before its launch; what it makes for later
-steps stays in the buffers it was captured with (the step's results are copied out at the end);
-its allocations come from a private memory pool kept with the graphs, so nothing else reuses them.
-Values are eager's, bitwise: the same kernels on the same values, in the same order.
-
-`MPIMESH_CUDA_GRAPHS=0` (or off) keeps the flat engine on CuPy. On numpy `for_engine` gives the engine back.
-
-A kernel sees a probe while its op is captured: the local helpers are the mesh's, a transfer
-says the op must run on the host.
+Values are eager's, bitwise. On numpy, or with `MPIMESH_CUDA_GRAPHS=0`, `for_engine` keeps the flat
+engine. While captured, a kernel sees a `_Probe`: a transfer says it is a host step. More: docs/compile.md.
 
 >>> import types
 >>> probe = _Probe(types.SimpleNamespace(coord=lambda mesh_dim: 0))
->>> probe.coord("rows")
-0
 >>> try:
-...     probe.allreduce
+...     print(probe.coord("rows")); probe.allreduce
 ... except _NeedsHost as e:
 ...     print("a host step:", e)
+0
 a host step: allreduce
 """
 from __future__ import annotations
 
 from . import env
-from .backend import name as backend_name
-from .collectives import counters
+from .backend import on_gpu
+from . import counters
 from . import liveness
 from .program import OpStep
 
@@ -111,7 +93,7 @@ class CudaCapture:
 def for_engine(engine):
     """The engine to run a compiled step with: `GraphEngine` over it on CuPy (unless
     `MPIMESH_CUDA_GRAPHS=0`, or this CuPy has no graph capture), else `engine` itself."""
-    if backend_name(engine.mesh.xp) != "cupy" or not env.flag("MPIMESH_CUDA_GRAPHS", True):
+    if not on_gpu(engine.mesh.xp) or not env.flag("MPIMESH_CUDA_GRAPHS", True):
         return engine
     cupy = engine.mesh.xp
     if not hasattr(cupy.cuda, "Graph") or not hasattr(cupy.cuda.Stream, "begin_capture"):

@@ -1,24 +1,16 @@
 """Layout rules and tensor layouts: which tensor dim is split over which mesh dim (pure Python).
 
-A *tensor layout* is a tuple with one entry per tensor dim: the mesh dim it is split over, or
-None. Slice arithmetic lives here alone (`block`): a dim of size n split over a mesh dim of size k
-holds, on the rank with coordinate c, block c of `numpy.array_split(range(n), k)`; when k divides n
-that is `[c*n/k, (c+1)*n/k)`. A mesh dim of size 1 splits nothing (`splitting`).
+A *tensor layout* has one entry per tensor dim: the mesh dim it is split over, or None. Slice
+arithmetic lives here alone (`block`): a dim of size n split over a mesh dim of size k holds, on
+coordinate c, block c of `numpy.array_split(range(n), k)`. A rule naming a dim that no tensor has
+(a typo) gives a `LayoutRuleWarning` naming the closest dims seen (`check_step`); when and where:
+docs/layouts.md.
 
 >>> rules = LayoutRules("batch:rows;hidden:cols")
 >>> plan_layout(Shape("batch:8;io:4;hidden:6"), Shape("rows:2;cols:3"), rules)
 ('rows', None, 'cols')
-
-A rule whose tensor dim no tensor has is most likely a misspelled name, and splits nothing. So
-the rules of each `Mesh` and `layout_scope` are noted (`note_rules`), the names of the dims laid
-out are kept as layouts are planned (`validate_layout`: once per shape, `plan_layout` being cached),
-and a rule whose tensor dim no tensor had gives a `LayoutRuleWarning` naming the closest dims seen:
-at the end of the first traced step that ran under it (`check_step`, at the exit of `mm.trace()`),
-else at exit if it laid out tensors (a program that stops on bad input before its first tensor
-says nothing). Once per rule and process, from the process that runs rank 0 of the rule's mesh
-(meshes of one rank, one on each process: from the first process alone). A rule for a dim that
-tensors have but could not use is no typo, and not flagged: another dim of the tensor on that
-mesh dim is a `LayoutError`, a size the mesh dim does not divide is split unevenly.
+>>> [block(7, 3, c) for c in range(3)]   # (start, stop) of each block
+[(0, 3), (3, 5), (5, 7)]
 """
 from __future__ import annotations
 

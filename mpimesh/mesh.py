@@ -29,6 +29,7 @@ from .errors import MeshError, ShapeError, by_rank
 from .layout import (LayoutRules, RulesLike, TensorLayout, check_rules, layout_dict, layout_from_spec, local_sizes,
                      note_rules, plan_layout)
 from .shape import Shape, ShapeLike
+from .stack import Stack
 
 
 _released: list = []  # the communicators of meshes that are gone, freed when the next mesh is built
@@ -91,7 +92,7 @@ class AbstractMesh:
         self._shape = mesh_shape_of(shape)
         self.rules = LayoutRules(layout)
         check_rules(self.rules, self._shape)
-        self._scopes: list[LayoutRules] = []
+        self._scopes = Stack()  # the rules of the open `layout_scope`s, innermost last
 
     @property
     def shape(self) -> Shape:
@@ -106,7 +107,7 @@ class AbstractMesh:
     @property
     def layout(self) -> LayoutRules:
         """The layout rules in force: the innermost `layout_scope`, else the mesh's own."""
-        return self._scopes[-1] if self._scopes else self.rules
+        return self._scopes[-1] if self._scopes else self.rules  # (read per op: no call)
 
     def plan(self, shape: Shape) -> TensorLayout:
         """The tensor layout (one mesh dim or None per tensor dim) the rules in force give `shape`."""
@@ -219,7 +220,8 @@ class Mesh(AbstractMesh):
                             f"alive? each holds its own communicators until it is dropped)") from None
         self._rank = self._cart.Get_rank()
         self._coords_key = tuple(self._coords.items())
-        self._watch = Watch(self._guard_comm)  # who is still in the job (exit notices, process ids)
+        self.watch = Watch(self._guard_comm)
+        """Who is still in the job (exit notices, process ids): what the collectives' guard asks."""
         self._subcomms: dict[tuple, MPI.Comm] = {}
         weakref.finalize(self, _release, [self._cart, self._guard_comm], self._subcomms).atexit = False
         self._collectives = None
@@ -337,8 +339,5 @@ def layout_scope(mesh: AbstractMesh, rules: RulesLike) -> Iterator[LayoutRules]:
     check_rules(rules, mesh.shape)
     if isinstance(mesh, Mesh):
         note_rules(rules, mesh.shape, mesh._speaks)
-    mesh._scopes.append(rules)
-    try:
+    with mesh._scopes.push(rules):
         yield rules
-    finally:
-        mesh._scopes.pop()

@@ -82,23 +82,14 @@ def same_dtype(ctx, outs, *ins, **params) -> tuple:
 
 @dataclass(frozen=True, eq=False)
 class OpDef:
-    """One op kind. `kernel(ctx, *arrays, **params)` gives this rank's output block(s) from its input
-    blocks, with `ctx.xp` the array module and `ctx`'s collectives over mesh dims; `kernels` replaces
-    it on one backend ("numpy", "cupy", "jax"). `grad(rec, *dys)` (an `OpRecord` with `params`,
-    `inputs`, `outputs`, `needs`) gives the inputs' gradients, reading the values only of the inputs
-    and outputs in `saves` (positions, or `ALL`; a callable of params for ops whose operands vary).
-    `into`: {output: input} a replay may write over (the kernel then gets `into=`). `fill`: what it
-    needs in padding (`FILLS`), None if it cannot run on padded blocks. `flops`, `bytes`, `scratch`:
-    `(params, input blocks, output blocks) -> int`, blocks being arrays or `Aval`s. `abstract(ctx,
-    output shapes, *input avals, **params)` -> output dtypes, counting its collectives on `ctx` (the
-    dry run). `capture`: whether a CUDA graph may capture its kernel. `bucketed`: its kernel is an
-    allreduce that a replay may sum together with the others of its gradient bucket (`params["bucket"]`).
-    `view(params, ins, outs)`: where its one output may be a view of input 0's memory (a reshape, a
-    reordering): 0, else None (the cost model's memory counts it once). `gemm`: its kernel is a matrix
-    product (the cost model adds a machine's fixed cost per GEMM, not per elementwise pass). `linear`:
-    one input, and a gradient rule that needs only its output's gradient and the input's dtype and
-    layout (a relayout, a cast): a parameter's gradient may wait in a bucket through it, its sum
-    over ranks still pending."""
+    """One op kind, whose fields every engine reads. `kernel(ctx, *arrays, **params)` gives this rank's
+    output block(s) from its input blocks (`ctx.xp`, collectives over mesh dims); `kernels` replaces
+    it per backend ("numpy", "cupy", "jax"). `grad(rec, *dys)` gives the inputs' gradients, reading
+    only the values in `saves`. `abstract` gives the output dtypes in a dry run, counting its
+    collectives; `flops`, `bytes`, `scratch` count for the profile and the cost model. The rest say
+    where an engine may take a shortcut or must take care: `into` (outputs a replay may write over
+    inputs), `fill` (padding), `capture` (CUDA graphs), `bucketed`, `view`, `gemm`, `linear`,
+    `partial_inputs`. More: docs/architecture.md ("OpDef's fields")."""
 
     name: str
     kernel: Callable
@@ -116,6 +107,7 @@ class OpDef:
     view: Optional[Callable] = None
     gemm: bool = False
     linear: bool = False
+    partial_inputs: bool = False
 
     def __post_init__(self):
         if not callable(self.kernel):

@@ -1,38 +1,15 @@
 """Functional optimizers: SGD (momentum), Adam(W) and Adafactor; float16's dynamic loss scaling.
 
-`opt.init(params)` makes the state; `opt.update(params, grads, state)` returns
-`(new_params, new_state)` and mutates nothing. `params` and `grads` are dicts of DistTensors with
-the same keys. The state is a dict: `"step"`, a replicated 0-d int32 tensor counting the updates
-applied, and one dict per slot (`"v"`, `"m"`, `"vr"`, ...) mapping parameter names to tensors.
-
-Every state tensor is laid out like its parameter (a factored statistic like the parameter's
-remaining dims), so a model-parallel layout splits the optimizer's memory too. The arithmetic is
-mpimesh ops run inside a `layout_scope` of each parameter's own layout: elementwise work is local,
-RMS values and factored means allreduce over the parameter's split mesh dims only, and an open
-`mm.trace()` records the whole update (the step is a tensor, so a replay serves every step).
-
-Learning rates (and Adafactor's decay rate) are floats or callables `f(t)` of the 1-based step `t`
-(a 0-d float DistTensor), e.g. `lambda t: 1e-3 * mm.minimum(t / 100.0, 1.0)`, returning a float or a
-0-d float DistTensor. A gradient that is None leaves its parameter and state unchanged.
-
-Every hyperparameter is checked where it is given (a schedule's value where it is used): a
-TypeError for a value of the wrong type (a bool is not a number), an MpimeshError naming it for a
-value that is not finite or out of range. Params, grads and state must be float tensors on one
-Mesh object; anything else raises on every rank before any op runs.
-
-Low precision: the update of a 16-bit float parameter runs in float32 (its state is float32) and
-the new value is rounded once; the usual set-up keeps float32 master parameters, which the layers
-cast to the activations' dtype, so their gradients are float32 already. `DynamicLossScale` scales
-a float16 loss so that small gradients do not flush to zero, and skips the steps whose gradients
-overflowed.
+`opt.init(params)` makes the state (`"step"` and a dict per slot); `opt.update(params, grads,
+state)` returns `(new_params, new_state)` and mutates nothing. Each state tensor is laid out like
+its parameter; learning rates may be schedules `f(t)`; 16-bit parameters update in float32.
+Details, and Adafactor's formulas: docs/optimizers.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
->>> grads = {"w": mesh.from_numpy(np.array([0.5, -1.0]), "a:2")}
->>> opt = mm.optim.SGD(0.1, momentum=0.9)
->>> state = opt.init(params)
->>> params, state = opt.update(params, grads, state)
+>>> grads, opt = {"w": mesh.from_numpy(np.array([0.5, -1.0]), "a:2")}, mm.optim.SGD(0.1, momentum=0.9)
+>>> params, state = opt.update(params, grads, opt.init(params))
 >>> params["w"].to_numpy().tolist(), int(state["step"].to_numpy()), sorted(state)
 ([0.95, 2.1], 1, ['step', 'v'])
 """
@@ -50,7 +27,7 @@ from .mesh import layout_scope
 from .ops.einsum import einsum
 from .ops.elementwise import abs as abs_
 from .ops.elementwise import cast, equal, greater_equal, less, maximum, minimum, rsqrt, sqrt, square, where
-from .ops.reduce import reduce_mean, reduce_min
+from .ops.reduce import reduce_mean, reduce_min, reduce_sum
 from .ops.relayout import to_layout
 from .ops.adafactor import adafactor_update
 from .ops.updates import TENSOR_OPS, adam_step, adam_update, sgd_step, sgd_update
@@ -360,34 +337,17 @@ class Adam(Optimizer):
 
 
 class Adafactor(Optimizer):
-    """Adafactor (Shazeer & Stern 2018) with Mesh-TensorFlow's defaults.
+    """Adafactor (Shazeer & Stern 2018) with Mesh-TensorFlow's defaults: the second moment of a
+    parameter with >= 2 dims is factored into row and column means over its two largest dims (slots
+    "vr", "vc"; else "v"), the update is clipped by its RMS (`clipping_threshold`) and scaled by the
+    parameter's RMS (`multiply_by_parameter_scale`); `beta1 > 0` adds momentum (slot "m"). The update
+    written out: docs/optimizers.md.
 
-    With t the 1-based step, RMS(x) = sqrt(mean(x**2)) over all of x, and p the value before the step:
-
-        lr_t    = learning_rate(t), default min(0.01, 1/sqrt(t)), times 0.05 if not
-                  multiply_by_parameter_scale
-        decay_t = decay_rate(t), default 1 - t**-0.8 (so the first step keeps no history)
-        scale   = lr_t * max(epsilon2, RMS(p))   if multiply_by_parameter_scale, else lr_t
-        g2      = g**2 + epsilon1
-
-    Factored (factored=True, p has >= 2 dims and its second-largest dim has size >=
-    min_dim_size_to_factor; d0 is the largest dim, d1 the second, ties in dim order):
-
-        vr <- decay_t * vr + (1 - decay_t) * mean over d0 of g2      (slot "vr": p's dims without d0)
-        vc <- decay_t * vc + (1 - decay_t) * mean over d1 of g2      (slot "vc": p's dims without d1)
-        u   = g * rsqrt(vr / (mean over d1 of vr)) * rsqrt(vc)
-
-    (per index of any other dims: Adafactor's V = R C / sum(R) with row and column means). Else:
-
-        v  <- decay_t * v + (1 - decay_t) * g2                       (slot "v")
-        u   = g * rsqrt(v)
-
-    Then update clipping and the step:
-
-        u   = u / max(1, RMS(u) / clipping_threshold)                (skipped if None)
-        d   = scale * u
-        m  <- beta1 * m + (1 - beta1) * d;  d = m                    (slot "m", only if beta1 > 0)
-        p  <- p - d
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> state = Adafactor(min_dim_size_to_factor=2).init({"w": mesh.ones("a:3;b:2")})
+    >>> state["vr"]["w"].shape, state["vc"]["w"].shape, state["v"]
+    (Shape('[b:2]'), Shape('[a:3]'), {})
     """
 
     def __init__(self, learning_rate: Optional[Schedule] = None, decay_rate: Optional[Schedule] = None,
@@ -503,26 +463,20 @@ def _keep_unless(ok) -> Callable:
 
 
 class DynamicLossScale:
-    """Dynamic loss scaling for float16 training (as in PyTorch's `GradScaler`).
-
-    Multiply the loss by `scale` before `mm.gradients` (`scaled(loss)`), then `step(...)`: when
-    every gradient is finite on every rank (agreed by one allreduce), the gradients are unscaled
-    and the optimizer applied; otherwise the step is skipped and the scale multiplied by
-    `backoff`. After `interval` applied steps in a row the scale is multiplied by `growth`. The
-    scale is a Python float, the same on every rank; or, for a step that `mm.compile` replays, a
-    tensor in the optimizer state (`init(state)`), the same skipping decided with no host read.
+    """Dynamic loss scaling for float16 training (as in PyTorch's `GradScaler`): multiply the loss by
+    `scale` (`scaled(loss)`) before `mm.gradients`; `step(...)` unscales the gradients and applies the
+    optimizer when all are finite on every rank, else skips the step and multiplies `scale` by
+    `backoff` (by `growth` after `interval` applied steps). The scale is a float or, for a compiled
+    step, a tensor in the optimizer state (`init(state)`).
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
-    >>> params = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}
-    >>> ls, opt = DynamicLossScale(scale=4.0, interval=1), SGD(0.5)
-    >>> state = opt.init(params)
-    >>> bad = {"w": mesh.from_numpy(np.array([np.inf, 0.0]), "a:2")}
-    >>> _, _, applied = ls.step(opt, params, bad, state); applied, ls.scale
-    (False, 2.0)
-    >>> good = {"w": mesh.from_numpy(np.array([2.0, 4.0]), "a:2")}  # 2x the true gradient [1, 2]
-    >>> new, _, applied = ls.step(opt, params, good, state); applied, ls.scale, new["w"].to_numpy().tolist()
-    (True, 4.0, [0.5, 1.0])
+    >>> params, opt = {"w": mesh.from_numpy(np.array([1.0, 2.0]), "a:2")}, SGD(0.5)
+    >>> ls = DynamicLossScale(scale=4.0, interval=1)
+    >>> steps = [ls.step(opt, params, {"w": mesh.from_numpy(np.array(g), "a:2")}, opt.init(params))
+    ...          for g in ([np.inf, 0.0], [2.0, 4.0])]  # overflowed, then 2x the true gradient [1, 2]
+    >>> [applied for _, _, applied in steps], ls.scale, steps[1][0]["w"].to_numpy().tolist()
+    ([False, True], 4.0, [0.5, 1.0])
     """
 
     def __init__(self, scale: float = 2.0 ** 15, growth: float = 2.0, backoff: float = 0.5, interval: int = 200):
@@ -536,8 +490,8 @@ class DynamicLossScale:
 
     def init(self, state: Mapping) -> dict:
         """An optimizer's `state` (from its `init`) with this scale in it as tensors, key
-        `"loss_scale"`: `{"scale": float32 0-d, "good_steps": int32 0-d}`, from `scale` and
-        `good_steps` now. Given such a state, `scaled` and `step` read and update those tensors, not
+        `"loss_scale"`: `{"scale": float32 0-d, "good_steps": int32 0-d}`, from the current `scale`
+        and `good_steps`. Given such a state, `scaled` and `step` read and update those tensors, not
         the Python attributes, and decide with no value read on the host: a skipped step is a
         `where` that keeps the old params and state, so a compiled step (`mm.compile`) scales and
         skips by itself, and the scale is saved and restored with the state. With power-of-two
@@ -552,7 +506,7 @@ class DynamicLossScale:
 
     def scaled(self, loss, state: Optional[Mapping] = None):
         """`loss * scale`, the value to differentiate (the scale in `state`, where `init` put one). A
-        16-bit loss is scaled in float32 (2**16 is inf in float16, and so was any loss times it); its
+        16-bit loss is scaled in float32 (2**16 is inf in float16, and so would be any loss times it); its
         gradient is still a 16-bit number, so a float16 loss caps the scale at 2**15: compute the loss
         in float32 (as PyTorch's autocast does) where scales should grow past that."""
         held = _held_scale(state)
@@ -561,7 +515,6 @@ class DynamicLossScale:
 
     def finite(self, grads: Mapping) -> bool:
         """Whether every gradient is finite, agreed across all ranks of the mesh."""
-        from .ops.reduce import reduce_sum
         if not isinstance(grads, Mapping):
             raise TypeError(f"DynamicLossScale: grads must be a dict of DistTensors, got a {type(grads).__name__}")
         for name, g in grads.items():

@@ -16,28 +16,26 @@ from contextlib import contextmanager
 from itertools import product
 from typing import Iterator
 
-from .collectives import counters
+from . import counters
+from .layout import slice_bounds
+from .stack import Stack
 
 
 class Profile:
     """What this rank did inside a `profile()` block.
 
-    `counters["<kind>/<mesh dims>"]` is `{"calls", "elements", "bytes"}` per collective, where
-    elements is the size of this rank's input buffer; `counters["flops"]` is `{"calls", "flops"}`;
-    `counters["d2h"]` and `["h2d"]` count copies between GPU and host made by ops (a staged
-    transport's copies are `"d2h/<mesh dims>"`, `"h2d/<mesh dims>"`). `peak_bytes` is this rank's
-    peak memory during the block, once it has ended: `{"host": ...}` (resident set), `"arrays"`
-    (live allocations, numpy's included; with `profile(memory=True)`), and where CuPy is in use
-    `"gpu"` (the high-water mark of the bytes its memory pool handed out: used, not cached) and
-    `"gpu_cached"` (the pool's total, cached blocks included).
+    `counters["<kind>/<mesh dims>"]` is `{"calls", "elements", "bytes"}` per collective (elements: this
+    rank's input buffer); `counters["flops"]` is `{"calls", "flops"}`; `"d2h"` and `"h2d"` count copies
+    between GPU and host made by ops (a staged transport's: `"d2h/<mesh dims>"`, `"h2d/<mesh dims>"`).
 
-    `overlap` sums the non-blocking collectives that completed in the block (the buckets of
-    `mm.gradients`): `{"requests", "seconds", "exposed", "hidden"}`, where seconds is the time from
-    each one's start to its completion, exposed the part this rank spent blocked waiting for it,
-    and hidden the rest, spent on other work (the backward pass) while it ran. A completion is
-    seen when a request is polled (autodiff polls after each gradient rule), so hidden time is
-    counted to the nearest op.
-    """
+    `peak_bytes`, once the block has ended: `"host"` (resident set), `"arrays"` (live allocations,
+    numpy's included, with `profile(memory=True)`), and on CuPy `"gpu"` (the high-water mark of the
+    bytes its memory pool handed out: used, not cached) and `"gpu_cached"` (the pool's total).
+
+    `overlap` sums the non-blocking collectives completed in the block (the buckets of
+    `mm.gradients`): `{"requests", "seconds", "exposed", "hidden"}`: seconds from each one's start to
+    its completion, exposed the part this rank spent blocked on it, hidden the rest (a completion is
+    seen when polled, after each gradient rule: hidden time is counted to the nearest op)."""
 
     def __init__(self, data: dict):
         self.counters = data
@@ -82,7 +80,7 @@ def _human(n: int) -> str:
     return str(n)
 
 
-_open_peaks: list[dict] = []  # the running peaks of the profiles open now, outermost first
+_open_peaks = Stack()  # the running peaks of the profiles open now, outermost first
 
 
 def _memory_mark(arrays: bool = False) -> dict:
@@ -184,14 +182,12 @@ def profile(memory: bool = False) -> Iterator[Profile]:
     for running in _open_peaks:  # an inner profile resets the high-water marks: fold them in first
         _fold(running, _memory_peak(running["marks"]))
     running = {"marks": _memory_mark(memory or any("arrays" in r["marks"] for r in _open_peaks)), "peak": {}}
-    _open_peaks.append(running)
     prof = None
     try:
-        with counters.counting() as data:
+        with _open_peaks.push(running), counters.counting() as data:
             prof = Profile(data)
             yield prof
     finally:
-        _open_peaks.remove(running)
         _fold(running, _memory_peak(running["marks"]))
         _memory_done(running["marks"])
         if prof is not None:
@@ -204,10 +200,9 @@ def _fold(running: dict, now: dict) -> None:
 
 
 def visualize(t) -> str:
-    """Which global slice each rank holds: a grid of the blocks of the split dims (rows: the first
-    split dim, columns: the others), each cell naming the ranks that hold it, then one line per rank.
-    Blocks are `numpy.array_split`'s, so they may differ in size or be empty (marked `(empty)`).
-    Pure layout arithmetic, no communication.
+    """Which global slice each rank holds: a grid of the blocks of the split dims (rows: the first split
+    dim, columns: the others), each cell naming its ranks, then one line per rank. Blocks may differ in
+    size or be empty (`(empty)`). Pure layout arithmetic, no communication.
 
     >>> import mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -220,7 +215,6 @@ def visualize(t) -> str:
     <BLANKLINE>
       rank 0 (all=0): a[0:4] b[0:2]
     """
-    from .layout import slice_bounds
     mesh, names = t.mesh, t.shape.names
     layout = ", ".join(f"{k}: {v}" for k, v in t.layout.items())
     holders: dict = {}  # a block's ((coord, start, stop) per dim) -> the ranks holding it

@@ -1,12 +1,7 @@
 """A recorded step as a program: the op records that given outputs need, in trace order, and which
-tensors are its inputs, outputs and constants. The engines that run a step again without the
-eager machinery read it: `mm.compile`'s (`mpimesh.compile`: each op's own kernel on this rank's
-blocks, bound to slots) and the JAX replay (`mpimesh.tpu.replay`: the same kernels under
-`shard_map`).
+tensors are its inputs, outputs and constants; what `mm.compile`'s engine and the JAX replay run.
 
-A tensor is known by its identity in the trace's records (`id`), so a tensor whose array an open
-trace released (`trace.Released`, all a program needs of it: shape, layout, dtype) still links
-the op that made it to the ops that read it.
+Tensors are known by identity, so one an open trace released still links its ops. More: docs/compile.md.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -25,6 +20,7 @@ from typing import Any, Sequence
 
 from .errors import MpimeshError
 from .opdef import OpDef
+from .trace import Released
 
 
 class ProgramError(MpimeshError):
@@ -111,7 +107,6 @@ class Program:
     def strip(self) -> "Program":
         """Keep only what describes each tensor (`trace.Released` stand-ins: shape, layout, dtype,
         local shape), none of their arrays, so a program kept for pricing holds no memory."""
-        from .trace import Released
         stub = {i: t if isinstance(t, Released) else Released(t) for i, t in self.tensors().items()}
         for rec in self.ops:
             rec.inputs = tuple(stub[id(t)] for t in rec.inputs)

@@ -1,19 +1,10 @@
 """Dtype promotion: the dtype an op combining tensors of several dtypes produces, from a table written
-out here, whatever the installed numpy or ml_dtypes would say.
+out here (JAX's, with 64-bit types), whatever the installed numpy or ml_dtypes would say.
 
-The table is JAX's (`jax.numpy.promote_types` with 64-bit types enabled, as mpimesh holds float64 and
-int64 tensors and its JAX replay runs with them): an integer with a float gives the float (int32 with
-float32 is float32, bfloat16 with int64 is bfloat16), bfloat16 with float16 gives float32, a signed
-integer with uint64 gives float64 (no integer holds both), and the complex dtypes follow the same
-lattice (int64 with complex64 is complex64). numpy differs on many of these pairs (int32 with
-float32 is float64 there), and ml_dtypes' promotion of bfloat16 has changed between its versions, so
-nothing here asks numpy what it would do, except `operand_casts`, which says where a numpy kernel
-must be handed cast operands to produce the table's dtype. Dtypes outside the table (float128,
-complex256) take numpy's rule.
-
-Several dtypes promote as JAX's `result_type` does: any integer or bool beside a float or complex
-dtype gives the floats' promotion (so int64, uint64 and float16 give float16, as in JAX, not the
-float64 that promoting int64 with uint64 first would give).
+An integer with a float gives the float, bfloat16 with float16 gives float32, a signed integer with
+uint64 gives float64; several dtypes promote as JAX's `result_type` does (integers beside floats
+give the floats' promotion). `operand_casts` says what a numpy kernel must cast its operands to for
+that dtype. The rules and where numpy differs: docs/dtypes.md.
 
 >>> result_type("int32", "float32"), result_type("bfloat16", "int64"), result_type("bfloat16", "float16")
 (dtype('float32'), dtype(bfloat16), dtype('float32'))

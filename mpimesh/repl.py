@@ -4,25 +4,17 @@ Usage::
 
     $ mpimesh-repl -n 4                       # or: python -m mpimesh.repl -n 4
     $ mpiexec -n 4 python -m mpimesh.repl     # under any launcher (srun, mpirun -hostfile ...)
-    $ echo 'mm.Mesh("rows:2;cols:2").ones("a:2;b:2", layout="a:rows")' | mpiexec -n 4 python -m mpimesh.repl
 
-Every statement runs on every rank, in one namespace per rank that starts with ``mm``, ``np``,
-``rank`` and ``size``. Output is shown once, from rank 0; a rank whose output differs from rank
-0's is shown after it, labelled ``[rank k]``, and so is an exception on some ranks only; then the
-session goes on. Tracebacks show the statement's frames, not mpimesh's (`mpimesh.abort.shown`).
-``exit()`` or Ctrl-D ends it on every rank.
-
-Ctrl-C interrupts the statement on every rank (SIGINT or SIGUSR1, which launchers forward). Under a
-bare ``mpiexec`` the launcher owns Ctrl-C, and MPICH's ends the job at the second one; ``mpimesh-repl
--n N`` owns the terminal instead (line editing, history, Ctrl-C as often as needed) and launches
-the ranks itself. If ranks were interrupted inside different collectives they can never meet again:
-rank 0 names them and ends the job rather than hang. That includes rank 0 itself: an interrupt that
-arrives during a call Python cannot interrupt (a collective the other ranks skipped) is never seen, so
-rank 0 says at once where it is stuck. SIGTERM or SIGHUP to ``mpimesh-repl`` ends the job with it.
+Each rank has its own namespace, starting with ``mm``, ``np``, ``rank`` and ``size``. Output shows
+once, from rank 0, plus any rank whose output or exception differs (``[rank k]``); tracebacks show
+the statement's frames (`mpimesh.abort.shown`). Ctrl-C interrupts the statement on every rank;
+ranks left in different collectives are named and the job ends rather than hang. ``mpimesh-repl``
+owns the terminal and launches the ranks itself. README.md ("Interactive use") says more.
 """
 from __future__ import annotations
 
 import argparse
+import builtins
 import codeop
 import contextlib
 import io
@@ -38,6 +30,11 @@ import threading
 import time
 import traceback
 from typing import Dict, List, Optional, Tuple
+
+try:  # line editing and history for input() in a terminal (where Python has it)
+    import readline  # noqa: F401
+except ImportError:
+    pass
 
 import numpy as np
 from mpi4py import MPI
@@ -160,8 +157,6 @@ class Session:
         self.interrupts = _Interrupts()
         if self.rank == 0:
             sys.stdout.reconfigure(line_buffering=True)  # a pipe under every launcher
-            if sys.stdin.isatty():  # a 1-rank session in a terminal: line editing and history
-                import readline  # noqa: F401
 
     # -- every rank -------------------------------------------------------------------------------
     def run(self, source: str) -> Report:
@@ -195,7 +190,6 @@ class Session:
         """sys.displayhook on every rank: a DistTensor's repr may gather, so no rank may skip it."""
         if value is None:
             return
-        import builtins
         builtins._ = None
         sys.stdout.write(repr(value) + "\n")
         builtins._ = value
@@ -436,10 +430,6 @@ class FrontEnd:
 
     def loop(self) -> int:
         """Statements in, output out, until exit(), Ctrl-D or the job ends; return its exit status."""
-        try:
-            import readline  # noqa: F401 - line editing and history for input()
-        except ImportError:
-            pass
         while self._wait():
             source = read_statement()
             try:

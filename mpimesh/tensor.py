@@ -14,17 +14,18 @@ import zlib
 import numpy as np
 
 from .backend import as_dtype, check_dtype, is_float, to_host
-from .collectives.counters import paused
+from .counters import paused
 from .errors import DTypeError, MpimeshError, ShapeError, by_rank
 from .layout import TensorLayout, layout_dict, local_sizes, slice_bounds
 from .opdef import OpDef
 from .shape import Dimension, Shape, ShapeLike
-from .trace import dispatch, note_host_read, tensor_type
+from .stack import Stack
+from .trace import dispatch, note_host_read, partials_alive, tensor_type
 
 
 PREVIEW_MAX = 1000  # a repr shows the values of tensors with at most this many elements
 
-host_reads: list = []  # while `mm.compile` records a step: its hook, told of every read of values on the host
+host_reads = Stack()  # while `mm.compile` records a step: its hook, told of every read of values on the host
 
 
 def host_read(t, what: str) -> None:
@@ -67,6 +68,9 @@ class DistTensor:
     # _origin is set by mm.load alone, unset elsewhere (read it as `origin`): no cost to other tensors
     __slots__ = ("mesh", "shape", "tensor_layout", "local", "_origin", "__weakref__")
     __array_ufunc__ = None  # numpy scalars on the left defer to our operators
+    partial: tuple = ()
+    """The mesh dims its values still await a sum over (DTensor's `Partial`): none, but for a
+    `PartialTensor`."""
 
     def __init__(self, mesh, shape: Shape, tensor_layout: TensorLayout, local):
         self.mesh = mesh
@@ -148,6 +152,41 @@ class DistTensor:
 
 
 DistTensor.__hash__ = object.__hash__  # type: ignore[assignment]
+
+
+@tensor_type
+class PartialTensor(DistTensor):
+    """A tensor whose blocks hold this rank's terms of a sum over mesh dims `partial` not yet taken
+    (DTensor's `Partial` placement): an einsum's local sums left to a gradient bucket. Only ops whose
+    definition takes such inputs (`OpDef.partial_inputs`: the sum itself, `ops.relayout.sum_partial`)
+    read it; `to_layout` sums it first.
+
+    >>> import mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> t = PartialTensor(mesh, mm.Shape("a:2"), (None,), mesh.xp.ones(2), ("all",))
+    >>> t.partial, repr(t).splitlines()[0]
+    (('all',), 'DistTensor [a:2] float64, layout {}, partial over all, mesh [all:1]')
+    """
+
+    __slots__ = ("partial",)
+
+    def __init__(self, mesh, shape: Shape, tensor_layout: TensorLayout, local, partial: tuple):
+        super().__init__(mesh, shape, tensor_layout, local)
+        self.partial = tuple(partial)
+        partials_alive[0] += 1
+
+    def __del__(self):
+        partials_alive[0] -= 1
+
+    def to_numpy(self) -> np.ndarray:
+        raise MpimeshError(f"this {self.shape} {self.dtype} tensor's values still await a sum over mesh dims "
+                           f"{'+'.join(self.partial)}: sum it first (mm.relayout), or read the gradient "
+                           f"mm.gradients returns")
+
+    def __repr__(self) -> str:
+        layout = ", ".join(f"{k}: {v}" for k, v in self.layout.items())
+        return (f"DistTensor {self.shape} {self.dtype}, layout {{{layout}}}, partial over {'+'.join(self.partial)}, "
+                f"mesh {self.mesh.shape}\n(each rank's terms of a sum not yet taken)")
 
 
 def _layout(mesh, shape: Shape, layout) -> TensorLayout:

@@ -1,21 +1,11 @@
 """BLAS/OpenMP threads per rank: by default the cores divided among the ranks on this node.
 
-Ranks that share a node's cores and each start a full set of BLAS threads fight over them, and
-every timing is skewed (one app's layout ranking flipped). So under MPI, mpimesh gives each
-rank `max(1, cores // ranks on this node)` threads:
-
-- at `import mpimesh`, from the launcher's count of ranks on this node (Hydra's
-  `MPI_LOCALNRANKS`, Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, MVAPICH, Cray PALS, SLURM), by
-  setting `OMP_NUM_THREADS`, `OPENBLAS_NUM_THREADS` and `MKL_NUM_THREADS` before numpy loads BLAS;
-- otherwise at the first `Mesh` (counting the node's ranks with `COMM_TYPE_SHARED`), or where
-  numpy had loaded BLAS already, through threadpoolctl.
-
-Overrides: `MPIMESH_THREADS=N` (a whole number >= 1: anything else is an `MpimeshError` at the
-first `Mesh`), or any of those three variables set before the program starts
-(they are then left alone); `set_threads(n)` at run time. `describe()` says what is in force.
-A default chosen here is marked (`MPIMESH_AUTO_THREADS`), so that a child process, say the ranks of
-a job that `python -m mpimesh.launch` starts from inside another job, does not take its parent's
-share for a user's override: it finds its own.
+Under MPI each rank gets `max(1, cores // ranks on this node)` threads, so that ranks sharing a
+node's cores do not fight over them: at `import mpimesh` from the launcher's count of local ranks
+(setting `OMP_NUM_THREADS`, `OPENBLAS_NUM_THREADS`, `MKL_NUM_THREADS` before numpy loads BLAS), else
+at the first `Mesh` (through threadpoolctl where BLAS is loaded already). `MPIMESH_THREADS=N`, one of
+those variables set before the program starts, or `set_threads(n)` override it; `describe()` says
+what is in force. How the count is found and passed to child jobs: docs/environment.md.
 
 >>> info = settings()
 >>> sorted(info), info["threads"] >= 1
@@ -27,7 +17,10 @@ import os
 import sys
 from typing import Optional
 
+from mpi4py import MPI
+
 from . import env
+from .errors import MpimeshError
 
 __all__ = ["configure_at_import", "configure_for", "set_threads", "settings", "describe", "cores"]
 
@@ -102,7 +95,6 @@ def configure_for(comm) -> None:
     env.raise_kept()
     if _state["source"] != "not set" or comm.Get_size() == 1:
         return
-    from mpi4py import MPI
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local = node.Get_size()
     node.Free()
@@ -112,7 +104,6 @@ def configure_for(comm) -> None:
 def set_threads(n: int) -> None:
     """Use `n` BLAS/OpenMP threads on this rank from now on."""
     if not isinstance(n, int) or n < 1:
-        from .errors import MpimeshError
         raise MpimeshError(f"threads must be a positive int, got {n!r}")
     _apply(n, "set_threads", _state["local_ranks"])
 

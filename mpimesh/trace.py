@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
 from . import env, liveness
-from .collectives import counters
+from . import counters
 from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
@@ -94,10 +94,11 @@ class Released:
     """What a trace keeps of a tensor once nothing needs its values: shape, layout, dtype and mesh
     (enough to replay or print the trace), never the array."""
 
-    __slots__ = ("mesh", "shape", "tensor_layout", "dtype", "local_shape")
+    __slots__ = ("mesh", "shape", "tensor_layout", "dtype", "local_shape", "partial")
 
     def __init__(self, t):
         self.mesh, self.shape, self.tensor_layout, self.dtype = t.mesh, t.shape, t.tensor_layout, t.dtype
+        self.partial = t.partial
         self.local_shape = tuple(t.local.shape)
         """The shape its array had on this rank."""
 
@@ -162,7 +163,7 @@ class Trace:
 
 
 _open_traces: list[Trace] = []
-_regions: list = []  # the `mm.remat` calls running, innermost last (`mpimesh.recompute` pushes them)
+_regions: list = []  # the `mm.remat` calls running, innermost last (`mpimesh.remat` pushes them)
 
 
 class _Kept:
@@ -292,19 +293,21 @@ def open_traces() -> tuple:
 
 
 _spmd = guard._settings  # (the SPMD check's switch, read per op)
-_tensor: list = [None]  # the tensor class dispatch makes (`mpimesh.tensor` registers `DistTensor`)
+_tensor: list = [None, None]  # the tensor classes dispatch makes (`mpimesh.tensor` registers them)
+partials_alive = [0]  # partial tensors alive (`PartialTensor` counts them): only then does dispatch look for one
 _checked: set = set()  # output specs (shape, layout) already found valid on a mesh shape
 
 
 def tensor_type(cls):
     """Register `cls` as the tensor type `dispatch` makes (a class decorator: `DistTensor` sits
-    above this module, which never imports it)."""
-    _tensor[0] = cls
+    above this module, which never imports it); a subclass with a `partial` slot as the type of
+    outputs awaiting a sum (`dispatch(..., partial=)`)."""
+    _tensor[1 if "partial" in getattr(cls, "__slots__", ()) else 0] = cls
     return cls
 
 
 def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Optional[dict] = None, *,
-             mesh=None, out=None) -> list:
+             mesh=None, out=None, partial: tuple = ()) -> list:
     """Run one op on this rank and record it.
 
     Args:
@@ -316,6 +319,7 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
       mesh: the mesh the outputs live on; needed only when there are no inputs (else theirs).
       out: an array for the kernel to write its one output into (`kernel(..., out=out)`; a
         gradient's slot in its bucket, `mpimesh.buckets`).
+      partial: the mesh dims its one output's values still await a sum over (a `PartialTensor`).
     Returns:
       The output DistTensors.
     """
@@ -325,7 +329,12 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
         mesh = inputs[0].mesh
     elif mesh is None:
         raise MpimeshError(f"op {op.name!r} has no inputs: dispatch needs its mesh (mesh=...)")
-    make = _tensor[0]
+    if partials_alive[0] and not op.partial_inputs:
+        for t in inputs:
+            if t.partial:
+                raise MpimeshError(f"op {op.name!r}: its input {t.shape} {t.dtype} still awaits a sum over mesh dims "
+                                   f"{'+'.join(t.partial)}: sum it first (to_layout)")
+    make = _tensor[1] if partial else _tensor[0]
     for spec in out_specs:
         key = (spec, mesh.shape)
         if key not in _checked:
@@ -346,7 +355,9 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
         result = mesh.run(op, params, arrays, len(out_specs), **extra)
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {op.name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
-    if len(out_specs) == 1:
+    if partial:
+        outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0], partial)]
+    elif len(out_specs) == 1:
         outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0])]
     else:
         outputs = [make(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]

@@ -45,7 +45,7 @@ STEPS=(tests-1rank tests-2ranks benchmark)
 GPU_TESTS="tests/test_layers.py::test_one_kernel_layer_norm_on_a_gpu tests/test_nn.py::test_one_kernel_rows_on_a_gpu
            tests/test_einsum.py::test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu
            tests/test_collectives_out.py::test_host_buffers_on_a_gpu_mesh_are_compared_by_numpy
-           tests/test_widen.py tests/test_graphs.py tests/test_gpu_transports.py tests/test_gpu_memory_peak.py"
+           tests/test_gemm.py tests/test_graphs.py tests/test_gpu_transports.py tests/test_gpu_memory_peak.py"
 
 pytest_summary() {  # rank 0's pytest summary ("41 passed, 20 skipped in 30.2s"), or how far it got
     local summary

@@ -169,5 +169,5 @@ def test_an_error_from_inside_mpimesh_names_where_and_debug_shows_all(tmp_path):
     assert 'job.py", line 6, in <module>' in proc.stderr and 'job.py", line 6, in <lambda>' in proc.stderr
     assert PACKAGE not in proc.stderr, proc.stderr
     proc, _ = _run(tmp_path, body, ranks=None, MPIMESH_DEBUG="1")
-    assert f"{PACKAGE}ops/einsum.py" in proc.stderr and f"{PACKAGE}recompute.py" in proc.stderr, proc.stderr
+    assert f"{PACKAGE}ops/einsum.py" in proc.stderr and f"{PACKAGE}remat.py" in proc.stderr, proc.stderr
     assert "(raised inside mpimesh" not in proc.stderr

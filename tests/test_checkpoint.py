@@ -25,7 +25,7 @@ from meshes import global_array, layouts, mesh_shapes, spec  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh.backend import to_host  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 from mpimesh import checkpoint as ckpt  # noqa: E402
 
 N = MPI.COMM_WORLD.Get_size()

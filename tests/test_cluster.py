@@ -188,7 +188,7 @@ def test_a_checkpoint_shared_by_two_hosts_resumes_on_one_after_a_link_fails(clus
     finally:
         cluster.link(1, True)
     assert code != 0 and seconds < 10 + 10, (code, seconds, out[-2000:])
-    assert "CollectiveTimeoutError" in out and re.search(r"ranks \[[23](, [23])?\] never arrived", out), out[-3000:]
+    assert "CollectiveTimeoutError" in out and re.search(r"ranks \[[23](, [23])?\] never arrived|no answer from ranks \[2, 3\]", out), out[-3000:]
     done = max(_losses(log))
     assert done < STEPS, "the job finished before the link went down"
     newest = sorted(os.listdir(ckpt))[-1]

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters, guard  # noqa: E402
+from mpimesh import counters  # noqa: E402
+from mpimesh.collectives import guard  # noqa: E402
 
 # Every test runs on every host transport (the staged one stages numpy through a second host buffer),
 # and once more with the SPMD check and a time-out on: those change no value or count. The meshes are

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import TRANSPORT_MODES, mesh_shapes, transport_mesh  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 from mpimesh.errors import MpimeshError  # noqa: E402
 from mpimesh.layout import block_sizes  # noqa: E402
 

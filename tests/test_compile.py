@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from meshes import big, get_mesh, global_array, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters, guard  # noqa: E402
+from mpimesh import counters  # noqa: E402
+from mpimesh.collectives import guard  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
 import transformer as T  # noqa: E402

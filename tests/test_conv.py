@@ -17,7 +17,7 @@ from gradcheck import check_gradients  # noqa: E402
 from meshes import big, get_mesh, global_array, mesh_shapes, spec, transfers  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()

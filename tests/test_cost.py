@@ -12,7 +12,7 @@ from mpi4py import MPI
 
 import mpimesh as mm
 from mpimesh.backend import resolve_backend
-from mpimesh.collectives import counters
+from mpimesh import counters
 from meshes import mesh_shapes, transfers
 
 pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu): dry runs need it")

@@ -1,6 +1,5 @@
 """`docs/counts.py`, issue 41's counts: the script runs and prints its table, each count is an int, each
-heuristic finds what it is meant to in a small planted tree; the issue's goals are xfail until the
-refactor reaches them (they flip to XPASS then, and the marks can go)."""
+heuristic finds what it is meant to in a small planted tree; the issue's goals hold (each count at its goal)."""
 from __future__ import annotations
 
 import doctest
@@ -52,10 +51,9 @@ def _plant(root: Path, files: dict) -> Path:
 def test_each_count_finds_what_is_planted(tmp_path):
     root = _plant(tmp_path, {
         "mpimesh/__init__.py": "from . import compiled, creation\n",
-        "mpimesh/backend.py": "import numpy as np\nfrom .collectives import counters\n"
+        "mpimesh/backend.py": "import numpy as np\nfrom .collectives import make\n"
                               "def name(xp):\n    return 'cupy' if xp is not np else 'numpy'\n",
         "mpimesh/collectives/__init__.py": "def make():\n    from ..backend import name\n",
-        "mpimesh/collectives/counters.py": "",
         "mpimesh/creation.py": "",
         "mpimesh/compiled.py": '''
             _SKIP = {"psum", "cast"}
@@ -104,10 +102,8 @@ def test_each_count_finds_what_is_planted(tmp_path):
     assert len(counts.local_imports(root, mpimesh_only=True)) == 2
 
 
-@pytest.mark.parametrize("label,goal,count", [
-    pytest.param(label, goal, count, id=label.strip(),
-                 marks=pytest.mark.xfail(strict=False, reason=f"issue 41's goal: {label.strip()} = {goal}"))
-    for label, goal, count in counts.COUNTS if goal is not None])
+@pytest.mark.parametrize("label,goal,count", [pytest.param(label, goal, count, id=label.strip())
+                                               for label, goal, count in counts.COUNTS if goal is not None])
 def test_goal(label, goal, count):
     matches = count(ROOT)
     assert len(matches) == goal, "\n".join(map(str, matches))

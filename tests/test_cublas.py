@@ -3,7 +3,7 @@ beside CuPy's, say): on fake /proc/self/maps lines and symbol addresses, and in 
 that loads two small libraries compiled here, libcublas.so.12 and libcublas.so.13 (their symbols
 versioned, as cuBLAS's are), and a stand-in for CuPy's extension module linked against the second,
 in either order (the first libcublas in /proc/self/maps, which the bindings once took, is the wrong one
-in one of them). Skipped where no C compiler is installed. (The Bindings' calls: tests/test_widen.py.)"""
+in one of them). Skipped where no C compiler is installed. (The Bindings' calls: tests/test_gemm.py.)"""
 from __future__ import annotations
 
 import os

@@ -22,6 +22,7 @@ from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
 from test_updates import OPTIMIZERS, SHAPES, both_ways  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh import backend  # noqa: E402
 from mpimesh.backend import resolve_backend  # noqa: E402
 from mpimesh.opdef import OpDef  # noqa: E402
 
@@ -49,7 +50,7 @@ def take_cupy_branch(monkeypatch):
         monkeypatch.setitem(kernels, "numpy", kernels["cupy"])
     monkeypatch.setattr(updates, "_kernel", lambda xp, which: compiled[which])
     cupy_kernels(monkeypatch, dropout_op.DROPOUT)
-    monkeypatch.setitem(dropout_op._cuda, "kernel",
+    monkeypatch.setitem(backend._kernels, ("dropout",),
                         cuda_source.elementwise(*dropout_op.DROPOUT_PARAMS, dropout_op.DROPOUT_SOURCE))
 
 
@@ -125,7 +126,8 @@ def test_bias_activation_kernels_equal_the_numpy_lowering(shape, dtype, activati
     want = run()
     take_cupy_branch(monkeypatch)
     for key in [(a, g, b) for a in act_mod.SOURCES for g in (False, True) for b in (False, True)]:
-        monkeypatch.setitem(act_mod._cuda, key, cuda_source.elementwise(*act_mod.kernel_params(*key)))
+        monkeypatch.setitem(backend._kernels, ("activation",) + key,
+                            cuda_source.elementwise(*act_mod.kernel_params(*key)))
     cupy_kernels(monkeypatch, *(op for pair in act_mod.OPS.values() for op in pair))
     got = run()
     exact = activation in ("relu", None)
@@ -217,7 +219,8 @@ def _one_kernel_rows(module, names: tuple, monkeypatch) -> list:
     monkeypatch.setattr(module, "fusable", lambda *arrays: False)
     for dt in rowwise.PRELUDE_TYPES:
         source = rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE
-        monkeypatch.setitem(rowwise._cuda, ("rows", dt), cuda_source.raw_module(source, rowwise.ROWS_PARAMS))
+        monkeypatch.setitem(backend._kernels, ("rowwise", "rows", dt),
+                            cuda_source.raw_module(source, rowwise.ROWS_PARAMS))
     monkeypatch.setattr(module, "rows_fit", lambda xp, a, axes: a.dtype.name in rowwise.PRELUDE_TYPES and a.size > 0
                         and tuple(axes) == (a.ndim - 1,) and a.flags.c_contiguous)
     for name in names:
@@ -342,20 +345,20 @@ def test_one_kernel_layer_norm_rows_equal_the_numpy_lowering(shape, dtype, param
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("operands", [1, 2])
-@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 7), (128, 3), (300, 8), (1000, 1)])
-def test_column_sum_kernel_equals_numpys_sums(dtype, operands, rows, cols):
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 7), (128, 3), (300, 8), (1000, 1), (0, 7)])
+def test_column_sum_kernel_equals_numpys_sums(dtype, operands, rows, cols, monkeypatch):
     """A bias's or a gain's gradient on CuPy: the column sums of x (or of x * w) over [rows, cols],
-    by chunks of rows then their partials (more than one chunk from 129 rows on)."""
+    by chunks of rows then their partials (more than one chunk from 129 rows on); no rows (a rank's
+    empty block): zeros, `[cols]` like the others (issue 44: an empty `[0]` partial)."""
     from types import SimpleNamespace
     rowwise = importlib.import_module("mpimesh.ops.rowwise")
-    rowwise._cuda.pop(("columns", operands), None)
-    fake = SimpleNamespace(ElementwiseKernel=lambda ins, outs, body, name: cuda_source.elementwise(ins, outs, body))
+    monkeypatch.delitem(backend._kernels, ("rowwise", "columns", operands), raising=False)
+    fake = SimpleNamespace(ElementwiseKernel=lambda ins, outs, body, name: cuda_source.elementwise(ins, outs, body),
+                           zeros=np.zeros)
     rng = np.random.default_rng(rows * cols)
     arrays = [rng.standard_normal((rows, cols)).astype(dtype) for _ in range(operands)]
-    try:
-        got = rowwise.column_sums(fake, arrays, rows, cols)
-    finally:
-        rowwise._cuda.pop(("columns", operands), None)
+    got = rowwise.column_sums(fake, arrays, rows, cols)
+    assert got.shape == (cols,) and got.dtype == dtype
     want = np.prod(np.array(arrays, np.float64), axis=0).sum(axis=0)
     np.testing.assert_allclose(got, want, rtol=32 * np.finfo(dtype).eps, atol=32 * np.finfo(dtype).eps * rows)
 

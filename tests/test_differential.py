@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 NRANKS = WORLD.Get_size()

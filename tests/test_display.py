@@ -14,7 +14,7 @@ from meshes import Errors, global_array, layouts, mesh_fixture, spec  # noqa: F4
 
 import mpimesh as mm
 from mpimesh.backend import to_host
-from mpimesh.collectives import counters
+from mpimesh import counters
 
 pytestmark = pytest.mark.mpi
 SHAPE = "a:4;b:6;c:8"

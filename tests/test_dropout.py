@@ -17,7 +17,7 @@ from gradcheck import check_gradients  # noqa: E402
 from meshes import big, Errors, get_mesh, global_array, layouts, mesh_shapes, transfers  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 SHAPES = mesh_shapes()

@@ -348,6 +348,41 @@ def test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu(shape, monk
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("shape", mesh_shapes())
+def test_column_sums_over_an_empty_block_on_a_gpu(shape, monkeypatch):
+    """A bias's or a gain's gradient on CuPy ("abc->c", "abc,abc->c": the column-sum kernel of
+    `mpimesh.ops.rowwise`) where this rank's block of the summed dims is empty (a:1 split over several
+    ranks; a:0 on any): zeros there, and the sum over ranks is numpy's (issue 44: the empty partial was
+    reshaped to the output's block, a ValueError). CuPy's einsum kernel runs on the numpy mesh's blocks,
+    the column-sum kernel's CUDA source compiled for the CPU (tests/cuda_source.py)."""
+    import cuda_source
+
+    import mpimesh.ops.einsum as einsum_module
+    from mpimesh import backend
+    from mpimesh.ops.rowwise import COLUMN_SUM_SOURCES
+    if cuda_source.compiler() is None:
+        pytest.skip("no C++ compiler to run the kernel's source")
+    mesh = get_mesh(shape)
+    monkeypatch.setitem(einsum_module.EINSUM.kernels, "numpy", einsum_module.EINSUM.kernels["cupy"])
+    monkeypatch.setattr(einsum_module, "fused_rows", lambda xp, *arrays: arrays[0].dtype.name in ("float32", "float64"))
+    for n, source in COLUMN_SUM_SOURCES.items():
+        monkeypatch.setitem(backend._kernels, ("rowwise", "columns", n), cuda_source.elementwise(*source))
+    rows, real = [], einsum_module.column_sums
+    monkeypatch.setattr(einsum_module, "column_sums",
+                        lambda xp, arrays, n, cols: rows.append(n) or real(xp, arrays, n, cols))
+    errs = Errors()
+    for spec in ("a:1;b:3;c:5", "a:0;b:3;c:5"):
+        a, b = global_array(spec, seed=5, dtype=np.float64), global_array(spec, seed=6, dtype=np.float64)
+        for lay in layouts(mesh, ["a", "b", "c"], limit=6):
+            x, w = (mesh.from_numpy(g, spec, layout=lay) for g in (a, b))
+            for subs, xs, want in (("abc->c", [x], a.sum((0, 1))), ("abc,abc->c", [x, w], (a * b).sum((0, 1)))):
+                errs.close(f"{spec} {subs} {lay}", mm.einsum(xs, output_shape="c:5").to_numpy(), want, rtol=1e-12,
+                           atol=1e-12)
+    errs.check()
+    assert 0 in rows and any(rows), rows  # empty blocks, and others, took the kernel
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_gradient_in_a_bucket_runs_dry_as_on_rank_0(shape, dtype):
     """A parameter's gradient summed over a split batch waits in a gradient bucket: its einsum writes
@@ -355,7 +390,7 @@ def test_a_gradient_in_a_bucket_runs_dry_as_on_rank_0(shape, dtype):
     a "psum" sums it. A dry run of the same step counts the same collectives as rank 0 and gives the
     gradient its dtype and block; the values are numpy's, in float64."""
     from mpi4py import MPI
-    from mpimesh.collectives import counters
+    from mpimesh import counters
     from mpimesh.dryrun import DryMesh, placeholder
     mesh = get_mesh(shape)
     rules = f"b:{mesh.shape.names[-1]}"
@@ -390,19 +425,19 @@ def test_a_gradient_in_a_bucket_runs_dry_as_on_rank_0(shape, dtype):
                                    ("g:2;s:5;m:3", "g:2;s:5;e:4", "e:4;g:2;m:3")], ids=["2-d", "transposed", "batched"])
 def test_the_cupy_kernel_multiplies_by_cublas(monkeypatch, specs, dtype):
     """CuPy's einsum kernel (`EINSUM.kernels["cupy"]`) runs its GEMMs as one cuBLAS call each
-    (`mpimesh.widen`), never CuPy's own matmul: a 2-D product (float32: its planned operand views),
+    (`mpimesh.gemm`), never CuPy's own matmul: a 2-D product (float32: its planned operand views),
     one of a transposed operand, a batched one whose output is reordered, and 16-bit operands
-    (multiplied as they are into float32 sums, rounded once). On tests/test_widen.py's host model of
+    (multiplied as they are into float32 sums, rounded once). On tests/test_gemm.py's host model of
     cuBLAS and fake device arrays, with the params of the same einsum on numpy, against numpy."""
     import types
     from types import SimpleNamespace
 
-    from test_widen import FAKE_XP, FakeCublas, _device, _values
+    from test_gemm import FAKE_XP, FakeCublas, _device, _values
 
-    from mpimesh import widen
+    from mpimesh import gemm
     from mpimesh.ops.einsum import EINSUM
     cublas = FakeCublas()
-    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
+    monkeypatch.setattr(gemm, "_cublas", lambda xp=None: cublas)
     cp = types.ModuleType("cupy")
     cp.ascontiguousarray, cp.empty, cp.cuda = FAKE_XP.ascontiguousarray, FAKE_XP.empty, FAKE_XP.cuda
     cp.transpose, cp.result_type = np.transpose, np.result_type

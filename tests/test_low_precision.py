@@ -29,7 +29,7 @@ from meshes import big, get_mesh, mesh_shapes  # noqa: E402
 import mpimesh as mm  # noqa: E402
 from mpimesh import checkpoint as ckpt  # noqa: E402
 from mpimesh.backend import accumulation_dtype, as_dtype, is_float, result_type, wire_dtype  # noqa: E402
-from mpimesh.collectives import counters  # noqa: E402
+from mpimesh import counters  # noqa: E402
 
 DTYPES = ["bfloat16", "float16"]
 EPS = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}

@@ -3,7 +3,7 @@ reaches each float32 GEMM path, checked on the host:
 
 - einsum's batched matmuls on CuPy: one cuBLAS GemmStridedBatchedEx whose compute type is
   CUBLAS_COMPUTE_32F_FAST_TF32 at "tf32" and CUBLAS_COMPUTE_32F otherwise (16-bit inputs always the
-  latter), against tests/test_widen.py's host model of cuBLAS, here also checking that cuBLAS takes
+  latter), against tests/test_gemm.py's host model of cuBLAS, here also checking that cuBLAS takes
   that compute type only for float32 A, B and C (CuPy's own batched matmul ignores TF32);
 - einsum's 2-D float32 matmuls on CuPy: the same cuBLAS call;
 - CuPy's dot and tensordot: CuPy's compute type for float32, set through a stand-in of
@@ -23,10 +23,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import jaxenv  # noqa: E402,F401  (before jax: host devices, quick compiles)
-from test_widen import BF16, FAKE_XP, FakeCublas, _device, _values  # noqa: E402
+from test_gemm import BF16, FAKE_XP, FakeCublas, _device, _values  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh import backend, widen  # noqa: E402
+from mpimesh import backend, gemm  # noqa: E402
 from mpimesh.ops.einsum import _matmul_cupy as _matmul  # noqa: E402  (the CuPy kernel's GEMM)
 
 F32, TF32_COMPUTE, F32_COMPUTE = np.dtype(np.float32), 77, 68
@@ -80,7 +80,7 @@ class ComputeTypes(FakeCublas):
 
 
 def _cupy_like(cublas: ComputeTypes) -> types.ModuleType:
-    """test_widen's fake device arrays under CuPy's name; `matmul` is CuPy's own, the one that must
+    """test_gemm's fake device arrays under CuPy's name; `matmul` is CuPy's own, the one that must
     not be used for float32 (it ignores TF32 when batched, and cannot be captured in a CUDA graph)."""
     cp = types.ModuleType("cupy")
     cp.ascontiguousarray, cp.empty, cp.cuda = FAKE_XP.ascontiguousarray, FAKE_XP.empty, FAKE_XP.cuda
@@ -91,7 +91,7 @@ def _cupy_like(cublas: ComputeTypes) -> types.ModuleType:
 @pytest.mark.parametrize("setting, want", [("tf32", TF32_COMPUTE), ("highest", F32_COMPUTE)])
 def test_batched_float32_gemm_compute_type(monkeypatch, precision, setting, want):
     cublas = ComputeTypes()
-    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
+    monkeypatch.setattr(gemm, "_cublas", lambda xp=None: cublas)
     precision(setting)
     a, b = _values((3, 4, 5), F32, 1), _values((3, 5, 2), F32, 2)
     got = _matmul(_cupy_like(cublas), _device(a), _device(b))
@@ -104,11 +104,11 @@ def test_16_bit_inputs_stay_float32_sums_and_2d_float32_takes_the_setting(monkey
     takes cuBLAS's GemmEx (CuPy's own matmul cannot be captured in a CUDA graph), in the setting's
     compute type; CuPy's matmul is not used."""
     cublas = ComputeTypes()
-    monkeypatch.setattr(widen, "_cublas", lambda xp=None: cublas)
+    monkeypatch.setattr(gemm, "_cublas", lambda xp=None: cublas)
     precision("tf32")
     cp = _cupy_like(cublas)
     a, b = _values((2, 3, 4), BF16, 3), _values((2, 4, 5), BF16, 4)
-    np.testing.assert_array_equal(np.asarray(widen.gpu_widening_matmul(cp, _device(a), _device(b))),
+    np.testing.assert_array_equal(np.asarray(gemm.gpu_widening_matmul(cp, _device(a), _device(b))),
                                   a.astype(np.float64) @ b.astype(np.float64))
     assert cublas.computes == [F32_COMPUTE]
     a, b = _values((3, 4), F32, 5), _values((4, 2), F32, 6)
@@ -160,11 +160,11 @@ def test_tf32_math_mode_for_cupy_routines(precision):
     modes = MathModes()
     cp = _cupy_like(ComputeTypes())
     precision("tf32")
-    with widen.tf32_math(cp, modes):
+    with gemm.tf32_math(cp, modes):
         assert modes.mode == 3  # CUBLAS_TF32_TENSOR_OP_MATH
     assert modes.mode == 0 and modes.seen == [3, 0]
     precision("highest")
-    with widen.tf32_math(cp, modes), widen.tf32_math(np, modes):
+    with gemm.tf32_math(cp, modes), gemm.tf32_math(np, modes):
         pass
     assert modes.seen == [3, 0]
 

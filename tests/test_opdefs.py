@@ -23,7 +23,7 @@ from mpi4py import MPI
 from meshes import mesh_shapes
 
 import mpimesh as mm
-from mpimesh.collectives import counters
+from mpimesh import counters
 from mpimesh.dryrun import DryMesh, placeholder
 
 pytestmark = pytest.mark.mpi

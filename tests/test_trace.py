@@ -366,7 +366,7 @@ def test_dry_run_counts_what_mpi_counts(shape):
     that shape and rules: the same ops, local shapes, dtypes, and counted collectives (kind, mesh
     dims, calls, elements, bytes) and flops; uneven blocks (7, 5 over 2 or 3) included."""
     pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu)")
-    from mpimesh.collectives import counters
+    from mpimesh import counters
     from mpimesh.dryrun import DryMesh, placeholder
     probe = get_mesh(shape)
     m0, m1 = probe.shape.names[0], probe.shape.names[-1]

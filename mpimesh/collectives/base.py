@@ -1,34 +1,16 @@
 """The interface every transport implements, and what they share.
 
-`Collectives` holds the semantics common to every transport: the short cuts over a mesh dim of
-size 1 (nothing sent, nothing counted), the block helpers, and the signatures. A transport
-fills in the underscored methods (`_allreduce`, `_allgather`, ...), which are only called when
-data must really move. The MPI-based transports (`mpi.py`, `staged.py`, `nccl.py`) and the JAX
-twin (`tpu/collectives.py`) derive from it.
-
-Uneven blocks: a length n cut over k ranks is cut like `numpy.array_split` (`layout.block_sizes`;
-blocks may be empty). `allgather` and `alltoall` take the global length (`size`) of the axis they
-assemble, `reduce_scatter` and `alltoall` cut a whole axis; where every block has the same length
-the transport's equal-block path runs, exactly as without `size`. Otherwise the transport's method
-gets the block lengths (`sizes`) and moves exactly the real elements (no transport pads its
-messages), and the profile counts, as for equal blocks, this rank's input to the collective: its
-block for `allgather`, its whole input for `alltoall` and `reduce_scatter`.
+`Collectives` holds the short cuts over a mesh dim of size 1 (nothing sent, nothing counted), the
+block helpers and the signatures; a transport fills in the underscored methods (`_allreduce`, ...),
+called only when data must move. Blocks are `numpy.array_split`'s: given the global length `size`,
+unequal blocks move exactly their real elements. Every collective takes `out=`, an array the result
+is written into and returned. Details: docs/collectives.md.
 
 >>> import numpy as np
 >>> from mpimesh.shape import Shape
->>> c = Collectives(Shape("rows:1;cols:1"), np)
->>> c.allreduce(np.ones(2), ("rows", "cols")), c.block(np.arange(4), "rows", 0)
-(array([1., 1.]), array([0, 1, 2, 3]))
-
-Output buffers: every collective takes `out=`, an array of the result's shape and dtype that the
-result is written into and that is returned (a mismatch is an `MpimeshError`, raised before anything
-moves, so on every rank where all pass the same shapes). A transport with `fills_out` receives
-straight into `out` where it can (`out` C-contiguous and apart from `x`; `out is x` for an in-place
-allreduce); otherwise, and over a group of one, the result is copied into `out`.
-
->>> y = np.zeros(2)
->>> c.allreduce(np.ones(2), ("rows",), out=y) is y, y
-(True, array([1., 1.]))
+>>> c, y = Collectives(Shape("rows:1;cols:1"), np), np.zeros(2)
+>>> c.allreduce(np.ones(2), ("rows", "cols"), out=y) is y, y, c.block(np.arange(4), "rows", 0)
+(True, array([1., 1.]), array([0, 1, 2, 3]))
 """
 from __future__ import annotations
 
@@ -37,12 +19,12 @@ from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
-from ..backend import accumulation_dtype, is_eager, is_float
+from ..backend import accumulation_dtype, contiguous, is_eager, is_float
 from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
 from ..liveness import held_only_by
 from ..shape import Shape
-from . import counters
+from .. import counters
 
 
 class CollectivesLike(Protocol):
@@ -125,7 +107,7 @@ class Overlapped(Request):
     `"overlap"`: its lifetime (start to the first `test()` or `wait()` that saw it done), the part
     spent blocked in `wait()` (exposed) and the rest (hidden behind the caller's other work).
 
-    >>> from mpimesh.collectives import counters
+    >>> from mpimesh import counters
     >>> with counters.counting() as c:
     ...     r = Overlapped(lambda: True, lambda: None, then=lambda: 7)
     ...     r.wait(), c.overlap["requests"], c.overlap["exposed"]
@@ -560,8 +542,3 @@ def merge_front(xp, y, axis: int):
     if axis == 0:
         return y.reshape((k * s[0],) + s[1:])
     return xp.moveaxis(y, 0, axis).reshape(s[:axis] + (k * s[axis],) + s[axis + 1:])
-
-
-def contiguous(xp, x):
-    """`x`, or a C-contiguous copy of it."""
-    return x if x.flags.c_contiguous else xp.ascontiguousarray(x)

@@ -6,7 +6,7 @@ counts (the kind, the mesh dims, this rank's input), so an op's `abstract` rule,
 kernel, prices the op exactly.
 
 >>> from mpimesh.shape import Shape
->>> from mpimesh.collectives import counters
+>>> from mpimesh import counters
 >>> ctx = DryCollectives(Shape("rows:2;cols:3"))
 >>> with counters.counting() as c:
 ...     y = ctx.allgather(Aval((4, 5), "float32"), "cols", 1, size=14)
@@ -23,7 +23,7 @@ import numpy as np
 from ..backend import accumulation_dtype, is_float
 from ..opdef import Aval
 from ..shape import Shape
-from . import counters
+from .. import counters
 from .base import Collectives
 
 AVALS = SimpleNamespace(__name__="mpimesh.dry", uint8=np.uint8, zeros_like=lambda x: Aval(x.shape, x.dtype),

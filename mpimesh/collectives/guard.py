@@ -1,37 +1,11 @@
 """Never a silent hang: the SPMD check before each collective, time-outs, and departed ranks.
 
-Every collective is started non-blocking and polled (as fast as a blocking call: flat out for its
-first `_SPIN` seconds, then with naps that grow to `_MAX_NAP`, so a rank kept waiting uses at most
-a few percent of a core). While it waits, a rank answers others' questions about where it is, and
-looks for ranks of the collective's group that left the job (`liveness.py`: an exit notice, or a
-process gone). A member that left while the collective is still incomplete `_GRACE` seconds later
-makes it raise `CollectiveTimeoutError`, naming that rank and where every rank of the group was.
-
-`set_spmd_check(True)` (or `MPIMESH_SPMD_CHECK=1`): before each collective, every rank of the mesh
-confirms, in one small allreduce on a communicator of its own, that all ranks are at the same op
-(a per-mesh sequence number, kind, mesh dims and dtype on every rank; the local shape among the ranks
-of the collective's group, since uneven blocks of another split dim may differ between groups; along
-an axis cut into unequal blocks the local shape shows the global length instead, see `uneven_shape`).
-If not, every rank raises
-`DivergenceError` naming what each rank was doing and where in the user's code; no data moved,
-so the mesh stays usable. The check is not counted in the profile.
-
-The time-out (`DEFAULT_TIMEOUT`, 10 minutes; `set_collective_timeout(S)` or
-`MPIMESH_COLLECTIVE_TIMEOUT=S`, `None`/`0`/`off` for none): a collective not complete after S seconds
-asks the ranks of its group where they are (a rank waiting in another collective answers while it
-polls; one busy elsewhere, or gone, cannot), then raises `CollectiveTimeoutError` naming the ranks
-that never arrived. Either way the transfer can never be cancelled, so the mesh is unusable
-afterwards and an uncaught error ends the job.
-
-The hang notice (`DEFAULT_NOTICE`, 30 s; `set_hang_notice(S)` or `MPIMESH_HANG_NOTICE=S`,
-`None`/`0`/`off` for none): a rank whose collective has waited S seconds asks every other rank of the
-mesh where it is, the same question, goes on polling, and within `_NOTICE_ASK` seconds prints to
-stderr, once, where each rank is: the public call (`mm.save`, `DistTensor.to_numpy`, `mm.einsum`) and
-the program's `file:line` (`callsite.py`, read from the stack then), the collective, or "outside
-mpimesh" for a rank that cannot answer. A rank asked by such a notice during its own wait is covered
-by it and prints none of its own for that wait; of ranks that ask at once, the lowest prints. A
-collective that completes within `_SPIN` seconds never reaches it; a longer wait pays one comparison
-every `_LOOK` seconds until then.
+Every collective is started non-blocking and polled (flat out at first, then with growing naps).
+While it waits, a rank answers others' questions about where it is and looks for ranks of its
+group that left the job (`CollectiveTimeoutError`). `set_spmd_check(True)` makes every rank confirm
+it is at the same collective as the others before it starts (else `DivergenceError`, nothing
+moved); `set_collective_timeout(S)` bounds the wait (`DEFAULT_TIMEOUT`); `set_hang_notice(S)` prints
+where every rank is after S seconds (`DEFAULT_NOTICE`). Details: docs/failures.md.
 
 >>> set_spmd_check(False); settings()["check"]
 False
@@ -43,6 +17,7 @@ import sys
 import time
 import zlib
 from itertools import product
+from types import MappingProxyType
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -78,6 +53,9 @@ def _checked_seconds(seconds: Optional[float], what: str) -> Optional[float]:
 
 
 _settings: dict = {}
+state = MappingProxyType(_settings)
+"""The settings in force, read-only, for a hot path (`trace.dispatch` reads `state["check"]` per op);
+`settings()` is the checked accessor."""
 in_op: list = [""]  # with the SPMD check on: the op whose kernel runs now (`trace.dispatch` sets it), e.g.
 #                     "reduce_sum of [batch:8, io:4]": part of each collective's key, so that ranks running
 #                     the same collectives for different ops (in another order) are told apart
@@ -486,9 +464,13 @@ class Guard:
     def _expire(self, dims: tuple, timeout: float, what: Optional[str]) -> None:
         me = self.comm.Get_rank()
         peers = [r for r in self._group_ranks(dims) if r != me]
-        answers = self._ask(peers, min(max(1.0, 0.2 * timeout), 5.0))
+        others = [r for r in range(self.comm.Get_size()) if r != me and r not in peers]
+        answers = self._ask(peers + others, min(max(1.0, 0.2 * timeout), 5.0))
         missing = [r for r in peers if r not in answers or answers[r].state != self._state]
         notes = [f"rank {r} " + (f"waiting in {answers[r]}" if r in answers else f"is {_OUTSIDE}") for r in missing]
+        silent = [r for r in others if r not in answers]
+        if silent and any(r in answers for r in missing):  # those wait in turn, maybe on these
+            notes.append(f"no answer from ranks {silent} of the mesh (outside mpimesh, or unreachable)")
         self._fail(f"{self._where(what)} was not complete after {timeout:g} s; ranks {missing} "
                    f"never arrived: {'; '.join(notes)}. A longer time-out: MPIMESH_COLLECTIVE_TIMEOUT=S or "
                    f"mm.set_collective_timeout(S) (None for none). The mesh is unusable now; uncaught, this "

@@ -45,7 +45,7 @@ def _machine_key() -> int:
     return zlib.crc32(key.encode())
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether process `pid` (on this machine) still runs: not gone, not a zombie awaiting its parent."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -103,7 +103,7 @@ class Watch:
             self.roster[0] = mine
 
     def poll(self) -> bool:
-        """Take in the notices that arrived (about 0.6 us when none did); whether any did. The receive
+        """Take in the notices that arrived (cheap when none did); whether any did. The receive
         is tested twice: after a quiet spell (no MPI calls), MPICH's first test makes the progress
         that delivers a notice, but answers before it looks again."""
         news = False
@@ -120,7 +120,7 @@ class Watch:
         and checks the processes of ranks on this machine."""
         self.poll()
         for r in ranks:
-            if r not in self.left and self.roster[r, 0] == self._machine and not _alive(int(self.roster[r, 1])):
+            if r not in self.left and self.roster[r, 0] == self._machine and not alive(int(self.roster[r, 1])):
                 self.left[r] = (f"its process (pid {self.roster[r, 1]}) ended without an exit notice "
                                 "(killed, crashed, or os._exit)")
         return {r: self.left[r] for r in ranks if r in self.left}

@@ -1,26 +1,11 @@
 """The MPI transport: collectives over mpi4py's buffer methods on host buffers, or on GPU buffers
 when the MPI library is CUDA-aware (`transport="mpi"` with the cupy backend).
 
-Every collective makes non-contiguous inputs contiguous, takes its output from this transport's
-buffer pool, counts itself when a profile is open, runs the SPMD check and the time-out when
-they are on (`guard.py`), and hands the transfer to `_post`, the one method that the staged and
-NCCL transports replace. Unequal blocks (see `base`) take the v-variants (`Allgatherv`, `Alltoallv`,
-`Reduce_scatter` and their non-blocking forms, which the time-out polls as any other): blocks
-are packed one after another and exactly the real elements move.
-
-Given `out=` (see `base`), the transfer receives straight into it where the result is laid out as
-MPI writes it (any allreduce, permute and equal-block reduce-scatter; an allgather or alltoall whose
-blocks stack along axis 0); an allreduce with `out=x` runs in place (`MPI.IN_PLACE`).
-
-16-bit floats (float16, bfloat16) are summed in float32 and rounded once, while only their 16-bit
-words move: an allreduce is an alltoall of the raw words (rank j gets block j of every rank's
-array), a float32 reduction of those blocks in rank order, and an allgather of the rounded blocks;
-a reduce-scatter stops after the reduction. That is half the bytes of a float32 allreduce, and it
-is counted as the one allreduce (reduce-scatter) it is, at the dtype's width. A non-blocking one
-(`iallreduce`) starts the alltoall and leaves the rest to its `wait()`, the one point where every
-rank of the group is sure to start the allgather in the same order as its other collectives. 16-bit
-floats travel as uint16 views (`backend.wire_dtype`): mpi4py cannot export bfloat16, nor float16
-under Open MPI.
+Every collective takes its output from the transport's `BufferPool` (or receives into `out=`),
+counts itself in an open profile, runs the guard's checks, and hands the transfer to `_post`, the
+one method the staged and NCCL transports replace. Unequal blocks take the v-variants. 16-bit
+floats move as their 16-bit words and are summed in float32, rounded once. Details:
+docs/collectives.md.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
@@ -35,11 +20,12 @@ import math
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import accumulation_dtype, is_low_precision, wire_dtype
+from ..backend import accumulation_dtype, contiguous, is_low_precision, on_gpu, on_host, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
-from . import counters, guard, shm
-from .base import (DONE, Collectives, Overlapped, Request, block_counts, contiguous, idle, merge_front, pack,
+from .. import counters
+from . import guard, shm
+from .base import (DONE, Collectives, Overlapped, Request, block_counts, idle, merge_front, pack,
                    split_front, unpack)
 from .guard import Guard, uneven_shape
 
@@ -53,13 +39,9 @@ _VCALLS = {"allgather": ("Allgatherv", "Iallgatherv"), "alltoall": ("Alltoallv",
 
 
 class BufferPool:
-    """Output buffers of one transport, keyed by device and size.
-
-    A fresh large host buffer takes a page fault per 4 KiB page when MPI first writes it, which
-    can cost as much as the transfer; so numpy buffers of `min_bytes` or more are views of uint8
-    arrays kept here, and one is handed out again only once its reference count shows that no
-    array (every view's `.base` is the uint8 array) nor anything else holds it. GPU buffers come
-    from CuPy's own memory pool.
+    """Output buffers of one transport, keyed by device and size. Numpy buffers of `min_bytes` or more
+    are views of uint8 arrays kept here (a fresh one would take a page fault per page when MPI first
+    writes it), handed out again once no array holds them; GPU buffers come from CuPy's pool.
 
     >>> pool = BufferPool(np, min_bytes=8)
     >>> a, b = pool.empty((4,), np.float32), pool.empty((4,), np.float32)
@@ -73,6 +55,7 @@ class BufferPool:
     def __init__(self, xp, device=None, min_bytes: int = 1 << 18, max_bytes: int = 256 << 20, per_size: int = 4):
         self.xp, self.device = xp, device
         self.min_bytes, self.max_bytes, self.per_size = min_bytes, max_bytes, per_size
+        self._host = on_host(xp)  # (GPU buffers come from CuPy's pool)
         self._bufs: dict[tuple, list] = {}
         self._bytes = 0
 
@@ -80,7 +63,7 @@ class BufferPool:
         """An uninitialised array of `shape` and `dtype`."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < self.min_bytes or self.xp is not np:
+        if nbytes < self.min_bytes or not self._host:
             return self.xp.empty(shape, dtype)
         key = (self.device, nbytes)
         bufs = self._bufs.setdefault(key, [])
@@ -174,8 +157,8 @@ class MpiCollectives(Collectives):
         super().__init__(mesh.shape, mesh.xp)
         self.mesh = mesh
         self.pool = BufferPool(mesh.xp, mesh.device)
-        self.guard = Guard(mesh._watch, mesh.shape, mesh.coords)
-        self._device = mesh.backend == "cupy"
+        self.guard = Guard(mesh.watch, mesh.shape, mesh.coords)
+        self._device = on_gpu(mesh.xp)
         self._host_pool = BufferPool(np) if self._device else self.pool
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
         self._shm_groups: dict[tuple, bool] = {}  # whether the group over dims sums through shared memory
@@ -202,7 +185,7 @@ class MpiCollectives(Collectives):
         """Gradient buckets' flat buffers: on the host, shared memory where the group over `mesh_dims`
         may sum through it (`shm.py`), else pooled (no page faults each step); on a GPU, CuPy's pool."""
         dtype = np.dtype(dtype)
-        raw = self._shared(n * dtype.itemsize, self.ordered(mesh_dims)) if self.xp is np else None
+        raw = self._shared(n * dtype.itemsize, self.ordered(mesh_dims)) if not self._device else None
         return self.pool.empty((n,), dtype) if raw is None else raw.view(dtype)
 
     def _shared(self, nbytes: int, dims: tuple):

@@ -1,18 +1,9 @@
 """The NCCL transport: GPU collectives on CuPy arrays, one NCCL communicator per sub-mesh group.
 
-A group's communicator is made the first time its mesh dims are used: rank 0 of the group's MPI
-sub-communicator makes the unique id and broadcasts it there. Every transfer is enqueued on the
-current CuPy stream, so it is ordered with the kernels around it and nothing synchronises the host.
-Alltoall and permute are grouped point-to-point sends and receives; exscan is an allgather followed
-by a masked local reduction. Unequal blocks (see `base`) are never padded: allgather and alltoall
-become grouped sends and receives of each block's real length, reduce-scatter one grouped reduce
-per block rooted at its owner, so the profile counts what was sent. Dtypes NCCL lacks move as
-their bytes (int16, uint16, complex), and sum as float pairs (complex) or in int32 (int16, uint16).
-Host arrays (control values)
-take MPI, as on the `mpi` transport. With a time-out set, completion is polled through a CUDA
-event, and a group that times out is aborted (`ncclCommAbort`) before the error is raised.
-
-Needs CuPy with NCCL (`cupy.cuda.nccl`) and one GPU per rank: NCCL refuses two ranks on one GPU.
+Each transfer is enqueued on the current CuPy stream (nothing synchronises the host); alltoall,
+permute and unequal blocks are grouped point-to-point sends and receives of the real lengths.
+Dtypes NCCL lacks move as bytes; host arrays take MPI. Needs CuPy with NCCL and one GPU per rank.
+How communicators are made, and time-outs: docs/collectives.md.
 
 >>> _DTYPES["bfloat16"], _REDUCE["sum"]  # what each dtype and reduction is sent as
 ('NCCL_BFLOAT16', 'NCCL_SUM')
@@ -24,9 +15,10 @@ from itertools import accumulate
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import is_low_precision
-from . import counters
-from .base import DONE, Overlapped, Request, contiguous
+from ..backend import contiguous, is_low_precision
+from ..errors import DTypeError
+from .. import counters
+from .base import DONE, Overlapped, Request
 from .guard import Guard
 from .mpi import MpiCollectives
 
@@ -89,7 +81,6 @@ class NcclCollectives(MpiCollectives):
             req = self._post(kind, dims, wide, out, op, dest, src, counts)
             recv[...] = out.astype(recv.dtype)
             return req
-        from ..errors import DTypeError
         raise DTypeError(f"the nccl transport cannot {op}-reduce dtype {send.dtype}")
 
     def _post(self, kind, dims, send, recv, op=None, dest=None, src=None, counts=None) -> Request:

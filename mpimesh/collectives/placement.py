@@ -21,7 +21,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import env
+from ..backend import cap_gpu_pool, device_count, use_device
 from ..errors import MeshError
+from .nccl import nccl_module
 
 TRANSPORTS = ("nccl", "mpi", "staged")
 
@@ -68,7 +70,6 @@ def choose(comm: MPI.Comm, backend: str, device: Optional[int], transport: Optio
         if device is not None:
             raise MeshError(f"device={device!r} needs backend='cupy'")
         return None, transport or "mpi"
-    from ..backend import cap_gpu_pool, device_count, use_device
     count = device_count()
     index, _ = node_rank(comm)
     if device is None:
@@ -81,7 +82,6 @@ def choose(comm: MPI.Comm, backend: str, device: Optional[int], transport: Optio
     cap_gpu_pool(int(device), placed.count(placed[comm.Get_rank()]))
     if transport in (None, "nccl"):
         try:
-            from .nccl import nccl_module
             nccl_module()
             has_nccl = True
         except Exception:

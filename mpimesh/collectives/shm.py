@@ -1,28 +1,11 @@
 """In-place sums over the ranks of one node through shared memory: no message, the data read once.
 
-MPI sums a large buffer between ranks of a node by messages through a bounded shared segment: a
-reduce-scatter and an allgather, each byte copied in and out of that segment (about 15 ms for
-32 MB between two ranks here). Where the buffer itself lies in memory every rank of the group can
-map, rank j of a group of k instead sums block j of every rank's buffer and writes the sum into
-block j of every rank's buffer (about 4 ms). A gradient bucket's buffer is made for that
-(`Arena.empty`: a `memfd` of its own, which the other ranks map through `/proc/<pid>/fd/<fd>`),
-and `MpiCollectives` runs an in-place allreduce of such a buffer this way (`ShmAllreduce`):
-
-1. an allgather of each rank's record (where its buffer lies, its bytes and dtype): every rank's
-   data is then ready;
-2. if every rank's buffer lies in shared memory, with the same bytes and dtype, each rank reduces its
-   block in the order MPICH's allreduce sums (pairs, then pairs of pairs: `tree_reduce`), so the
-   values are bitwise those of `MPI_Allreduce`; otherwise the allreduce goes through MPI, in place;
-3. a barrier: every block is written everywhere.
-Each step is non-blocking and polled by the guard like any collective (time-outs, departed ranks).
-
-A group takes this path once probed (`probe`, a collective the first time): MPI says its ranks
-share a node, and each rank finds the others' probe pages through /proc. Sums, maxima and minima
-of buffers of at least `MIN_BYTES`; off with `MPIMESH_SHM=0` (or `off`, `false`, `no`) or
-`set_enabled(False)`, on every rank alike. Buffers are pooled (`Arena`, reused once nothing refers
-to one, as `BufferPool`) and never unmapped while the process lives, so another rank's mapping
-never outlives the memory it names; the pool is capped (`MAX_BYTES`, `MAX_BUFFERS`, `PER_SIZE`),
-past which buffers are private and summed through MPI. A memfd has no name: nothing is left behind when a job dies.
+Where every rank's buffer lies in memory each rank of the group can map (`Arena.empty`: a `memfd`
+mapped by the others through /proc), rank j of k sums block j of every rank's buffer into block j
+of every one, in MPICH's order (`tree_reduce`), so values are bitwise `MPI_Allreduce`'s
+(`ShmAllreduce`; else the sum goes through MPI). For buffers of at least `MIN_BYTES`, on groups
+that `probe` finds on one node; off with `MPIMESH_SHM=0` or `set_enabled(False)`. The steps, the
+pool's caps and measured times: docs/collectives.md.
 
 >>> import numpy as np
 >>> tree_reduce([np.array([1.0]), np.array([2.0]), np.array([4.0])], np.add).tolist()

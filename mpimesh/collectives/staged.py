@@ -1,13 +1,9 @@
 """The staged transport: device -> pinned host buffer -> MPI -> device, for any MPI library and for
 ranks that share a GPU (which NCCL refuses).
 
-Only the transfer step differs from `mpi.py`: `_post` copies the input into a host staging buffer,
-runs the MPI transfer between host buffers, and copies the result back when the transfer completes.
-Staging buffers are reused (page-locked ones from CuPy on a GPU, so the copies run at full speed).
-Each copy counts in the profile as `"d2h/<mesh dims>"` or `"h2d/<mesh dims>"`; the collective
-itself counts as on any other transport. Unequal blocks are staged the same way (`mpi.py` packs
-them into flat buffers, and exactly those are copied). On the numpy backend (a test of this path
-on CPU) the "device" is the host and the copies are plain host copies, not counted.
+Only `_post` differs from `mpi.py`: it copies the input into a reused host staging buffer, runs the
+MPI transfer there, and copies the result back when it completes; each copy counts in the profile
+as `"d2h/<mesh dims>"` or `"h2d/<mesh dims>"`. On numpy the copies are plain host copies, uncounted.
 
 >>> from mpimesh import Mesh
 >>> import numpy as np
@@ -20,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from . import counters
+from .. import counters
+from ..backend import on_gpu, pinned_empty
 from .base import DONE, Request
 from .mpi import MpiCollectives
 
@@ -34,7 +31,7 @@ class StagingBuffers:
     """
 
     def __init__(self, xp):
-        self._gpu = xp is not np
+        self._gpu = on_gpu(xp)
         self._free: dict[int, list] = {}
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -43,8 +40,7 @@ class StagingBuffers:
         if free:
             return free.pop()
         if self._gpu:
-            import cupyx
-            return cupyx.empty_pinned((nbytes,), np.uint8)
+            return pinned_empty(nbytes)
         return np.empty(nbytes, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:

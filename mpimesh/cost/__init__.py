@@ -1,13 +1,9 @@
 """Cost model and automatic layouts: price a step's op trace on a machine, search layout rules.
 
-- `Machine(flops, latency, bandwidth, memory, ...)`: hardware per rank; published ones `TPUV2`,
-  `TPUV3`, `H100_NVLINK` (sources in `mpimesh/cost/machine.py`); `calibrate(mesh)` measures one
-  (`mpimesh/cost/calibrate.py`).
-- `record(fn, args, mesh, rules)`: the step run dry (shapes only, `mpimesh.dryrun`), a `Recording`
-  that can run itself again under other rules or mesh shapes.
-- `estimate(trace, rules, mesh_shape, machine)`: seconds (compute, communication) and bytes per rank.
-- `auto_layout(fn, args, mesh, memory_per_rank, machine)` (also `mm.auto_layout`): the fastest
-  rules that fit, as a `LayoutPlan` with the alternatives.
+`Machine` describes a rank's hardware (published `TPUV2`, `TPUV3`, `H100_NVLINK`, or measured by
+`calibrate`); `record(fn, args, mesh, rules)` runs a step dry; `estimate` prices it in seconds and
+bytes per rank; `auto_layout` (also `mm.auto_layout`) returns the fastest rules that fit as a
+`LayoutPlan`. More: docs/cost_model.md.
 
 >>> import mpimesh as mm
 >>> def step(x):

@@ -1,11 +1,9 @@
 """Calibrations kept per machine and mesh shape, so that a layout search prices alike from run to run.
 
 `calibrated(mesh)` returns the `Machine` calibrated earlier for this machine, mesh shape, backend,
-ranks per node and BLAS threads per rank, from a JSON file in the cache directory
-(`$MPIMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/mpimesh`, else `~/.cache/mpimesh`, in `calibration/`),
-or calibrates it (`calibrate`) and keeps it there. `redo=True`, or `MPIMESH_RECALIBRATE=1`, measures
-again and replaces the file. Rank 0 reads and writes the file; every rank gets the same machine. A
-file that cannot be read or written is only reported: the calibration is used all the same.
+ranks per node and threads, from a JSON file in `$MPIMESH_CACHE_DIR` (else the user's cache
+directory), or calibrates and keeps it; `redo=True` or `MPIMESH_RECALIBRATE=1` measures again.
+Rank 0 reads and writes the file; every rank gets the same machine (docs/cost_model.md).
 
 >>> import os, tempfile, mpimesh as mm
 >>> os.environ["MPIMESH_CACHE_DIR"] = tempfile.mkdtemp()
@@ -27,8 +25,9 @@ from typing import Optional
 
 import numpy as np
 
-from .. import env
-from ..backend import as_dtype
+from .. import env, threads
+from ..backend import as_dtype, device_name
+from ..version import __version__
 from .calibrate import calibrate
 from .machine import Machine
 
@@ -53,12 +52,8 @@ def _cpu() -> str:
 def machine_key(mesh, dtype="float32") -> dict:
     """What a calibration depends on: this host and its CPU, the mesh shape, backend and device, the
     dtype it computes in, the ranks per node, BLAS threads per rank, and mpimesh's version."""
-    from .. import threads
     info = threads.settings()
-    device = ""
-    if mesh.backend == "cupy":
-        device = mesh.xp.cuda.runtime.getDeviceProperties(mesh.device)["name"].decode(errors="replace")
-    from .. import __version__
+    device = device_name(mesh.xp, mesh.device)
     return {"format": FORMAT, "host": socket.gethostname(), "cpu": _cpu(), "cores": info["cores"],
             "mesh": str(mesh.shape), "backend": mesh.backend, "device": device, "dtype": str(as_dtype(dtype)),
             "ranks_per_node": info["local_ranks"] or 1, "threads": info["threads"], "mpimesh": __version__}

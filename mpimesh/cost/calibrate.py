@@ -12,9 +12,16 @@ import time
 from dataclasses import replace
 
 import numpy as np
+from mpi4py import MPI
 
-from ..backend import as_dtype, is_float
+from .. import counters, threads
+from ..autodiff import gradients
+from ..backend import as_dtype, free_memory, is_float, synchronize, to_host
 from ..errors import MpimeshError
+from ..ops.einsum import einsum
+from ..ops.elementwise import relu, square, subtract, tanh
+from ..ops.reduce import reduce_sum
+from ..trace import trace
 from .machine import Machine
 from .model import estimate, record
 
@@ -34,35 +41,14 @@ def _median(fn, reps: int, sync=lambda: None) -> float:
 
 
 def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> Machine:
-    """Measure this mesh's `Machine` in a few seconds; every rank returns the same one.
+    """Measure this mesh's `Machine` in a few seconds; a collective: every rank returns the same one.
 
-    Each rank times, on replicated tensors of `dtype` (the dtype the steps it prices compute in: a
-    GPU's bfloat16 matmuls run at several times float32's rate, numpy's float16 at a fraction): a
-    dense layer's `mm.einsum` ([2048, 256] x [256, 256]:
-    FLOP/s, beyond its fixed cost), a tiny `mm.einsum` (the fixed cost of an einsum), a tiny
-    training step (forward, `mm.gradients`, update: the fixed cost of any other op), a 16 MiB
-    tensor times a number (memory bandwidth: bytes in and out over the time; an emulated dtype's
-    elementwise ops are priced at their own, lower, rate), a mid-size MLP training step
-    ([512, 256] x [256, 512] x [512, 256]); and per mesh dim
-    of size > 1: a one-element allreduce right after a short einsum, less the einsum alone (α, per
-    call: the ranks arrive at it as they do in a step, not in lockstep; where ranks outnumber
-    cores, that includes waiting for a peer to be scheduled), and a 4 MiB allreduce (β, from
-    2(k-1)/k of its bytes in the time beyond α, taken as at least half its time: on a busy node α
-    can come out as long as the whole allreduce, which priced the link as free, 4e15 B/s). The ranks
-    agree on the slowest rank's figure for each (an allreduce max over the mesh). The MLP step is
-    then priced with the compute figures, and all of them are scaled by its measured time over that
-    price (clipped to 0.5 to 4: what the parts miss, e.g. the load of a shared node). `memory` is
-    the host's (or the GPU's) free memory over the ranks on it, at most.
-
-    Robustness: one untimed pass first (warm caches, allocators, sub-communicators), then `rounds`
-    timed passes of medians, each figure the median over the rounds; `seconds` bounds the whole,
-    roughly. The load is checked while it runs (processes running on this node besides the mesh's
-    ranks, from /proc/stat); a busy node is said in the machine's `name`, since its figures then
-    describe that load.
-
-    Collectives made here are not counted by an open `mm.profile`.
-    """
-    from ..collectives import counters
+    Each rank times, on replicated tensors of `dtype`, an einsum's FLOP/s and fixed cost, the fixed
+    cost of other ops, memory bandwidth, and per mesh dim of size > 1 an allreduce's latency (α) and
+    bandwidth (β); the ranks agree on the slowest figures, scaled so that a measured MLP step's time
+    is matched (clipped to 0.5 to 4). `rounds` timed passes follow an untimed one; `seconds` bounds the
+    whole, roughly. A busy node is said in the machine's `name`. The collectives made here are not
+    counted by an open `mm.profile`. What each figure is measured on: docs/cost_model.md."""
     if not hasattr(mesh, "collectives") or getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
         raise MpimeshError(f"calibrate needs a Mesh with processors, got {mesh!r} (give a Machine by hand instead)")
     reps = max(3, int(seconds * 5 / max(1, rounds)))  # about seconds / 3 in all on one core
@@ -111,7 +97,7 @@ class _Probe:
 
         def ones(shape: str):  # (2**-6: float16's sums of products stay finite)
             return mesh.full(shape, 2.0 ** -6, dtype=dtype, layout="")
-        self.mesh, self.sync = mesh, _sync(xp)
+        self.mesh, self.sync = mesh, lambda: synchronize(xp)
         self.big = (2048, 256, 256)  # a dense layer's matmul: [batch, d_in] x [d_in, d_out]
         self.a = ones(f"calib_a:{self.big[0]};calib_b:{self.big[1]}")
         self.b = ones(f"calib_b:{self.big[1]};calib_c:{self.big[2]}")
@@ -126,7 +112,6 @@ class _Probe:
     def measure(self, reps: int) -> np.ndarray:
         """One pass: [t_big, t_mem, t_op, t_einsum, t_ref, (α time, β time) per mesh dim], the slowest
         rank's each."""
-        from ..ops.einsum import einsum
         mesh, sync, xp = self.mesh, self.sync, self.mesh.xp
         t_big = _median(lambda: einsum([self.a, self.b]), reps, sync)
         t_mem = _median(lambda: self.x * 1.5, reps, sync)
@@ -142,7 +127,7 @@ class _Probe:
             values.append(_median(lambda: mesh.collectives.allreduce(self.many, [d]), reps))
         values = np.asarray(values, np.float64)
         if mesh.size > 1:  # the slowest rank's figures, the same on every rank
-            values = np.asarray(_to_host(mesh.collectives.allreduce(xp.asarray(values), list(mesh.shape.names), "max")))
+            values = np.asarray(to_host(mesh.collectives.allreduce(xp.asarray(values), list(mesh.shape.names), "max")))
         return values
 
 
@@ -154,20 +139,14 @@ def _others_running(mesh) -> float:
             running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
     except (OSError, StopIteration, ValueError):
         running = 0
-    from .. import threads
     others = max(0.0, running - (threads.settings()["local_ranks"] or 1)) if running else 0.0
     if mesh.size > 1:
-        others = float(_to_host(mesh.collectives.allreduce(np.array([others]), list(mesh.shape.names), "max"))[0])
+        others = float(to_host(mesh.collectives.allreduce(np.array([others]), list(mesh.shape.names), "max"))[0])
     return others
 
 
 def _reference_step(ones):
     """A replicated two-layer MLP training step of mid-size tensors (made by `ones(shape)`): `(step, args)`."""
-    from ..autodiff import gradients
-    from ..ops.einsum import einsum
-    from ..ops.elementwise import relu, square, subtract
-    from ..ops.reduce import reduce_sum
-    from ..trace import trace
 
     def step(x, w1, w2):
         with trace():
@@ -180,11 +159,6 @@ def _reference_step(ones):
 def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:
     """Seconds per op other than einsum of a tiny training step (forward, `mm.gradients`, update):
     the fixed cost of an op in a step, autodiff's bookkeeping and the trace included."""
-    from ..autodiff import gradients
-    from ..ops.einsum import einsum
-    from ..ops.elementwise import subtract, tanh
-    from ..ops.reduce import reduce_sum
-    from ..trace import trace
 
     def step():
         with trace() as tr:
@@ -198,23 +172,11 @@ def _tiny_step_overhead(x, w, t_einsum: float, reps: int) -> float:
     return max(0.0, (_median(step, reps) - n_einsum * t_einsum) / max(1, len(ops) - n_einsum))
 
 
-def _sync(xp):
-    if xp.__name__.split(".")[0] == "cupy":
-        return lambda: xp.cuda.Stream.null.synchronize()
-    return lambda: None
-
-
-def _to_host(a):
-    return a.get() if hasattr(a, "get") else a
-
-
 def _free_memory(mesh) -> float:
     """Bytes each rank may use: the GPU's free memory, else the host's available memory over the
     ranks of this node (`MemAvailable`; 16 GiB where /proc is missing). The minimum over ranks."""
-    from mpi4py import MPI
-    if mesh.backend == "cupy":
-        free = float(mesh.xp.cuda.runtime.memGetInfo()[0])
-    else:
+    free = free_memory(mesh.xp)
+    if free is None:
         try:
             with open("/proc/meminfo") as f:
                 avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))

@@ -1,32 +1,10 @@
 """The cost model: a step recorded dry (`record`), priced on a `Machine` (`estimate`).
 
-A `Recording` is a program run dry (`mpimesh.dryrun`) on a mesh shape under layout rules: per op
-its local FLOPs and bytes in and out, the collectives counted as the MPI transport counts them
-(kind, mesh dims, calls, bytes), and the lifetimes of its tensors' blocks (peak memory). It keeps
-the function and its arguments' shapes and dtypes, so it can run the program again, dry, on any
-mesh shape under any rules: `estimate(recording, rules, mesh_shape, machine)` does (each re-run
-kept). A plain `mm.trace()` can be priced too, as it ran: each op's kernel is re-traced dry for its
-collectives; other rules or mesh shapes need the program, hence `record`.
-
-Prices (seconds per rank, the processor at coordinate 0 of every mesh dim, whose blocks are the
-largest):
-- a GEMM (`OpDef.gemm`: an einsum): `max(flops / machine.flops, bytes / machine.memory_bandwidth)
-  + einsum_overhead` (the roofline, plus a per-call cost: skinny and small matmuls run below peak);
-- any other op: the same with `op_overhead` (elementwise ops are bound by their bytes);
-- each collective call over mesh dims of `k` processors, with `(α, β) = machine.group(dims)` and
-  `b` the bytes this rank hands the transport (the profile's count): `α + f · b / β`, where `f` is
-  2(k-1)/k for an allreduce (a ring), (k-1)/k for an alltoall and a reduce-scatter, (k-1) for an
-  allgather (b is one block of the k gathered), 1 for a permute, and 2(k-1)/k for an exscan;
-- the step: compute plus communication, none of it overlapped (a bound: buckets hide some).
-
-Memory per rank: the arguments' blocks (parameters, optimizer state, batch) for the whole step,
-plus at the peak the op outputs alive then: each from its op to its last use, or, made while a
-trace of the program was open (`mm.trace()`, which every step with gradients has), until that
-trace closes or autodiff releases it (`mm.gradients`, unless `retain=True`); the function's outputs
-to the end. An output that is a view of its input (a reshape or rename, a relayout that moves
-nothing, an einsum that only reorders dims) adds no bytes: it keeps its input's block alive.
-Kernel temporaries are not counted, but for an op that declares them (`OpDef.scratch`:
-a fused op, whose temporaries were ops of their own before), for the time of that op.
+A `Recording` holds per op its local FLOPs and bytes, the collectives as the MPI transport counts
+them, and its blocks' lifetimes (peak memory); it keeps the function, so `estimate` can run it again
+dry on any mesh shape under any rules (a plain `mm.trace()` is priced as it ran). Prices are seconds
+per rank at coordinate 0 (the largest blocks): each op's roofline plus a fixed cost, each collective
+`α + f · b / β`, compute and communication not overlapped. More: docs/cost_model.md.
 
 >>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
 >>> round(allreduce * 1e6, 3)  # α + 2·3/4 · 1000 B / 1 GB/s
@@ -39,12 +17,14 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import counters, liveness
 from ..backend import as_dtype
-from .. import liveness
-from ..collectives import counters
+from ..dryrun import DryMesh, placeholder, shaped
 from ..errors import LayoutError, MpimeshError
+from ..mesh import AbstractMesh, layout_scope, mesh_shape_of
+from ..program import Program
+from ..trace import Released, Trace, open_traces, trace
 from ..layout import LayoutRules
-from ..mesh import mesh_shape_of
 from ..shape import Shape
 from ..tree import is_tensor, map_leaves, tensors
 from .machine import Machine
@@ -245,7 +225,6 @@ class _Watched(set):
 def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
     """A `Trace` that, as each op is appended, notes its FLOPs (from the open counters), bytes
     and the lifetimes of its inputs and outputs."""
-    from ..trace import Trace, open_traces
 
     class RecordingTrace(Trace):
         def __init__(self):
@@ -315,11 +294,8 @@ def record(fn, args, mesh, rules=None) -> Recording:
     """Run `fn(*args)` dry on a `DryMesh` of `mesh`'s shape (a mesh, or a mesh shape) under
     `rules` (default: the mesh's rules in force; none for a shape) and record what it costs.
 
-    `args` may nest DistTensors and `ArgSpec`s in dicts, lists and tuples; each tensor is replaced
-    by a placeholder of its shape and dtype laid out by the rules (whatever its own layout was),
-    other values pass as they are. `fn` must run on tensors without values: mpimesh ops only, no
-    `to_numpy`, `float(t)` or branching on values. Needs JAX (`mpimesh.dryrun`). `rules`, like a
-    layout scope's, may name tensor dims the step lacks (rules for a whole model; `estimate` checks).
+    `args` may nest DistTensors and `ArgSpec`s (each becomes a placeholder laid out by the rules)
+    among other values; `fn` must not read values. More: docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> def step(x, w):
@@ -329,9 +305,6 @@ def record(fn, args, mesh, rules=None) -> Recording:
     >>> [op.name for op in rec.ops], rec.collectives["allreduce/rows"]["calls"], rec.state_bytes
     (['einsum', 'tanh', 'einsum'], 1, 96)
     """
-    from ..dryrun import DryMesh, placeholder
-    from ..mesh import AbstractMesh, layout_scope
-    from ..trace import trace
     check_step("record", fn, args)
     if isinstance(mesh, (str, Shape, list, tuple)):
         mesh_shape, in_force = mesh_shape_of(mesh), LayoutRules("")
@@ -366,7 +339,6 @@ def from_trace(trace) -> Recording:
     collectives; FLOPs of einsums from their subscripts (other ops' FLOPs are not known here);
     outputs held by the trace to its end, those autodiff released to their last use. Bucketed
     gradient sums count as one allreduce each (their "psum" ops), not one per bucket."""
-    from ..trace import Released
     if not trace.ops:
         raise MpimeshError("estimate: the trace holds no ops")
     return _priced(trace.ops, trace.inputs, lambda t: not isinstance(t, Released))
@@ -394,7 +366,6 @@ def from_program(program) -> Recording:
 def _priced(ops, inputs, to_end) -> Recording:
     """The `Recording` of `ops` as they ran on their mesh (see `from_trace`); `inputs`: the tensors
     held for the whole step; `to_end(t)`: whether output `t` lives to the end, not its last use."""
-    from ..dryrun import DryMesh, shaped
     mesh = ops[0].outputs[0].mesh
     rules = ops[0].rules if ops[0].rules is not None else LayoutRules("")
     rec = Recording(None, None, mesh.shape, rules)
@@ -441,15 +412,10 @@ def op_seconds(op: OpCost, machine: Machine) -> float:
 
 def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = None) -> dict[str, Any]:
     """Price one run of a step on `machine`: a dict with `seconds` (compute plus communication,
-    per rank), `compute_seconds`, `comm_seconds`, `bytes_per_rank`, and the parts: `flops`,
-    `comm_bytes`, `collectives` (the profile's counters of the run priced), `state_bytes`,
-    `activation_bytes`, `ops`.
-
-    `trace`: a `Recording` (from `record`, or `mm.auto_layout`'s `plan.recording`), run again dry
-    on `mesh_shape` under `rules` where they differ from its own (None: its own); or, priced as it
-    ran (other rules: a clear error), a plain `mm.trace()`, a compiled step (`mm.compile`: its most
-    recently used program, as its engine runs it) or a `mpimesh.program.Program`. Rules other than
-    the recording's must name only tensor dims of the step (a `LayoutError`: a typo).
+    per rank), `compute_seconds`, `comm_seconds`, `bytes_per_rank`, and the parts (`flops`,
+    `comm_bytes`, `collectives`, `state_bytes`, `activation_bytes`, `ops`). `trace`: a `Recording`,
+    run again dry where `rules` or `mesh_shape` differ from its own; or, priced as it ran, a plain
+    `mm.trace()`, a compiled step or a `Program`. More: docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
@@ -458,8 +424,6 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     >>> e["collectives"], round(e["comm_seconds"] * 1e6, 2)  # α + 2·3/4 · 4 B / β
     ({'allreduce/rows': {'calls': 1, 'elements': 1, 'bytes': 4}}, 10.06)
     """
-    from ..program import Program
-    from ..trace import Trace
     if not isinstance(machine, Machine):
         raise MpimeshError(f"estimate needs a mm.cost.Machine (calibrate(mesh), or TPUV2, ...), got {machine!r}")
     if hasattr(trace, "programs") and callable(trace.programs):  # a compiled step: its latest program

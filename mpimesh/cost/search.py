@@ -22,7 +22,8 @@ from typing import Optional
 from ..backend import as_dtype, is_float
 from ..errors import MpimeshError
 from ..layout import LayoutRules
-from ..recompute import remat_policy
+from ..mesh import AbstractMesh
+from ..remat import remat_policy
 from .cache import calibrated
 from .machine import Machine, number
 from ..tree import flatten, is_tensor
@@ -72,7 +73,7 @@ class LayoutPlan:
     """Whether every candidate was priced (else a beam search)."""
     remat: int = 0
     """How many of the step's `mm.remat` blocks the plan rematerialises: the first `remat` calls
-    (run the step inside `mpimesh.recompute.remat_policy(lambda k: k < plan.remat)`). 0, unless no
+    (run the step inside `mpimesh.remat.remat_policy(lambda k: k < plan.remat)`). 0, unless no
     layout fits the memory without: then the fewest that let one fit."""
 
     def report(self, top: int = 5) -> str:
@@ -110,33 +111,21 @@ def _signature(assign: dict, mesh_shape) -> tuple:
 
 def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine: Optional[Machine] = None,
                 *, exact_limit: int = 256, beam: int = 2) -> LayoutPlan:
-    """Choose layout rules for `fn(*args)` on `mesh` with the cost model.
-
-    `fn(*args)` is never run on the real mesh: it is recorded dry (`mm.cost.record`, needs JAX)
-    from the shapes and dtypes of the DistTensors in `args`, once replicated and once per priced
-    candidate, so `fn` must not read values. `machine`: default this machine's calibration for the
-    mesh's shape (`mpimesh.cost.cache.calibrated`: measured once, a few seconds, then kept on disk;
-    a collective: every rank must call). `memory_per_rank`: bytes, a number > 0 (default the
-    machine's memory; `math.inf`: no limit). `exact_limit` (>= 0) and `beam` (>= 1): see the
-    module. On a `Mesh` of several ranks the candidates are shared out over the ranks, which
-    exchange their prices: every rank must call, and gets the same plan.
-    A candidate some op cannot run (an `MpimeshError` in its dry run) is left out. The step's
-    `mm.remat` blocks run as plain calls, unless no layout fits: then the fewest of them (the first
-    k calls) are rematerialised that let one fit, priced as they run (their second run in the time,
-    their released activations in the memory), and the plan says so (`LayoutPlan.remat`).
+    """Choose layout rules for `fn(*args)` on `mesh` with the cost model: a collective, every rank must
+    call and gets the same plan (candidates are priced dry, shared out over the ranks: `fn` must not
+    read values). `machine`: default this mesh's calibration (`cost.cache.calibrated`);
+    `memory_per_rank`: bytes (default the machine's; `math.inf`: no limit); `exact_limit`, `beam`: see
+    the module. If no plan fits, the fewest `mm.remat` blocks that make one fit are rematerialised
+    (`LayoutPlan.remat`). More: docs/cost_model.md.
 
     >>> import mpimesh as mm
-    >>> from mpimesh.cost import ArgSpec
-    >>> m = mm.cost.Machine(flops=1e9, latency=1e-4, bandwidth=1e8, memory=2**30)
-    >>> def step(x, w):
-    ...     return mm.reduce_sum(mm.relu(mm.einsum([x, w])))
-    >>> args = (ArgSpec("batch:64;io:32", "float32"), ArgSpec("io:32;hidden:1024", "float32"))
     >>> from mpimesh.dryrun import DryMesh
-    >>> plan = auto_layout(step, args, DryMesh("x:4"), machine=m)
-    >>> plan.rules, plan.exact
-    ('hidden:x', True)
+    >>> m = mm.cost.Machine(flops=1e9, latency=1e-4, bandwidth=1e8, memory=2**30)
+    >>> step = lambda x, w: mm.reduce_sum(mm.relu(mm.einsum([x, w])))
+    >>> args = (mm.cost.ArgSpec("batch:64;io:32", "float32"), mm.cost.ArgSpec("io:32;hidden:1024", "float32"))
+    >>> auto_layout(step, args, DryMesh("x:4"), machine=m).rules
+    'hidden:x'
     """
-    from ..mesh import AbstractMesh
     check_step("auto_layout", fn, args)
     if not isinstance(mesh, AbstractMesh):
         raise TypeError(f"auto_layout: mesh must be a Mesh or a DryMesh (mpimesh.dryrun.DryMesh('x:4') for a shape "

@@ -1,12 +1,10 @@
-"""Multi-head attention with named dims, as in Mesh-TensorFlow: a compositon of public ops.
+"""Multi-head attention with named dims, as in Mesh-TensorFlow: a composition of public ops.
 
-Queries keep the input's length dim; keys and values get it renamed to the memory-length dim,
-so the attention logits `[..., length, heads, memory_length]` have both. With the heads dim
-split (model parallelism) every op runs on local heads and only the output projection's
-contraction over heads is an allreduce; with batch split nothing is communicated at all.
-The causal mask is applied inside the softmax op (`mm.softmax(..., causal=length)`: a memory
-position after the query position gets -1e9), from global positions, so with no mask tensor and
-no communication; `causal_bias` makes the same mask as a tensor.
+Keys and values get the input's length dim renamed to the memory-length dim, so the logits
+`[..., length, heads, memory_length]` have both. With heads split every op runs on local heads and
+only the output projection is an allreduce; with batch split nothing is communicated. The causal
+mask (-1e9 past the query's position) is applied inside the softmax (`causal=length`), from global
+positions, with no mask tensor; `causal_bias` makes the same mask as a tensor.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

@@ -1,19 +1,15 @@
 """2-D convolution layer: `mm.conv2d` plus a bias and an optional activation, no communication
-code of its own.
-
-The input's height and width dims may be split over mesh dims, in blocks of any size (sizes need
-not divide; see `mm.conv2d`): the convolution gathers its halos from the neighbours (point-to-point
-permutes), the bias add and activation are local, and the output keeps the input's spatial dim
-names, so the rules in force lay it out like the input.
-Parameter values depend only on the seed, never on the mesh or layout.
+code of its own. Height and width may be split over mesh dims in blocks of any size: the
+convolution gathers its halos from the neighbours, the bias and activation are local, and the
+output keeps the input's spatial dim names (laid out like the input). Parameter values depend
+only on the seed, never on the mesh or layout.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> p = init_conv2d(mesh, 0, 3, 3, "c_in:2", "c_out:4")
 >>> sorted(p), p["kernel"].shape
 (['bias', 'kernel'], Shape('[fh:3, fw:3, c_in:2, c_out:4]'))
->>> y = conv2d(p, mesh.ones("batch:1;height:8;width:8;c_in:2"), activation="relu")
->>> y.shape
+>>> conv2d(p, mesh.ones("batch:1;height:8;width:8;c_in:2"), activation="relu").shape
 Shape('[batch:1, height:8, width:8, c_out:4]')
 """
 from __future__ import annotations

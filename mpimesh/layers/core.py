@@ -1,22 +1,16 @@
 """Dense, layer norm, embedding and feed-forward layers: compositions of public ops, no
-communication code of their own.
+communication code of their own. Functional: an `init_*` function makes a layer's parameters (a dict of
+DistTensors laid out by the rules in force) from an integer seed with `mesh.random_normal`, the same
+values on any mesh and layout; the layer function takes `(params, x, ...)`. Parameter dicts nest;
+`flatten`/`unflatten` turn a tree of them into the flat `{"a/b/c": tensor}` dict optimizers and
+checkpoints take. Mixed precision: parameters stay float32 (the optimizer's masters); a layer computes
+in its input's dtype, casting each parameter to it (`like`), so their gradients, through the cast, are
+float32; `embedding` takes the activations' `dtype`; layer norm's statistics are float32 whatever the input.
 
-The design is functional: an `init_*` function makes a layer's parameters (a dict of
-DistTensors, laid out by the mesh's rules in force) from an integer seed with
-`mesh.random_normal`, so the values are the same on any mesh and layout; the layer function
-takes `(params, x, ...)`. Parameter dicts nest; `flatten`/`unflatten` turn a tree of them into
-the flat `{"a/b/c": tensor}` dict that optimizers and checkpoints take.
-
-Mixed precision: parameters stay float32 (the masters the optimizer updates) while activations
-may be bfloat16 or float16. A layer computes in its input's dtype, casting each parameter to it
-(`like`), so the parameters' gradients, through the cast, are float32; `embedding` takes the
-activation `dtype`, and layer norm's statistics are float32 whatever the input.
-
->>> import numpy as np, mpimesh as mm
+>>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> p = mm.layers.init_dense(mesh, 0, "io:4", "hidden:8")
->>> y = mm.layers.dense(p, mesh.ones("batch:2;io:4"))
->>> y.shape, sorted(p)
+>>> mm.layers.dense(p, mesh.ones("batch:2;io:4")).shape, sorted(p)
 (Shape('[batch:2, hidden:8]'), ['bias', 'kernel'])
 """
 from __future__ import annotations

@@ -1,58 +1,15 @@
 """GShard's mixture-of-experts layer with top-2 gating, composed of ops (no communication of its own).
 
-Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
-Sharding" (Sec. 2.2, Algorithm 1), as implemented by Mesh-TensorFlow's `_top_2_gating` and
-`transformer_moe_layer_v1` (mesh_tensorflow/transformer/moe.py). Dims: G groups (split like a
-batch), S tokens per group, M model, E experts, C expert capacity, H expert hidden size.
-
-For every group g and token s (x[g, s] ∈ R^M, gate weights wg ∈ R^{M×E}):
-
-  gates[s, e]  = softmax_e(x[s]·wg)                     raw gates
-  e1 = argmax_e gates[s, e],  e2 = argmax_e gates[s, e]·(1 - [e = e1])
-  g1, g2       = gates[s, e1], gates[s, e2], then each / (g1 + g2 + 1e-9)
-  aux          = loss_coef · E² · mean_{g,e}(c_e/S · m_e),  c_e = #{s : e1(s) = e} (before any
-                 token is dropped), m_e = mean_s gates[s, e]          (GShard eq. (4), MTF ×E²)
-  policy       = "random": keep e2 iff u[g, s] < g2/second_threshold with u ~ U[0, 1) drawn by
-                 `mesh.random_uniform([G, S], seed, dtype=x.dtype)`, i.e. with probability
-                 min(1, g2/0.2) (MTF's second_policy="random", second_threshold=0.2); also
-                 "all", "none", "threshold" (keep iff g2 > second_threshold)
-  C            = max(min(S, int(S·capacity_factor/E)), min_capacity)  (capacity_factor 1.25 when
-                 training, 2.0 in eval, min_capacity 4: the GShard/MTF defaults)
-  p1[s]        = #{s' < s : e1(s') = e1(s)}             exclusive cumsum over the group;
-                 the first choice is kept iff p1 < C
-  p2[s]        = #{kept first choices of e2(s)} + #{s' < s : e2(s') = e2(s), second kept by the
-                 policy}; the second choice is kept iff p2 < C
-  expert_in[e, g, c]  = x[g, s] for the token s whose kept choice took slot (e, c), else 0
-  expert_out[e, g, c] = act(expert_in·wi[e])·wo[e]               wi: [E, M, H], wo: [E, H, M]
-  y[g, s]      = g1·expert_out[e1, g, p1]·[kept] + g2·expert_out[e2, g, p2]·[kept]
-
-A dropped token (overflow) gets combine weight 0: it skips the layer and the residual connection
-around it carries it. The gates keep g1 + g2 ≈ 1 even when one choice is dropped (as in MTF).
-
-Routing (`routing=`): "gather" finds e1, e2, p1, p2 and the kept choices in one op
-(`mpimesh.ops.routing.top2_slots`) and moves tokens with two gathers, `dispatch_slots` and
-`combine_slots` (each the other's gradient): no [G, S, E, C] tensor, no matmul. "one_hot" builds the
-masks dispatch[s, e, c] = [e = e1, c = p1, kept] + [e = e2, c = p2, kept] and combine (the same,
-weighted by g1, g2) and contracts them, einsums "GSEC,GSM->EGCM" and "GSEC,EGCM->GSM" (2·G·S·E·C·M
-FLOPs each way). Both keep and drop the same choices and give the same values. "auto" (default)
-gathers unless the group-phase layout splits the tokens or the capacity dim, or splits a dim of x
-and of the expert buffers differently (then a gather would need communication the einsums do not).
-
-Layout: the gating, dispatch and combine run with the groups split over the mesh dim m that holds
-them and E unsplit; the experts run with E split over m and G unsplit (`layout_scope`s derived
-from the rules in force). The switch is one `relayout` each way: one alltoall over m for the
-expert inputs and one for the expert outputs; the backward pass mirrors it (two more). Put the
-experts on that mesh dim in the rules (e.g. mesh layout "group:all;experts:all"), or pass
-`expert_mesh_dim` to `init_moe`, so the expert weights are stored split. G, E and the other dims
-need not divide their mesh dims (e.g. 5 experts over 3 ranks: blocks of 2, 2 and 1 experts; 3 over
-4: one rank holds none).
+Lepikhin et al. 2020 (GShard, Algorithm 1), as Mesh-TensorFlow's `transformer_moe_layer_v1`: each
+token goes to its two likeliest experts while they have capacity (`capacity_factor`), the second by
+a policy (`"random"` by default); an overflowing token skips the layer. Tokens move by gathers
+(`routing="gather"`) or one-hot einsums (`"one_hot"`). Groups are split while gating, experts while
+they run: one alltoall each way. The formulas, routing and layout: docs/moe.md.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", layout="group:all;experts:all", comm=mm.MPI.COMM_SELF)
->>> from mpimesh.layers.moe import init_moe, moe
 >>> p = init_moe(mesh, 0, "d_model:8", "experts:4", "d_ff:16")
->>> x = mesh.random_normal("group:2;tokens:8;d_model:8", seed=1)
->>> y, aux = moe(p, x, "group", seed=2)
+>>> y, aux = moe(p, mesh.random_normal("group:2;tokens:8;d_model:8", seed=1), "group", seed=2)
 >>> y.shape, aux.shape, sorted(p)
 (Shape('[group:2, tokens:8, d_model:8]'), Shape('[]'), ['wg', 'wi', 'wo'])
 """

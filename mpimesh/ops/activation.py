@@ -20,13 +20,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..backend import align, is_low_precision
+from ..backend import align, cached_kernel, is_low_precision
 from ..errors import ShapeError
 from ..opdef import ALL, OpDef, size
 from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
 from ..trace import dispatch
-from .elementwise import _gelu, _round_to, bias_grad
+from .elementwise import bias_grad, gelu_values, round_to
 from .relayout import laid_out_within, to_layout
 
 _C = math.sqrt(2.0 / math.pi)
@@ -50,7 +50,7 @@ def _tanh_grad(xp, a, g):
     return g * (1.0 - y * y)
 
 
-ACTIVATIONS = {"relu": (_relu, _relu_grad), "gelu": (_gelu, _gelu_grad), "tanh": (lambda xp, a: xp.tanh(a), _tanh_grad),
+ACTIVATIONS = {"relu": (_relu, _relu_grad), "gelu": (gelu_values, _gelu_grad), "tanh": (lambda xp, a: xp.tanh(a), _tanh_grad),
                None: (lambda xp, a: a, lambda xp, a, g: g)}
 """name -> (forward kernel, gradient kernel `(xp, pre-activation, dy) -> dx`)."""
 
@@ -67,7 +67,6 @@ SOURCES = {
 """name -> (forward, gradient) bodies of the CuPy kernels, the arithmetic of the numpy kernels
 above in the same order: `a` is the pre-activation (x + bias), `g` the output's gradient."""
 _KERNEL_DTYPES = ("float32", "float64")
-_cuda: dict = {}
 
 
 def kernel_params(activation: Optional[str], grad: bool, bias: bool) -> tuple[str, str, str]:
@@ -79,10 +78,8 @@ def kernel_params(activation: Optional[str], grad: bool, bias: bool) -> tuple[st
 def _fused(xp, activation: Optional[str], grad: bool, arrays: tuple):
     """The CuPy kernel, compiled on first use, applied to `arrays` (x[, dy][, bias aligned to x])."""
     key = (activation, grad, len(arrays) == 2 + grad)
-    if key not in _cuda:
-        _cuda[key] = xp.ElementwiseKernel(*kernel_params(*key), f"mpimesh_bias_{activation or 'add'}"
-                                          + ("_grad" if grad else ""))
-    return _cuda[key](*arrays)
+    return cached_kernel(("activation",) + key, lambda: xp.ElementwiseKernel(
+        *kernel_params(*key), f"mpimesh_bias_{activation or 'add'}" + ("_grad" if grad else "")))(*arrays)
 
 
 def _fits(*arrays) -> bool:
@@ -102,7 +99,7 @@ def _forward(ctx, a, *b, activation, xd, bd, casts, low):
     """`activation(x + bias)` from the blocks of x and the bias (`b`, if any); rounded back to a 16-bit
     float x's dtype (`low`), as the unfused op keeps it."""
     y = ACTIVATIONS[activation][0](ctx.xp, _pre(ctx.xp, a, b, xd, bd, casts))
-    return y if low is None else _round_to(y, low)
+    return y if low is None else round_to(y, low)
 
 
 def _forward_cupy(ctx, a, *b, activation, xd, bd, casts, low):

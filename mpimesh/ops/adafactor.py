@@ -24,7 +24,7 @@ from ..errors import MpimeshError
 from ..opdef import Aval, OpDef, size
 from ..trace import dispatch
 from .relayout import to_layout
-from .updates import _widened
+from .updates import widened
 
 
 def adafactor_update(groups: Sequence[tuple], factored: Sequence[Optional[tuple]], lr, decay, beta1: float,
@@ -273,7 +273,7 @@ def _update(ctx, xp, plans, parts, lr, decay, options, over) -> list:
     first = _Sums(ctx, xp)
     keys = []
     for plan, (p, g, *slots) in zip(plans, parts):
-        p, g = _widened(p, g, dtype)
+        p, g = widened(p, g, dtype)
         g2 = _real(ctx, xp, g * g, plan.split)
         k = {"p": p, "g": g}
         if scale_by_rms:

@@ -1,28 +1,12 @@
 """Fused attention on CuPy: softmax(scale * q k^T, causal or not) v by FlashAttention's tiling, each
-way, where the heads and the length are whole on a rank (not yet wired into the ops).
-
-The forward pass never stores the logits: each block holds a tile of query rows and streams the keys
-and values through shared memory a tile at a time, keeping each row's running maximum, its sum of
-exponentials and its output (online softmax); it writes the output and each row's logsumexp, all
-the backward pass keeps. The backward pass recomputes each tile's probabilities from the logsumexp:
-one kernel per row takes `delta = rowsum(do * o)`; one kernel per tile of keys sums dk and dv over
-the queries; one kernel per tile of queries sums dq over the keys (dq apart, recomputing the tiles'
-probabilities: no atomics, each sum runs in a fixed order, the same every run).
-
-Inputs are [batch, heads, length, d_kv] C-contiguous arrays, float32 or bfloat16 (read as they are,
-computed in float32, the outputs in the inputs' dtype; the logsumexp float32); d_kv at most 128; the
-queries' and keys' lengths may differ (causal: query i sees keys 0..i). The arithmetic is float32
-FMAs throughout, no tensor cores: float32 results, within TF32's tolerance too.
-
-The CUDA source compiles for the CPU as well (tests/test_attention_kernel.py: threads of a block
-run as host threads, a warp of a few lanes), which is how it is checked: it never ran on a GPU yet.
-`Tiles` sizes the blocks; `gpu_tiles` keeps each kernel's shared memory under 48 KiB (static: no
-opt-in needed) on an H100/H200, with the keys' rows padded by one float (no bank conflicts).
+way, where the heads and the length are whole on a rank (no op calls it). The forward pass never
+stores the logits (online softmax over tiles, keeping each row's logsumexp); the backward pass
+recomputes each tile's probabilities, with no atomics. Inputs: [batch, heads, length, d_kv]
+float32 or bfloat16, d_kv <= 128, computed in float32. The CUDA source also compiles for the CPU,
+where the tests check it. The kernels and tile sizes: docs/gpu_kernels.md.
 
 >>> gpu_tiles(64), gpu_tiles(128).rows
 (Tiles(warp=32, warps=4, rows=4, tile=32), 2)
->>> max(shared_bytes(64, gpu_tiles(64)).values()) <= 48 * 1024
-True
 >>> import numpy as np
 >>> attention_forward(np, np.zeros((1, 2, 3, 200), np.float32), *[np.zeros((1, 2, 3, 200), np.float32)] * 2)
 Traceback (most recent call last):
@@ -35,8 +19,9 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ..backend import cached_kernel
 from ..errors import DTypeError, ShapeError
-from .rowwise import _GPU_PRELUDE, PRELUDE_TYPES
+from .rowwise import GPU_PRELUDE, PRELUDE_TYPES
 
 MAX_D_KV = 128
 DTYPES = ("float32", "bfloat16")
@@ -63,7 +48,11 @@ def gpu_tiles(d_kv: int) -> Tiles:
 
 
 def shared_bytes(d_kv: int, tiles: Tiles) -> Dict[str, int]:
-    """Each kernel's static shared memory, in bytes (as `ATTENTION_SOURCE` declares it)."""
+    """Each kernel's static shared memory, in bytes (as `ATTENTION_SOURCE` declares it).
+
+    >>> max(shared_bytes(64, gpu_tiles(64)).values()) <= 48 * 1024   # no opt-in needed
+    True
+    """
     block, t, padded = tiles.warps * tiles.rows, tiles.tile, d_kv + 1
     floats = {"mpimesh_attention_fwd": block * d_kv + t * padded + t * d_kv + block * t,
               "mpimesh_attention_bwd_delta": 0,
@@ -326,16 +315,15 @@ def source(dtype: str, d_kv: int, tiles: Tiles) -> str:
     return tiles.defines(d_kv) + PRELUDE_TYPES[dtype] + ATTENTION_SOURCE
 
 
-_cuda: dict = {}
-
-
 def _compiled(xp, dtype: str, d_kv: int, tiles: Tiles) -> dict:
     """`{name: kernel}` of the source for `dtype`, `d_kv` and `tiles`, compiled by NVRTC on first use."""
     key = (dtype, d_kv, tiles)
-    if key not in _cuda:
-        module = xp.RawModule(code=_GPU_PRELUDE + source(dtype, d_kv, tiles))
-        _cuda[key] = {name: module.get_function(name) for name in ATTENTION_PARAMS}
-    return _cuda[key]
+    return cached_kernel(("attention",) + key, lambda: _compile(xp, *key))
+
+
+def _compile(xp, dtype: str, d_kv: int, tiles: Tiles) -> dict:
+    module = xp.RawModule(code=GPU_PRELUDE + source(dtype, d_kv, tiles))
+    return {name: module.get_function(name) for name in ATTENTION_PARAMS}
 
 
 def _check(q, k, v) -> Tuple[int, int, int, int, int]:

@@ -1,11 +1,10 @@
 """conv1d and conv2d over named dims, with spatial dims that may be split over mesh dims.
 
-Along a split spatial dim input and output are cut like `numpy.array_split`: rank c computes output
-block c from the input window it reads, gathered from its own block plus halos from its neighbours
-(point-to-point permutes, `shift.gather_window`; see `_gather`). A split in-channels dim is
-contracted locally and allreduced (like einsum); batch and out-channel splits need no communication.
-The input gradient is the transposed kernel followed by the transposed halo exchange; the filter
-gradient is a reduction over positions, allreduced over the mesh dims that split batch and spatial dims.
+Along a split spatial dim rank c computes output block c (`numpy.array_split`'s) from its own
+input block plus halos from its neighbours (point-to-point permutes, `shift.gather_window`). A
+split in-channels dim is contracted locally and allreduced; batch and out-channel splits need no
+communication. The gradients: the transposed kernel and halo exchange for the input, a reduction
+over positions, allreduced over batch and spatial splits, for the filter.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

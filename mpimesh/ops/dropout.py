@@ -19,7 +19,7 @@ import numbers
 
 import numpy as np
 
-from ..backend import index_constant
+from ..backend import cached_kernel, index_constant
 from ..errors import MpimeshError
 from ..opdef import OpDef, size
 from ..trace import dispatch
@@ -45,16 +45,15 @@ DROPOUT_SOURCE = """
 DROPOUT_PARAMS = ("T x, raw uint64 sizes, raw uint64 starts, raw uint64 strides, int32 rank, uint64 key, "
                   "float64 rate, T scale", "T y")
 _KERNEL_DTYPES = ("float16", "float32", "float64")
-_cuda: dict = {}
 
 
 def _masked(xp, a, rate: float, scale: float, seed, starts: list, strides: list):
     """`DROPOUT_SOURCE` on the local block `a` (compiled on first use; its index terms are tiny
     device arrays, made once: no host copy when a CUDA graph captures it)."""
-    if "kernel" not in _cuda:
-        _cuda["kernel"] = xp.ElementwiseKernel(*DROPOUT_PARAMS, DROPOUT_SOURCE, "mpimesh_dropout")
+    kernel = cached_kernel(("dropout",),
+                           lambda: xp.ElementwiseKernel(*DROPOUT_PARAMS, DROPOUT_SOURCE, "mpimesh_dropout"))
     terms = [index_constant(xp, tuple(v), np.uint64) for v in (a.shape, starts, strides)]
-    return _cuda["kernel"](a, *terms, np.int32(a.ndim), key(xp, seed, _STREAM), rate, a.dtype.type(scale))
+    return kernel(a, *terms, np.int32(a.ndim), key(xp, seed, _STREAM), rate, a.dtype.type(scale))
 
 
 def dropout(x, rate: float, seed):

@@ -2,7 +2,7 @@
 mesh dims of the reduced dims that are split (`EINSUM` declares it, with a kernel per array module).
 
 Inputs of 16-bit floats are contracted in float32: each rank multiplies its blocks into float32 (numpy
-upcasts them; on CuPy a cuBLAS GEMM reads the 16-bit words, `mpimesh.widen`), the float32 partials are
+upcasts them; on CuPy a cuBLAS GEMM reads the 16-bit words, `mpimesh.gemm`), the float32 partials are
 summed across ranks and rounded once to the inputs' promoted dtype (`mm.result_type`). Inputs of an
 integer and a float dtype are contracted in the float's (int32 with float32 in float32).
 
@@ -26,7 +26,7 @@ import numpy as np
 import opt_einsum
 
 from ..backend import accumulation_dtype, align, contiguous, is_low_precision, result_type
-from ..collectives import counters
+from .. import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
 from ..opdef import ALL, Aval, OpDef
@@ -35,7 +35,7 @@ from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch
-from ..widen import (gpu_matmul, gpu_rounding_matmul, gpu_widening_matmul, jax_widening_matmul, rounding_matmul,
+from ..gemm import (gpu_matmul, gpu_rounding_matmul, gpu_widening_matmul, jax_widening_matmul, rounding_matmul,
                      tf32_math)
 from .relayout import to_layout
 from .rowwise import column_sums, fused_rows
@@ -305,8 +305,11 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
     # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
     into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
         if bucket else None
-    (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into)
-    return bucket.partial(y, reduce_mesh, plan.out_dtype) if bucket else y
+    if bucket is None:
+        (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params)
+        return y
+    (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into, partial=reduce_mesh)
+    return bucket.partial(y, plan.out_dtype)
 
 
 @lru_cache(maxsize=4096)
@@ -430,7 +433,7 @@ def _matmul_numpy(xp, a, b, out=None):
 
 
 def _matmul_cupy(xp, a, b, out=None):
-    """`_matmul` through `mpimesh.widen`'s cuBLAS call, in the matmul precision (CuPy's batched matmul
+    """`_matmul` through `mpimesh.gemm`'s cuBLAS call, in the matmul precision (CuPy's batched matmul
     ignores TF32, and CuPy's own cuBLAS calls cannot be captured in a CUDA graph)."""
     y = gpu_matmul(xp, a, b, out)
     return y if y is not None else _matmul(xp, a, b, out)
@@ -444,7 +447,7 @@ class _Backend(NamedTuple):
     """What an array module's einsum kernel does its own way (`_contract`)."""
 
     matmul: Callable  # `matmul(xp, a, b, out=None)`
-    widening: Optional[Callable]  # a GEMM of 16-bit operands as they are into float32 sums (`mpimesh.widen`);
+    widening: Optional[Callable]  # a GEMM of 16-bit operands as they are into float32 sums (`mpimesh.gemm`);
     rounding: Optional[Callable]  # the same rounded once to their dtype; both None: operands upcast first
     gemm_out: bool  # the widening GEMMs write a given `out` themselves (cuBLAS)
     bmm_out: bool  # a batched matmul may write the output through a transposed view of it
@@ -474,7 +477,7 @@ def _contract(ctx, arrays, plan: Contraction, summed: tuple, out, be: _Backend):
         if y is not None:
             return y
     pair, bmm, low, out_dtype, rounded = plan.pair, plan.bmm, plan.low, plan.out_dtype, plan.rounded
-    # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.widen`);
+    # 16-bit inputs: a GPU or a replay multiplies them as they are, into float32 (`mpimesh.gemm`);
     # numpy upcasts this rank's blocks. Either way the allreduce below sums float32 partials and
     # rounds once to the 16-bit result, whose words its second half moves (`allreduce(dtype=)`:
     # 3/4 of a float32 allreduce's bytes). A bucket sums the float32 partials (`mpimesh.buckets`).

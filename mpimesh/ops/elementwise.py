@@ -157,7 +157,8 @@ def _kind(v):
     return np.dtype(v.dtype).type if hasattr(v, "dtype") else type(v)
 
 
-def _round_to(y, dtype):
+def round_to(y, dtype):
+    """`y` rounded to the float `dtype` where it is another float (a 16-bit result computed wider)."""
     return y.astype(dtype) if is_float(y.dtype) and y.dtype != dtype else y
 
 
@@ -180,7 +181,7 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: 
 
     def k(ctx, a, keep=None):
         y = kernel(ctx.xp, a)
-        return y if keep is None else _round_to(y, keep)
+        return y if keep is None else round_to(y, keep)
     opdef = _elementwise(name, k, rule, ((0,) if "x" in reads else (), (0,) if "y" in reads else ()), flops)
 
     def op(x):
@@ -228,7 +229,7 @@ def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) ->
         if casts is not None:
             pair = cast_operands(pair, casts)
         y = kernel(first(ctx), *pair)
-        return y if keep is None else _round_to(y, keep)
+        return y if keep is None else round_to(y, keep)
     both = reads[0] + reads[1]
     tensors = ([i for i, v in enumerate("xy") if v in both], (0,) if "z" in both else ())
     right = ((0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ())
@@ -328,7 +329,8 @@ def _checked(op: OpDef, x_dtype, y_dtype) -> tuple:
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def _gelu(xp, a):
+def gelu_values(xp, a):
+    """GELU (tanh approximation) of the array `a`: the kernel of `gelu`, also `bias_gelu`'s."""
     return 0.5 * a * (1.0 + xp.tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)))
 
 
@@ -343,7 +345,7 @@ def _sign(x):
 
 
 relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * greater(x, 0))
-gelu = _unary("gelu", _gelu, "GELU, tanh approximation (as Mesh-TensorFlow and jax.nn.gelu).", _gelu_grad)
+gelu = _unary("gelu", gelu_values, "GELU, tanh approximation (as Mesh-TensorFlow and jax.nn.gelu).", _gelu_grad)
 exp = _unary("exp", lambda xp, a: xp.exp(a), "e**x.", lambda x, y, dy: dy * y, "y")
 log = _unary("log", lambda xp, a: xp.log(a), "Natural logarithm.", lambda x, y, dy: dy / x)
 sqrt = _unary("sqrt", lambda xp, a: xp.sqrt(a), "Square root.", lambda x, y, dy: dy * 0.5 / y, "y")
@@ -488,7 +490,7 @@ def _axpy(ctx, *arrays, xd, yd, low, alpha=None, into=(), chunked=False):
     ya = align(xp, ya, yd, xd)
     if low is None:
         return (axpy_new_chunked if chunked else axpy_new)(xp, a, xa, ya)
-    out = _round_to(xp.multiply(xa, a), low)
+    out = round_to(xp.multiply(xa, a), low)
     if is_eager(xp) and out.ndim and out.dtype == result_type(out.dtype, ya.dtype):  # (0-d: numpy gives a scalar)
         return xp.add(out, ya, out=out)  # into the product's own buffer: one pass less
     return out + ya
@@ -581,7 +583,7 @@ def _where(ctx, *arrays, slots, names, od, consts, casts, low, sizes):
     if casts is not None:  # x and y of two dtypes: in their promotion (`mpimesh.promotion`)
         vals[1:] = cast_operands(vals[1:], casts)
     z = xp.where(*vals)
-    z = _round_to(z, low) if low is not None else z
+    z = round_to(z, low) if low is not None else z
     return contiguous(xp, xp.broadcast_to(z, sizes))
 
 

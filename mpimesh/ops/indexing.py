@@ -148,16 +148,11 @@ def _gather_plan(wnames: tuple, inames: tuple, v: str, onames: tuple) -> _Gather
 
 def gather(weights, indices, dim, dtype=None):
     """Embedding lookup: `out[i..., o...] = weights[indices[i...], o...]` along `dim`, cast to
-    `dtype` if given (each rank casts the rows it looked up before they are combined, so a
-    bfloat16 lookup of a float32 table moves 16-bit words; the gradient w.r.t. `weights` stays
-    in weights' dtype).
-
-    The output has indices' dims, then weights' other dims (dims shared by both act as batch
-    dims: each index picks from its own batch entry). Indices outside `[0, dim.size)` give
-    zeros. With `dim` split over mesh dim m, each rank looks up the indices in its own range
-    (a masked take, zeros elsewhere) and one allreduce over m of the output combines them. The
-    gradient w.r.t. `weights` is a scatter-add (einsum of one_hot(indices, dim) with dy, keeping
-    dim's split); `indices` get none.
+    `dtype` if given (each rank casts its rows before they are combined: a bfloat16 lookup of a float32
+    table moves 16-bit words). The output has indices' dims, then weights' other dims (dims in both
+    are batch dims). Indices outside `[0, dim.size)` give zeros. With `dim` split over mesh dim m each
+    rank looks up its own range and one allreduce over m combines them. The gradient w.r.t. `weights`
+    (in weights' dtype) is a scatter-add keeping dim's split; `indices` get none.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

@@ -1,15 +1,13 @@
 """Layer normalisation as one op, its input gradient as one op.
 
-`layer_norm(x, dims, scale, bias, epsilon)`: `(x - mean) / sqrt(var + epsilon) * scale + bias`, the
-statistics over `dims` (a local sum and, where a dim is split, one allreduce each), a 16-bit float x
-normalised in float32 and rounded once. Outputs: y, then the mean and 1/std (x's dims without `dims`),
-which the gradient op `layer_norm_grad` reads (dx and the normalised x: two sums, one allreduce each
-where a dim is split); the scale's and bias's gradients are einsums, which a data-parallel sum can
-wait for in a gradient bucket (`mpimesh.buckets`). Kernels: `mpimesh.ops.rowwise`.
+`layer_norm(x, dims, scale, bias, epsilon)`: `(x - mean) / sqrt(var + epsilon) * scale + bias`;
+over `dims`: a local sum and, where a dim is split, one allreduce each; a 16-bit x normalised in float32
+and rounded once. Outputs: y, then the statistics (x's dims without `dims`), which the gradient op reads
+(dx and the normalised x); the scale's and bias's gradients are einsums, whose data-parallel sum may wait
+in a gradient bucket (`mpimesh.buckets`). Kernels: `mpimesh.ops.rowwise`.
 
 >>> import numpy as np, mpimesh as mm
->>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
->>> x = mesh.from_numpy(np.array([[1.0, 3.0], [2.0, 2.0]]), "b:2;d:2")
+>>> x = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).from_numpy(np.array([[1.0, 3.0], [2.0, 2.0]]), "b:2;d:2")
 >>> np.round(layer_norm(x, ("d",)).to_numpy(), 4).tolist()
 [[-1.0, 1.0], [0.0, 0.0]]
 """

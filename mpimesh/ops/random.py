@@ -26,7 +26,7 @@ from ..errors import DTypeError, MpimeshError
 from ..layout import slice_bounds
 from ..shape import Shape, ShapeLike
 from ..opdef import OpDef, size
-from ..tensor import _layout, block_sizes
+from ..tensor import block_sizes
 from ..trace import dispatch
 from .relayout import to_layout
 
@@ -166,7 +166,7 @@ def _real(value, what: str) -> float:
 def _random(op: OpDef, mesh, shape: ShapeLike, layout, seed, params: dict):
     """The op `op` (no inputs, or the seed tensor): each rank fills its block from the global indices it holds."""
     shape = Shape(shape)
-    tl = _layout(mesh, shape, layout)
+    tl = mesh.layout_of(shape, layout)
     inputs = seed_inputs(seed, mesh, op.name)
     (t,) = dispatch(op, inputs, [(shape, tl)], {"shape": shape, **params, "seed": None if inputs else seed,
                                                 "layout": tl, "mesh_shape": mesh.shape}, mesh=mesh)

@@ -2,7 +2,8 @@
 
 Per mesh dim: a dim that becomes split is sliced locally (no communication), a dim that stops
 being split is all-gathered, and a mesh dim moving from one tensor dim to another costs one
-alltoall. Nothing else ever moves.
+alltoall. A partial tensor's pending sum (DTensor's `Partial`) is taken first: a reduce-scatter where
+the target splits a dim over a mesh dim of the sum, an allreduce for the rest (`sum_partial`).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -82,8 +83,57 @@ RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), lin
                  view=lambda params, ins, outs: None if params["steps"] else 0)
 
 
+def sum_kernel(ctx, x, mesh_dims: tuple, dtype=None, scatter: tuple = (), bucket=None):
+    """`sum_partial`'s kernel (and a gradient bucket's, `mpimesh.buckets`): `x`'s terms summed over
+    `mesh_dims`, then over each `(mesh dim, axis)` of `scatter` keeping this rank's block of that axis;
+    rounded to `dtype` where given (a 16-bit result of float32 terms). `bucket`: the gradient bucket a
+    replay sums it with."""
+    if mesh_dims:
+        x = ctx.allreduce(x, mesh_dims)
+    for m, axis in scatter:
+        x = ctx.reduce_scatter(x, m, axis)
+    return x if dtype is None else x.astype(dtype)
+
+
+def sum_abstract(ctx, shapes, x, **params) -> tuple:
+    """`sum_kernel`'s dry run: its collectives counted, its dtype."""
+    return (sum_kernel(ctx, x, **params).dtype,)
+
+
+SUM_PARTIAL = OpDef("psum", sum_kernel, grad=lambda op, dy: [to_layout(dy, op.inputs[0].tensor_layout)],
+                    saves=((), ()), partial_inputs=True, abstract=sum_abstract)
+"""The sum a partial tensor awaits (named as JAX's `lax.psum`)."""
+
+
+def sum_partial(x, target: TensorLayout):
+    """`x` (a `PartialTensor`) with its pending sum taken, in a layout on the way to `target`: each
+    mesh dim of the sum that `target` splits a dim over, where `x` does not, a reduce-scatter along that
+    dim; the others summed whole (one allreduce).
+
+    >>> import mpimesh as mm
+    >>> from mpimesh.tensor import PartialTensor
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> sum_partial(PartialTensor(mesh, mm.Shape("a:2"), (None,), mesh.xp.ones(2), ("all",)), (None,)).partial
+    ()
+    """
+    layout, scatter = list(x.tensor_layout), []
+    for m in x.partial:
+        if m in target and m not in x.tensor_layout and splitting(m, x.mesh.shape):
+            axis = target.index(m)
+            if layout[axis] is None:
+                scatter.append((m, axis))
+                layout[axis] = m
+    scattered = {m for m, _ in scatter}
+    whole = tuple(n for n in x.mesh.shape.names if n in x.partial and n not in scattered)
+    (y,) = dispatch(SUM_PARTIAL, [x], [(x.shape, tuple(layout))], {"mesh_dims": whole, "scatter": tuple(scatter)})
+    return y
+
+
 def to_layout(x, tensor_layout: TensorLayout):
-    """`x` with the given tensor layout (a tuple with one mesh dim or None per dim)."""
+    """`x` with the given tensor layout (a tuple with one mesh dim or None per dim); a partial tensor
+    summed first (`sum_partial`)."""
+    if x.partial:
+        x = sum_partial(x, tensor_layout)
     if x.tensor_layout == tensor_layout:
         return x
     steps = relayout_plan(x.shape, x.mesh.shape, x.tensor_layout, tensor_layout)

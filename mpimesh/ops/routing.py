@@ -1,8 +1,7 @@
 """Routing ops of a top-2 mixture of experts: `top2_slots` picks each token's two experts and its
-slots in their capacity buffers; `dispatch_slots` gathers the tokens into those slots, `combine_slots`
-the slots back to the tokens, weighted: each other's adjoint, so each one's gradient is the other
-(plus a row dot product for the weights). The ops hold the tokens, experts and capacity dims whole;
-the other dims (groups, features) keep their splits and need no communication.
+slots in their capacity buffers; `dispatch_slots` gathers the tokens into those slots,
+`combine_slots` the slots back to the tokens, weighted. Each is the other's adjoint, hence its
+gradient. Tokens, experts and capacity stay whole; other dims keep their splits (docs/moe.md).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -275,12 +274,10 @@ def _reads(params) -> tuple:
 
 def dispatch_slots(x, slots: Slots, weights: Optional[Sequence] = None, output_shape=None):
     """The expert buffers: `out[e, ..., c, ...] = w_k[s]·x[..., s, ...]` for the token s whose
-    choice k took slot (e, c), 0 for an empty slot (`weights` None: w = 1).
-
-    The output is `[experts] + x's dims with tokens replaced by capacity` (or `output_shape`, the
-    same dims in another order); x's dims other than the slots' are features. The gradient w.r.t.
-    x is `combine_slots` with the same weights; w.r.t. a weight, the row dot product of the
-    output's gradient at the slot with x (a split feature dim sums it over its mesh dim).
+    choice k took slot (e, c), 0 for an empty slot (`weights` None: w = 1). The output is
+    `[experts] + x's dims with tokens replaced by capacity` (or `output_shape`, the same dims in
+    another order). The gradient w.r.t. x is `combine_slots` with the same weights; w.r.t. a weight,
+    the row dot product of the output's gradient at the slot with x.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

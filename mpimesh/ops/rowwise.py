@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ..backend import name
+from ..backend import cached_kernel, on_gpu
 
 
 class Backend(NamedTuple):
@@ -107,7 +107,6 @@ COLUMN_SUM_SOURCES = {
         "for (long long r = r0; r < r1; ++r) acc += x[r * cols + c] * w[r * cols + c]; s = acc;"),
 }
 COLUMN_CHUNK = 128
-_cuda: dict = {}
 
 
 def fusable(*arrays) -> bool:
@@ -117,30 +116,36 @@ def fusable(*arrays) -> bool:
 
 def fused_rows(xp, *arrays) -> bool:
     """Whether the CuPy kernels of `ROW_SOURCES` take `arrays` (CuPy arrays of one float32 or float64 dtype)."""
-    return name(xp) == "cupy" and fusable(*arrays)
+    return on_gpu(xp) and fusable(*arrays)
 
 
 def row_kernel(xp, which: str, *arrays, axes: tuple = (), out=None):
     """The CuPy kernel `which` of `ROW_SOURCES`, compiled on first use, on `arrays`: a row sum
     over `axes` (kept) for the reductions, else the elementwise output (into `out` where given)."""
-    if which not in _cuda:
-        ins, outs, body = ROW_SOURCES[which]
-        _cuda[which] = (xp.ReductionKernel(ins, outs, body, "a + b", "s = a", "0", f"mpimesh_{which}")
-                        if which in _REDUCTIONS else xp.ElementwiseKernel(ins, outs, body, f"mpimesh_{which}"))
+    kernel = cached_kernel(("rowwise", which), lambda: _row_kernel(xp, which))
     if which in _REDUCTIONS:
-        return _cuda[which](*arrays, axis=axes, keepdims=True)
-    return _cuda[which](*arrays) if out is None else _cuda[which](*arrays, out)
+        return kernel(*arrays, axis=axes, keepdims=True)
+    return kernel(*arrays) if out is None else kernel(*arrays, out)
+
+
+def _row_kernel(xp, which: str):
+    ins, outs, body = ROW_SOURCES[which]
+    if which in _REDUCTIONS:
+        return xp.ReductionKernel(ins, outs, body, "a + b", "s = a", "0", f"mpimesh_{which}")
+    return xp.ElementwiseKernel(ins, outs, body, f"mpimesh_{which}")
 
 
 def column_sums(xp, arrays: list, rows: int, cols: int):
     """The column sums of the [rows, cols] product of `arrays` (one or two C-contiguous arrays of one
     dtype and `rows * cols` elements), by `COLUMN_SUM_SOURCES`'s kernel then a sum of its chunks'
-    partials: a `[cols]` array."""
+    partials: a `[cols]` array (zeros for no rows: a rank's empty block of an uneven layout)."""
     n = len(arrays)
-    if ("columns", n) not in _cuda:
-        _cuda["columns", n] = xp.ElementwiseKernel(*COLUMN_SUM_SOURCES[n], f"mpimesh_column_sums{n}")
     chunks = -(-rows // COLUMN_CHUNK)
-    partial = _cuda["columns", n](*arrays, rows, cols, COLUMN_CHUNK, size=chunks * cols)
+    if not chunks:
+        return xp.zeros(cols, arrays[0].dtype)
+    kernel = cached_kernel(("rowwise", "columns", n),
+                           lambda: xp.ElementwiseKernel(*COLUMN_SUM_SOURCES[n], f"mpimesh_column_sums{n}"))
+    partial = kernel(*arrays, rows, cols, COLUMN_CHUNK, size=chunks * cols)
     return partial.reshape(chunks, cols).sum(axis=0) if chunks > 1 else partial
 
 
@@ -150,7 +155,7 @@ def column_sums(xp, arrays: list, rows: int, cols: int):
 # (of squares), and writes the output, softmax's causal mask added as it reads; bfloat16 is read and
 # written as it is and computed in float32 (the kernels above made a pass for each step, and a cast each
 # way). One warp per row (`WARP_ROW`: the row, the lane, rows past the end return; `LANES(j)`: the lane's
-# elements of the row): `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `_GPU_PRELUDE` (a
+# elements of the row): `WARP`, `warp_max`, `warp_sum` and `NEG_INF` come from `GPU_PRELUDE` (a
 # CPU build gives a warp of one thread); `T` the stored dtype, `A` the arithmetic's, `load`/`store`
 # convert (`PRELUDE_TYPES`). The row's max skips NaN (a NaN makes the sum, so the whole row, NaN),
 # and a row whose max is not finite takes 0 for it, as the two-kernel path does (all -inf: NaN).
@@ -262,7 +267,7 @@ PRELUDE_TYPES = {
     "bfloat16": "typedef unsigned short T; typedef float A;\n__device__ __forceinline__ A load(T v) "
                 "{ return __uint_as_float(((unsigned int)v) << 16); }\n" + _TO_BF16,
 }
-_GPU_PRELUDE = """#define WARP 32
+GPU_PRELUDE = """#define WARP 32
 #define NEG_INF (-__int_as_float(0x7f800000))
 template <typename V> __device__ __forceinline__ V warp_sum(V v) {
   for (int o = WARP / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -286,14 +291,15 @@ def rows_fit(xp, a, axes: tuple) -> bool:
 def _rows_kernels(xp, dtype):
     """`{name: kernel}` of `ROWS_SOURCE` for `dtype`, compiled on first use; None where NVRTC refuses
     it (then the two-kernel path runs)."""
-    key = ("rows", dtype.name)
-    if key not in _cuda:
-        try:
-            module = xp.RawModule(code=_GPU_PRELUDE + PRELUDE_TYPES[dtype.name] + ROWS_SOURCE)
-            _cuda[key] = {k: module.get_function(k) for k in ROWS_PARAMS}
-        except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
-            _cuda[key] = None
-    return _cuda[key]
+    return cached_kernel(("rowwise", "rows", dtype.name), lambda: _compile_rows(xp, dtype.name))
+
+
+def _compile_rows(xp, dtype: str):
+    try:
+        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + ROWS_SOURCE)
+        return {k: module.get_function(k) for k in ROWS_PARAMS}
+    except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
+        return None
 
 
 def _launch(xp, a, which: str, *args) -> None:

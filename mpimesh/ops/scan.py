@@ -1,12 +1,9 @@
 """Cumulative sums along a named dim, split or not, without gathering it.
 
-Each rank takes the cumulative sum of its own block, then adds the sum of the blocks before it:
-`ctx.exscan` of its block totals (one element per position of the other dims) along the mesh dim
-that splits the dim. `reverse=True` (the gradient) sums from the end instead: the block totals are
-allgathered along that mesh dim (k values per position, not the data) and each rank adds those of
-the coordinates after its own (exact, unlike total-minus-prefix). Blocks may be unequal or empty
-(`numpy.array_split`): every rank still passes one total per position (zero for an empty block),
-so both collectives move equal blocks.
+Each rank sums its own block cumulatively, then adds the sum of the blocks before it (`ctx.exscan`
+of the block totals along the mesh dim that splits the dim). `reverse=True` (the gradient)
+allgathers the block totals instead and adds those after its own (exact, unlike total minus
+prefix). Unequal or empty blocks pass one total each (zero when empty): equal-block collectives.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

@@ -49,14 +49,10 @@ def uniform(size: int, k: int, windows: tuple) -> bool:
 def window_routes(size: int, k: int, windows: tuple, wrap: bool) -> tuple:
     """The `Route`s, by increasing p, that bring coordinate c the global range `windows[c]` of a
     dim of `size` cut into k blocks. Pieces beyond the dim's ends (without `wrap`) have no route; a
-    piece several blocks away (a halo wider than the short or empty blocks next to it) is a permute
-    by several coordinates.
-
-    A permute moves the same shape on every rank, so a strip shorter than the widest one at its
-    offset travels zero-padded to that width. With equal blocks and windows alike relative to each
-    block, every strip at an offset has the same width (no padding) and the route needs no
-    coordinate (so a JAX replay can trace it); with unequal blocks strips differ by a few elements at
-    most, e.g. blocks (3, 2, 2) shifted by 4 pad one strip by one element per row.
+    piece several blocks away is a permute by several coordinates. A permute moves the same shape on
+    every rank, so a strip shorter than the widest at its offset travels zero-padded to that width;
+    with equal blocks and windows alike relative to each (`uniform`) there is no padding and no route
+    needs the coordinate (so a JAX replay can trace it).
 
     >>> for r in window_routes(7, 3, ((-1, 5), (2, 4), (4, 4)), False):  # a halo of 1 over blocks (3, 2, 2)
     ...     print(r.p, r.width, r.recv)
@@ -359,19 +355,13 @@ SHIFT = OpDef("shift", _gather_kernel, grad=_shift_grad, saves=((), ()), abstrac
 
 
 def halo_exchange(x, dim: Union[str, Dimension], halo: int, wrap: bool = False):
-    """Each slice of x along `dim` widened by `halo` elements from its neighbours on both sides.
-
-    Per-slice semantics (Mesh-TensorFlow's halo exchange): when `dim` (size N) is split over a
-    mesh dim of size k (blocks of `numpy.array_split`, the first N % k one longer), the output has
-    a dim of the same name and size N + 2*halo*k, split over the same mesh dim, whose block c
-    (2*halo longer than x's) is `[left halo] + x's block c + [right halo]`, where the left halo
-    is the `halo` elements just before block c (the left neighbour's last ones) and the right
-    halo the `halo` just after it.
-    A halo wider than a block is gathered from several neighbours (past empty blocks too).
-    Beyond the ends of `dim` the halo is zeros: padding, not data (with `wrap=True` it wraps
-    around instead). When `dim` is unsplit (k = 1) this is plain zero padding by `halo` on both sides.
-
-    The gradient sends each halo back to its owner, which adds it in.
+    """Each slice of x along `dim` widened by `halo` elements from its neighbours on both sides
+    (Mesh-TensorFlow's halo exchange). With `dim` (size N) split over a mesh dim of size k, the output
+    dim has the same name, size N + 2*halo*k and split, and its block c is `[the halo elements just
+    before x's block c] + x's block c + [the halo just after it]`, gathered from several neighbours
+    where blocks are short or empty. Beyond the ends of `dim` the halo is zeros (with `wrap=True` it
+    wraps around); unsplit (k = 1), this is zero padding. The gradient sends each halo back to its
+    owner, which adds it in.
 
     >>> import numpy as np, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)

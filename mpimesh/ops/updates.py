@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..backend import cached_kernel
 from ..errors import MpimeshError
 from ..opdef import OpDef, size
 from ..trace import dispatch
@@ -45,15 +46,10 @@ SGD_SOURCE = """
 """The CuPy kernel of `sgd_update` for one parameter."""
 SGD_PARAMS = ("T p, T g, T v, T neg_lr, T mom, bool momentum", "T p1, T v1")
 
-_cuda: dict = {}
-
-
 def _kernel(xp, which: str):
     """The CuPy ElementwiseKernel `which` ("adam" or "sgd"), compiled on first use."""
-    if which not in _cuda:
-        params, source = (ADAM_PARAMS, ADAM_SOURCE) if which == "adam" else (SGD_PARAMS, SGD_SOURCE)
-        _cuda[which] = xp.ElementwiseKernel(*params, source, f"mpimesh_{which}")
-    return _cuda[which]
+    params, source = (ADAM_PARAMS, ADAM_SOURCE) if which == "adam" else (SGD_PARAMS, SGD_SOURCE)
+    return cached_kernel(("updates", which), lambda: xp.ElementwiseKernel(*params, source, f"mpimesh_{which}"))
 
 
 # ------------------------------------------------------------------ the formulas, written once
@@ -100,7 +96,7 @@ TENSOR_OPS = _TensorOps()
 
 # ------------------------------------------------------------------ the kernels
 
-def _widened(p, g, dtype):
+def widened(p, g, dtype):
     """`p` and `g` in the update's dtype (as `cast` makes them), where theirs is narrower."""
     if dtype is None:
         return p, g
@@ -152,7 +148,7 @@ def _sgd_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> Ca
             v = v[0] if v else None
             over = _mine(into, j, n_out) if in_place and into and _in_place(dtype, p, g, v, neg_lr) else ()
             pdt = p.dtype
-            p, g = _widened(p, g, dtype)
+            p, g = widened(p, g, dtype)
             if cuda and v is not None and p.dtype == g.dtype == v.dtype:
                 p1, v1 = _kernel(xp, "sgd")(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
             else:
@@ -174,7 +170,7 @@ def _adam_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> C
         for j, (p, g, m, v) in enumerate(groups):
             mine = in_place and into and _in_place(dtype, p, g, m, v, c1, c2, neg_lr, neg_lr_wd)
             pdt = p.dtype
-            p, g = _widened(p, g, dtype)
+            p, g = widened(p, g, dtype)
             if cuda and p.dtype == g.dtype == m.dtype == v.dtype:
                 scalars = (_typed(a, p.dtype) for a in (c1, c2, neg_lr, neg_lr_wd))
                 p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, *scalars, beta1, beta2, 1.0 - beta1, 1.0 - beta2, epsilon,

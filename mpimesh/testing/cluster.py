@@ -1,24 +1,10 @@
 """A cluster on one machine: hosts as Linux network namespaces on a bridge, MPI between them over TCP.
 
-`Cluster(hosts=2, slots=2)` makes, as root with iproute2:
-- a switch namespace holding a bridge, and one namespace per host (`<prefix>-h0`, ...), each with
-  one veth interface `eth0` on the bridge and an address in 10.77.0.0/24: a network that exists
-  only inside these namespaces (no default route, nothing in the machine's own namespace);
-- a hostfile (`hostfile`: one `address:slots` line per host) and a launcher program (`launcher`),
-  which runs a command inside a host's namespace, with the host's own hostname (`h0`, ...), as ssh
-  runs it on a node: MPICH's `mpiexec -f <hostfile> -launcher ssh -launcher-exec <launcher>`
-  (`mpiexec_argv`). The launched command dies with its launcher's parent (a lost ssh session);
-- `mpiexec(n, argv)` runs a job from host 0, so hydra's proxies reach it over the bridge.
-
-UCX is told `UCX_TLS=tcp,self`, so ranks on different hosts talk TCP (not shared memory, which
-the namespaces share). `link(host, up)` takes a host's link down or up, `shape(host, rate)` limits
-its bandwidth (`tc tbf`; `netem_available()` says whether delays can be added too), `bytes(host)`
-counts what crossed its link, `pids(host)` lists its processes and `kill(host)` ends them.
-
-`close()` (also at the end of a `with` block) kills every process in the namespaces and deletes
-them. A run killed before it could (SIGKILL) leaves namespaces named with its process id:
-`cleanup_leftovers()` (called by every new `Cluster`) deletes those of processes no longer alive.
-`unavailable()` says why no cluster can be made here (not root, no iproute2), or None.
+`Cluster(hosts=2, slots=2)` (root and iproute2) makes one namespace per host on a private
+10.77.0.0/24 network, a hostfile and an ssh-like launcher for MPICH's `mpiexec` (`mpiexec(n,
+argv)`); `link`, `shape`, `bytes`, `pids` and `kill` act on a host; `close()` (or the end of a
+`with` block) deletes it all, and `cleanup_leftovers()` what killed runs left. `unavailable()` says
+why no cluster can be made here. Details: docs/test_cluster.md.
 
 >>> unavailable() is None or isinstance(unavailable(), str)
 True
@@ -38,7 +24,7 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from ..collectives.liveness import _alive
+from ..collectives.liveness import alive
 from ..launch import find_mpiexec, is_open_mpi, job_env
 
 PREFIX = "mpimesh"
@@ -96,7 +82,7 @@ def cleanup_leftovers() -> list:
     gone = []
     for ns in namespaces():
         m = _NAME.match(ns)
-        if m and not _alive(int(m.group(1))):
+        if m and not alive(int(m.group(1))):
             _kill_in(ns)
             _ip("netns", "del", ns, check=False)
             gone.append(ns)

@@ -1,27 +1,8 @@
 """The JAX twin of the MPI transport: the same calls over mesh dims, as named-axis collectives of
-`jax.lax`, for an op's `lower(ctx, ...)` run inside `shard_map` (or `vmap`).
-
-The short cuts over a mesh dim of size 1 and `block` come from `collectives.base.Collectives`;
-only the transfers differ. The axis names are the mesh dims.
-
-    allreduce       lax.psum / lax.pmax / lax.pmin over the axes
-    allgather       lax.all_gather(tiled=True)
-    alltoall        lax.all_to_all(tiled=True)
-    reduce_scatter  lax.psum_scatter(tiled=True) (max/min: allreduce, then this rank's block)
-    permute         lax.ppermute; without wrap the pairs whose target is off the mesh are left out,
-                    so ranks with no source get zeros, as with MPI.PROC_NULL
-    exscan          lax.all_gather of the k values, then a masked reduction of those before us
-    block, coord    lax.dynamic_slice_in_dim at lax.axis_index, lax.axis_index
-    span            the block's traced start, and the largest block's length
-
-Unequal blocks (`numpy.array_split` of a length over k devices, see `collectives.base`): every
-device's array needs the same static shape, so a device holds its block padded with zeros to the
-largest block. The block lengths are static (the lengths and k are Python ints; only the coordinate
-is traced), so each collective pads every block to the largest with a static gather (`pad_blocks`),
-runs the equal-block collective, and keeps the real rows with another (`unpad_blocks`): allgather's
-result and alltoall's `concat_axis` hold no padding; alltoall's `split_axis`, reduce_scatter's
-`axis` and `block` are zero-padded blocks. E.g. 5 rows over 2 devices: device 1 holds rows 3, 4 and
-a row of zeros.
+`jax.lax` (psum, all_gather, all_to_all, psum_scatter, ppermute), for an op's `lower(ctx, ...)` run
+inside `shard_map` (or `vmap`). The short cuts over a mesh dim of size 1 and `block` come from
+`collectives.base.Collectives`. Unequal blocks are padded with zeros to the largest (static
+shapes) around each equal-block collective. The call-by-call table: docs/collectives.md.
 
 >>> import jax, jax.numpy as jnp
 >>> ctx = JaxCollectives(Shape("all:2"), vmapped=True)

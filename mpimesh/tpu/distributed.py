@@ -1,17 +1,11 @@
 """JAX across processes started by an MPI launcher: one JAX process per rank, joined by
 `jax.distributed`, its devices one global `jax.sharding.Mesh`.
 
-`initialize(comm, local_devices)` runs on every rank: it asks XLA for `local_devices` host devices
-(CPU; a GPU process has its own), picks JAX's CPU collectives across processes (gloo), and starts
-`jax.distributed` with rank 0 as the coordinator. Rank 0 chooses the coordinator's address: the
-loopback where every rank is on its node, else its own address on a network every rank has an
-address on (`MPIMESH_JAX_COORDINATOR=host:port` decides instead), and a free port; MPI carries it
-to the others. On one rank it only sets the device count.
-
-`global_mesh(mesh_shape)` lays every process's devices out as the mesh, processes outermost: the
-leading mesh dims span processes. `spans(mesh)` says which dims do, per dim, to print.
-`check_same(comm, text)` raises on every rank, before any collective of the program, where the
-ranks recorded different programs.
+`initialize(comm, local_devices)` (every rank) starts `jax.distributed` with a coordinator that rank
+0 picks (`MPIMESH_JAX_COORDINATOR=host:port` decides instead) and JAX's CPU collectives (gloo);
+`global_mesh(mesh_shape)` lays the devices out, processes outermost; `spans` says which mesh dims
+span processes; `check_same` raises on every rank where ranks recorded different programs. More:
+docs/jax_replay.md.
 
 >>> spans_text({"rows": True, "cols": False})
 'rows across processes, cols inside each'
@@ -24,6 +18,9 @@ import os
 import socket
 import subprocess
 from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
 
 from .. import env
 from ..errors import MeshError
@@ -61,7 +58,6 @@ def _host_port(text: str) -> bool:
 
 def _coordinator(comm) -> str:
     """`host:port` for rank 0's coordinator (a collective over `comm`)."""
-    from mpi4py import MPI
     forced = env.text("MPIMESH_JAX_COORDINATOR", check=_host_port, what="host:port (a port in 1..65535)")
     if forced is not None:
         return forced
@@ -105,7 +101,6 @@ def global_mesh(mesh_shape, names: Optional[tuple] = None):
     outermost (one process: its first devices); a MeshError where they are not as many as the
     mesh's processors."""
     import jax
-    import numpy as np
     from jax.sharding import Mesh
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if jax.process_count() == 1:  # one process may have more devices than the mesh uses
@@ -118,7 +113,6 @@ def global_mesh(mesh_shape, names: Optional[tuple] = None):
 
 def spans(mesh) -> dict:
     """`{mesh dim: whether devices along it belong to different processes}`."""
-    import numpy as np
     procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
     return {name: bool((np.diff(procs, axis=i) != 0).any()) if procs.shape[i] > 1 else False
             for i, name in enumerate(mesh.axis_names)}

@@ -1,50 +1,14 @@
 """Replay a recorded op trace through JAX, on a `jax.sharding.Mesh` named like the mpimesh mesh.
 
-Every op record carries its own `lower(ctx, *local_arrays)`: the local kernel plus the
-collectives its layout needs. The replay calls those same functions with `ctx.xp = jax.numpy`
-and the collectives of `tpu/collectives.py`, so no op is implemented twice.
-
-Two modes:
-
-* `"shard_map"`: the per-device program runs inside `shard_map` over the JAX mesh; every
-  collective is the one mpimesh chose (psum, all_gather, all_to_all, ppermute, ...) on the
-  same named axes, and each tensor layout is its `PartitionSpec`. XLA runs that communication.
-* `"gspmd"`: the same per-device program written as one global program (the inputs cut into
-  per-device blocks, the program `vmap`ped over the mesh axes with their names, so each
-  collective becomes an array operation across the block axes, and the blocks reassembled),
-  jitted with only the input and output shardings. XLA's SPMD partitioner (GSPMD) propagates
-  the shardings and places the collectives itself.
-
-A trace recorded on a one-processor mesh (`mm.Mesh("all:1", comm=MPI.COMM_SELF)`) is the global
-program: every collective is a no-op and every coordinate 0. `replay(..., devices=jax_mesh,
-layout=rules)` runs it on a `jax.sharding.Mesh` of any shape, with each input and output sharded
-as `rules` lay it out on that mesh, and lets XLA's SPMD partitioner place the collectives: one
-process drives many devices.
-
-Uneven blocks (a dim of size n split over k devices, cut like `numpy.array_split`): every device
-holds its block padded with zeros to the largest, ceil(n/k) (the JAX collectives move such blocks,
-see `tpu/collectives.py`); its coordinate fixes how much is real. The padding is zeroed after every
-op, and ops that must not see zeros there see their identity instead (-inf for a max, a softmax, a
-top_k or an argmax, +inf for a min). Kernels that index by global position (one_hot, gather,
-dropout, top_k's and argmax's candidates) take this device's block start, traced, and the padded
-length (`JaxCollectives.span`). Ops whose kernels cannot run on padded blocks raise ReplayError
-when they meet uneven blocks. Many kernels keep the recording rank's local sizes (a reshape's or
-a broadcast's target sizes, an einsum's contraction path), so a replay of uneven blocks is built
-on rank 0 (which holds the largest) and is refused on a rank that holds a smaller block, and on
-every rank across JAX processes (where each builds it): record such a step on one rank and replay
-it with `layout=`. A jit's
-arguments and results can only be sharded along dims their mesh dim divides: the others are
-replicated there (`in_shardings`, `out_shardings`) and padded and cut inside.
-
-All take the global arrays of `inputs` and return a tuple of the global arrays of `outputs`.
-Only the ops the outputs depend on are replayed. A tensor the trace reads that is neither
-produced inside it nor listed in `inputs` is baked in as a constant when this rank's slice is
-the whole tensor (replicated, e.g. one made before the trace opened); otherwise
-it must be listed. 64-bit types are enabled while tracing and calling (as in numpy, which the
-kernels were written for; the random hashes need uint64).
-"""
+Each op record's own `lower(ctx, *local_arrays)` runs with `ctx.xp = jax.numpy` and the
+collectives of `tpu/collectives.py`, so no op is implemented twice. Mode `"shard_map"` runs the
+per-device program inside `shard_map` with mpimesh's collectives; `"gspmd"` writes it as one
+global program and lets XLA's SPMD partitioner place them. A trace recorded on a one-processor
+mesh is the global program: `layout=` replays it on a JAX mesh of any shape. Uneven blocks are
+padded to the largest. `replay` has an example; modes, padding and constants: docs/jax_replay.md."""
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -401,8 +365,6 @@ class Replay:
         `seconds` then holds `{"trace": ..., "compile": ...}`: tracing the kernels into a JAX
         program and lowering it, and XLA compiling it, or loading it from JAX's persistent cache
         (`from_cache` says which)."""
-        import time
-
         import jax
         avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
                  for (shape, dtype), sh in zip(self._shapes, self.in_shardings)]
@@ -489,31 +451,18 @@ def _arguments(trace, inputs, outputs, devices, donate) -> None:
 
 def replay(trace, inputs: Sequence, outputs: Sequence, mode: str = "shard_map",
            devices: Optional[Any] = None, layout=None, donate: Sequence[int] = ()) -> Replay:
-    """A jitted JAX function computing `outputs` of `trace` from the global values of `inputs`.
-
-    Args:
-      trace: an `mm.trace()` record.
-      inputs: DistTensors the trace reads (not produced inside it); the function's arguments.
-      outputs: DistTensors of the trace; the function returns their global values, in order.
-      mode: "shard_map" (mpimesh's collectives) or "gspmd" (XLA places them); see the module docs.
-      devices: the JAX devices (as many as the mesh has processors; default `jax.devices()`), or a
-        `jax.sharding.Mesh` with the mesh's axis names and sizes.
-      layout: layout rules for a trace recorded on a one-processor mesh: `devices` is then a
-        `jax.sharding.Mesh` of any shape, each input and output is sharded on it as the rules say,
-        and XLA places the collectives (`mode` is ignored).
-      donate: positions of inputs whose buffers the call may reuse for its outputs (jax.jit's
-        donate_argnums), e.g. parameters fed back as the next step's inputs.
-    Raises:
-      MeshError: the device count differs from the trace's mesh size.
-      ReplayError: an op has no kernel, an input is not the trace's, an output is not produced.
+    """A jitted JAX function computing the global values of `outputs` (DistTensors of `trace`) from
+    those of `inputs` (the DistTensors it reads). `mode`: "shard_map" or "gspmd"; `devices`: as many
+    JAX devices as the mesh has processors, or a `jax.sharding.Mesh` of its axes; `layout`: rules for
+    a one-processor trace, replayed on `devices`, a JAX mesh of any shape; `donate`: jax.jit's
+    donate_argnums. MeshError for a wrong device count, ReplayError for an op it cannot replay.
 
     >>> import numpy as np, mpimesh as mm, jax
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
     >>> x = mesh.from_numpy(np.arange(3.0, dtype=np.float32), "a:3")
     >>> with mm.trace() as tr:
     ...     y = mm.reduce_sum(mm.exp(x) * 2.0)
-    >>> f = mm.tpu.replay(tr, [x], [y], devices=jax.devices()[:1])
-    >>> (z,) = f(np.arange(3.0, dtype=np.float32))
+    >>> (z,) = mm.tpu.replay(tr, [x], [y], devices=jax.devices()[:1])(np.arange(3.0, dtype=np.float32))
     >>> bool(np.isclose(z, y.to_numpy(), rtol=1e-6))
     True
     """

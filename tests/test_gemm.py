@@ -1,4 +1,4 @@
-"""mpimesh.widen: 16-bit matmuls into float32, checked against float64 numpy on the same values.
+"""mpimesh.gemm: 16-bit matmuls into float32, checked against float64 numpy on the same values.
 
 The CuPy path is one cuBLAS call whose arguments (row-major blocks handed to a column-major
 library: swapped operands, leading dimensions, batch strides) are easy to get wrong and run here
@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mpimesh.widen import (cublas_matmul, gpu_rounding_matmul, jax_widening_matmul, rounding_matmul,
-                          widening_matmul)
+from mpimesh.gemm import (cublas_matmul, gpu_rounding_matmul, jax_widening_matmul, rounding_matmul,
+                         widening_matmul)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _TYPES = {2: np.dtype(np.float16), 14: BF16, 0: np.dtype(np.float32), 1: np.dtype(np.float64)}  # cudaDataType_t
@@ -159,9 +159,9 @@ def test_a_16bit_result_is_rounded_by_the_gemm(monkeypatch, dtype):
     sums as it stores them: no float32 product, no cast pass), into `out` where given; each entry
     1 + 256·2^-9 summed in float32 (1.5) and rounded once; where the shapes do not fit one call
     (a broadcast batch), the widening product rounded."""
-    from mpimesh import widen
+    from mpimesh import gemm
     fake = FakeCublas()
-    monkeypatch.setattr(widen, "_cublas", lambda xp=None: fake)
+    monkeypatch.setattr(gemm, "_cublas", lambda xp=None: fake)
     a = _device(np.tile(np.array([1.0] + [2.0 ** -9] * 256, dtype), (2, 3, 1)))  # [2, 3, 257]
     b = _device(np.ones((2, 257, 4), dtype))
     got = gpu_rounding_matmul(FAKE_XP, a, b)
@@ -179,21 +179,50 @@ def test_a_16bit_result_is_rounded_by_the_gemm(monkeypatch, dtype):
 _CODE = {BF16: 14, np.dtype(np.float16): 2}  # CUDA_R_16BF, CUDA_R_16F
 
 
+def _odd_stride(x: np.ndarray, axis: int) -> np.ndarray:
+    """`x` (of size 1 along `axis`) with a stride along `axis` that no other dim explains, as a slice may leave."""
+    strides = list(x.strides)
+    strides[axis] = 7 * x.nbytes + x.itemsize
+    return np.lib.stride_tricks.as_strided(x, x.shape, strides, subok=True)
+
+
+@pytest.mark.parametrize("base, view, how", [
+    ((2, 3, 5), lambda x: x[:, None], (False, 5, 15)),  # a new axis: stride 0
+    ((2, 1, 3, 5), lambda x: _odd_stride(x, 1), (False, 5, 15)),
+    ((1, 2, 3, 5), lambda x: _odd_stride(x, 0), (False, 5, 15)),
+    ((2, 1, 5, 3), lambda x: _odd_stride(x, 1).swapaxes(-1, -2), (True, 3, 15)),
+    ((1, 1, 3, 5), lambda x: _odd_stride(_odd_stride(x, 0), 1), (False, 5, 0)),
+], ids=["new-axis", "inner", "outer", "transposed", "all-ones"])
+def test_size_1_batch_dims_take_no_step(base, view, how):
+    """A batch dim of size 1 may have any stride: it takes no step, so it merges with the others and
+    cuBLAS reads the operand in place (issue 44: such an operand got no plan, `ascontiguousarray` handed
+    it back as it was, being contiguous, and the plan's unpack raised TypeError). The plan of numpy
+    arrays; the product on the host model of cuBLAS, against numpy."""
+    from mpimesh.gemm import _gemm_operand
+    assert _gemm_operand(view(np.zeros(base))) == how
+    a = view(_device(_values(base, BF16, 10)))
+    b = _device(_values(a.shape[:-2] + (a.shape[-1], 4), BF16, 11))
+    fake = FakeCublas()
+    got = cublas_matmul(FAKE_XP, fake, a, b)
+    assert fake.calls == 1
+    np.testing.assert_array_equal(np.asarray(got), np.matmul(np.asarray(a).astype(np.float64), b.astype(np.float64)))
+
+
 def test_capturing_stream_takes_the_ctypes_bindings(monkeypatch):
     """While the current stream captures a CUDA graph, GEMMs go through `mpimesh.cublas` (CuPy's
     bindings refuse every cuBLAS call then); otherwise through CuPy's."""
-    from mpimesh import widen
+    from mpimesh import gemm
     sentinel = object()
-    monkeypatch.setattr(widen, "capturable", lambda cupy: sentinel)
+    monkeypatch.setattr(gemm, "capturable", lambda cupy: sentinel)
     capturing = [True]
     stream = SimpleNamespace(is_capturing=lambda: capturing[0])
     xp = SimpleNamespace(cuda=SimpleNamespace(get_current_stream=lambda: stream))
-    assert widen._cublas(xp) is sentinel
+    assert gemm._cublas(xp) is sentinel
     capturing[0] = False
     cupys = SimpleNamespace(cublas=object())  # CuPy's bindings, where no CuPy is installed
     for module in ("cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.libs"):
         monkeypatch.setitem(sys.modules, module, cupys)
-    assert widen._cublas(xp) is cupys.cublas
+    assert gemm._cublas(xp) is cupys.cublas
 
 
 class _FakeFunction:
@@ -258,7 +287,7 @@ def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
     if device_count() == 0:
         pytest.skip("needs CuPy and a GPU")
     import cupy
-    from mpimesh.widen import gpu_matmul
+    from mpimesh.gemm import gpu_matmul
     rounded = dtype.endswith("rounded")
     matmul = gpu_rounding_matmul if rounded else gpu_matmul
     rng = np.random.default_rng(3)
@@ -270,7 +299,7 @@ def test_gemm_captured_in_a_cuda_graph_equals_eager(dtype):
 
 def _captured_equals_eager(cupy, matmul, a, b, dtype: str, rounded: bool) -> None:
     """`matmul(cupy, a, b)` captured in a CUDA graph and launched writes what it writes eagerly."""
-    from mpimesh.widen import gpu_matmul
+    from mpimesh.gemm import gpu_matmul
     want = matmul(cupy, a, b)
     assert want.dtype == (BF16 if rounded else np.float64 if dtype == "float64" else np.float32)
     if rounded:

@@ -1,11 +1,7 @@
-"""Matmuls into float32: of 16-bit floats, accumulating in float32, on every array module; and of
-float32 on CuPy, in the precision `mm.set_matmul_precision` chose (`mpimesh.ops.einsum`'s kernels).
-
-numpy upcasts 16-bit blocks and multiplies them by sgemm (`widening_matmul`); CuPy runs one cuBLAS GEMM
-(`GemmEx`, `GemmStridedBatchedEx`) that reads the 16-bit words with float32 compute (`gpu_widening_matmul`),
-also for float32 (TF32 tensor cores at "tf32") and float64 (`gpu_matmul`: CuPy's batched matmul ignores
-TF32, and its cuBLAS bindings refuse a CUDA graph's capture, where `mpimesh.cublas` serves); a JAX
-replay asks XLA for float32 results (`jax_widening_matmul`). `tf32_math` switches CuPy's own routines.
+"""The GEMMs of `mpimesh.ops.einsum`'s kernels: every cuBLAS GEMM on CuPy (16-bit floats into float32,
+float32 in the precision `mm.set_matmul_precision` chose, float64), and the 16-bit matmuls into float32
+on every array module (numpy: upcast, then sgemm; a JAX replay: XLA asked for float32 results).
+While a CUDA graph captures, the GEMMs go through `mpimesh.cublas`. More: docs/gpu_kernels.md.
 
 >>> import numpy as np, ml_dtypes
 >>> a = np.ones((2, 3), ml_dtypes.bfloat16)
@@ -129,10 +125,12 @@ def _gemm_operand(x):
     (`transposed` False: operation N on them gives xᵀ); the transpose of such a view (rows one
     element apart) is, to cuBLAS, x itself (`transposed` True: operation T gives xᵀ)."""
     s = x.itemsize
-    *lead, r, c = x.shape
-    batch = 0 if len(lead) == 0 else x.strides[-3] // s
-    if len(lead) > 1 and any(x.strides[i] != x.strides[i + 1] * x.shape[i + 1] for i in range(len(lead) - 1)):
+    r, c = x.shape[-2:]
+    # a batch dim of size 1 takes no step: its stride is anything (numpy's and CuPy's contiguity ignore it too)
+    lead = [(n, step) for n, step in zip(x.shape[:-2], x.strides[:-2]) if n != 1]
+    if any(step != inner * n for (_, step), (n, inner) in zip(lead, lead[1:])):
         return None  # batch dims that do not merge into one stride
+    batch = lead[-1][1] // s if lead else 0
     if x.strides[-1] == s or c == 1:
         ld = max(x.strides[-2] // s if r > 1 else c, c, 1)
         if r == 1 or x.strides[-2] >= c * s:

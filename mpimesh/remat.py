@@ -1,27 +1,8 @@
 """Rematerialisation: `mm.remat(fn)` keeps only `fn`'s inputs and outputs for the backward pass.
 
-`y = mm.remat(fn)(*args)` runs `fn` as usual, but inside an open trace the arrays of the ops it runs
-are not kept for the gradients: they are freed as soon as nothing but the trace holds them (the
-trace keeps their shapes, so every engine still replays them). When `mm.gradients` reaches the
-call, it runs `fn` again on the same inputs (its ops and collectives are recorded, counted and
-replayed as part of the backward pass) and differentiates that copy: JAX's `jax.checkpoint`,
-PyTorch's `torch.utils.checkpoint`, Mesh-TensorFlow's `recompute_grad`. Random ops draw from their
-seeds, so the second run draws the same numbers. The values are those without remat.
-
-`fn` must compute the same ops from the same tensors both times: a pure function of its arguments
-and the tensors it closes over (bind a loop's parameters as arguments, not as late-bound closure
-variables). The second run is checked against the first, op by op (names, input shapes, which
-tensors from outside the block each op reads, numbers and strings among its params: one list
-comparison): one that differs, or raises, is an `MpimeshError` naming remat, the function and
-where it was defined, the first op that differs (what the forward ran there, what the re-run did)
-and the likely cause, a variable that changed in between (`lambda t: f(p[i], t)` in a loop reads
-the last `i` when the backward runs it: `lambda t, i=i: ...`); an error raised inside the re-run
-is chained to it.
-
-`mpimesh.cost` prices a remat step as it runs: the recomputation in its time, the freed arrays in
-its memory; `mm.auto_layout` remats blocks only where memory is short (`remat_policy`). The second
-run's ops are marked (`OpRecord.rerun`): the JAX replay passes their inputs through an
-optimization barrier, as `jax.checkpoint` does, or XLA would merge them with the first run's.
+Inside an open trace `fn`'s arrays are freed once only the trace holds them; `mm.gradients` runs `fn`
+again (`jax.checkpoint`) and differentiates that run (below: the forward, the sum's gradient, the second
+run, its gradient). `fn` must run the same ops on the same tensors both times. More: docs/autodiff.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -29,10 +10,8 @@ optimization barrier, as `jax.checkpoint` does, or XLA would merge them with the
 >>> with mm.trace() as tr:
 ...     y = mm.reduce_sum(remat(lambda t: mm.exp(mm.exp(t)))(x))
 ...     (g,) = mm.gradients([y], [x])
->>> [op.name for op in tr.ops]  # forward; the sum's gradient; the second run; its gradient
-['exp', 'exp', 'einsum', 'full', 'einsum', 'broadcast', 'exp', 'exp', 'multiply', 'multiply']
->>> bool(np.allclose(g.to_numpy(), np.exp(np.exp([0.5, 1.0]) + [0.5, 1.0])))
-True
+>>> [op.name for op in tr.ops], bool(np.allclose(g.to_numpy(), np.exp(np.exp([0.5, 1.0]) + [0.5, 1.0])))
+(['exp', 'exp', 'einsum', 'full', 'einsum', 'broadcast', 'exp', 'exp', 'multiply', 'multiply'], True)
 """
 from __future__ import annotations
 
@@ -43,9 +22,10 @@ from typing import Callable, Iterator, Optional
 from .errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 from .mesh import layout_scope
 from .trace import Released, _open_traces, _regions, release_unneeded, trace
+from .stack import Stack
 from .tree import tensors
 
-_policy: list = []  # innermost last: which regions run as remat (auto_layout's `remat_policy`)
+_policy = Stack()  # innermost last: which regions run as remat (auto_layout's `remat_policy`)
 
 
 @contextmanager
@@ -60,17 +40,14 @@ def remat_policy(chosen: Optional[Callable[[int], bool]]) -> Iterator[list]:
     []
     """
     state = {"chosen": chosen, "next": 0, "done": []}
-    _policy.append(state)
-    try:
+    with _policy.push(state):
         yield state["done"]
-    finally:
-        _policy.remove(state)
 
 
 def _chosen() -> bool:
-    if not _policy:
+    state = _policy.top()
+    if state is None:
         return True
-    state = _policy[-1]
     k, state["next"] = state["next"], state["next"] + 1
     if state["chosen"] is None or state["chosen"](k):
         state["done"].append(k)
