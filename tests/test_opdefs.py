@@ -252,6 +252,16 @@ CASES = [
     ("layer_norm's gradient, split, a scale", [("b:3;d:7", "float64"), ("d:7", "float64")], "d:M0;b:M1",
      # backward: - mean, * 1/std, dy * scale, two sums (3), dx's three terms, * 1/std
      _and_gradients(lambda x, s: mm.ops.norm.layer_norm(x, ("d",), s), [0]), lambda ins, outs: 16 * _elements(ins)),
+    ("rms_norm over a split dim, a scale", [("b:3;d:7", "float32"), ("d:7", "float32")], "d:M0;b:M1",
+     _every_output(lambda x, s: mm.ops.norm.rms_norm(x, ("d",), s)),
+     lambda ins, outs: 4 * _elements(ins)),  # square, sum, * 1/rms, * scale
+    ("rms_norm bfloat16 over two split dims", [("b:3;l:4;d:5", "bfloat16")], "l:M0;d:M1",
+     _every_output(lambda x: mm.ops.norm.rms_norm(x, ("l", "d"))), lambda ins, outs: 3 * _elements(ins)),
+    ("rms_norm's gradient, split, a scale", [("b:3;d:7", "float64"), ("d:7", "float64")], "d:M0;b:M1",
+     # backward: * 1/rms, dy * scale, the sum (2), dx's product, difference and * 1/rms
+     _and_gradients(lambda x, s: mm.ops.norm.rms_norm(x, ("d",), s), [0]), lambda ins, outs: 11 * _elements(ins)),
+    ("rms_norm's gradients, bfloat16 x, float32 scale, batch split", [("b:3;d:7", "bfloat16"), ("d:7", "float32")],
+     "b:M0", _and_gradients(lambda x, s: mm.ops.norm.rms_norm(x, ("d",), s), [0, 1]), None),
     ("softmax_cross_entropy, vocab split", [("b:5;v:7", "float32"), ("b:5", "int32")], "v:M0;b:M1",
      _every_output(lambda z, t: mm.ops.nn.softmax_cross_entropy(z, t, "v")),
      lambda ins, outs: 4 * _elements(ins) + 3 * _elements(outs)),  # per logit max, -, exp, sum; per row log, +, -

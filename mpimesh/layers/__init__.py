@@ -13,7 +13,7 @@ Shape('[batch:1, length:3, d_model:4]')
 """
 from .attention import causal_bias, init_attention, multihead_attention
 from .core import (dense, embedding, feed_forward, flatten, init_dense, init_embedding, init_feed_forward,
-                   init_layer_norm, layer_norm, subseed, unflatten)
+                   init_layer_norm, init_rms_norm, layer_norm, rms_norm, subseed, unflatten)
 from .losses import softmax_cross_entropy_with_logits
 from .conv import conv2d, init_conv2d
 from .moe import expert_capacity, init_moe, moe

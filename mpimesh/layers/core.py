@@ -1,11 +1,11 @@
-"""Dense, layer norm, embedding and feed-forward layers: compositions of public ops, no
+"""Dense, layer norm, RMS norm, embedding and feed-forward layers: compositions of public ops, no
 communication code of their own. Functional: an `init_*` function makes a layer's parameters (a dict of
 DistTensors laid out by the rules in force) from an integer seed with `mesh.random_normal`, the same
 values on any mesh and layout; the layer function takes `(params, x, ...)`. Parameter dicts nest;
 `flatten`/`unflatten` turn a tree of them into the flat `{"a/b/c": tensor}` dict optimizers and
 checkpoints take. Mixed precision: parameters stay float32 (the optimizer's masters); a layer computes
 in its input's dtype, casting each parameter to it (`like`), so their gradients, through the cast, are
-float32; `embedding` takes the activations' `dtype`; layer norm's statistics are float32 whatever the input.
+float32; `embedding` takes the activations' `dtype`; the norms' statistics are float32 whatever the input.
 
 >>> import mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -25,6 +25,7 @@ from ..ops.einsum import einsum
 from ..ops.elementwise import cast, gelu, relu, tanh
 from ..ops.indexing import gather
 from ..ops.norm import layer_norm as normalize
+from ..ops.norm import rms_norm as normalize_rms
 from ..ops.random import derive_seed
 from ..shape import Dimension, Shape, ShapeLike, dim_names, union_shape
 
@@ -189,6 +190,30 @@ def layer_norm(params: Params, x, dim, epsilon: float = 1e-6):
     if not epsilon >= 0:
         raise MpimeshError(f"layer_norm: epsilon must be >= 0, got {epsilon}")
     return normalize(x, dim_names(dim), params.get("scale"), params.get("bias"), epsilon)
+
+
+def init_rms_norm(mesh, dim: DimLike, dtype="float32") -> Params:
+    """`{"scale": ones[dim]}`."""
+    return {"scale": mesh.ones([as_dim(dim)], dtype)}
+
+
+def rms_norm(params: Params, x, dim, epsilon: float = 1e-6):
+    """`x / sqrt(mean(x**2) + epsilon) * scale`, the mean over `dim` (a name or Dimension, or
+    several), as LLaMA-family models normalise: no centring, no bias. When `dim` is split, the sum
+    of squares is one allreduce. A 16-bit float x is normalised in float32 and the result rounded
+    to x's dtype. One op, and one op (plus the scale's sum) for its gradient: `mpimesh.ops.norm`.
+
+    >>> import numpy as np, mpimesh as mm
+    >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    >>> x = mesh.from_numpy(np.array([[3.0, 4.0], [1.0, -1.0]]), "b:2;d:2")
+    >>> p = mm.layers.init_rms_norm(mesh, "d:2", dtype="float64")
+    >>> np.round(mm.layers.rms_norm(p, x, "d", epsilon=0.0).to_numpy(), 4).tolist()
+    [[0.8485, 1.1314], [1.0, -1.0]]
+    """
+    checked(params, "rms_norm", (), ("scale",))
+    if not epsilon >= 0:
+        raise MpimeshError(f"rms_norm: epsilon must be >= 0, got {epsilon}")
+    return normalize_rms(x, dim_names(dim), params.get("scale"), epsilon)
 
 
 # --------------------------------------------------------------------------------- embedding

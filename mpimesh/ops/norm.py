@@ -1,21 +1,24 @@
-"""Layer normalisation as one op, its input gradient as one op.
+"""Layer and RMS normalisation, each one op, its input gradient one op.
 
 `layer_norm(x, dims, scale, bias, epsilon)`: `(x - mean) / sqrt(var + epsilon) * scale + bias`;
+`rms_norm(x, dims, scale, epsilon)`: `x / sqrt(mean(x**2) + epsilon) * scale` (LLaMA's). The statistics
 over `dims`: a local sum and, where a dim is split, one allreduce each; a 16-bit x normalised in float32
 and rounded once. Outputs: y, then the statistics (x's dims without `dims`), which the gradient op reads
 (dx and the normalised x); the scale's and bias's gradients are einsums, whose data-parallel sum may wait
-in a gradient bucket (`mpimesh.buckets`). Kernels: `mpimesh.ops.rowwise`.
+in a gradient bucket (`mpimesh.buckets`). Kernels: `mpimesh.ops.rowwise`, and rms_norm's CUDA rows here.
 
 >>> import numpy as np, mpimesh as mm
 >>> x = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).from_numpy(np.array([[1.0, 3.0], [2.0, 2.0]]), "b:2;d:2")
->>> np.round(layer_norm(x, ("d",)).to_numpy(), 4).tolist()
-[[-1.0, 1.0], [0.0, 0.0]]
+>>> [np.round(f(x, ("d",)).to_numpy(), 4).tolist() for f in (layer_norm, rms_norm)]
+[[[-1.0, 1.0], [0.0, 0.0]], [[0.4472, 1.3416], [1.0, 1.0]]]
 """
 from __future__ import annotations
 
 import math
 
-from ..backend import accumulation_dtype, align
+import numpy as np
+
+from ..backend import accumulation_dtype, align, cached_kernel
 from ..errors import ShapeError
 from ..layout import splitting
 from ..opdef import Aval, OpDef, size
@@ -25,8 +28,8 @@ from ..trace import dispatch
 from .einsum import einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
-from .rowwise import (CUPY, GENERIC, NUMPY, fusable, layer_norm_grad_rows, layer_norm_rows, row_dot, row_kernel,
-                      row_sum, rows_fit, variant)
+from .rowwise import (CUPY, GENERIC, GPU_PRELUDE, NUMPY, PRELUDE_TYPES, ROWS_PER_BLOCK, fusable,
+                      layer_norm_grad_rows, layer_norm_rows, row_dot, row_kernel, row_sum, rows_fit, variant)
 
 
 def _plan(x, dims: tuple, what: str) -> tuple:
@@ -244,3 +247,235 @@ LAYER_NORM = OpDef("layer_norm", _layer_norm_kernel,
 LAYER_NORM_GRAD = OpDef("layer_norm_grad", _layer_norm_grad_kernel,
                         kernels={"numpy": variant(_layer_norm_grad_kernel, be=NUMPY), "cupy": _layer_norm_grad_cupy},
                         flops=_layer_norm_grad_flops, abstract=_layer_norm_grad_abstract)
+
+
+# ------------------------------------------------------------------------------------ rms norm
+
+def rms_norm(x, dims: tuple, scale=None, epsilon: float = 1e-6):
+    """`x / sqrt(mean(x**2 over dims) + epsilon) * scale` (`scale` None, or a tensor whose dims are
+    a subset of x's); see the module docstring."""
+    dims = tuple(dims)
+    layout, params = _plan(tensor_arg("rms_norm", x, floats=True), dims, "rms_norm")
+    del params["splits"]  # (a JAX replay's zero padding adds nothing to the sum of squares: nothing to mask)
+    x = to_layout(x, layout)
+    scale = None if scale is None else laid_out_within(scale, x, "rms_norm", "scale")
+    xd, sd = x.shape.names, None if scale is None else scale.shape.names
+    params.update(epsilon=epsilon, sd=sd, vectors=not params["mesh_dims"] and sd in (None, xd[-1:]))
+    stat = (x.shape.without(dims), tuple(m for i, m in enumerate(layout) if i not in params["axes"]))
+    y, _ = dispatch(RMS_NORM, [x] if scale is None else [x, scale], [(x.shape, layout), stat], params)
+    return y
+
+
+def _rms_norm_kernel(ctx, a, *s, dims, axes, mesh_dims, count, xd, epsilon, sd, vectors, be=GENERIC):
+    """y and 1/rms from x's block `a` and the scale's (`s`, if any). CuPy's kernels of `ROW_SOURCES`
+    serve with a mean of 0 (`x - 0` is x): the sum of squares, then y."""
+    xp = ctx.xp
+    dt = a.dtype
+    acc = accumulation_dtype(dt)
+    a = _as(a, acc)
+    fused = be.fused and fusable(a)
+    q = row_kernel(xp, "row_dot", a, a, axes=axes) if fused else row_dot(xp, a, a, axes, be.einsum)
+    if mesh_dims:
+        q = ctx.allreduce(q, mesh_dims)
+    r = 1 / xp.sqrt(q * (1.0 / count) + epsilon)
+    sc = () if sd is None else (align(xp, _as(s[0], acc), sd, xd),)  # the scale in the arithmetic's dtype
+    if fused:
+        y = row_kernel(xp, "layer_norm_s" if sc else "layer_norm", a, xp.zeros((), acc), r, *sc)
+    else:
+        mul, _ = _steps(xp, be)
+        y = a * r  # (a new array: `a` may be x's own)
+        y = mul(y, sc[0]) if sc else y
+    return _as(y, dt), xp.squeeze(r, axis=axes)
+
+
+def _rms_norm_cupy(ctx, a, *s, **params):
+    """CuPy: one kernel (`RMS_ROWS_SOURCE`) where the rows are whole here and the scale lies along them."""
+    xp = ctx.xp
+    if params["vectors"] and rows_fit(xp, a, params["axes"]) and _rms_rows(xp, a.dtype) is not None:
+        return rms_norm_rows(xp, a, params["epsilon"],
+                             xp.ascontiguousarray(_as(s[0], accumulation_dtype(a.dtype))) if s else None)
+    return _rms_norm_kernel(ctx, a, *s, be=CUPY, **params)
+
+
+def _rms_norm_abstract(ctx, shapes, x, *s, axes, mesh_dims, **_) -> tuple:
+    """y in x's dtype, 1/rms in the arithmetic's; the allreduce of the sum of squares where a
+    normalised dim is split."""
+    if mesh_dims:
+        ctx.allreduce(_statistic(x, axes), mesh_dims)
+    return x.dtype, accumulation_dtype(x.dtype)
+
+
+def _rms_norm_flops(params, ins, outs) -> int:
+    """Per element of x: square and sum (2), times 1/rms, and times the scale where there is one."""
+    return (3 + (params["sd"] is not None)) * size(ins[0])
+
+
+def _rms_norm_rule(op, dy, *_):  # (the statistic's output gets no gradient)
+    """dx in one op, from x, dy, the scale and the forward's 1/rms; the scale's gradient an einsum
+    of dy and the normalised x (its data-parallel sum may wait in a bucket)."""
+    p = op.params
+    x, rrms, scale = op.inputs[0], op.outputs[1], op.inputs[1] if p["sd"] is not None else None
+    need = op.needs or (True,) * len(op.inputs)
+    dy = to_layout(dy, x.tensor_layout)
+    params = {k: p[k] for k in ("dims", "axes", "mesh_dims", "count", "xd", "sd", "vectors")}
+    dx, yhat = dispatch(RMS_NORM_GRAD, [x, dy, rrms, *([scale] if scale is not None else [])],
+                        [(x.shape, x.tensor_layout)] * 2, params)
+    grads = [dx if need[0] else None]
+    if scale is not None:
+        acc = accumulation_dtype(x.dtype)
+        with partial_for(scale):
+            ds = einsum([cast(dy, acc) if dy.dtype != acc else dy, yhat], output_shape=scale.shape) if need[1] else None
+        grads.append(None if ds is None else cast(ds, scale.dtype))
+    return grads
+
+
+def _rms_norm_grad_kernel(ctx, a, g, r, *s, dims, axes, mesh_dims, count, xd, sd, vectors, be=GENERIC):
+    """dx = (g s - yhat mean(g s yhat)) / rms and the normalised x `yhat = x / rms`, from the blocks
+    of x, dy, 1/rms and the scale (`s`, if any). CuPy: layer norm's kernels with a mean of 0."""
+    xp = ctx.xp
+    dt = a.dtype
+    acc = accumulation_dtype(dt)
+    a, g = _as(a, acc), _as(g, acc)
+    r = xp.expand_dims(r, axes)
+    sc = align(xp, _as(s[0], acc), sd, xd) if s else None
+    if be.fused and fusable(a, g, r):  # the normalised x, the sum, then dx: three kernels
+        zero, sc = xp.zeros((), acc), xp.ones((), acc) if sc is None else sc
+        yhat = row_kernel(xp, "normalised", a, zero, r)
+        m2 = row_kernel(xp, "scaled_dot", g, sc, yhat, axes=axes)
+        if mesh_dims:
+            m2 = ctx.allreduce(m2, mesh_dims)
+        return _as(row_kernel(xp, "layer_norm_grad", g, sc, yhat, zero, m2 * (1.0 / count), r), dt), yhat
+    yhat = a * r
+    if sc is not None:
+        g = g * sc
+    m2 = row_dot(xp, g, yhat, axes, be.einsum)
+    if mesh_dims:
+        m2 = ctx.allreduce(m2, mesh_dims)
+    d = yhat * (m2 * (1.0 / count))  # r * (g - yhat * m2 / count), in d's array
+    d = xp.subtract(g, d, out=d) if be.in_place and isinstance(d, xp.ndarray) else g - d
+    mul, _ = _steps(xp, be)
+    return _as(mul(d, r), dt), yhat
+
+
+def _rms_norm_grad_cupy(ctx, a, g, r, *s, **params):
+    """CuPy: one kernel where the rows are whole here and the scale lies along them."""
+    xp = ctx.xp
+    if (params["vectors"] and rows_fit(xp, a, params["axes"]) and g.dtype == a.dtype and g.flags.c_contiguous
+            and _rms_rows(xp, a.dtype) is not None):
+        return rms_norm_grad_rows(xp, a, g, xp.ascontiguousarray(r),
+                                  xp.ascontiguousarray(_as(s[0], accumulation_dtype(a.dtype))) if s else None)
+    return _rms_norm_grad_kernel(ctx, a, g, r, *s, be=CUPY, **params)
+
+
+def _rms_norm_grad_abstract(ctx, shapes, x, *rest, axes, mesh_dims, **_) -> tuple:
+    """dx in x's dtype, the normalised x in the arithmetic's; the allreduce of the one sum."""
+    if mesh_dims:
+        ctx.allreduce(_statistic(x, axes), mesh_dims)
+    return x.dtype, accumulation_dtype(x.dtype)
+
+
+def _rms_norm_grad_flops(params, ins, outs) -> int:
+    """Per element of x: x times 1/rms, the sum of g yhat (2), dx's product, difference and times
+    1/rms (3), and dy times the scale where there is one."""
+    return (6 + (len(ins) > 3)) * size(ins[0])
+
+
+# One kernel each way where the normalised dim is the last of a contiguous block, whole on this rank: a
+# warp per row (`rowwise.ROWS_SOURCE`'s scheme, its prelude: `T` stored, `A` the arithmetic's, `load`/
+# `store`, `warp_sum`), reading the row for its sum of squares, then again (from cache) to write y (dx).
+RMS_ROWS_PARAMS = {
+    "mpimesh_rms_norm_rows": "const T* x, const A* sc, T* y, A* rrms, long long rows, long long n, A inv_n, A eps, "
+                             "int has_scale",
+    "mpimesh_rms_norm_grad_rows": "const T* x, const T* g, const A* r, const A* sc, T* dx, A* yhat, long long rows, "
+                                  "long long n, A inv_n, int has_scale",
+}
+RMS_ROWS_SOURCE = """
+#define WARP_ROW long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; \\
+  long long lane = threadIdx.x %% WARP; \\
+  if (row >= rows) return;
+#define LANES(j) for (long long j = lane; j < n; j += WARP)
+
+extern "C" __global__ void mpimesh_rms_norm_rows(%(mpimesh_rms_norm_rows)s) {
+  WARP_ROW
+  const T* xr = x + row * n;
+  T* yr = y + row * n;
+  A q = 0;
+  LANES(j) { A v = load(xr[j]); q += v * v; }
+  A r = 1 / sqrt(warp_sum(q) * inv_n + eps);
+  LANES(j) {
+    A v = load(xr[j]) * r;
+    if (has_scale) v = v * sc[j];
+    yr[j] = store(v);
+  }
+  if (lane == 0) rrms[row] = r;
+}
+
+extern "C" __global__ void mpimesh_rms_norm_grad_rows(%(mpimesh_rms_norm_grad_rows)s) {
+  WARP_ROW
+  const T* xr = x + row * n;
+  const T* gr = g + row * n;
+  T* dr = dx + row * n;
+  A* hr = yhat + row * n;
+  A rr = r[row], m2 = 0;
+  LANES(j) {
+    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    m2 += gs * (load(xr[j]) * rr);
+  }
+  A a2 = warp_sum(m2) * inv_n;
+  LANES(j) {
+    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A yh = load(xr[j]) * rr;
+    hr[j] = yh;
+    dr[j] = store((gs - yh * a2) * rr);
+  }
+}
+""" % RMS_ROWS_PARAMS
+
+
+def _rms_rows(xp, dtype):
+    """`{name: kernel}` of `RMS_ROWS_SOURCE` for `dtype`, compiled on first use; None where NVRTC
+    refuses it (then the few-kernel path runs)."""
+    return cached_kernel(("norm", "rms_rows", dtype.name), lambda: _compile_rms_rows(xp, dtype.name))
+
+
+def _compile_rms_rows(xp, dtype: str):
+    try:
+        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + RMS_ROWS_SOURCE)
+        return {k: module.get_function(k) for k in RMS_ROWS_PARAMS}
+    except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
+        return None
+
+
+def _launch(xp, a, which: str, *args) -> None:
+    rows = a.size // a.shape[-1]
+    _rms_rows(xp, a.dtype)[which]((-(-rows // ROWS_PER_BLOCK),), (ROWS_PER_BLOCK * 32,), args)
+
+
+def rms_norm_rows(xp, x, epsilon: float, scale=None) -> tuple:
+    """`(y, 1 / rms)` of rms_norm over x's last axis by one kernel: `scale` None or a vector of that
+    axis's length in the arithmetic's dtype (float32 for bfloat16), 1/rms in that dtype."""
+    n = x.shape[-1]
+    acc = np.float64 if x.dtype == np.float64 else np.float32
+    y, rrms = xp.empty_like(x), xp.empty(x.shape[:-1], acc)
+    _launch(xp, x, "mpimesh_rms_norm_rows", x, x if scale is None else scale, y, rrms, np.int64(x.size // n),
+            np.int64(n), acc(1.0 / n), acc(epsilon), np.int32(scale is not None))
+    return y, rrms
+
+
+def rms_norm_grad_rows(xp, x, g, rrms, scale=None) -> tuple:
+    """`(dx, normalised x)` of rms_norm over x's last axis by one kernel: `g` of x's shape and dtype,
+    `rrms` and `scale` as `rms_norm_rows` gives and takes them; the normalised x in rrms's dtype."""
+    n = x.shape[-1]
+    dx, yhat = xp.empty_like(x), xp.empty(x.shape, rrms.dtype)
+    _launch(xp, x, "mpimesh_rms_norm_grad_rows", x, g, rrms, x if scale is None else scale, dx, yhat,
+            np.int64(x.size // n), np.int64(n), rrms.dtype.type(1.0 / n), np.int32(scale is not None))
+    return dx, yhat
+
+
+RMS_NORM = OpDef("rms_norm", _rms_norm_kernel,
+                 kernels={"numpy": variant(_rms_norm_kernel, be=NUMPY), "cupy": _rms_norm_cupy},
+                 grad=_rms_norm_rule, saves=lambda p: ((0,) if p["sd"] is None else (0, 1), (1,)),  # x, scale, 1/rms
+                 flops=_rms_norm_flops, abstract=_rms_norm_abstract)
+RMS_NORM_GRAD = OpDef("rms_norm_grad", _rms_norm_grad_kernel,
+                      kernels={"numpy": variant(_rms_norm_grad_kernel, be=NUMPY), "cupy": _rms_norm_grad_cupy},
+                      flops=_rms_norm_grad_flops, abstract=_rms_norm_grad_abstract)
