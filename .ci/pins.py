@@ -37,8 +37,8 @@ HEADER = """\
 # so in one line and installs the newest releases, unpinned, as before pins existed: a user on another
 # Python is never refused. `PYTHON=python3.X .ci/refresh_pins` makes the file for another Python.
 #
-# Covered: mpimesh's dependencies and the extras mpich, test, bench, docs, notebook, tpu (pip ignores the
-# pins of packages an install does not need). Not covered: the gpu and gpu-cuda13 extras (CuPy, NCCL: they
+# Covered: mpimesh's dependencies and the extras mpich, test, bench, docs, notebook, tpu, safetensors (pip
+# ignores the pins of packages an install does not need). Not covered: the gpu and gpu-cuda13 extras (CuPy, NCCL: they
 # need a GPU, which CI lacks, to be tested), nor pip, setuptools (the build backend) and wheel.
 # Packages only some platforms install (colorama on Windows, appnope on macOS) have no pins: unpinned there.
 #

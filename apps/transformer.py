@@ -20,6 +20,7 @@ import os
 import sys
 import time
 import zlib
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, NamedTuple, Optional
 
@@ -29,7 +30,7 @@ import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before
 import numpy as np  # noqa: E402
 from apps.cli import (UsageError, check_at_least, check_layout, eta_text, main_guard, parser,  # noqa: E402
                       progress_bar)
-from mpimesh import checkpoint, layers  # noqa: E402
+from mpimesh import checkpoint, layers, safetensors_io  # noqa: E402
 from mpimesh.extras import require  # noqa: E402
 
 PAPER_LAYOUT = "batch:rows;heads:cols;d_ff:cols;vocab:cols"
@@ -207,8 +208,8 @@ def make_train_step(cfg: Config, optimizer, retain: bool = False) -> Callable:
     """`train_step(params, opt_state, batch, seed=0) -> (params, opt_state, loss)`: one `mm.trace()`
     holding the forward pass, `mm.gradients` and the optimizer update; nothing but mpimesh ops.
     `seed` (an int, or a seed tensor: `step_seed`) draws the MoE layers' random second-expert choices.
-    `release`: autodiff gives each activation back as soon as the backward pass is done with it (a
-    lower peak). With float16
+    `retain`: autodiff keeps every activation until the trace closes (by default it gives each back
+    as soon as the backward pass is done with it: a lower peak). With float16
     activations the loss is scaled dynamically (`mm.optim.DynamicLossScale`), its scale held in
     `opt_state` (`init_state`): a step whose gradients overflow is skipped on every rank, compiled
     or not."""
@@ -309,6 +310,48 @@ def train_offsets(data: np.ndarray, cfg: Config, seed: int, step: int) -> np.nda
     return np.random.default_rng([seed, step]).integers(0, len(data) - cfg.length - 1, size=cfg.batch)
 
 
+class Batches:
+    """The training data stream: batch `position` (0, 1, ...) is the windows at `train_offsets(data, cfg,
+    seed, position)`. `state()` is what a checkpoint keeps of it (plain values): where it is, its seed
+    (which also draws each step's MoE seed, `step_seed`), and what it draws from; `restore` goes on
+    from a saved state, refusing one drawn from other data or flags.
+
+    >>> b = Batches(np.arange(100, dtype=np.uint8), Config(length=8, batch=2), seed=1)
+    >>> first = b.next(); b.state()["position"], bool((b.next() != first).any())
+    (1, True)
+    """
+
+    KEPT = ("seed", "batch", "length", "corpus_bytes", "corpus_crc32")  # what must match to go on
+
+    def __init__(self, data: np.ndarray, cfg: Config, seed: int, position: int = 0):
+        self.data, self.cfg, self.seed, self.position = data, cfg, seed, position
+        self.crc = zlib.crc32(data)
+
+    def next(self) -> np.ndarray:
+        """The next batch's window starts."""
+        offsets = train_offsets(self.data, self.cfg, self.seed, self.position)
+        self.position += 1
+        return offsets
+
+    def state(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "batch": self.cfg.batch, "length": self.cfg.length,
+                "corpus_bytes": len(self.data), "corpus_crc32": self.crc}
+
+    def restore(self, saved: Optional[dict], step: int) -> None:
+        """Go on from `saved` (a checkpoint's `state()`; None, a checkpoint from before data positions:
+        from batch `step`, the batch of the step it resumes at)."""
+        if saved is None:
+            self.position = step
+            return
+        mine = self.state()
+        differ = [k for k in self.KEPT if saved.get(k) != mine[k]]
+        if differ:
+            said = ", ".join(f"{k} {saved.get(k)} (now {mine[k]})" for k in differ)
+            raise UsageError(f"--resume: the checkpoint's data stream differs from this run's: {said}; resume with "
+                             f"the --seed, --batch, --length and --data (--max-bytes, --heldout) it was saved with")
+        self.position = int(saved["position"])
+
+
 def evaluate(params: Params, mesh: mm.Mesh, data: np.ndarray, cfg: Config, batches: int) -> float:
     """Mean held-out loss (nats per byte) over `batches` batches of evenly spaced windows."""
     n = batches * cfg.batch
@@ -372,20 +415,36 @@ def checkpoint_tensors(params: Params, opt_state: dict) -> Params:
     return out
 
 
-def save_checkpoint(root: str, step: int, params: Params, opt_state: dict) -> str:
-    """Parameters and the whole optimizer state as the checkpoint `root/step-NNNNNNNN` (atomic;
-    then all but the newest KEEP in `root` are deleted); returns its path."""
-    return checkpoint.save_step(root, step, checkpoint_tensors(params, opt_state), keep=KEEP)
+def checkpoint_tree(params: Params, opt_state: dict, data: Optional[dict] = None) -> dict:
+    """What a checkpoint holds: `checkpoint_tensors` as a nest of dicts (its tensors named as there),
+    and `data`, the data stream's `Batches.state()`, where given."""
+    tree = layers.unflatten(checkpoint_tensors(params, opt_state))
+    return tree if data is None else {**tree, "data": data}
+
+
+def save_checkpoint(root: str, step: int, params: Params, opt_state: dict, data: Optional[dict] = None,
+                    blocking: bool = True):
+    """Parameters, the whole optimizer state and the data stream's state as the checkpoint
+    `root/step-NNNNNNNN` (atomic; then all but the newest KEEP in `root` are deleted); returns its
+    path, or with `blocking=False` at once its `mm.SaveHandle` (written in the background)."""
+    return checkpoint.save_step(root, step, checkpoint_tree(params, opt_state, data), keep=KEEP, blocking=blocking)
 
 
 def load_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -> tuple:
-    """`(params, opt_state, step)` from the checkpoint `path`, resharded onto `mesh`. `params` and
-    `opt_state` are templates (a fresh init): the checkpoint must hold their names and shapes, else
-    a CheckpointError on every rank names the first tensor and dim that differ."""
-    like = checkpoint_tensors(params, opt_state)
-    ck = mm.load(path, mesh, shapes={k: t.shape for k, t in like.items()})
+    """`(params, opt_state, step)` from the checkpoint `path`, resharded onto `mesh` (`read_checkpoint`)."""
+    return read_checkpoint(path, mesh, params, opt_state)[:3]
+
+
+def read_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -> tuple:
+    """`(params, opt_state, step, data)` from the checkpoint `path`, resharded onto `mesh`; `data`: the
+    data stream's state (None in a checkpoint from before they held one). `params` and `opt_state` are
+    templates (a fresh init): the checkpoint must hold their names and shapes, else a CheckpointError
+    on every rank names the first tensor and dim that differ."""
+    ck = mm.load(path, mesh, shapes=checkpoint_tree(params, opt_state))
+    data = ck.pop("data", None)
+    ck = layers.flatten(ck) if "params" in ck else ck  # (a flat dict from before: the same names)
     state = {s: ck["opt/step"] if s == "step" else {k: ck[f"opt/{s}/{k}"] for k in d} for s, d in opt_state.items()}
-    return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy())
+    return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy()), data
 
 
 def _unwritable(path: str) -> Optional[str]:
@@ -434,11 +493,11 @@ def resume_point(args: argparse.Namespace, mesh: mm.Mesh) -> Optional[str]:
 
 
 def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, opt_state: dict) -> tuple:
-    """`(params, opt_state, step)` of the checkpoint `path` (see `load_checkpoint`). A damaged
+    """`(params, opt_state, step, data)` of the checkpoint `path` (see `read_checkpoint`). A damaged
     checkpoint (a truncated or corrupted file) is refused naming the newest intact one in
     --checkpoint and how to resume from it; a step past --steps is refused too."""
     try:
-        params, opt_state, step = load_checkpoint(path, mesh, params, opt_state)
+        params, opt_state, step, data = read_checkpoint(path, mesh, params, opt_state)
     except mm.CheckpointError as e:
         damaged = checkpoint.verify(path) if mesh.rank == 0 else None
         damaged = mesh.collectives.any_rank(damaged is not None)  # the same answer on every rank
@@ -457,7 +516,7 @@ def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, o
     if step > args.steps:
         raise mm.CheckpointError(f"--resume: the checkpoint {path!r} is at step {step}, past --steps {args.steps} "
                                  f"(the total step count, not steps to add); pass --steps above {step} to train on")
-    return params, opt_state, step
+    return params, opt_state, step, data
 
 
 def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = False, top: int = 5) -> tuple:
@@ -531,6 +590,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _check_checkpoint_flags(ap, args)
     _check_values(ap, args)
     _check_log_json(ap, args)
+    _check_export(ap, args)
     for note in _idle_flags(ap, args) if mm.MPI.COMM_WORLD.Get_rank() == 0 else ():
         print(f"note: {note}", file=sys.stderr)
     return args
@@ -592,6 +652,10 @@ def _parallel_flags(ap: argparse.ArgumentParser) -> None:
                     "recorded dry under each candidate)")
     ap.add_argument("--recalibrate", action="store_true", help="with --layout auto: measure the machine again "
                     "instead of using the calibration an earlier run kept for this mesh")
+    ap.add_argument("--shard-weights", dest="shard_weights", default="", metavar="MESH_DIM",
+                    help="split every weight, its gradient and its optimizer state over MESH_DIM too (or "
+                         "'rows+cols'): GSPMD's weight sharding, ZeRO-3, FSDP (mm.shard_weights); each op "
+                         "gathers a weight before use and its gradient is reduce-scattered")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:
@@ -617,6 +681,12 @@ def _checkpoint_flags(ap: argparse.ArgumentParser) -> None:
                     "ones go)")
     ap.add_argument("--overwrite", action="store_true", help="start from step 0 although --checkpoint holds "
                     "checkpoints (they are deleted)")
+    ap.add_argument("--blocking-save", dest="blocking_save", action="store_true", help="save each checkpoint "
+                    "before training on (default: in the background, mm.save(..., blocking=False), the state of "
+                    "the step copied first)")
+    ap.add_argument("--export", default=None, metavar="DIR", help="at the end, write the parameters as Hugging "
+                    "Face safetensors files in DIR (mm.save(..., format='safetensors')) with a config.json of the "
+                    "model's sizes")
 
 
 def _output_flags(ap: argparse.ArgumentParser) -> None:
@@ -627,6 +697,9 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
                     "peak_bytes (rank 0's peak memory in the step, mm.profile()'s: host = resident set high-water "
                     "mark; gpu, gpu_cached with --device gpu), and heldout_loss on the evaluated steps alone")
     ap.add_argument("--profile", action="store_true", help="print the comm/compute counters of every step")
+    ap.add_argument("--timeline", default=None, metavar="FILE", help="record every rank's ops and collectives "
+                    "over the training steps (use a few --steps) into FILE, a Chrome trace (Perfetto, "
+                    "chrome://tracing), and draw it beside it as FILE's name .png (mm.profile(timeline=...))")
     ap.add_argument("--eager", action="store_true", help="run every step op by op (default: the step is recorded "
                     "once and replayed without per-op Python, mm.compile; the same values)")
     ap.add_argument("--samples", type=int, default=3, help="sampled lines at the end")
@@ -672,11 +745,28 @@ def _check_log_json(ap: argparse.ArgumentParser, args: argparse.Namespace) -> No
             ap.error(f"--log-json {args.log_json!r}: {why}")
 
 
+def _check_export(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--export DIR: the safetensors package there, and DIR empty, new or an export (checked on rank 0)."""
+    if args.export:
+        require("safetensors", "safetensors", "--export")
+        why = None
+        if mm.MPI.COMM_WORLD.Get_rank() == 0:
+            try:
+                safetensors_io.check_replaceable(os.path.abspath(args.export))
+            except mm.CheckpointError as e:
+                why = str(e)
+        why = mm.MPI.COMM_WORLD.bcast(why)
+        if why:
+            ap.error(f"--export {args.export!r}: {why}")
+
+
 def _idle_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list:
     """Notes on flags that change nothing here: said, not refused (scripts pass them to every run)."""
     notes = []
     if args.save_every != ap.get_default("save_every") and not args.checkpoint:
         notes.append(f"--save-every {args.save_every} does nothing without --checkpoint DIR")
+    if args.blocking_save and not args.checkpoint:
+        notes.append("--blocking-save does nothing without --checkpoint DIR")
     if args.warmup != ap.get_default("warmup") and args.optimizer == "adafactor":
         notes.append(f"--warmup {args.warmup} does nothing with --optimizer adafactor: it is Adam's linear warmup")
     return notes
@@ -748,12 +838,14 @@ class Run:
 
 
 class Start(NamedTuple):
-    """Where training starts: the parameters, the optimizer and its state, the step, the checkpoint (or None)."""
+    """Where training starts: the parameters, the optimizer and its state, the step, the checkpoint (or
+    None), the data stream."""
     params: Params
     opt_state: dict
     optimizer: object
     step: int
     path: Optional[str]
+    batches: Batches
 
 
 class StepResult(NamedTuple):
@@ -778,8 +870,13 @@ def main(argv=None) -> None:
         return
     base = unigram_bits_per_byte(train)
     print_banner(run, start, desc, base)
-    params, held_loss, train_time = train_loop(run, start, base)
+    with mm.profile(timeline=args.timeline) if args.timeline else nullcontext():
+        params, held_loss, train_time = train_loop(run, start, base)
+    if args.timeline and run.first_rank:
+        run.say(f"timeline of every rank: {args.timeline}, drawn in {mm.profile.plot(args.timeline)}")
     print_summary(run, start, base, held_loss, train_time)
+    if args.export:
+        export_model(run, params)
     print_samples(run, params)
 
 
@@ -827,6 +924,8 @@ def make_run(args: argparse.Namespace, cfg: Config, auto: bool, train: np.ndarra
         raise UsageError("--device gpu is for --backend mpi (CuPy on each rank's GPU); a JAX replay runs on the "
                          "devices JAX sees")
     if args.backend == "jax":  # record on 1 rank per process, replay on the jax mesh (transformer_jax.py)
+        if args.shard_weights:
+            raise UsageError("--shard-weights is for --backend mpi (the JAX replay shards by --layout)")
         for flag in ("eager", "profile"):
             if getattr(args, flag) and mm.MPI.COMM_WORLD.Get_rank() == 0:
                 print(f"note: --{flag} is for --backend mpi; the JAX replay runs as XLA compiled it")
@@ -853,16 +952,19 @@ def initial_state(run: Run) -> Optional[Start]:
     args, mesh = run.args, run.mesh
     from_path = on_first_rank(lambda: resume_point(args, mesh)) if args.backend == "jax" else resume_point(args, mesh)
     params = init_params(mesh, run.cfg, args.seed)
+    if args.shard_weights:
+        params = mm.shard_weights(params, args.shard_weights)
     optimizer = make_optimizer(run.cfg)
     opt_state = init_state(run.cfg, optimizer, params)
-    start = 0
+    start, batches = 0, Batches(run.train, run.cfg, args.seed)
     if from_path:
-        params, opt_state, start = resume(from_path, args, mesh, params, opt_state)
+        params, opt_state, start, data = resume(from_path, args, mesh, params, opt_state)
+        batches.restore(data, start)
         if start == args.steps:
             run.say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is "
                     f"the total step count; pass a larger --steps to train on")
             return None
-    return Start(params, opt_state, optimizer, start, from_path)
+    return Start(params, opt_state, optimizer, start, from_path, batches)
 
 
 def print_banner(run: Run, start: Start, desc: str, base: float) -> None:
@@ -882,6 +984,11 @@ def print_banner(run: Run, start: Start, desc: str, base: float) -> None:
     say(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads}x{cfg.d_kv}, d_ff {cfg.d_ff}, "
         f"vocab {cfg.vocab}, length {cfg.length}; {n_params:,} parameters; batch {cfg.batch}; {cfg.optimizer}; "
         f"{cfg.dtype} activations")
+    if args.shard_weights:
+        held = sum(t.local.nbytes for t in start.params.values())
+        whole = sum(t.shape.size * t.dtype.itemsize for t in start.params.values())
+        say(f"weights sharded over {args.shard_weights}: this rank holds {held / 2**20:.2f} of {whole / 2**20:.2f} "
+            f"MiB of parameters (and its share of their optimizer state)")
     if cfg.moe_every:
         say(f"MoE: layers {[i for i in range(cfg.layers) if cfg.is_moe(i)]} have {cfg.experts} experts "
             f"(top-2 gating, groups = sequences)")
@@ -945,17 +1052,35 @@ def progress_line(run: Run, done: int, acc: np.ndarray, per_step: float) -> str:
             f"{run.cfg.batch * run.cfg.length * n / s:7.0f} tok/s  step {1e3 * s / n:6.1f} ms  {comm}")
 
 
-def save(run: Run, done: int, params: Params, opt_state: dict) -> None:
-    """The checkpoint of step `done` (with --backend jax every process holds all of it: the first writes it)."""
-    t0 = time.perf_counter()
+def save(run: Run, done: int, params: Params, opt_state: dict, data: dict, pending: Optional[tuple]) -> Optional[tuple]:
+    """The checkpoint of step `done`, with the data stream's state `data`, once the save under way
+    (`pending`) is done and reported: in the background, returning `(step, its SaveHandle)`; with
+    --blocking-save, or --backend jax (every process holds all of it: the first writes it), here."""
+    finish_save(run, pending)
+    root, t0 = run.args.checkpoint, time.perf_counter()
     if run.jax:
-        path = on_first_rank(lambda: save_checkpoint(run.args.checkpoint, done, params, opt_state))
+        path = on_first_rank(lambda: save_checkpoint(root, done, params, opt_state, data))
+    elif run.args.blocking_save:
+        path = save_checkpoint(root, done, params, opt_state, data)
     else:
-        path = save_checkpoint(run.args.checkpoint, done, params, opt_state)
-    seconds = time.perf_counter() - t0
+        return done, save_checkpoint(root, done, params, opt_state, data, blocking=False)
+    report_save(run, done, path, time.perf_counter() - t0)
+    return None
+
+
+def finish_save(run: Run, pending: Optional[tuple]) -> None:
+    """Wait for the background save `pending` (`(step, SaveHandle)` or None) and report it."""
+    if pending is not None:
+        done, handle = pending
+        handle.wait()
+        report_save(run, done, handle.path, handle.seconds, " (in the background)")
+
+
+def report_save(run: Run, done: int, path: str, seconds: float, how: str = "") -> None:
     if run.first_rank:
         size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-        run.say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s", flush=True)
+        run.say(f"  checkpoint: step {done} saved to {path}, {size / 2**20:.2f} MiB in {seconds:.2f} s{how}",
+                flush=True)
 
 
 def train_loop(run: Run, start: Start, base: float) -> tuple:
@@ -965,11 +1090,12 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
     step_fn, timer = build_step(run, start)
     params, opt_state = start.params, start.opt_state
     log = open(args.log_json, "w") if args.log_json and run.first_rank else None
+    pending = None  # the background save under way: (its step, its SaveHandle)
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
     t_begin = t_first = time.perf_counter()  # t_first: the end of the first step (it records the step)
     for step in range(start.step, args.steps):
-        offsets = train_offsets(run.train, cfg, args.seed, step)
+        offsets = start.batches.next()
         if run.jax:
             r = jax_step(run, step_fn, step, offsets)
         else:
@@ -1002,9 +1128,10 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if saving:
-            save(run, done, params, opt_state)
+            pending = save(run, done, params, opt_state, start.batches.state(), pending)
         if done == start.step + 1:
             t_first = time.perf_counter()
+    finish_save(run, pending)
     if log:
         log.close()
     return params, held_loss, t_end - t_begin
@@ -1018,6 +1145,30 @@ def print_summary(run: Run, start: Start, base: float, held_loss: float, train_t
             f"({run.args.steps - start.step} steps)")
     if run.args.checkpoint:
         run.say(f"checkpoint: {checkpoint.step_path(run.args.checkpoint, run.args.steps)}")
+
+
+MODEL_FIELDS = ("d_model", "heads", "d_kv", "d_ff", "layers", "vocab", "length", "activation", "moe_every", "experts",
+                "dtype")  # config.json of --export: the model's sizes (not the training's)
+
+
+def export_model(run: Run, params: Params) -> None:
+    """--export DIR: the parameters as safetensors files (`mm.save(..., format="safetensors")`: each tensor
+    under its name, e.g. `layer0/att/q/kernel`, its dims named in the files' metadata) and DIR/config.json
+    (`model_type` and `MODEL_FIELDS`)."""
+    path = os.path.abspath(run.args.export)
+    if run.jax:
+        on_first_rank(lambda: mm.save(path, params, format="safetensors"))
+    else:
+        mm.save(path, params, format="safetensors")
+    if run.first_rank:
+        config = {"model_type": "mpimesh-transformer", **{k: getattr(run.cfg, k) for k in MODEL_FIELDS},
+                  "parameters_dtype": "float32"}
+        with open(os.path.join(path, ".config.json.tmp"), "w") as f:
+            f.write(json.dumps(config, indent=2) + "\n")
+        os.replace(os.path.join(path, ".config.json.tmp"), os.path.join(path, "config.json"))
+        files = sorted(os.listdir(path))
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+        run.say(f"exported the parameters to {path}: {', '.join(files)} ({size / 2**20:.2f} MiB)")
 
 
 def print_samples(run: Run, params: Params) -> None:

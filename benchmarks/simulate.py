@@ -45,6 +45,13 @@ The runs (sizes from the papers and their public configs; what is assumed is sai
      peak memory per core fits TPUv3's 16 GiB, on TPUv3-1024 (mesh 32 x 32) and TPUv3-2048
      (32 x 64), under two 2-D layouts, and the predicted throughput of lingvo's
      `DenseLm128B32x32` (batch 512 on 2048 cores; its config says ~62k tokens/s).
+  4. Weight sharding (`--only weights`; no recording but a cross-check): lingvo's dense 64B/128B/
+     256B (gated GELU of 65,536) on TPUv3-1024/2048 under Mesh-TF's 2-D layout, ZeRO-1/2/3 on top
+     of it and GSPMD's 2-D weight sharding (weights split over both mesh dims, gathered before use,
+     gradients reduce-scattered, activations fully sharded), which one rules string cannot say yet:
+     memory per core by `pod_memory`'s formulas, term by term, the largest batch beside GShard's
+     slides' (case study 2), and GSPMD's with the activations the cost model records for
+     apps/transformer.py's block instead. Written to benchmarks/results/weight_sharding.txt.
 """
 from __future__ import annotations
 
@@ -65,6 +72,7 @@ from mpimesh.cost.model import OpCost, collective_seconds, op_seconds  # noqa: E
 from mpimesh.dryrun import DryMesh, placeholder  # noqa: E402
 from mpimesh.trace import Released, current_trace  # noqa: E402
 
+import pod_memory as pm  # noqa: E402
 import transformer as app  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -398,6 +406,105 @@ def dense_2d(quick: bool, remats, fuseds) -> list:
     return rows
 
 
+# ------------------------------------------------------------------------------ weight sharding at pod scale
+
+SLIDES = {(64, 1024): 512, (64, 2048): 1024, (128, 1024): 256, (128, 2048): 512, (256, 1024): 128, (256, 2048): 256}
+"""GShard's slides, case study 2 (dense Transformer, bfloat16 activations, no rematerialisation):
+the largest batch per (billions of parameters, TPUv3 cores), as quoted in mpimesh's issue 42."""
+POD_MESHES = {1024: (32, 32), 2048: (32, 64)}  # cores: (X rows, data-parallel; Y columns, model)
+MIB = 2 ** 20
+
+
+def recorded_activations(cols: int, full: bool) -> tuple:
+    """`(per layer, outside the layers)`: activation bytes per sequence on a core as mpimesh's cost
+    model records apps/transformer.py's step (no remat) at `DENSE`'s sizes: dry, on a mesh whose
+    every core holds all sequences, each activation split over `cols` (heads, d_ff, vocabulary on
+    one mesh dim; `full`: d_model on a second one of `cols` too): the recorded peak's slope per
+    sequence (32 to 64 sequences) at 1 and 2 layers."""
+    mesh = f"a:{cols};b:{cols}" if full else f"b:{cols}"
+    rules = ("d_model:a;" if full else "") + "heads:b;d_ff:b;vocab:b"
+    peak = {(n, b): recording(app.Config(**DENSE, layers=n, batch=b), mesh, rules)[0].activation_bytes
+            for n in (1, 2) for b in (32, 64)}
+    slope = {n: (peak[(n, 64)] - peak[(n, 32)]) / 32 for n in (1, 2)}
+    return slope[2] - slope[1], 2 * slope[1] - slope[2]
+
+
+def weight_seconds(cfg: pm.DenseLM, layout: pm.Layout, rows: int, cols: int) -> float:
+    """The weights' collectives over the rows per step (`pm.weight_collectives`), priced by the
+    cost model on TPUv3, one call per parameter tensor and kind."""
+    return sum(collective_seconds(kind, rows, nbytes, cost.TPUV3, ("rows",), cfg.tensors())
+               for kind, nbytes in pm.weight_collectives(cfg, layout, rows, cols).items())
+
+
+def weight_sharding() -> list:
+    """The lines of the `weights` run: per dense model (64B/128B/256B) and TPUv3 pod (1024/2048
+    cores), the largest batch in 16 GiB per core under each of `pm.LAYOUTS` beside the slides'
+    (GSPMD's layout), and the memory terms at the slides' batch."""
+    budget = cost.TPUV3.memory
+    recorded = {cols: recorded_activations(cols, True) for cols in sorted({y for _, y in POD_MESHES.values()})}
+    recorded_mtf = recorded_activations(32, False)
+    formula = [pm.activations_per_sequence(pm.DenseLM(), 32, full)[0] for full in (True, False)]
+    names = [lay.name for lay in pm.LAYOUTS]
+    out = ["# Weight sharding at pod scale: largest batch in 16 GiB per TPUv3 core (benchmarks/simulate.py "
+           "--only weights)", "",
+           "Dense LM of lingvo's DenseLmTemplate: d_model 8192, gated-GELU d_ff 65536, 128 heads of 128, vocabulary",
+           "32,000, length 1024; float32 parameters, bfloat16 activations, Adafactor (factored, no momentum), "
+           "no remat.",
+           "Cores as a mesh of X rows (batch) x Y columns (model): 1024 = 32 x 32, 2048 = 32 x 64. Each cell: the",
+           "largest batch (a multiple of X) and its ratio to the slides' (for GSPMD's layout). GSPMD pow2: the largest",
+           "power of two at most GSPMD's. GSPMD recorded: GSPMD's with the activations mpimesh's cost model records",
+           "for apps/transformer.py's block (plain FFN of 98,304: the same weights per layer) instead of the formula.",
+           "", f"{'model':<14}{'cores':>6}{'slides':>7} |" + "".join(f"{n:>17}" for n in names)
+           + f"{'GSPMD pow2':>14}{'GSPMD recorded':>16}"]
+    terms = []
+    for billions, layers in ((64, 32), (128, 64), (256, 128)):
+        cfg = pm.DenseLM(layers=layers)
+        for cores, (rows, cols) in POD_MESHES.items():
+            slides = SLIDES[(billions, cores)]
+            fits = [pm.max_batch(cfg, lay, rows, cols, budget) for lay in pm.LAYOUTS]
+            gspmd = fits[-1]
+            pow2 = 2 ** int(math.log2(gspmd)) if gspmd else 0
+            rec = pm.max_batch(cfg, pm.LAYOUTS[-1], rows, cols, budget, acts=recorded[cols])
+            cells = [f"{b} ({b / slides:.2f}x)" for b in fits + [pow2, rec]]
+            out.append(f"{f'{billions}B ({layers} L)':<14}{cores:>6}{slides:>7} |"
+                       + "".join(f"{c:>17}" for c in cells[:-2]) + f"{cells[-2]:>14}{cells[-1]:>16}")
+            allreduce = weight_seconds(cfg, pm.LAYOUTS[0], rows, cols)
+            for lay in pm.LAYOUTS:
+                got = pm.memory(cfg, lay, rows, cols, slides)
+                total = sum(got.values())
+                secs = weight_seconds(cfg, lay, rows, cols)
+                terms.append(f"{f'{billions}B':<6}{cores:>6}  {lay.name:<17}"
+                             + "".join(f"{got[t] / GIB:>12.2f}" for t in pm.TERMS)
+                             + f"{total / GIB:>8.2f}{total / budget:>7.2f}{secs:>9.2f}{secs / allreduce:>7.2f}")
+    out += ["", "Memory per core at the slides' batch (GiB), its total over 16 GiB, and the weights' collectives "
+            "over X",
+            "per step (seconds on TPUv3's links as the cost model prices them; x Mesh-TF's gradient allreduce):", "",
+            f"{'model':<6}{'cores':>6}  {'layout':<17}" + "".join(f"{t:>12}" for t in pm.TERMS)
+            + f"{'total':>8}{'/16GiB':>7}{'comm s':>9}{'x MTF':>7}"] + terms
+    adam = [pm.memory(pm.DenseLM(), lay, 32, 32, 0, optimizer="adam")["optimizer"] / GIB for lay in pm.LAYOUTS[:2]]
+    out += ["", "Activations per sequence and layer on a core, Y = 32: formula (lingvo's block) "
+            f"{formula[0] / MIB:.2f} MiB fully sharded, {formula[1] / MIB:.2f} MiB with d_model unsplit (Mesh-TF);",
+            f"recorded by mpimesh's cost model (apps/transformer.py's block) {recorded[32][0] / MIB:.2f} MiB and "
+            f"{recorded_mtf[0] / MIB:.2f} MiB; outside the layers, per sequence: formula "
+            f"{pm.activations_per_sequence(pm.DenseLM(), 32, True)[1] / MIB:.2f} MiB, recorded "
+            f"{recorded[32][1] / MIB:.2f} MiB (fully sharded).",
+            f"With Adam's two float32 moments instead of Adafactor, 64B on 1024 cores: optimizer state "
+            f"{adam[0]:.2f} GiB per core (Mesh-TF 2-D), {adam[1]:.2f} GiB (ZeRO-1).", "", WEIGHT_NOTES]
+    return out
+
+
+WEIGHT_NOTES = """Sources and assumptions (docs/cost_model.md, "Weight sharding at pod scale"):
+- The slides' figures: GShard's slides, case study 2, as quoted in mpimesh's issue 42.
+- Sizes: lingvo's tasks/lm/params/synthetic_packed_input.py (DenseLmTemplate; DenseLm128B8x8's
+  "Total params: 137,702,416,384" for 64 layers equals pod_memory's count). 32/64/128 layers of
+  2^31 parameters each: 64B/128B/256B. Layouts: lingvo's core/gshard_builder.py DenseBuilder
+  (weights split over both mesh dims; activations [batch over X, length, d_model over Y]). The
+  GShard (arXiv 2006.16668) and GSPMD (arXiv 2105.04663) papers' own tables were not read here.
+- Memory: benchmarks/pod_memory.py's terms, summed (a bound); gathered weights: the layer computed
+  and the one prefetched, gathered again for the backward ("kept": every layer's kept instead);
+  parameters and optimizer state updated in place (XLA's variables)."""
+
+
 def _why(e: dict) -> str:
     return (f"{dominant(e)}: FLOP-bound {e['flop_bound'] * 1e3:.0f} ms, memory-bound {e['memory_bound'] * 1e3:.0f} ms "
             f"({e['traffic'] / GIB:.0f} GiB HBM traffic), communication {e['comm_seconds'] * 1e3:.0f} ms (allreduce "
@@ -407,7 +514,7 @@ def _why(e: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="record fewer layers and scale (faster)")
-    ap.add_argument("--only", choices=["mtf", "gshard", "dense"], action="append", help="run only these")
+    ap.add_argument("--only", choices=["mtf", "gshard", "dense", "weights"], action="append", help="run only these")
     ap.add_argument("--remat", choices=["off", "on", "both"], default="both",
                     help="price the step without and/or with each block rematerialised (default both)")
     ap.add_argument("--fusion", choices=["off", "on", "both"], default="both",
@@ -428,7 +535,14 @@ def main() -> None:
                   flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
         rows += got
-    write_table(rows)
+    if rows:
+        write_table(rows)
+    if not args.only or "weights" in args.only:
+        lines = weight_sharding()
+        os.makedirs(RESULTS, exist_ok=True)
+        with open(os.path.join(RESULTS, "weight_sharding.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
 
 
 def write_table(rows: list) -> None:
@@ -484,20 +598,22 @@ NOTES = """Notes and assumptions:
   k_side / 8 · bytes / β = 4 · bytes / β (about bytes / β on 128 cores), and prices an allreduce's
   latency as α per call, not per ring step (a ring over 2048 cores takes 2 · 2047 steps).
 - Dense 2-D: sizes of lingvo's `DenseLmTemplate` (GSPMD); mpimesh's rules map each tensor dim to one
-  mesh dim and a tensor may not use a mesh dim twice, so GShard's weight sharding over both mesh dims
-  *with* the batch split (activations [batch(x), length, model(y)], weights [model(x), hidden(y)]) is
-  not expressible in one rules string; the two layouts priced are Mesh-TensorFlow's 2-D (batch on rows,
-  model dims on cols: weights replicated over rows) and a fully model-parallel 2-D (d_model on rows,
-  heads/d_ff/vocab on cols: no data parallelism). The slides' table of largest batches was not
-  retrieved here; the memory model counts parameters, optimizer state and the peak of live op outputs
-  (no kernel temporaries), float32 parameters and gradients, no in-place update. Why lingvo's batch
-  512 still does not fit with remat: under Mesh-TensorFlow's 2-D layout the weights are replicated
-  over the 32 batch rows, and the optimizer update's peak (parameters, float32 gradients and the
-  updated parameters at once) exceeds 16 GiB at any batch, remat or not (it frees activations
-  only); under the fully model-parallel layout remat cuts the bytes per sequence to the stored
-  block inputs plus one block, but every core holds all sequences' activations (split by d_model
-  or heads/d_ff only, never by batch), so far fewer than 512 fit. GSPMD's layout splits the batch
-  over one mesh dim and the weights over both: not expressible here (above).
+  mesh dim and a tensor may not use a mesh dim twice, so GShard's weight sharding over both mesh
+  dims *with* the batch split (activations [batch(x), length, model(y)], weights [model(x),
+  hidden(y)]) is not expressible in one rules string (its memory: the `weights` run,
+  weight_sharding.txt, by formulas); the two layouts priced are Mesh-TensorFlow's 2-D (batch on
+  rows, model dims on cols: weights replicated over rows) and a fully model-parallel 2-D (d_model on
+  rows, heads/d_ff/vocab on cols: no data parallelism). The slides' largest batches are for GSPMD's
+  layout: compared in weight_sharding.txt; the memory model here counts parameters, optimizer state
+  and the peak of live op outputs (no kernel temporaries), float32 parameters and gradients, no
+  in-place update. Why lingvo's batch 512 still does not fit with remat: under Mesh-TensorFlow's 2-D
+  layout the weights are replicated over the 32 batch rows, and the optimizer update's peak
+  (parameters, float32 gradients and the updated parameters at once) exceeds 16 GiB at any batch,
+  remat or not (it frees activations only); under the fully model-parallel layout remat cuts the
+  bytes per sequence to the stored block inputs plus one block, but every core holds all sequences'
+  activations (split by d_model or heads/d_ff only, never by batch), so far fewer than 512 fit.
+  GSPMD's layout splits the batch over one mesh dim and the weights over both: not expressible here
+  (above).
 - Depth scaling (`--quick`, the dense runs): recorded at a and b layers and extrapolated linearly in
   the layer count.
 """

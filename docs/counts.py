@@ -37,7 +37,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("errors", ("errors", "version")),
     ("env", ("env", "extras")),
     ("pure", ("shape", "layout", "tree", "liveness", "stack")),
-    ("counters", ("counters", "collectives.callsite")),
+    ("counters", ("counters", "flight", "collectives.callsite")),
     ("backend", ("promotion", "backend")),
     ("opdef", ("opdef",)),
     ("runtime", ("abort", "threads", "launch", "collectives", "collectives.*")),
@@ -48,9 +48,10 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
     ("engines", ("compiled", "graphs", "remat", "cost", "cost.*")),
-    ("optim", ("optim",)),
+    ("optim", ("optim", "sharding")),
     ("layers", ("layers", "layers.*")),
-    ("api", ("profile", "checkpoint", "repl", "testing", "testing.*", "")),
+    ("api", ("profile", "timeline", "timeline_plot", "checkpoint", "checkpoint_sync", "async_save", "safetensors_io",
+             "repl", "testing", "testing.*", "")),
     ("apps", ("apps.*",)),
 )
 """Layers, bottom to top (modules relative to `mpimesh`, "" the package itself): `docs/architecture.md`'s

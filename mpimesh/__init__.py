@@ -17,7 +17,7 @@ env.warn_unknown()  # a misspelled MPIMESH_* variable would be ignored: warn, na
 from .autodiff import gradients
 from .backend import matmul_precision, result_type, set_matmul_precision
 from .buckets import set_bucket_bytes
-from .checkpoint import load, newest_intact, save, save_step, step_path, steps
+from .checkpoint import SaveHandle, load, newest_intact, save, save_step, step_path, steps
 from .compiled import CompileError, compile
 from .collectives.guard import set_collective_timeout, set_hang_notice, set_spmd_check
 from .errors import (CheckpointError, CollectiveTimeoutError, DivergenceError, DTypeError, LayoutError, MeshError,
@@ -43,6 +43,7 @@ from .ops.indexing import argmax, gather, one_hot, top_k
 from .ops.nn import log_softmax, softmax
 from .profile import profile, visualize
 from .remat import remat
+from .sharding import shard_weights
 from .shape import Dimension, Shape
 from .tensor import DistTensor, arange as range, from_local, from_numpy
 from .trace import trace
@@ -75,8 +76,9 @@ __all__ = [
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
-    "trace", "gradients", "remat", "set_bucket_bytes", "save", "load", "save_step", "steps", "step_path",
-    "newest_intact", "profile", "visualize", "set_spmd_check", "set_collective_timeout", "set_hang_notice",
+    "trace", "gradients", "remat", "shard_weights", "set_bucket_bytes", "save", "load", "SaveHandle", "save_step", "steps",
+    "step_path", "newest_intact", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
+    "set_hang_notice",
     # speed
     "set_matmul_precision", "matmul_precision", "compile", "CompileError",
     # automatic layouts

@@ -23,7 +23,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from . import env
+from . import env, flight
 from .errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 
 ABORT_GRACE = 0.5  # seconds between printing an uncaught exception and ending the job
@@ -63,6 +63,8 @@ def _report(world, kind, value, tb) -> None:
     rank = world.Get_rank()
     brief = isinstance(value, (CollectiveTimeoutError, DivergenceError))
     text = f"{kind.__name__}: {value}\n" if brief else "".join(shown(kind, value, tb))
+    if brief and flight.SIZE:
+        text += flight_note(text, rank, world.Get_size())
     sends: list = []  # (held until the abort: a send in flight keeps its request)
     try:
         # a time-out's or departure's message is this rank's own: printed at once, as its own
@@ -72,6 +74,17 @@ def _report(world, kind, value, tb) -> None:
     if not done:
         _write(_headed([rank], brief, text))
     time.sleep(ABORT_GRACE)  # the launcher forwards our stderr before MPI_Abort tears it down
+
+
+def flight_note(error: str, rank: int, size: int) -> str:
+    """Write this rank's flight record (`flight.dump`) of the `error` ending the job; the line that
+    names the records, the same on every rank that wrote one (so that rank 0 prints it once)."""
+    try:
+        flight.dump(error.strip(), rank, size)
+    except OSError as e:
+        return f"mpimesh: rank {rank} could not write its flight record {flight.path(rank)}: {e}\n"
+    return (f"mpimesh: flight records, each rank's last {flight.SIZE} ops and collectives: {flight.path('<N>')} "
+            f"(N: its rank in MPI.COMM_WORLD)\n")
 
 
 def _printed_once(world, text: str, brief: bool, sends: list) -> bool:

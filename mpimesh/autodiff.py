@@ -18,7 +18,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Optional, Sequence
 
-from . import liveness
+from . import liveness, partials
 from .buckets import Bucketer, _checked, bucket_bytes
 from .backend import is_float
 from .errors import DTypeError, MeshError, MpimeshError, ShapeError
@@ -124,18 +124,23 @@ def gradients(ys: Sequence, xs: Sequence, grad_ys: Optional[Sequence] = None, *,
         if g is None or id(t) not in reach:
             return
         if id(t) in leaves:
-            terms.setdefault(id(t), []).append(g)
+            terms.setdefault(id(t), []).append(_summed(g))
             return
         old = grads.get(id(t))
-        grads[id(t)] = g if old is None else add(old, g)
+        grads[id(t)] = g if old is None else add(_summed(old), _summed(g))
 
-    with Bucketer(leaves, limit, ops) as buckets:
-        for y, seed in zip(ys, seeds):
-            accumulate(y, seed)
-        st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, not retain,
-                    {id(x) for x in xs})
-        _walk(ops, through, memory, st)
-        buckets.finish()
+    gathered = _gathered(ops) - partials.summable
+    partials.summable.update(gathered)
+    try:
+        with Bucketer(leaves, limit, ops) as buckets:
+            for y, seed in zip(ys, seeds):
+                accumulate(y, seed)
+            st = _State(tr, grads, reach, accumulate, terms, leaves if limit else None, buckets, not retain,
+                        {id(x) for x in xs})
+            _walk(ops, through, memory, st)
+            buckets.finish()
+    finally:
+        partials.summable.difference_update(gathered)
     for x in xs:
         if id(x) in terms:
             grads[id(x)] = _total(terms, id(x))
@@ -197,12 +202,36 @@ def _rematerialise(region, st: _State) -> None:
             st.reach.update(id(t) for t in op.outputs)
     through = _through(ops, st.leaves) if st.leaves is not None else {}
     memory = _Release(st.tr, ops, st.reach, outs, region.inputs, seen=len(st.tr.ops)) if st.release else None
-    _walk(ops, through, memory, st)
+    gathered = _gathered(ops) - partials.summable
+    partials.summable.update(gathered)
+    try:
+        _walk(ops, through, memory, st)
+    finally:
+        partials.summable.difference_update(gathered)
     for t in outs:  # done with: their ids may be reused once they are gone
         st.grads.pop(id(t), None)
         st.reach.discard(id(t))
     if st.release:
         region.forget()
+
+
+def _gathers(op) -> bool:
+    """Whether `op` is a relayout that gathers its input over a mesh dim (a sharded weight before its
+    einsum): its output's gradient is left awaiting its sum, which the rule reduce-scatters."""
+    if not op.op.partial_grads or len(op.inputs) != 1:
+        return False
+    (x,), (y,) = op.inputs, op.outputs
+    return any(m and m not in y.tensor_layout and x.mesh.shape[m].size > 1 for m in x.tensor_layout)
+
+
+def _gathered(ops: list) -> set:
+    """The ids of the outputs of `ops` that gather (`_gathers`)."""
+    return {id(op.outputs[0]) for op in ops if op.grad is not None and _gathers(op)}
+
+
+def _summed(g):
+    """`g` with any sum over ranks it awaits taken (gradients are added, and most rules read, whole values)."""
+    return to_layout(g, g.tensor_layout) if g.partial else g
 
 
 def _bucket_leaves(ops: list, xs: list) -> tuple:
@@ -222,7 +251,7 @@ def _through(ops: list, leaves: dict) -> dict:
     through = {}
     for i, op in enumerate(ops):
         if (op.op.linear and op.grad is not None and op.region is None and len(op.inputs) == 1
-                and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves):
+                and id(op.inputs[0]) in leaves and id(op.outputs[0]) not in leaves and not _gathers(op)):
             through[i] = (id(op.outputs[0]), id(op.inputs[0]))
             leaves[id(op.outputs[0])] = op.outputs[0]
     return through
@@ -254,6 +283,8 @@ def _bucket_limit(n: Optional[int]) -> int:
 def _apply(op, grads: dict, reach: set, accumulate) -> None:
     """Run `op`'s gradient rule on its outputs' gradients and accumulate into its inputs'."""
     dys = [grads.get(id(o)) for o in op.outputs]
+    if not op.op.partial_grads:
+        dys = [None if d is None else _summed(d) for d in dys]
     if len(dys) > 1:
         dys = [d if d is not None else _zeros_like(o) for d, o in zip(dys, op.outputs)]
     op.needs = tuple(id(t) in reach for t in op.inputs)

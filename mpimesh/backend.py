@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from . import env
-from . import counters
+from . import counters, flight
 from .errors import DTypeError, MpimeshError
 from .promotion import BFLOAT16, result_type  # noqa: F401  (the dtype policy's promotion, here with the rest)
 
@@ -251,13 +251,21 @@ def to_host(array) -> np.ndarray:
     if get is None:
         return np.asarray(array)
     counters.record("d2h", (), array.size, array.nbytes)
-    return get()
+    if not flight.timeline:
+        return get()
+    t0, out = flight.clock(), get()
+    flight.span(t0, "d2h", "copy", {"bytes": int(array.nbytes)})
+    return out
 
 
 def to_device(xp, array):
     """`array` as an array of `xp`; a host array sent to a GPU counts as `"h2d"`."""
     if name(xp) == "cupy" and isinstance(array, np.ndarray):
         counters.record("h2d", (), array.size, array.nbytes)
+        if flight.timeline:
+            t0, out = flight.clock(), xp.asarray(array)
+            flight.span(t0, "h2d", "copy", {"bytes": int(array.nbytes)})
+            return out
     return xp.asarray(array)
 
 

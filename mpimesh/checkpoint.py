@@ -4,7 +4,7 @@
 gives it back on any mesh and layout, checked against `shapes=` when given. `save_step` and `steps`
 keep numbered checkpoints in one directory; `verify` and `newest_intact` find an intact one. No
 pickle; a failure on any rank raises the same `CheckpointError` on every rank. The format and how
-writes stay atomic: docs/checkpoints.md.
+writes stay atomic: docs/checkpoints.md. `blocking=False`: `async_save`; safetensors: `safetensors_io`.
 
 >>> import numpy as np, os, tempfile, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -21,21 +21,23 @@ import os
 import re
 import secrets
 import shutil
-import sys
-import time
 import zlib
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from . import env
+from . import safetensors_io
+from .async_save import SaveHandle, launch, wait_pending
 from .backend import BFLOAT16, to_host
-from .errors import CheckpointError, by_rank
+from .checkpoint_sync import (CommOps, Ops, agree as _agree, bcast_text as _bcast_text, bool_arg,
+                              distinct_slices as _slices, fsync_dir as _fsync_dir, int_arg as _int, make_tmp,
+                              mesh_arg as _mesh, mesh_index as _mesh_index, nest as _nest, path_arg as _path,
+                              reason as _reason, slow_save_hook, swap_in, sync as _sync)
+from .errors import CheckpointError
 from .layout import LayoutRules, RulesLike, check_rules, plan_layout, slice_bounds
-from .mesh import AbstractMesh, Mesh
 from .shape import Shape, ShapeLike
 from .tensor import DistTensor, host_read
-from .tree import from_json, is_tensor, leaf_name, named_leaves, to_json
+from .tree import from_json, is_tensor, named_leaves
 
 FORMAT, INDEX = "mpimesh-checkpoint", "index.json"
 VERSION, NESTED = 1, 2  # the index's version: a flat dict of tensors (as before nests); a nest (with `tree`)
@@ -45,136 +47,7 @@ STEP_DIR = re.compile(r"step-(\d{8,})")  # save_step's checkpoints
 LEFTOVER = re.compile(r"\.step-\d{8,}\.(tmp|old)-[0-9a-f]+")  # an interrupted save's or a deletion's
 
 
-# ---------------------------------------------------------------- arguments
-
-def _path(path, what: str = "path") -> str:
-    """`path` (a str or os.PathLike) as a str, else TypeError: checked on every rank, before any rank
-    touches the file system."""
-    path = os.fspath(path) if isinstance(path, os.PathLike) else path
-    if not isinstance(path, str):
-        swapped = ": the path comes first, then the mesh" if isinstance(path, AbstractMesh) else ""
-        raise TypeError(f"{what} must be a str or os.PathLike naming a directory, got {type(path).__name__}{swapped}")
-    if not path:
-        raise CheckpointError(f"{what} is empty")
-    return path
-
-
-def _mesh(mesh) -> Mesh:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a Mesh, got {type(mesh).__name__}")
-    return mesh
-
-
-def _int(value, what: str, least: int) -> int:
-    """`value` if it is an int (not a bool) >= `least`, else TypeError or CheckpointError naming `what`.
-
-    >>> _int(-1, "step", 0)
-    Traceback (most recent call last):
-    mpimesh.errors.CheckpointError: step must be an int >= 0, got -1
-    """
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int >= {least}, got {type(value).__name__} {value!r}")
-    if value < least:
-        raise CheckpointError(f"{what} must be an int >= {least}, got {value}")
-    return int(value)
-
-
-# ---------------------------------------------------------------- agreement between ranks
-
-def _bcast_text(mesh, text: str, root: int) -> str:
-    """`text` of mesh rank `root`, on every rank."""
-    data = np.frombuffer(text.encode(), np.uint8)
-    n = int(mesh.collectives.broadcast(np.array([data.size], np.int64), root)[0])
-    buf = data if mesh.rank == root else np.zeros(n, np.uint8)
-    return bytes(mesh.collectives.broadcast(buf, root)).decode()
-
-
-def _sync(mesh, err: Optional[str]) -> None:
-    """If any rank has an error, raise the lowest such rank's message as CheckpointError everywhere."""
-    if not mesh.collectives.any_rank(err is not None):
-        return
-    mine = np.array([mesh.rank if err is not None else mesh.size], np.int64)
-    root = int(mesh.collectives.allreduce(mine, mesh.shape.names, "min")[0])
-    msg = _bcast_text(mesh, err or "", root)
-    raise CheckpointError(msg if mesh.size == 1 else f"{msg} (rank {root})")
-
-
-def _reason(e: Exception) -> str:
-    """`e` as the end of the CheckpointError every rank raises for it (its class named unless it is an
-    OSError or ours): any exception on one rank becomes every rank's error, never a hang."""
-    return str(e) if isinstance(e, (OSError, CheckpointError)) else f"{type(e).__name__}: {e}"
-
-
-def _agree(mesh, target: str, chunk_bytes: int, items: list, tree: Optional[dict]) -> list:
-    """`items` in rank 0's order, once every rank passes the same `target`, `chunk_bytes`, tensors
-    (names, shapes, dtypes, layouts; in any order) and other entries of the nest `tree` (lists,
-    tuples, plain values); else CheckpointError on every rank naming the first difference and what
-    each rank has."""
-    mine = {"path": repr(target), "chunk_bytes": str(chunk_bytes),
-            **{f"tensor {name!r}": f"{t.shape} {np.dtype(t.dtype)} layout {t.layout}" for name, t in items},
-            **({} if tree is None else _entries(tree))}
-    text = json.dumps([[name for name, _ in items], mine])
-    order, first = json.loads(_bcast_text(mesh, text, 0))
-    if not mesh.collectives.any_rank(mine != first):
-        by_name = dict(items)
-        return [(name, by_name[name]) for name in order]
-    every = [json.loads(_bcast_text(mesh, text, r))[1] for r in range(mesh.size)]
-    fixed = ["path", "chunk_bytes"]
-    key = next(k for k in fixed + sorted({k for d in every for k in d} - set(fixed))
-               if len({d.get(k) for d in every}) > 1)
-    has = by_rank([d.get(key, "no such tensor" if key.startswith("tensor ") else "no such entry") for d in every])
-    raise CheckpointError(f"cannot save checkpoint {first['path']}: the ranks disagree on {key}: {has}")
-
-
-def _entries(node: dict, keys: tuple = ()) -> dict:
-    """`{"entry 'name'": what}` for the nodes of a nest's JSON other than its dicts and tensors: a list or
-    tuple (its length), a plain value (its type and value).
-
-    >>> _entries(to_json({"a": [1, "x"], "b": {"c": None}}, lambda x: False)[0])
-    {"entry 'a'": 'list of 2', "entry 'a/0'": 'int 1', "entry 'a/1'": "str 'x'", "entry 'b/c'": 'NoneType None'}
-    """
-    (kind, body), = node.items()
-    if kind == "dict":
-        return {k: v for key, child in body for k, v in _entries(child, keys + (key,)).items()}
-    if kind in ("list", "tuple"):
-        out = {f"entry {leaf_name(keys)!r}": f"{kind} of {len(body)}"}
-        for i, child in enumerate(body):
-            out.update(_entries(child, keys + (i,)))
-        return out
-    if kind == "tensor":
-        return {}
-    value = from_json(node, str)
-    return {f"entry {leaf_name(keys)!r}": f"{type(value).__name__} {value!r}"}
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------- the plan: who writes what
-
-def _mesh_index(mesh_shape: Shape, coords: Mapping[str, int]) -> int:
-    """Row-major position of `coords` in the mesh."""
-    i = 0
-    for d in mesh_shape:
-        i = i * d.size + coords[d.name]
-    return i
-
-
-def _slices(shape: Shape, mesh_shape: Shape, tl) -> list[tuple[dict, tuple]]:
-    """The distinct slices of a tensor: (writer coords, global bounds) in row-major writer order."""
-    split = [m for m in mesh_shape.names if m in tl]
-    out = []
-    for pos in np.ndindex(*[mesh_shape[m].size for m in split]):
-        coords = {m: 0 for m in mesh_shape.names}
-        coords.update(zip(split, pos))
-        out.append((coords, slice_bounds(shape, mesh_shape, tl, coords)))
-    return out
-
 
 def _plan(items, mesh_shape: Shape, chunk_bytes: int, tree: Optional[dict]) -> dict:
     """The index without checksums (and each slice's writer position): the same on every rank."""
@@ -231,14 +104,18 @@ def _chunk_crcs(data: memoryview, chunk: int) -> list[int]:
 
 # ---------------------------------------------------------------- save
 
-def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: int = CHUNK_BYTES) -> None:
+FORMATS = ("mpimesh", "safetensors")
+
+
+def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: int = CHUNK_BYTES,
+         format: str = "mpimesh", max_shard_bytes: Optional[int] = None,
+         blocking: bool = True) -> Optional[SaveHandle]:
     """Write the dict `tensors` to the directory `path`: DistTensors (one mesh) and plain values (int,
-    float, str, bool, None), nested in dicts (str keys), lists and tuples. A collective: every rank must
-    call it with the same `path` (as rank 0 sees it), `chunk_bytes`, tensor names, shapes, dtypes and
-    layouts, and plain values; ranks that differ raise CheckpointError on every rank before anything is
-    written. Each rank writes its own distinct slices; the checkpoint appears at `path` all at once,
-    replacing a checkpoint there (any other file or non-empty directory is refused). `mesh` is needed
-    only when there is no tensor.
+    float, str, bool, None), nested in dicts, lists and tuples. A collective: every rank passes the same
+    arguments, names, shapes, dtypes, layouts and plain values, else CheckpointError on every rank before
+    anything is written. Each rank writes its distinct slices; the checkpoint appears at `path` at once,
+    replacing a checkpoint there. `mesh`: needed only without tensors. `format="safetensors"`: Hugging
+    Face's files (`safetensors_io`). `blocking=False`: a `SaveHandle` at once (`async_save`).
 
     >>> import tempfile, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -247,104 +124,93 @@ def save(path: str, tensors: Mapping[str, object], *, mesh=None, chunk_bytes: in
     >>> mm.load(path, mesh)["state"]["m"]["l1/kernel"].origin[1]   # (names escaped as in a JSON Pointer)
     'state/m/l1~1kernel'
     """
+    if format not in FORMATS:
+        raise CheckpointError(f"format must be one of {', '.join(map(repr, FORMATS))}, got {format!r}")
+    blocking = bool_arg(blocking, "blocking")
+    wait_pending()
+    if format == "safetensors":
+        return safetensors_io.save(path, tensors, mesh=mesh, max_shard_bytes=max_shard_bytes, blocking=blocking)
+    if max_shard_bytes is not None:
+        raise CheckpointError("max_shard_bytes is for format='safetensors' (an mpimesh checkpoint writes one "
+                              "part file per rank)")
+    return _save(path, tensors, mesh, chunk_bytes, blocking)
+
+
+def _save(path: str, tensors: Mapping[str, object], mesh, chunk_bytes: int, blocking: bool,
+          after: Optional[Callable[[], Optional[str]]] = None) -> Optional[SaveHandle]:
+    """`save` in our format; `after()` (rank 0, once the checkpoint is in place) returns an error or None."""
     path = _path(path)
     chunk_bytes = _int(chunk_bytes, "chunk_bytes", 1)
     tree, items, mesh = _nest(tensors, mesh)
     for _, t in items[:1]:  # (a compiled step would save once, never in a replay)
         host_read(t, f"mm.save({str(path)!r})")
-    items = _agree(mesh, os.path.abspath(path), chunk_bytes, items, tree)
+    settings = {"format": "mpimesh", "chunk_bytes": str(chunk_bytes), "blocking": str(blocking)}
+    items = _agree(mesh, os.path.abspath(path), settings, items, tree)
     plan = _plan(items, mesh.shape, chunk_bytes, tree)
+    ops = None if blocking else CommOps.of(mesh)
 
-    # Rank 0 checks the target and makes the temporary directory; every rank learns its name.
-    err, info = None, ""
-    if mesh.rank == 0:
-        try:
-            target = os.path.abspath(path)
-            parent, base = os.path.split(target)
-            _check_replaceable(target)
-            os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, f".{base}.tmp-{secrets.token_hex(8)}")
-            os.mkdir(tmp)
-            info = json.dumps([target, tmp])
-        except Exception as e:  # any error: every rank raises it
-            err = f"cannot save checkpoint {path!r}: {_reason(e)}"
-    _sync(mesh, err)
-    target, tmp = json.loads(_bcast_text(mesh, info, 0))
+    # This rank's distinct slices, copied (a background save writes the values of now), then the temp dir.
+    me, rank, err, blocks = _mesh_index(mesh.shape, mesh.coords), mesh.rank, None, []
     try:
-        # Every rank writes its part file (if it writes any slice) and fsyncs it.
-        me, err, crcs = _mesh_index(mesh.shape, mesh.coords), None, []
+        for (_, t), spec in zip(items, plan["tensors"]):
+            if any(s["_pos"] == me for s in spec["slices"]):
+                host = to_host(t.local)
+                data = (np.ascontiguousarray(host, _le(t.dtype)) if blocking or host is not t.local
+                        else np.array(host, _le(t.dtype), order="C", copy=True))
+                blocks.append((data.reshape(-1), spec["chunk_elements"]))
+    except Exception as e:
+        err = f"cannot save checkpoint {path!r}: {_reason(e)}"
+    try:
+        target, tmp = make_tmp(mesh, path, _check_replaceable, err)
+    except CheckpointError:
+        if ops is not None:
+            ops.free()
+        raise
+    crcs: list = []
+
+    def write() -> Optional[str]:
+        """This rank's part file (if it writes any slice), fsynced, and its chunks' checksums."""
         try:
-            mine = [(t, spec) for (_, t), spec in zip(items, plan["tensors"])
-                    if any(s["_pos"] == me for s in spec["slices"])]
-            if mine:
+            if blocks:
                 with open(os.path.join(tmp, f"part-{me:05d}.bin"), "wb") as f:
-                    for t, spec in mine:
-                        data = np.ascontiguousarray(to_host(t.local), dtype=_le(t.dtype)).reshape(-1)
+                    for data, chunk_elements in blocks:
                         view = memoryview(data.view(np.uint8))
-                        crcs.append(_chunk_crcs(view, spec["chunk_elements"] * data.itemsize))
+                        crcs.append(_chunk_crcs(view, chunk_elements * data.itemsize))
                         f.write(view)
                     f.flush()
                     os.fsync(f.fileno())
-            _test_pause(mesh, target)
+            slow_save_hook(rank, target)
         except Exception as e:
-            err = f"cannot write checkpoint {target!r}: {_reason(e)}"
-        _sync(mesh, err)
-        _fill_crcs(mesh, plan, me, crcs)
+            return f"cannot write checkpoint {target!r}: {_reason(e)}"
+        return None
 
-        # Rank 0 writes the index and swaps the directory into place.
-        err = None
-        if mesh.rank == 0:
-            try:
-                with open(os.path.join(tmp, INDEX), "w") as f:
-                    json.dump({**plan, INDEX_CRC: _index_crc(plan)}, f, indent=1)
-                    f.flush()
-                    os.fsync(f.fileno())
-                _fsync_dir(tmp)
-                _swap_in(tmp, target)
-            except Exception as e:
-                err = f"cannot save checkpoint {target!r}: {_reason(e)}"
-        _sync(mesh, err)
-    finally:
-        if mesh.rank == 0 and os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)  # only after a failure: success renamed it
-
-
-def _nest(tensors: Mapping[str, object], mesh) -> tuple[Optional[dict], list, object]:
-    """`(the nest as JSON or None for a flat dict of tensors, its tensors as (name, tensor), their mesh)`
-    after checking that `tensors` is a dict (of dicts, lists and tuples) of tensors on one mesh and
-    plain values."""
-    if not isinstance(tensors, Mapping):
-        raise CheckpointError(f"save needs a dict (of DistTensors, or a nest of dicts, lists and tuples of "
-                              f"them and of plain values), got {type(tensors).__name__}")
-    items, tree = list(tensors.items()), None
-    if not all(isinstance(name, str) and is_tensor(t) for name, t in items):
+    def commit(ops: Ops, err: Optional[str]) -> None:
+        """Once every rank has written: rank 0 writes the index (the commit marker) and swaps it in."""
         try:
-            tree, items = to_json(dict(tensors), is_tensor)
-        except TypeError as e:
-            raise CheckpointError(f"cannot save: {e}") from None
-    other = "mesh=" if mesh is not None else f"tensor {items[0][0]!r}" if items else ""
-    mesh = mesh if mesh is not None else (items[0][1].mesh if items else None)
-    if mesh is None:
-        raise CheckpointError("save of a dict without tensors needs mesh=")
-    _mesh(mesh)
-    for name, t in items:
-        if t.mesh is not mesh:  # (a Mesh's repr names this rank: the shapes alone say the same on every rank)
-            raise CheckpointError(f"tensor {name!r} lives on another Mesh object ({t.mesh.shape}) than {other} "
-                                  f"({mesh.shape}): save tensors of one mesh")
-    return tree, items, mesh
+            _sync(ops, err)
+            _fill_crcs(ops, plan, me, crcs)
+            err = None
+            if ops.rank == 0:
+                try:
+                    with open(os.path.join(tmp, INDEX), "w") as f:
+                        json.dump({**plan, INDEX_CRC: _index_crc(plan)}, f, indent=1)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    _fsync_dir(tmp)
+                    _swap_in(tmp, target)
+                except Exception as e:
+                    err = f"cannot save checkpoint {target!r}: {_reason(e)}"
+                if err is None and after is not None:
+                    err = after()
+            _sync(ops, err)
+        finally:
+            if ops.rank == 0 and os.path.isdir(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)  # only after a failure: success renamed it
+
+    return launch(mesh, target, write, commit, ops)
 
 
-def _test_pause(mesh, target: str) -> None:
-    """`MPIMESH_TEST_SLOW_SAVE=SECONDS`: say who is where and sleep, so a test can kill a rank mid-save."""
-    seconds = env.number("MPIMESH_TEST_SLOW_SAVE", 0.0, minimum=0.0)
-    if seconds > 0:
-        sys.stderr.write(f"mpimesh: MPIMESH_TEST_SLOW_SAVE: rank {mesh.rank} pid {os.getpid()} sleeps "
-                         f"{seconds} s inside the save of {target}\n")  # one write: one line, not interleaved
-        sys.stderr.flush()
-        time.sleep(seconds)
-
-
-def _fill_crcs(mesh, plan: dict, me: int, crcs: list[list[int]]) -> None:
+def _fill_crcs(ops: Ops, plan: dict, me: int, crcs: list[list[int]]) -> None:
     """Gather every writer's chunk checksums onto every rank and put them into `plan`'s slices.
 
     Each tensor gets as many entries per rank as its largest slice has chunks (slices of an uneven
@@ -359,10 +225,7 @@ def _fill_crcs(mesh, plan: dict, me: int, crcs: list[list[int]]) -> None:
         if any(s["_pos"] == me for s in spec["slices"]):
             mine = next(it)
             vec[starts[k]:starts[k] + len(mine)] = mine
-    x = vec.reshape((1,) * mesh.shape.rank + vec.shape)
-    for axis, m in enumerate(mesh.shape.names):
-        x = mesh.collectives.allgather(x, m, axis)
-    x = x.reshape(mesh.size, vec.size)  # row-major mesh position -> checksums
+    x = ops.allgather(vec)  # row-major mesh position -> checksums
     for k, spec in enumerate(plan["tensors"]):
         for s in spec["slices"]:
             s["crc32"] = [int(c) for c in x[s.pop("_pos"), starts[k]:starts[k] + chunks(spec, s)]]
@@ -384,16 +247,7 @@ def _check_replaceable(target: str) -> None:
 
 def _swap_in(tmp: str, target: str) -> None:
     """Rename `tmp` to `target`; an existing checkpoint there is renamed away first, then removed."""
-    parent, base = os.path.split(target)
-    old = None
-    if os.path.lexists(target):
-        _check_replaceable(target)
-        old = os.path.join(parent, f".{base}.old-{secrets.token_hex(8)}")
-        os.replace(target, old)
-    os.replace(tmp, target)
-    _fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, target, _check_replaceable)
 
 
 # ---------------------------------------------------------------- load
@@ -405,7 +259,8 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
     whatever mesh it was saved from. A collective: every rank must call it. A missing, damaged or
     inconsistent checkpoint, or one whose tensors differ from `shapes` (the saved nest with a shape or a
     tensor at each tensor's place), raises CheckpointError on every rank. Each tensor returned has
-    `origin`: (the checkpoint's absolute path, the tensor's name in it).
+    `origin`: (the checkpoint's absolute path, the tensor's name in it). A `.safetensors` file, or a
+    directory of them without our `index.json`, is read by `safetensors_io.load` (a flat dict).
 
     >>> import numpy as np, tempfile, mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -419,20 +274,26 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
         raise TypeError(f"shapes must be a dict of name -> shape, got {type(shapes).__name__}")
     rules = mesh.layout if layout is None else LayoutRules(layout)
     check_rules(rules, mesh.shape)
+    wait_pending()
     err, text = None, ""
     if mesh.rank == 0:
         target = os.path.abspath(path)
         try:
-            if not os.path.isdir(target):
+            if safetensors_io.holds_safetensors(target) and not os.path.isfile(os.path.join(target, INDEX)):
+                text = json.dumps([target, None])
+            elif not os.path.isdir(target):
                 raise CheckpointError(f"no checkpoint at {target!r}: not a directory")
-            with open(os.path.join(target, INDEX), "rb") as f:
-                text = json.dumps([target, f.read().decode("utf-8", "replace")])
+            else:
+                with open(os.path.join(target, INDEX), "rb") as f:
+                    text = json.dumps([target, f.read().decode("utf-8", "replace")])
         except CheckpointError as e:
             err = str(e)
         except Exception as e:
             err = f"cannot read checkpoint index {os.path.join(target, INDEX)!r}: {_reason(e)}"
     _sync(mesh, err)
     target, text = json.loads(_bcast_text(mesh, text, 0))
+    if text is None:
+        return safetensors_io.load(target, mesh, rules, shapes)
     specs, tree = _parse_index(text, os.path.join(target, INDEX))  # identical on every rank
     if shapes is not None:
         _check_shapes(specs, _expected(shapes, nested=tree is not None), target)
@@ -459,7 +320,9 @@ def load(path: str, mesh, layout: Optional[RulesLike] = None,
 
 def _expected(shapes: Mapping, nested: bool) -> dict[str, Shape]:
     """`{name: Shape}` of the tensors `shapes` expects: its top-level entries (a flat checkpoint's), or
-    its leaves by path (a nest's) that are shapes (a Shape, a str) or tensors (their shapes)."""
+    its leaves by path (a nest's; for a flat checkpoint, a nest whose paths are its names) that are
+    shapes (a Shape, a str) or tensors (their shapes)."""
+    nested = nested or any(isinstance(v, Mapping) for v in shapes.values())
     pairs = named_leaves(dict(shapes)) if nested else list(shapes.items())
     return {name: v.shape if is_tensor(v) else Shape(v) for name, v in pairs
             if not nested or is_tensor(v) or isinstance(v, (Shape, str))}
@@ -694,11 +557,12 @@ def newest_intact(root: str, mesh, before: Optional[int] = None) -> Optional[int
 
 
 def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int = 2, mesh=None,
-              chunk_bytes: int = CHUNK_BYTES) -> str:
+              chunk_bytes: int = CHUNK_BYTES, blocking: bool = True):
     """`save(step_path(root, step), tensors)`, then delete all but the newest `keep` complete
     checkpoints in `root` and the leftovers of interrupted saves (after the new one is complete).
-    A collective; returns the new checkpoint's path. `step` is an int >= 0 and `keep` an int >= 1
-    (the new checkpoint is always kept), checked before anything is written.
+    A collective; returns the new checkpoint's path (`blocking=False`: its `SaveHandle`, whose `path`
+    it is, and the deletion comes after the background commit). `step` is an int >= 0 and `keep` an
+    int >= 1 (the new checkpoint is always kept), checked before anything is written.
 
     >>> import tempfile, mpimesh as mm
     >>> mesh, root = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF), os.path.join(tempfile.mkdtemp(), "run")
@@ -707,12 +571,13 @@ def save_step(root: str, step: int, tensors: Mapping[str, object], *, keep: int 
     >>> steps(root, mesh), sorted(os.listdir(root))
     ([20, 30], ['step-00000020', 'step-00000030'])
     """
-    path, keep = step_path(root, step), _int(keep, "keep", 1)
+    path, keep, blocking = step_path(root, step), _int(keep, "keep", 1), bool_arg(blocking, "blocking")
+    root = _path(root, "root")
     mesh = _nest(tensors, mesh)[2]
+    wait_pending()
     steps(root, mesh)  # refuses a directory of other things before writing into it
-    save(path, tensors, mesh=mesh, chunk_bytes=chunk_bytes)
-    prune(root, mesh, keep, new=step)
-    return path
+    handle = _save(path, tensors, mesh, chunk_bytes, blocking, after=lambda: _prune_here(root, keep, step))
+    return path if blocking else handle
 
 
 def prune(root: str, mesh, keep: int, new: Optional[int] = None) -> None:
@@ -722,20 +587,23 @@ def prune(root: str, mesh, keep: int, new: Optional[int] = None) -> None:
     int >= 0 (0: delete them all). `new`: a step just saved, kept whatever its number, with the
     newest `keep - 1` others (a run resumed from an older step saves below the newest)."""
     root, mesh, keep = _path(root, "root"), _mesh(mesh), _int(keep, "keep", 0)
-    err = None
-    if mesh.rank == 0:
-        try:
-            done, leftovers = _scan(root)
-            others = [s for s in done if s != new]
-            for step in others[:max(0, len(others) - (keep if new is None else keep - 1))]:
-                old = f".step-{step:08d}.old-{secrets.token_hex(8)}"
-                os.replace(step_path(root, step), os.path.join(root, old))
-                leftovers.append(old)
-            for name in leftovers:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        except Exception as e:
-            err = f"cannot delete old checkpoints in {root!r}: {_reason(e)}"
-    _sync(mesh, err)
+    _sync(mesh, _prune_here(root, keep, new) if mesh.rank == 0 else None)
+
+
+def _prune_here(root: str, keep: int, new: Optional[int]) -> Optional[str]:
+    """`prune`'s deletions, on this process alone: None, or why they failed."""
+    try:
+        done, leftovers = _scan(root)
+        others = [s for s in done if s != new]
+        for step in others[:max(0, len(others) - (keep if new is None else keep - 1))]:
+            old = f".step-{step:08d}.old-{secrets.token_hex(8)}"
+            os.replace(step_path(root, step), os.path.join(root, old))
+            leftovers.append(old)
+        for name in leftovers:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    except Exception as e:
+        return f"cannot delete old checkpoints in {root!r}: {_reason(e)}"
+    return None
 
 
 def _scan(root: str) -> tuple[list[int], list[str]]:

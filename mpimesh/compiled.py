@@ -24,7 +24,7 @@ import numpy as np
 
 from .backend import matmul_precision
 from .buckets import bucket_bytes, next_slot, slot_step
-from . import counters
+from . import counters, flight
 from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
@@ -99,7 +99,13 @@ class Compiled:
             return out
         self.cache.move_to_end(key)
         self.replays += 1
-        return entry.run(leaves, donated, self._give_up)
+        t0 = flight.clock()
+        flight.remember((t0, "replay", self.__name__))
+        if not flight.timeline:
+            return entry.run(leaves, donated, self._give_up)
+        out = entry.run(leaves, donated, self._give_up)
+        flight.span(t0, f"replay {self.__name__}", "compiled")
+        return out
 
     def _donated(self, args: tuple, kwargs: dict) -> list:
         """The tensors of the donated arguments that no other argument holds."""
@@ -332,7 +338,18 @@ class _Engine:
 
     def run_steps(self, steps, env: list, flying: dict, ctx=None, count: bool = True) -> None:
         """Run `steps` over `env`; `flying`: the bucket allreduces under way, by bucket; `ctx`: the
-        collectives the kernels see (None: the mesh's); `count`: FLOPs into the open profile."""
+        collectives the kernels see (None: the mesh's); `count`: FLOPs into the open profile, and
+        each step a span of the open timeline."""
+        if count and flight.timeline:
+            for step in steps:
+                ins = [_shape(env[s]) for s in step.ins] if type(step) is OpStep else None  # (before it frees them)
+                t0 = flight.clock()
+                self._run_steps((step,), env, flying, ctx, count)
+                _step_span(t0, step, env, ins)
+        else:
+            self._run_steps(steps, env, flying, ctx, count)
+
+    def _run_steps(self, steps, env: list, flying: dict, ctx, count: bool) -> None:
         run = self.mesh.run
         counting = count and counters._open
         for step in steps:
@@ -362,6 +379,23 @@ class _Engine:
                 flying[id(step.bucket)] = step.bucket.start(self.mesh, env)
             else:
                 step.bucket.finish(flying.pop(id(step.bucket)), env)
+
+
+def _step_span(t0: float, step, env: list, ins) -> None:
+    """A replayed step's timeline span from `t0`: an op's (`ins`: its inputs' shapes), or a gradient
+    bucket's make, start or wait."""
+    if type(step) is OpStep:
+        flight.span(t0, step.op.name, "op", {"flops": step.flops, "shapes": ins,
+                                             "out_shapes": [_shape(env[s]) for s in step.outs], "compiled": True})
+    else:
+        b = step.bucket
+        flight.span(t0, f"bucket {step.kind}", "bucket", {"bytes": b.size * b.dtype.itemsize, "mesh_dims": list(b.dims),
+                                                          "members": len(b.members)})
+
+
+def _shape(a) -> list:
+    """An array's shape as a list ([] for a slot already freed)."""
+    return list(getattr(a, "shape", ()))
 
 
 def _sole(env: list, s: int) -> bool:

@@ -36,6 +36,7 @@ KNOWN: dict[str, str] = {
     "MPIMESH_DEBUG": "trace.py", "MPIMESH_BUCKET_BYTES": "buckets.py", "MPIMESH_CUDA_GRAPHS": "graphs.py",
     "MPIMESH_JAX_COORDINATOR": "tpu/distributed.py", "MPIMESH_CACHE_DIR": "cost/cache.py",
     "MPIMESH_RECALIBRATE": "cost/cache.py",
+    "MPIMESH_FLIGHT_RECORDS": "flight.py", "MPIMESH_FLIGHT_DIR": "flight.py",
     # marks written for child processes, and the benchmarks' own
     "MPIMESH_AUTO_THREADS": "threads.py writes it: a default it chose",
     "MPIMESH_BENCH_REEXEC": "benchmarks/common.py writes it: the process was re-executed",

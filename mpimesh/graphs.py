@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import env
 from .backend import on_gpu
-from . import counters
+from . import counters, flight
 from . import liveness
 from .program import OpStep
 
@@ -210,9 +210,15 @@ class GraphEngine:
                     engine.run_steps([entry[1]], env, flying)
                     continue
                 _, graph, statics, held, frees, flops = entry
+                t0 = flight.clock()
                 for s, buf in statics:
                     cap.copy(buf, env[s])
+                if flight.timeline and statics:  # (spans of the host's side: the GPU runs copies and graph later)
+                    flight.span(t0, "copy into the graph's inputs", "copy", {"arrays": len(statics)})
+                t1 = flight.clock()
                 cap.launch(graph)
+                if flight.timeline:
+                    flight.span(t1, "CUDA graph launch", "graph", {"flops": flops})
                 for s in frees:
                     env[s] = None
                 for s, a in held:

@@ -89,7 +89,8 @@ class OpDef:
     collectives; `flops`, `bytes`, `scratch` count for the profile and the cost model. The rest say
     where an engine may take a shortcut or must take care: `into` (outputs a replay may write over
     inputs), `fill` (padding), `capture` (CUDA graphs), `bucketed`, `view`, `gemm`, `linear`,
-    `partial_inputs`. More: docs/architecture.md ("OpDef's fields")."""
+    `partial_inputs`, `partial_grads` (its rule takes a gradient still awaiting its sum over ranks). More:
+    docs/architecture.md ("OpDef's fields")."""
 
     name: str
     kernel: Callable
@@ -108,6 +109,7 @@ class OpDef:
     gemm: bool = False
     linear: bool = False
     partial_inputs: bool = False
+    partial_grads: bool = False
 
     def __post_init__(self):
         if not callable(self.kernel):

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 active: list = []  # the Bucketer of each `mm.gradients` walk in progress, innermost last
+summable: set = set()  # ids of tensors whose gradient an einsum may leave awaiting its sum over ranks
+#                        (`mm.gradients` adds a gathered tensor's: its relayout's rule reduce-scatters it)
 _claims: list = []  # per `partial_for` block: the Bucketer its einsum may defer to, or None
 
 

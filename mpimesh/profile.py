@@ -12,13 +12,15 @@ from __future__ import annotations
 import resource
 import sys
 import tracemalloc
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from itertools import product
 from typing import Iterator
 
 from . import counters
 from .layout import slice_bounds
 from .stack import Stack
+from .timeline import recording
+from .timeline_plot import plot_timeline
 
 
 class Profile:
@@ -176,15 +178,19 @@ def _host_peak(reset: bool) -> int:
 
 
 @contextmanager
-def profile(memory: bool = False) -> Iterator[Profile]:
+def profile(memory: bool = False, timeline=None) -> Iterator[Profile]:
     """Count the collectives and local compute this rank runs inside the block, and its peak memory
-    (`memory=True`: also the exact peak of live arrays, at some cost in speed)."""
+    (`memory=True`: also the exact peak of live arrays, at some cost in speed). `timeline`: a file
+    path: also record when each op and collective ran, on every rank, and when the block ends,
+    rank 0 of `MPI.COMM_WORLD` writes them there as one Chrome trace (every rank of the job enters
+    and leaves the block: `mpimesh.timeline`, docs/timeline.md); `profile.plot(path)` draws it."""
     for running in _open_peaks:  # an inner profile resets the high-water marks: fold them in first
         _fold(running, _memory_peak(running["marks"]))
     running = {"marks": _memory_mark(memory or any("arrays" in r["marks"] for r in _open_peaks)), "peak": {}}
     prof = None
     try:
-        with _open_peaks.push(running), counters.counting() as data:
+        with _open_peaks.push(running), counters.counting() as data, \
+                (nullcontext() if timeline is None else recording(timeline)):
             prof = Profile(data)
             yield prof
     finally:
@@ -192,6 +198,9 @@ def profile(memory: bool = False) -> Iterator[Profile]:
         _memory_done(running["marks"])
         if prof is not None:
             prof.peak_bytes = running["peak"]
+
+
+profile.plot = plot_timeline  # type: ignore[attr-defined]  (mm.profile.plot(path): the timeline's PNG)
 
 
 def _fold(running: dict, now: dict) -> None:

@@ -168,11 +168,12 @@ class PartialTensor(DistTensor):
     (('all',), 'DistTensor [a:2] float64, layout {}, partial over all, mesh [all:1]')
     """
 
-    __slots__ = ("partial",)
+    __slots__ = ("partial", "rounds_to")
 
     def __init__(self, mesh, shape: Shape, tensor_layout: TensorLayout, local, partial: tuple):
         super().__init__(mesh, shape, tensor_layout, local)
         self.partial = tuple(partial)
+        self.rounds_to = None  # the 16-bit dtype its sum is rounded to (float32 terms of 16-bit operands)
         partials_alive[0] += 1
 
     def __del__(self):

@@ -15,10 +15,11 @@ its kernel needs), the shapes and layouts of its outputs and its params; the mes
 from __future__ import annotations
 
 from contextlib import contextmanager
+from time import perf_counter as _clock
 from typing import Iterator, Optional, Sequence
 
 from . import env, liveness
-from . import counters
+from . import counters, flight
 from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
@@ -293,6 +294,7 @@ def open_traces() -> tuple:
 
 
 _spmd = guard._settings  # (the SPMD check's switch, read per op)
+_remember, _timeline = flight.remember, flight.timeline  # (read per op)
 _tensor: list = [None, None]  # the tensor classes dispatch makes (`mpimesh.tensor` registers them)
 partials_alive = [0]  # partial tensors alive (`PartialTensor` counts them): only then does dispatch look for one
 _checked: set = set()  # output specs (shape, layout) already found valid on a mesh shape
@@ -343,16 +345,19 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
     arrays = [t.local for t in inputs]
     extra = _NO_PARAMS if out is None else {"out": out}
+    t0 = _clock()
     if mesh.dry:
         result = mesh.run_dry(op, params, arrays, out_specs)
-    elif _spmd["check"]:  # (the SPMD check keys each collective by its op too)
-        guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
-        try:
-            result = mesh.run(op, params, arrays, len(out_specs), **extra)
-        finally:
-            guard.in_op[0] = ""
     else:
-        result = mesh.run(op, params, arrays, len(out_specs), **extra)
+        _remember((t0, "op", op))  # the flight recorder (`mpimesh.flight`): always on
+        if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
+            guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
+            try:
+                result = mesh.run(op, params, arrays, len(out_specs), **extra)
+            finally:
+                guard.in_op[0] = ""
+        else:
+            result = mesh.run(op, params, arrays, len(out_specs), **extra)
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {op.name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if partial:
@@ -364,8 +369,12 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
     if _debug["on"]:
         for i, t in enumerate(outputs):
             _check_local(op.name, i, t)
-    if counters._open and op.flops is not None:
-        counters.record_flops(op.count_flops(params, arrays, result))
+    if counters.opened:  # a profile counts (and may record a timeline: an op is a span from t0 to now)
+        flops = op.count_flops(params, arrays, result)
+        if op.flops is not None:
+            counters.record_flops(flops)
+        if _timeline and not mesh.dry:
+            flight.op(t0, op.name, arrays, result, flops)
     if _open_traces:
         rec = OpRecord(op, tuple(inputs), tuple(outputs), params, mesh.layout)
         for tr in _open_traces:

@@ -15,8 +15,12 @@ from __future__ import annotations
 import io
 import os
 import sys
+import tempfile
 
 import pytest
+
+# the flight records of the jobs tests end on purpose (time-outs, divergences) go here, not into the checkout
+os.environ.setdefault("MPIMESH_FLIGHT_DIR", os.path.join(tempfile.gettempdir(), "mpimesh-test-flight"))
 
 try:
     from hypothesis import HealthCheck, settings

@@ -96,3 +96,77 @@ def test_remat_adds_one_forward_pass_of_the_blocks_and_keeps_less():
     assert peaks[1] < 0.8 * peaks[0], peaks
     fused = sum(k.nbytes for k in simulate.kernels(remat, ops, True))
     assert fused < sum(op.nbytes for op in remat.ops)
+
+
+# ------------------------------------------------------------------------------ weight sharding (pod_memory)
+
+import pod_memory as pm  # noqa: E402
+from mpimesh.cost.model import collective_seconds  # noqa: E402
+
+# 3 layers of: q, k, v, out 8 x 8 (4 x 64), wi_0, wi_1 8 x 16, wo 16 x 8 (3 x 128), bias 2 x 2, 2 scales of 8:
+# 256 + 384 + 4 + 16 = 660 per layer; embedding 10 x 8 = 80, final scale 8: P = 3 * 660 + 88 = 2068
+SMALL = pm.DenseLM(d_model=8, d_ff=16, heads=2, d_kv=4, vocab=10, length=4, layers=3, rel_buckets=2)
+LAYOUT = {lay.name: lay for lay in pm.LAYOUTS}
+
+
+def test_parameter_counts_equal_lingvos_published_totals():
+    assert SMALL.layer_parameters() == 660 and SMALL.parameters() == 2068 and SMALL.tensors() == 32
+    # lingvo's tasks/lm/params/synthetic_packed_input.py: "Total params: 137,702,416,384" (DenseLm128B8x8,
+    # 64 layers) and "Total params: 1,100,041,175,040" (DenseLm1T16x16)
+    assert pm.DenseLM(layers=64).parameters() == 137_702_416_384
+    big = pm.DenseLM(d_model=16384, d_ff=131072, heads=256, layers=128, length=512)
+    assert big.parameters() == 1_100_041_175_040
+
+
+def test_memory_terms_by_hand_on_a_2_by_4_mesh():
+    # Adafactor's floats per layer: q, k, v, out 4 x (8 + 8), wi_0, wi_1 2 x (8 + 16), wo 24, bias 4, scales 16:
+    # 156; x 3 layers + embedding 10 + 8 + final scale 8 = 494
+    assert SMALL.adafactor_floats() == 494
+    # per token per layer: 4 x 8 d_model-sized; 4 x 8 (q, k, v, context) + 2 x 4 (probabilities) + 3 x 16 = 88
+    assert SMALL.saved_per_token() == (32, 88)
+    rows, cols, batch = 2, 4, 6  # 3 sequences per row
+    # Mesh-TF: everything / Y = 4. Activations per layer and sequence: 2 bytes x (32 + 88 / 4) x 4 tokens = 432;
+    # outside: (2 x 2 x 8 + 8 x 10 / 4) x 4 = 208; x 3 sequences: 3 x (3 x 432 + 208) = 4512. Casts: 2 layers of
+    # 660 / 4 in 2 bytes = 660. Temporaries: the update's 2 float32 blocks of wi_0 (128 / 4): 256
+    assert pm.memory(SMALL, LAYOUT["Mesh-TF 2-D"], rows, cols, batch) == {
+        "parameters": 2068, "gradients": 2068, "optimizer": 494, "activations": 4512, "gathered": 660,
+        "temporaries": 256}
+    # GSPMD: parameters, gradients, state / 8; activations 2 x (32 / 4 + 88 / 4) x 4 = 240 per layer and
+    # sequence, outside (2 x 2 x 8 / 4 + 20) x 4 = 112: 3 x (3 x 240 + 112) = 2496; temporaries: one layer's
+    # float32 gradient before its reduce-scatter, 4 x 660 / 4 = 660, + 2 x 4 x 128 / 8 = 128
+    gspmd = {"parameters": 1034, "gradients": 1034, "optimizer": 247, "activations": 2496, "gathered": 660,
+             "temporaries": 788}
+    assert pm.memory(SMALL, LAYOUT["GSPMD 2-D"], rows, cols, batch) == gspmd
+    assert pm.memory(SMALL, LAYOUT["GSPMD 2-D, kept"], rows, cols, batch) == dict(gspmd, gathered=3 * 2 * 660 / 4)
+    assert pm.memory(SMALL, LAYOUT["ZeRO-2"], rows, cols, batch) == dict(gspmd, parameters=2068, activations=4512)
+    assert pm.memory(SMALL, LAYOUT["ZeRO-3"], rows, cols, batch) == dict(gspmd, activations=4512)
+    assert pm.memory(SMALL, LAYOUT["Mesh-TF 2-D"], rows, cols, batch, optimizer="adam")["optimizer"] == 2 * 2068
+    with pytest.raises(ValueError, match="batch 5 .* 2 rows"):
+        pm.memory(SMALL, LAYOUT["GSPMD 2-D"], rows, cols, 5)
+
+
+def test_the_largest_batch_is_whole_sequences_per_row_that_fit():
+    fixed, per_row = 1034 + 1034 + 247 + 660 + 788, 2496 / 3  # GSPMD above: a sequence per row costs 832
+    gspmd = LAYOUT["GSPMD 2-D"]
+    assert pm.max_batch(SMALL, gspmd, 2, 4, fixed + 5 * per_row + 100) == 10
+    assert pm.max_batch(SMALL, gspmd, 2, 4, fixed + 5 * per_row) == 10
+    assert pm.max_batch(SMALL, gspmd, 2, 4, fixed + 5 * per_row - 1) == 8
+    assert pm.max_batch(SMALL, gspmd, 2, 4, fixed - 1) == 0
+    assert pm.max_batch(SMALL, gspmd, 2, 4, fixed + 832, acts=(100.0, 32.0)) == 2 * (832 // (3 * 100 + 32))
+
+
+def test_gathers_and_reduce_scatters_move_one_allreduces_bytes():
+    free = Machine(flops=1e9, latency=0.0, bandwidth=1e8, memory=2**30)
+    rows, cols = 8, 4
+
+    def seconds(layout):
+        got = pm.weight_collectives(SMALL, layout, rows, cols)
+        return sum(collective_seconds(k, rows, b, free) for k, b in got.items())
+    assert pm.weight_collectives(SMALL, LAYOUT["Mesh-TF 2-D"], rows, cols) == {"allreduce": 4 * 2068 / 4}
+    # bfloat16 gathers of 2068 / 32 weights (forward, backward), float32 reduce-scatter of 2068 / 4 gradients
+    assert pm.weight_collectives(SMALL, LAYOUT["GSPMD 2-D"], rows, cols) == {
+        "allgather": 2 * 2 * 2068 / 32, "reduce_scatter": 4 * 2068 / 4}
+    allreduce = seconds(LAYOUT["Mesh-TF 2-D"])
+    for name in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "GSPMD 2-D"):
+        assert math.isclose(seconds(LAYOUT[name]), allreduce, rel_tol=1e-12), name
+    assert math.isclose(seconds(LAYOUT["GSPMD 2-D, kept"]), 0.75 * allreduce, rel_tol=1e-12)

@@ -24,7 +24,7 @@ from ..errors import MpimeshError
 from ..layout import block_sizes, block_span
 from ..liveness import held_only_by
 from ..shape import Shape
-from .. import counters
+from .. import counters, flight
 
 
 class CollectivesLike(Protocol):
@@ -73,7 +73,7 @@ class Request:
     (True, 'done')
     """
 
-    __slots__ = ("_test", "_wait", "_then", "_done", "result")
+    __slots__ = ("_test", "_wait", "_then", "_done", "result", "span")  # span: its timeline event (`mpimesh.flight`)
 
     def __init__(self, test, wait, then=None):
         self._test, self._wait, self._then = test, wait, then
@@ -106,6 +106,7 @@ class Overlapped(Request):
     """A non-blocking collective's request that, when it completes, adds to the profile's
     `"overlap"`: its lifetime (start to the first `test()` or `wait()` that saw it done), the part
     spent blocked in `wait()` (exposed) and the rest (hidden behind the caller's other work).
+    `event`: its timeline event (`flight.begin`'s), moved to the "comm" track and closed on completion.
 
     >>> from mpimesh import counters
     >>> with counters.counting() as c:
@@ -114,14 +115,18 @@ class Overlapped(Request):
     (7, 1, 0.0)
     """
 
-    __slots__ = ("_t0",)
+    __slots__ = ("_t0", "_event")
 
-    def __init__(self, test, wait, then=None):
+    def __init__(self, test, wait, then=None, event=None):
         super().__init__(test, wait, then)
-        self._t0 = time.perf_counter()
+        self._t0, self._event = time.perf_counter(), event
+        if event is not None:
+            event[flight.TRACK] = "comm"
 
     def _finished(self, exposed: float):
         counters.record_overlap(time.perf_counter() - self._t0, exposed)
+        if self._event is not None:
+            flight.finish(self._event, exposed)
         return self._complete()
 
     def test(self) -> bool:

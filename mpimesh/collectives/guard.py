@@ -12,6 +12,7 @@ False
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -23,14 +24,15 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from .. import env
+from .. import env, flight
 from ..errors import CollectiveTimeoutError, DivergenceError, MpimeshError
 from .callsite import called, user_frame, where_called
 from .liveness import ABANDONED, QUERY, REPLY, Watch, departed, describe
 
 _WIDTH = 400  # bytes of a rank's description of its op, for the SPMD check
 _ANSWER = 1024  # bytes of an answer to where-are-you: the question's number, two flags, then text
-_PLAIN, _NOTICE = 0.0, 1.0  # kinds of question: before raising; for a hang notice
+_PLAIN, _NOTICE, _FINAL = 0.0, 1.0, 2.0  # kinds of question: before raising; for a hang notice; before a
+#                                          time-out ends the job (the asked also write their flight records)
 DEFAULT_TIMEOUT = 600.0  # seconds: long enough for real work, short of forever
 DEFAULT_NOTICE = 30.0  # seconds a collective waits before its rank says where every rank is
 _NOTICE_ASK = 1.0  # the longest a hang notice waits for answers
@@ -171,6 +173,9 @@ def _say(text: str) -> None:
         pass
 
 
+_keyed: dict = {}  # meshes keyed for timelines (`Guard.timeline_key`), by their ranks in MPI.COMM_WORLD
+
+
 class Guard:
     """The check, time-out and departure state of one mesh: its sequence number, a communicator of
     its own and the mesh's `liveness.Watch`.
@@ -193,6 +198,14 @@ class Guard:
         # The current slow wait (past `_SPIN`): its start, by the wall clock (others' questions asked
         # before it are old news); the ranks whose hang notice covers it; whether its own is being asked.
         self._began, self._covered, self._noticing = 0.0, set(), False
+        self.arrived = 0.0  # when this rank entered its current (or last) collective, `time.perf_counter()`
+        self._keys: dict = {}  # `timeline_key`'s, by mesh dims
+        world = MPI.COMM_WORLD
+        if flight.job[0] is None and self.comm.Get_size() == world.Get_size() > 1:  # (the flight records' name:
+            mine, every = self.comm.Get_group(), world.Get_group()                # rank 0's pid, on every node)
+            flight.job[0] = str(watch.roster[MPI.Group.Translate_ranks(every, [0], mine)[0], 1])
+            mine.Free()
+            every.Free()
 
     @staticmethod
     def timeout() -> Optional[float]:
@@ -208,6 +221,7 @@ class Guard:
     def enter(self, kind: str, dims: tuple, x, detail: str = "", shape: Optional[str] = None) -> None:
         """Before a collective: refuse on a broken mesh, count it, and run the SPMD check if on
         (`shape`: the local shape to compare, where it is not x's: see `uneven_shape`)."""
+        arrived = flight.clock()
         if self.broken:
             raise CollectiveTimeoutError(f"this mesh is unusable after an earlier failed collective: {self.broken}")
         self.watch.poll()
@@ -217,6 +231,8 @@ class Guard:
         if in_op[0] and _settings["check"]:
             detail = f"{detail} in {in_op[0]}"
         self._op = self.watch.op = (self.seq, kind, dims, x.dtype, tuple(x.shape) if shape is None else shape, detail)
+        self.arrived = arrived
+        flight.remember((arrived, "collective", self._op, self._shape))
         if _settings["check"] and self.comm.Get_size() > 1:
             self._check()
 
@@ -264,8 +280,31 @@ class Guard:
 
     def wait_mpi(self, request: MPI.Request, what: Optional[str], dims: Optional[tuple] = None) -> None:
         """Wait for an MPI request of the guard's own, over the whole mesh or the group over `dims`
-        (see `wait`)."""
+        (see `wait`). With `what` None it is a collective of the guard's own (`barrier`, the transports'
+        `any_rank` and `broadcast`): an open timeline gets its span."""
         self.wait(_Polled(request.Test), tuple(self._shape.names) if dims is None else dims, what)
+        if what is None and flight.timeline:
+            seq, kind, dims, dtype, shape, _ = self._op
+            nbytes = dtype.itemsize * int(np.prod(shape)) if isinstance(shape, tuple) else 0
+            flight.end(flight.begin(self.arrived, kind, dims, nbytes, seq, self.timeline_key(dims), False))
+
+    def timeline_key(self, dims: tuple) -> tuple:
+        """What names the ranks of this rank's group over `dims` in a timeline, the same on each of them:
+        `(mesh, group)`, the mesh as (its ranks in `MPI.COMM_WORLD`, how many meshes over those ranks
+        were keyed before it), the group as its members' ranks in `MPI.COMM_WORLD`. With the guard's
+        sequence number it tells one collective's calls on the ranks apart from every other's."""
+        key = self._keys.get(dims)
+        if key is None:
+            if not self._keys:
+                world, mine = MPI.COMM_WORLD.Get_group(), self.comm.Get_group()
+                ranks = tuple(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), world))
+                mine.Free()
+                world.Free()
+                _keyed[ranks] = _keyed.get(ranks, -1) + 1
+                self._keys[None] = (ranks, _keyed[ranks])
+            mesh = self._keys[None]
+            key = self._keys[dims] = (mesh, tuple(mesh[0][r] for r in self._group_ranks(dims)))
+        return key
 
     def wait(self, request, dims: tuple, what: Optional[str] = None) -> None:
         """Poll `request` (anything with `test()`) until done: flat out for `_SPIN` seconds, then with
@@ -331,13 +370,18 @@ class Guard:
 
     def _serve(self) -> None:
         """Answer any rank asking where this one is; one asking for a hang notice since this wait
-        began covers this rank's."""
+        began covers this rank's; one about to raise a time-out makes this rank write its flight
+        record first (`flight.dump`: the job is about to end)."""
         status, mine = MPI.Status(), None
         while self.comm.Iprobe(MPI.ANY_SOURCE, QUERY, status):
             src, question = status.Get_source(), np.empty(3, np.float64)  # (kind, number, wall clock)
             self.comm.Recv(question, src, QUERY)
             if question[0] == _NOTICE and question[2] >= self._began:
                 self._covered.add(src)
+            if question[0] == _FINAL and flight.SIZE:
+                with contextlib.suppress(OSError):  # (this rank's own error, if any, says so later)
+                    flight.dump(f"rank {src} of the mesh timed out and asked where this rank was: waiting in its "
+                                f"collective {self._state}", MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
             mine = mine or Answer(self._state, *where_called(), self._noticing)
             self._send(_encode(int(question[1]), mine), src, REPLY)
 
@@ -365,10 +409,10 @@ class Guard:
             if got == number:
                 answers[status.Get_source()] = answer
 
-    def _ask(self, peers: list, seconds: float) -> dict:
+    def _ask(self, peers: list, seconds: float, kind: float = _PLAIN) -> dict:
         """Where each of `peers` is, as each answers within `seconds` (serving questions meanwhile):
         `{rank: Answer}`."""
-        number, answers = self._question(peers, _PLAIN), {}
+        number, answers = self._question(peers, kind), {}
         end = time.monotonic() + seconds
         while len(answers) < len(peers) and time.monotonic() < end:
             self._serve()
@@ -465,7 +509,7 @@ class Guard:
         me = self.comm.Get_rank()
         peers = [r for r in self._group_ranks(dims) if r != me]
         others = [r for r in range(self.comm.Get_size()) if r != me and r not in peers]
-        answers = self._ask(peers + others, min(max(1.0, 0.2 * timeout), 5.0))
+        answers = self._ask(peers + others, min(max(1.0, 0.2 * timeout), 5.0), _FINAL)
         missing = [r for r in peers if r not in answers or answers[r].state != self._state]
         notes = [f"rank {r} " + (f"waiting in {answers[r]}" if r in answers else f"is {_OUTSIDE}") for r in missing]
         silent = [r for r in others if r not in answers]

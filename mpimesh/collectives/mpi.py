@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..backend import accumulation_dtype, contiguous, is_low_precision, on_gpu, on_host, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
 from ..layout import block_sizes
-from .. import counters
+from .. import counters, flight
 from . import guard, shm
 from .base import (DONE, Collectives, Overlapped, Request, block_counts, idle, merge_front, pack,
                    split_front, unpack)
@@ -163,6 +163,7 @@ class MpiCollectives(Collectives):
         self._mpi_comms: dict[tuple, MPI.Comm] = {}  # `mesh.comm_for`'s, by ordered dims
         self._shm_groups: dict[tuple, bool] = {}  # whether the group over dims sums through shared memory
         self._two_steps = SecondSteps()  # the two-step allreduces whose second step has not started
+        self._counted = None  # (kind, bytes, counted) of a 16-bit reduction, for its first step's timeline event
 
     def _on(self, x):
         """(array module, buffer pool) for `x`: host control values stay on the host on any backend."""
@@ -248,8 +249,34 @@ class MpiCollectives(Collectives):
 
     def _start(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
                shape=None, **kw) -> Request:
-        """Check, count and post one transfer: its request (`DONE` where nothing moves). First the
-        second steps of the two-step requests started before it (`SecondSteps`)."""
+        """Check, count and post one transfer: its request (`DONE` where nothing moves), with its
+        event where a timeline records (`_spanned`)."""
+        req = self._transfer(kind, dims, send, recv, elements, nbytes, detail, shape, **kw)
+        if flight.timeline:
+            self._spanned(req, kind, dims, nbytes)
+        return req
+
+    def _spanned(self, req: Request, kind: str, dims: tuple, nbytes: int) -> None:
+        """The open timeline's event of the transfer `req` just started, from this rank's arrival to
+        its completion (`_complete`; at once for `DONE`). The first step of a reduction of 16-bit
+        floats carries the count of the whole (`_counted`, set by `_exchange16`); a step that the
+        profile did not count says so. The transfers a drain starts belong to non-blocking requests,
+        whose one event `Overlapped` keeps: they get none."""
+        carried, self._counted = self._counted, None
+        if self._two_steps.draining:
+            return
+        kind, nbytes, counted = carried if carried is not None else (kind, nbytes, bool(counters.opened))
+        event = flight.begin(self.guard.arrived, kind, dims, nbytes, self.guard.seq, self.guard.timeline_key(dims),
+                             counted)
+        if req is DONE:
+            flight.end(event)
+        else:
+            req.span = event
+
+    def _transfer(self, kind: str, dims: tuple, send, recv, elements: int, nbytes: int, detail: str,
+                  shape=None, **kw) -> Request:
+        """`_start`'s check, count and post. First the second steps of the two-step requests started
+        before it (`SecondSteps`)."""
         self._two_steps.drain()
         self.guard.enter(kind, dims, send, detail, shape)
         counters.record(kind, dims, elements, nbytes)
@@ -286,6 +313,8 @@ class MpiCollectives(Collectives):
             getattr(req, "abort", lambda: None)()  # a NCCL group that will never finish
             raise
         req.wait()
+        if flight.timeline:
+            flight.end(getattr(req, "span", None))
 
     # The collectives ------------------------------------------------------------------------
     def _group_rank(self, dims: tuple) -> int:
@@ -306,6 +335,9 @@ class MpiCollectives(Collectives):
         dtype = send.dtype if dtype is None else dtype
         recv = self._on(send)[1].empty((k * sizes[j],), send.dtype)
         counters.record(kind, dims, send.size, counters.reduction_bytes(send.size, send.itemsize, dtype.itemsize))
+        if flight.timeline:
+            self._counted = (kind, counters.reduction_bytes(send.size, send.itemsize, dtype.itemsize),
+                             bool(counters.opened))
         what = "16-bit floats" if dtype == send.dtype else f"{send.dtype} partials of a {dtype} result"
         with counters.paused():
             first = self._start("alltoall", dims, send, recv, send.size, send.nbytes,
@@ -366,9 +398,10 @@ class MpiCollectives(Collectives):
         x = contiguous(self._on(x)[0], x)
         out = self._result(x, dims, op) if out is None else out
         if is_low_precision(x.dtype) and x.size:
-            req = _TwoStep(*self._allreduce16(x, dims, op, out, ", non-blocking"), self._two_steps)
+            first, second = self._allreduce16(x, dims, op, out, ", non-blocking")
+            req, begun = _TwoStep(first, second, self._two_steps), first
         else:
-            req = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
+            req = begun = self._start("allreduce", dims, x, out, x.size, x.nbytes, f" {op} (non-blocking)", op=op)
 
         def wait():
             if isinstance(req, _TwoStep):
@@ -378,7 +411,7 @@ class MpiCollectives(Collectives):
         def then(send=x):  # the request owns `send` and `out` until it completes
             req.wait()
             return out
-        return Overlapped(req.test, wait, then)
+        return Overlapped(req.test, wait, then, getattr(begun, "span", None) if flight.timeline else None)
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)

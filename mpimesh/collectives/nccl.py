@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from ..backend import contiguous, is_low_precision
 from ..errors import DTypeError
-from .. import counters
+from .. import counters, flight
 from .base import DONE, Overlapped, Request
 from .guard import Guard
 from .mpi import MpiCollectives
@@ -163,7 +163,7 @@ class NcclCollectives(MpiCollectives):
 
         def then(send=x):  # the request owns `send` and `out` until it completes
             return out
-        return Overlapped(lambda: done.done, wait, then)
+        return Overlapped(lambda: done.done, wait, then, getattr(req, "span", None) if flight.timeline else None)
 
     def _exscan(self, x, mesh_dim: str, op: str):
         if isinstance(x, np.ndarray):
@@ -172,6 +172,8 @@ class NcclCollectives(MpiCollectives):
         k, c = self.size(dims), self.mesh.coords[mesh_dim]
         x = contiguous(xp, x)
         every = self.pool.empty((k,) + x.shape, x.dtype)
+        if flight.timeline:  # (the allgather's timeline event shows the exscan's count)
+            self._counted = ("exscan", x.nbytes, bool(counters.opened))
         with counters.paused():  # counted once, as the exscan it is
             self._run("allgather", dims, x, every, x.size, x.nbytes, f" exscan {op}")
         counters.record("exscan", dims, x.size, x.nbytes)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import counters
+from .. import counters, flight
 from ..backend import on_gpu, pinned_empty
 from .base import DONE, Request
 from .mpi import MpiCollectives
@@ -85,12 +85,18 @@ class StagedCollectives(MpiCollectives):
             np.copyto(dst, src)
             return
         counters.record("d2h", dims, src.size, src.nbytes)
+        t0 = flight.clock()
         src.get(out=dst)  # synchronises with the stream that wrote `src`
+        if flight.timeline:
+            flight.span(t0, "d2h", "copy", {"bytes": int(src.nbytes), "mesh_dims": list(dims)})
 
     def _to_device(self, src: np.ndarray, dst, dims: tuple) -> None:
         if not self._device:
             np.copyto(dst, src)
             return
         counters.record("h2d", dims, src.size, src.nbytes)
+        t0 = flight.clock()
         dst.set(src)
         self.xp.cuda.get_current_stream().synchronize()  # the staging buffer is reused right after
+        if flight.timeline:
+            flight.span(t0, "h2d", "copy", {"bytes": int(src.nbytes), "mesh_dims": list(dims)})

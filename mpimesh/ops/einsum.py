@@ -30,14 +30,14 @@ from .. import counters
 from ..errors import MeshError, ShapeError
 from ..layout import TensorLayout, local_sizes, plan_layout
 from ..opdef import ALL, Aval, OpDef
-from ..partials import claim, partial_for, pending
+from ..partials import claim, partial_for, pending, summable
 from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, ShapeLike, dim_names, union_shape
 from ..tensor import DistTensor
 from ..trace import dispatch
 from ..gemm import (gpu_matmul, gpu_rounding_matmul, gpu_widening_matmul, jax_widening_matmul, rounding_matmul,
                      tf32_math)
-from .relayout import to_layout
+from .relayout import relayout_plan, sum_partial, to_layout
 from .rowwise import column_sums, fused_rows
 
 _LETTERS = string.ascii_letters
@@ -45,12 +45,13 @@ _LETTERS = string.ascii_letters
 
 @lru_cache(maxsize=4096)
 def contraction_plan(in_shapes: tuple, in_layouts: tuple, out_shape: Shape, out_layout: TensorLayout,
-                     mesh_shape: Shape) -> tuple:
+                     mesh_shape: Shape, scatter: bool = False) -> tuple:
     """How to compute a contraction of inputs into `out_shape` laid out as `out_layout`.
 
     Returns `(input_layouts, reduce_mesh_dims)`: the layout each input must have (output dims
     as in the output; each reduced dim keeps the first input's split when its mesh dim is free)
-    and the mesh dims to allreduce over afterwards.
+    and the mesh dims to sum over afterwards. `scatter`: a reduced dim also keeps a split over a mesh
+    dim the output splits (its output dim is then computed whole, the sum a reduce-scatter).
     """
     all_dims = union_shape(in_shapes, "einsum")
     for d in out_shape:
@@ -69,19 +70,62 @@ def contraction_plan(in_shapes: tuple, in_layouts: tuple, out_shape: Shape, out_
         for shape, layout in zip(in_shapes, in_layouts):
             if d.name in shape:
                 m = layout[shape.index(d.name)]
-                if m and m not in used and mesh_shape[m].size > 1:
+                if m and m not in reduce_mesh and (scatter or m not in used) and mesh_shape[m].size > 1:
                     choice = m
                     break
         comp[d.name] = choice
         if choice:
             used.add(choice)
             reduce_mesh.append(choice)
+    for n, m in zip(out_shape.names, out_layout):
+        if m in reduce_mesh:
+            comp[n] = None  # computed whole here, then reduce-scattered
     targets = tuple(tuple(comp[n] for n in s.names) for s in in_shapes)
     reduce_mesh = tuple(m for m in mesh_shape.names if m in reduce_mesh)
     return targets, reduce_mesh
 
 
+def _moved(shape: Shape, mesh_shape: Shape, src: TensorLayout, dst: TensorLayout) -> float:
+    """Elements a rank sends to take a tensor from layout `src` to `dst` (`relayout_plan`'s steps)."""
+    local = shape.size / math.prod(mesh_shape[m].size for m in src if m)
+    sent = 0.0
+    for step in relayout_plan(shape, mesh_shape, src, dst):
+        k = mesh_shape[step[1]].size
+        if step[0] == "slice":
+            local /= k
+        elif step[0] == "allgather":
+            local *= k
+            sent += local * (k - 1) / k
+        else:
+            sent += local * (k - 1) / k
+    return sent
+
+
 @lru_cache(maxsize=4096)
+def scatters(in_shapes: tuple, in_layouts: tuple, out_shape: Shape, out_layout: TensorLayout,
+             mesh_shape: Shape) -> bool:
+    """Whether a contraction sends fewer elements computing the output dims split over a mesh dim a
+    reduced dim is split over whole, then reduce-scattering them (the partial sums a weight's gradient
+    holds over the data-parallel dim: GSPMD's, FSDP's), than relaying its inputs out for the plain plan.
+
+    >>> scatters((Shape("b:8;d:4"), Shape("b:8;f:4")), (("rows", None), ("rows", None)), Shape("d:4;f:4"),
+    ...          ("rows", None), Shape("rows:2"))
+    True
+    """
+    def sent(scatter: bool) -> float:
+        targets, summed = contraction_plan(in_shapes, in_layouts, out_shape, out_layout, mesh_shape, scatter)
+        moved = sum(_moved(s, mesh_shape, src, dst) for s, src, dst in zip(in_shapes, in_layouts, targets))
+        whole = {m for m in summed if m in out_layout}
+        block = out_shape.size / math.prod(mesh_shape[m].size for m in out_layout if m and m not in whole)
+        for m in sorted(summed, key=lambda m: m in whole):  # the allreduce first, as `sum_kernel`
+            k = mesh_shape[m].size
+            moved += block * (k - 1) / k * (1 if m in whole else 2)
+            block /= k if m in whole else 1
+        return moved
+    return any(m in out_layout for m in contraction_plan(in_shapes, in_layouts, out_shape, out_layout, mesh_shape,
+                                                         True)[1]) and sent(True) < sent(False)
+
+
 def _subscripts(in_names: tuple, out_names: tuple) -> str:
     letters = {}
     for names in in_names + (out_names,):
@@ -286,6 +330,12 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
             raise MeshError(f"einsum: inputs live on different meshes ({', '.join(str(x.mesh.shape) for x in xs)})")
     out_spec = output_shape if output_shape is None or isinstance(output_shape, (str, Shape)) else Shape(output_shape)
     reduced = tuple(reduced_dims) if isinstance(reduced_dims, list) else reduced_dims
+    return _einsum(xs, mesh, out_spec, reduced, None)
+
+
+def _einsum(xs: list, mesh, out_spec, reduced, layout: Optional[TensorLayout], leave: bool = False):
+    """`einsum` of checked inputs, its output laid out as `layout` (None: by the rules in force);
+    `leave`: its sum over ranks left pending (a `PartialTensor`, rounded to 16 bits once summed)."""
     if len(xs) == 2:  # the common case, without generators: this is per-op time
         a, b = xs
         shapes, layouts, dtypes = (a.shape, b.shape), (a.tensor_layout, b.tensor_layout), (a.local.dtype, b.local.dtype)
@@ -293,19 +343,31 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         shapes, layouts = tuple(x.shape for x in xs), tuple(x.tensor_layout for x in xs)
         dtypes = tuple(x.local.dtype for x in xs)
     mesh_shape, coords = mesh.shape, mesh.coords_key
-    out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape, mesh.layout, coords,
-                                                dtypes)
+    out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape,
+                                                mesh.layout if layout is None else layout, coords, dtypes)
     bucket = claim(result_type(*dtypes)) if pending() else None  # a gradient's sum that may wait in a bucket
-    if bucket is not None and reduce_mesh:
-        plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True)
+    if bucket is not None and reduce_mesh and not plan.params["plan"].whole:
+        plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True, False)
     else:
         bucket = None
+        if leave and reduce_mesh:
+            plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True,
+                         bool(plan.params["plan"].whole))
+            if layouts != plan.targets:
+                xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
+            (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=reduce_mesh)
+            y.rounds_to = plan.out_dtype
+            return y
     if layouts != plan.targets:
         xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
     # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
     into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
         if bucket else None
     if bucket is None:
+        whole = plan.params["plan"].whole
+        if whole:  # each rank's sums of the output dims computed whole, then reduce-scattered
+            (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=whole)
+            return to_layout(sum_partial(y, out_layout, plan.out_dtype), out_layout)
         (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params)
         return y
     (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into, partial=reduce_mesh)
@@ -315,21 +377,24 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
 @lru_cache(maxsize=4096)
 def _front(in_shapes: tuple, in_layouts: tuple, output_shape, reduced_dims, mesh_shape: Shape, rules,
            coords: tuple, dtypes: tuple) -> tuple:
-    """`(output shape, its layout, mesh dims to sum, _plan)` of an einsum call, from its arguments."""
+    """`(output shape, its layout, mesh dims to sum, _plan)` of an einsum call, from its arguments
+    (`rules`: the mesh's layout rules, or the output's layout itself)."""
     if output_shape is None:
         reduced = None if reduced_dims is None else dim_names(reduced_dims, union_shape(in_shapes, "einsum"), "einsum")
         out = default_output(in_shapes, reduced)
     else:
         out = Shape(output_shape)
-    out_layout = plan_layout(out, mesh_shape, rules)
-    reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape)[1]
+    out_layout = rules if isinstance(rules, tuple) else plan_layout(out, mesh_shape, rules)
+    scatter = scatters(in_shapes, in_layouts, out, out_layout, mesh_shape)
+    reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape, scatter)[1]
     return out, out_layout, reduce_mesh, _plan(in_shapes, in_layouts, out, out_layout, mesh_shape, coords, dtypes,
-                                               False)
+                                               False, scatter)
 
 
 class _Plan(NamedTuple):
     targets: tuple
     out_dtype: Optional[object]
+    layout: TensorLayout  # the kernel's output's: the output's, but for dims it computes whole (`whole`)
     params: dict  # the op record's (shared by every record of this plan: never written)
 
 
@@ -339,9 +404,10 @@ class Contraction:
     the `pair`, `bmm` and `sums` plans of its faster paths (each None where it does not apply), the
     planned operand `views` of a two-operand GEMM of C-contiguous blocks, whether operands are 16-bit
     floats (`low`, contracted in float32) and the result is rounded to `out_dtype` here (`rounded`),
-    and `dtype`: the contraction's own result dtype, before any rounding (what a bucket sums)."""
+    `dtype`: the contraction's own result dtype, before any rounding (what a bucket sums), and `whole`:
+    the mesh dims whose sums a reduce-scatter takes after the kernel (`scatters`)."""
 
-    __slots__ = ("casts", "expr", "pair", "bmm", "sums", "views", "low", "out_dtype", "rounded", "dtype")
+    __slots__ = ("casts", "expr", "pair", "bmm", "sums", "views", "low", "out_dtype", "rounded", "dtype", "whole")
 
     def __init__(self, **fields):
         for k, v in fields.items():
@@ -350,16 +416,19 @@ class Contraction:
 
 @lru_cache(maxsize=4096)
 def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLayout, mesh_shape: Shape,
-          coords: tuple, dtypes: tuple, bucketed: bool) -> _Plan:
+          coords: tuple, dtypes: tuple, bucketed: bool, scatter: bool) -> _Plan:
     """Everything an einsum decides from its operands' shapes, layouts and dtypes, once: the inputs'
-    layouts, the subscripts, the mesh dims summed here (none where a bucket sums them), the 16-bit
+    layouts, the subscripts, the mesh dims summed here (none where a bucket sums them; `scatter`: those
+    of output dims computed whole are left to a reduce-scatter after the kernel), the 16-bit
     result dtype, and the kernel's `Contraction`. Operands of several dtypes are first cast as
     `mpimesh.promotion.operand_casts` says (int32 with float32: float32, not numpy's float64), and the
     rest is planned for their dtypes after that."""
     casts = operand_casts(dtypes) if len(set(dtypes)) > 1 else None
     if casts is not None:
         dtypes = tuple(d if c is None else c for d, c in zip(dtypes, casts))
-    targets, reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape)
+    targets, reduce_mesh = contraction_plan(in_shapes, in_layouts, out, out_layout, mesh_shape, scatter)
+    whole = tuple(m for m in reduce_mesh if m in out_layout)
+    layout = tuple(None if m in whole else m for m in out_layout)
     subs = _subscripts(tuple(s.names for s in in_shapes), out.names)
     where = dict(coords)
     local = tuple(local_sizes(s, mesh_shape, t, where) for s, t in zip(in_shapes, targets))
@@ -368,14 +437,14 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
     bmm = None if pair is not None else batched_plan(subs, local)
     low = any(is_low_precision(d) for d in dtypes)
     out_dtype = result_type(*dtypes) if low else None
-    summed = () if bucketed else reduce_mesh
+    summed = () if bucketed else tuple(m for m in reduce_mesh if m not in whole)
     views = _pair_views(pair, local, dtypes) if pair is not None and pair[1] and not low and not summed else None
     plan = Contraction(casts=casts, expr=expr, pair=pair, bmm=bmm, views=views, low=low, out_dtype=out_dtype,
-                       rounded=low and not bucketed,  # a bucket sums the float32 partials, then rounds to out_dtype
+                       rounded=low and not bucketed and not whole,  # a bucket or the reduce-scatter rounds them
                        sums=None if pair is not None or bmm is not None else sum_plan(subs),
                        dtype=np.result_type(*(accumulation_dtype(d) for d in dtypes)) if low else
-                       np.result_type(*dtypes))
-    return _Plan(targets, out_dtype, {"subscripts": subs, "reduce_mesh_dims": summed, "plan": plan})
+                       np.result_type(*dtypes), whole=whole)
+    return _Plan(targets, out_dtype, layout, {"subscripts": subs, "reduce_mesh_dims": summed, "plan": plan})
 
 
 def _pair_views(pair: tuple, local: tuple, dtypes: tuple) -> Optional[tuple]:
@@ -634,8 +703,10 @@ def _einsum_grad(op, dy):
         others = [t for j, t in enumerate(op.inputs) if j != i]
         avail = {n for t in [dy] + others for n in t.shape.names}
         keep = Shape(tuple(d for d in x.shape if d.name in avail))
-        with partial_for(x if keep == x.shape else None):
-            g = einsum([dy] + others, output_shape=keep)
+        whole = keep == x.shape
+        with partial_for(x if whole else None):  # in x's layout: a sharded weight's is reduce-scattered
+            g = _einsum([dy] + others, x.mesh, keep, None, x.tensor_layout if whole else None,
+                        whole and id(x) in summable)
         grads.append(g if keep == x.shape else broadcast(g, x.shape))
     return grads
 
@@ -651,7 +722,7 @@ def _einsum_abstract(ctx, shapes, *ins, plan: Contraction, subscripts: str, redu
 def _einsum_view(params, ins, outs) -> Optional[int]:
     """0 where the einsum only reorders its one operand's dims, none repeated, at 32 bits or more
     (numpy's einsum may give a view), no sum across ranks."""
-    if params["reduce_mesh_dims"] or outs[0].dtype.itemsize <= 2:
+    if params["reduce_mesh_dims"] or params["plan"].whole or outs[0].dtype.itemsize <= 2:
         return None
     sub_in, _, sub_out = params["subscripts"].partition("->")
     return 0 if sorted(sub_in) == sorted(sub_out) and len(set(sub_in)) == len(sub_in) else None
@@ -664,8 +735,9 @@ EINSUM = OpDef("einsum", _kernel(_GENERIC), kernels={"numpy": _kernel(_NUMPY), "
 over; none where a gradient bucket sums them) are its params."""
 
 
-def sum_to(g, shape: Shape):
-    """The gradient `g` of a broadcast output summed back to an input's `shape` (an einsum).
+def sum_to(g, shape: Shape, like=None):
+    """The gradient `g` of a broadcast output summed back to an input's `shape` (an einsum); `like`:
+    that input, whose layout the sum takes (a gathered weight's is left pending, as `_einsum_grad`'s).
 
     >>> import mpimesh as mm
     >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -674,7 +746,15 @@ def sum_to(g, shape: Shape):
     """
     if g is None or g.shape == shape:
         return g
-    return einsum([g], output_shape=shape)
+    return grad_einsum([g], like) if like is not None and like.shape == shape else einsum([g], output_shape=shape)
+
+
+def grad_einsum(xs: list, like):
+    """The einsum of `xs` into the gradient of input `like`: its shape, in its layout, the sum over ranks
+    left pending where `like` is a gathered weight's copy in a `mm.gradients` walk (its relayout's rule
+    then reduce-scatters it) and the dtypes agree."""
+    leave = id(like) in summable and result_type(*(x.dtype for x in xs)) == like.dtype
+    return _einsum(list(xs), like.mesh, like.shape, None, like.tensor_layout, leave)
 
 
 def broadcast(x, new_shape: ShapeLike):
@@ -697,4 +777,5 @@ def _broadcast(ctx, a, shape: Shape, dims: tuple, sizes: tuple):
     return contiguous(xp, xp.broadcast_to(align(xp, a, dims, shape.names), sizes))
 
 
-BROADCAST = OpDef("broadcast", _broadcast, grad=lambda op, dy: [sum_to(dy, op.inputs[0].shape)], saves=((), ()))
+BROADCAST = OpDef("broadcast", _broadcast, grad=lambda op, dy: [sum_to(dy, op.inputs[0].shape, op.inputs[0])],
+                  saves=((), ()))

@@ -249,9 +249,9 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             gx, gy = grad(x, y, op.outputs[0], dz)
             need = op.needs or (True, True)
             with partial_for(x):  # a parameter's gradient summed over the batch may wait in a bucket
-                gx = sum_to(gx(), x.shape) if need[0] else None
+                gx = sum_to(gx(), x.shape, x) if need[0] else None
             with partial_for(y):
-                gy = sum_to(gy(), y.shape) if need[1] else None
+                gy = sum_to(gy(), y.shape, y) if need[1] else None
             return [gx, gy]
         if op.params["side"] == "right":
             return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]()]
@@ -440,7 +440,7 @@ def bias_grad(dx, bias):
     dtype('float32')
     """
     wide = result_type(dx.dtype, bias.dtype)
-    return sum_to(cast(dx, wide) if dx.dtype != wide else dx, bias.shape)
+    return sum_to(cast(dx, wide) if dx.dtype != wide else dx, bias.shape, bias)
 
 
 def axpy(alpha, x, y):
@@ -595,7 +595,7 @@ def _where_grad(op, dz):
             grads.append(None)
         else:
             keep = c if i == 1 else equal(c, False)
-            grads.append(sum_to(where(keep, dz, 0.0), t.shape))
+            grads.append(sum_to(where(keep, dz, 0.0), t.shape, t))
     return grads
 
 

@@ -30,7 +30,7 @@ from ..partials import partial_for
 from ..shape import Dimension, Shape, union_shape
 from ..tensor import fill_value, tensor_arg
 from ..trace import dispatch
-from .einsum import contraction_plan, einsum
+from .einsum import contraction_plan, einsum, grad_einsum
 from .elementwise import cast
 from .relayout import to_layout
 
@@ -250,7 +250,7 @@ def _gather_grad(op, dy):
         dy = cast(dy, weights.dtype)
     hot = _scatter_hot(indices, op.params["dim"], dy.dtype)
     with partial_for(weights):  # an embedding's gradient summed over the batch may wait in a bucket
-        return [einsum([hot, dy], output_shape=weights.shape), None]
+        return [grad_einsum([hot, dy], weights), None]
 
 
 GATHER = OpDef("gather", _gather, kernels={"numpy": _gather_numpy}, grad=_gather_grad, saves=((1,), ()),

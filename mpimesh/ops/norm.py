@@ -25,7 +25,7 @@ from ..opdef import Aval, OpDef, size
 from ..partials import partial_for
 from ..tensor import tensor_arg
 from ..trace import dispatch
-from .einsum import einsum
+from .einsum import grad_einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
 from .rowwise import (CUPY, GENERIC, GPU_PRELUDE, NUMPY, PRELUDE_TYPES, ROWS_PER_BLOCK, fusable,
@@ -165,12 +165,12 @@ def _layer_norm_rule(op, dy, *_):  # (the statistics' outputs get no gradient)
     dy_acc = cast(dy, acc) if dy.dtype != acc else dy
     if scale is not None:
         with partial_for(scale):
-            ds = einsum([dy_acc, yhat], output_shape=scale.shape) if need[1] else None
-        grads.append(None if ds is None else cast(ds, scale.dtype))
+            ds = grad_einsum([dy_acc, yhat], scale) if need[1] else None
+        grads.append(ds if ds is None or ds.dtype == scale.dtype else cast(ds, scale.dtype))
     if bias is not None:
         with partial_for(bias):
-            db = einsum([dy_acc], output_shape=bias.shape) if need[-1] else None
-        grads.append(None if db is None else cast(db, bias.dtype))
+            db = grad_einsum([dy_acc], bias) if need[-1] else None
+        grads.append(db if db is None or db.dtype == bias.dtype else cast(db, bias.dtype))
     return grads
 
 
@@ -324,8 +324,8 @@ def _rms_norm_rule(op, dy, *_):  # (the statistic's output gets no gradient)
     if scale is not None:
         acc = accumulation_dtype(x.dtype)
         with partial_for(scale):
-            ds = einsum([cast(dy, acc) if dy.dtype != acc else dy, yhat], output_shape=scale.shape) if need[1] else None
-        grads.append(None if ds is None else cast(ds, scale.dtype))
+            ds = grad_einsum([cast(dy, acc) if dy.dtype != acc else dy, yhat], scale) if need[1] else None
+        grads.append(ds if ds is None or ds.dtype == scale.dtype else cast(ds, scale.dtype))
     return grads
 
 

@@ -78,7 +78,7 @@ def _relayout_grad(op, dy):
     return [to_layout(dy, op.inputs[0].tensor_layout)]
 
 
-RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), linear=True,
+RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), linear=True, partial_grads=True,
                  abstract=lambda ctx, shapes, x, **params: (_relayout(ctx, x, **params).dtype,),
                  view=lambda params, ins, outs: None if params["steps"] else 0)
 
@@ -92,7 +92,7 @@ def sum_kernel(ctx, x, mesh_dims: tuple, dtype=None, scatter: tuple = (), bucket
         x = ctx.allreduce(x, mesh_dims)
     for m, axis in scatter:
         x = ctx.reduce_scatter(x, m, axis)
-    return x if dtype is None else x.astype(dtype)
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
 
 
 def sum_abstract(ctx, shapes, x, **params) -> tuple:
@@ -105,10 +105,11 @@ SUM_PARTIAL = OpDef("psum", sum_kernel, grad=lambda op, dy: [to_layout(dy, op.in
 """The sum a partial tensor awaits (named as JAX's `lax.psum`)."""
 
 
-def sum_partial(x, target: TensorLayout):
+def sum_partial(x, target: TensorLayout, dtype=None):
     """`x` (a `PartialTensor`) with its pending sum taken, in a layout on the way to `target`: each
     mesh dim of the sum that `target` splits a dim over, where `x` does not, a reduce-scatter along that
-    dim; the others summed whole (one allreduce).
+    dim; the others summed whole (one allreduce); rounded to `dtype` (default: `x.rounds_to`, the 16-bit
+    result of float32 terms) where given.
 
     >>> import mpimesh as mm
     >>> from mpimesh.tensor import PartialTensor
@@ -125,7 +126,11 @@ def sum_partial(x, target: TensorLayout):
                 layout[axis] = m
     scattered = {m for m, _ in scatter}
     whole = tuple(n for n in x.mesh.shape.names if n in x.partial and n not in scattered)
-    (y,) = dispatch(SUM_PARTIAL, [x], [(x.shape, tuple(layout))], {"mesh_dims": whole, "scatter": tuple(scatter)})
+    params = {"mesh_dims": whole, "scatter": tuple(scatter)}
+    dtype = x.rounds_to if dtype is None else dtype
+    if dtype is not None and dtype != x.dtype:
+        params["dtype"] = dtype
+    (y,) = dispatch(SUM_PARTIAL, [x], [(x.shape, tuple(layout))], params)
     return y
 
 
