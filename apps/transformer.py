@@ -439,12 +439,20 @@ def read_checkpoint(path: str, mesh: mm.Mesh, params: Params, opt_state: dict) -
     """`(params, opt_state, step, data)` from the checkpoint `path`, resharded onto `mesh`; `data`: the
     data stream's state (None in a checkpoint from before they held one). `params` and `opt_state` are
     templates (a fresh init): the checkpoint must hold their names and shapes, else a CheckpointError
-    on every rank names the first tensor and dim that differ."""
+    on every rank names the first tensor and dim that differ; each tensor comes back in its template's
+    layout."""
     ck = mm.load(path, mesh, shapes=checkpoint_tree(params, opt_state))
     data = ck.pop("data", None)
     ck = layers.flatten(ck) if "params" in ck else ck  # (a flat dict from before: the same names)
-    state = {s: ck["opt/step"] if s == "step" else {k: ck[f"opt/{s}/{k}"] for k in d} for s, d in opt_state.items()}
-    return {k: ck[f"params/{k}"] for k in params}, state, int(state["step"].to_numpy()), data
+    state = {s: like(ck["opt/step"], d) if s == "step" else {k: like(ck[f"opt/{s}/{k}"], d[k]) for k in d}
+             for s, d in opt_state.items()}
+    return {k: like(ck[f"params/{k}"], params[k]) for k in params}, state, int(state["step"].to_numpy()), data
+
+
+def like(t, template):
+    """`t` laid out as `template` (a checkpoint loads by the rules in force; `--shard-weights`' layouts are
+    the templates')."""
+    return t if t.tensor_layout == template.tensor_layout else mm.relayout(t, template.layout)
 
 
 def _unwritable(path: str) -> Optional[str]:

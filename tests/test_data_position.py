@@ -124,3 +124,32 @@ def test_a_checkpoint_from_before_data_positions_resumes_at_its_step(tmp_path):
     if MPI.COMM_WORLD.rank == 0:
         straight, resumed = logged(Path(shared, "a")), logged(Path(shared, "b"))
         assert list(resumed) == [3, 4] and [resumed[3], resumed[4]] == [straight[3], straight[4]]
+
+
+def test_sharded_weights_resume_replicated_and_back(tmp_path):
+    """`--shard-weights`: a checkpoint of sharded weights resumes replicated, a replicated one resumes
+    sharded (each tensor in its template's layout), both continuing the uninterrupted losses (float32:
+    sums in another order, so to 1e-5)."""
+    shared, n = _shared(tmp_path), MPI.COMM_WORLD.Get_size()
+    base = TINY + ["--mesh", f"rows:{n};cols:1"]
+    path = lambda name: os.path.join(shared, name)  # noqa: E731
+    T.main(base + ["--steps", "4", "--log-json", path("a")])
+    T.main(base + ["--checkpoint", path("s"), "--steps", "2", "--shard-weights", "rows"])
+    T.main(base + ["--checkpoint", path("s"), "--steps", "4", "--resume", "--log-json", path("b")])
+    T.main(base + ["--checkpoint", path("r"), "--steps", "2"])
+    T.main(base + ["--checkpoint", path("r"), "--steps", "4", "--resume", "--shard-weights", "rows",
+                   "--log-json", path("c")])
+    mesh = mm.Mesh(f"rows:{n};cols:1", layout=T.PAPER_LAYOUT)
+    cfg = T.Config(d_model=16, heads=8, d_kv=4, d_ff=32, layers=1, length=8, batch=8)
+    params = mm.shard_weights(T.init_params(mesh, cfg), "rows")
+    state = T.make_optimizer(cfg).init(params)
+    newest = checkpoint.steps(path("r"), mesh)[-1]
+    got, got_state, step = T.load_checkpoint(checkpoint.step_path(path("r"), newest), mesh, params, state)
+    assert step == newest and all(got[k].tensor_layout == params[k].tensor_layout for k in params)
+    assert any("rows" in t.tensor_layout for t in got.values()) == (n > 1)
+    if MPI.COMM_WORLD.rank == 0:
+        straight = logged(Path(shared, "a"))
+        for other in ("b", "c"):
+            resumed = logged(Path(shared, other))
+            assert list(resumed) == [3, 4], other
+            assert all(abs(resumed[s] - straight[s]) <= 1e-5 * abs(straight[s]) for s in (3, 4)), (other, resumed)
