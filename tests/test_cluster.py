@@ -71,18 +71,18 @@ import json, os, socket, sys
 import numpy as np
 from mpi4py import MPI
 import mpimesh as mm
-from mpimesh import backend, threads
+from mpimesh import threads
 from mpimesh.collectives import placement
 comm = MPI.COMM_WORLD
 mesh = mm.Mesh("rows:2;cols:2")  # the first mesh sets the BLAS threads from the node's rank count
 x = np.ones(1 << 21)  # 16 MiB summed over all ranks: at least that much crosses each host's link
 comm.Allreduce(MPI.IN_PLACE, x)
 shares = []
-backend.use_device = lambda index: None
-backend.cap_gpu_pool = lambda index, ranks: shares.append(ranks)
+placement.use_device = lambda index: None  # (placement's own names of backend's functions)
+placement.cap_gpu_pool = lambda index, ranks: shares.append(ranks)
 found = {}
 for gpus in (1, 2):  # a fake GPU count per node
-    backend.device_count = lambda: gpus
+    placement.device_count = lambda: gpus
     found[gpus] = placement.choose(comm, "cupy", None, "staged")[0]
 local, per_node = placement.node_rank(comm)
 with open(os.path.join(os.environ["OUTDIR"], f"placed{comm.rank}.json"), "w") as f:

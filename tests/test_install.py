@@ -297,7 +297,7 @@ def test_an_unknown_extra_is_refused_before_anything_is_installed():
                           timeout=60, env=dict(os.environ, VIRTUAL_ENV=""))
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.strip() == ("install.py: unknown extra 'mpihc': the extras are mpich, test, docs, bench, "
-                                   "notebook, tpu, gpu, gpu-cuda13"), proc.stderr
+                                   "notebook, tpu, safetensors, gpu, gpu-cuda13"), proc.stderr
 
 
 def stub_venv(tmp_path: Path, version: str, pip_status: int = 0) -> Path:
