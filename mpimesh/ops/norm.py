@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ..backend import accumulation_dtype, align, cached_kernel
+from ..backend import accumulation_dtype, align
 from ..errors import ShapeError
 from ..layout import splitting
 from ..opdef import Aval, OpDef, size
@@ -28,8 +28,8 @@ from ..trace import dispatch
 from .einsum import grad_einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
-from .rowwise import (CUPY, GENERIC, GPU_PRELUDE, NUMPY, PRELUDE_TYPES, ROWS_PER_BLOCK, fusable,
-                      layer_norm_grad_rows, layer_norm_rows, row_dot, row_kernel, row_sum, rows_fit, variant)
+from .rowwise import (CUPY, GENERIC, NUMPY, fusable, launch_rows, layer_norm_grad_rows, layer_norm_rows, row_dot,
+                      row_kernel, row_sum, rows_fit, rows_kernels, variant)
 
 
 def _plan(x, dims: tuple, what: str) -> tuple:
@@ -433,22 +433,12 @@ extern "C" __global__ void mpimesh_rms_norm_grad_rows(%(mpimesh_rms_norm_grad_ro
 
 
 def _rms_rows(xp, dtype):
-    """`{name: kernel}` of `RMS_ROWS_SOURCE` for `dtype`, compiled on first use; None where NVRTC
-    refuses it (then the few-kernel path runs)."""
-    return cached_kernel(("norm", "rms_rows", dtype.name), lambda: _compile_rms_rows(xp, dtype.name))
-
-
-def _compile_rms_rows(xp, dtype: str):
-    try:
-        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + RMS_ROWS_SOURCE)
-        return {k: module.get_function(k) for k in RMS_ROWS_PARAMS}
-    except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
-        return None
+    """`RMS_ROWS_SOURCE`'s kernels for `dtype` (`rowwise.rows_kernels`; None: the few-kernel path runs)."""
+    return rows_kernels(xp, ("norm", "rms_rows"), RMS_ROWS_SOURCE, RMS_ROWS_PARAMS, dtype)
 
 
 def _launch(xp, a, which: str, *args) -> None:
-    rows = a.size // a.shape[-1]
-    _rms_rows(xp, a.dtype)[which]((-(-rows // ROWS_PER_BLOCK),), (ROWS_PER_BLOCK * 32,), args)
+    launch_rows(_rms_rows(xp, a.dtype), a, which, *args)
 
 
 def rms_norm_rows(xp, x, epsilon: float, scale=None) -> tuple:

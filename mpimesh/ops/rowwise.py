@@ -288,24 +288,34 @@ def rows_fit(xp, a, axes: tuple) -> bool:
             and a.flags.c_contiguous and _rows_kernels(xp, a.dtype))
 
 
-def _rows_kernels(xp, dtype):
-    """`{name: kernel}` of `ROWS_SOURCE` for `dtype`, compiled on first use; None where NVRTC refuses
-    it (then the two-kernel path runs)."""
-    return cached_kernel(("rowwise", "rows", dtype.name), lambda: _compile_rows(xp, dtype.name))
+def rows_kernels(xp, key: tuple, source: str, names, dtype):
+    """`{name: kernel}` of the raw CUDA `source` (a warp per row; one function per name of `names`)
+    for `dtype`, compiled on first use and cached under `key + (dtype name,)` (`backend.cached_kernel`);
+    None where NVRTC refuses it (then the caller's few-kernel path runs)."""
+    return cached_kernel(key + (dtype.name,), lambda: _compile_rows(xp, source, names, dtype.name))
 
 
-def _compile_rows(xp, dtype: str):
+def _compile_rows(xp, source: str, names, dtype: str):
     try:
-        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + ROWS_SOURCE)
-        return {k: module.get_function(k) for k in ROWS_PARAMS}
+        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + source)
+        return {k: module.get_function(k) for k in names}
     except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
         return None
 
 
-def _launch(xp, a, which: str, *args) -> None:
+def launch_rows(kernels: dict, a, which: str, *args) -> None:
+    """Launch `kernels[which]` (`rows_kernels`) over the rows of `a`'s last axis, a warp per row."""
     rows = a.size // a.shape[-1]
-    kernel = _rows_kernels(xp, a.dtype)[which]
-    kernel((-(-rows // ROWS_PER_BLOCK),), (ROWS_PER_BLOCK * 32,), args)
+    kernels[which]((-(-rows // ROWS_PER_BLOCK),), (ROWS_PER_BLOCK * 32,), args)
+
+
+def _rows_kernels(xp, dtype):
+    """`ROWS_SOURCE`'s kernels for `dtype` (`rows_kernels`)."""
+    return rows_kernels(xp, ("rowwise", "rows"), ROWS_SOURCE, ROWS_PARAMS, dtype)
+
+
+def _launch(xp, a, which: str, *args) -> None:
+    launch_rows(_rows_kernels(xp, a.dtype), a, which, *args)
 
 
 def softmax_rows(xp, x, log: bool, masked: float, causal: tuple = ()):
