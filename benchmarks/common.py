@@ -57,8 +57,9 @@ def _fix_environment() -> None:
 
 _fix_environment()
 
-# Let `python benchmarks/x.py` find the package without installing it.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Let `python benchmarks/x.py` find the package without installing it (MPIMESH_BENCH_ROOT: another
+# checkout's, for a comparison such as `dispatch.py --against`).
+_ROOT = os.environ.get("MPIMESH_BENCH_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 

@@ -2,18 +2,25 @@
 timed in the same run, and the ops per training step of benchmarks/gpu.py's Transformer.
 
     python benchmarks/dispatch.py                  # one process, a 1-rank mesh
+    python benchmarks/dispatch.py --against DIR    # also per-op µs of the mpimesh checkout in DIR
 
 Each case runs many times in a loop on a 1-rank mesh (`COMM_SELF`), plain and inside `mm.trace()`,
 interleaved with the numpy expression it lowers to; times are the best of 7 loops. Bars: `x + y`
 at most 8x numpy's `+`; a 4x4 einsum at most 5x numpy's `@`. The op count is `len(trace.ops)` of one
 step of apps/transformer.py's train step in benchmarks/gpu.py's configuration (Adam; d_model 1024,
 4 layers, 16x64 heads, d_ff 4096), recorded dry (shapes only), per dtype; bar: at most 700.
+`--against DIR` (another checkout, e.g. `git worktree add /tmp/prev HEAD~1`) times the same cases with
+DIR's mpimesh and with this one, in fresh processes taking turns (`--rounds`, best of all), and prints
+each case's ratio: how a change moved per-op time, measured in one run.
 """
 from __future__ import annotations
 
 import common  # noqa: F401  (first: fixes the BLAS environment)
 
+import argparse  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -21,9 +28,9 @@ import numpy as np  # noqa: E402
 from common import kernel_report, table, verdict  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
+from mpimesh.launch import find_mpiexec, job_env  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps"))
-import transformer as app  # noqa: E402
+APPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "apps")
 
 GPU_CONFIG = {"d_model": 1024, "heads": 16, "d_kv": 64, "d_ff": 4096, "layers": 4, "batch": 32, "length": 512}
 BARS = {"x + y": 8.0, "einsum 4x4 @ 4x4": 5.0}
@@ -56,6 +63,8 @@ def cases(mesh):
 def step_ops() -> dict:
     """Ops in one training step of the GPU benchmark's Transformer, per activation dtype."""
     from mpimesh.dryrun import DryMesh
+    sys.path.insert(0, APPS)
+    import transformer as app  # (here: a turn of --against runs another checkout, whose mpimesh this app may outgrow)
     counts = {}
     for dtype in ("float32", "bfloat16"):
         cfg = app.Config(**GPU_CONFIG, optimizer="adam", dtype=dtype)
@@ -68,8 +77,48 @@ def step_ops() -> dict:
     return counts
 
 
+def case_times(mesh) -> dict:
+    """`{case: best µs per call}` of mpimesh's side of each case (plain, then traced)."""
+    times = {}
+    for name, mine, _ in cases(mesh):
+        times[name] = per_call(mine, 2000)
+        with mm.trace():
+            times[name + " (traced)"] = per_call(mine, 500)
+    return times
+
+
+def against(other: str, rounds: int) -> None:
+    """Per-op µs of this checkout and of `other`'s, fresh processes taking turns, best of `rounds`."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    best: dict = {here: {}, other: {}}
+    for _ in range(rounds):
+        for tree in (other, here):
+            env = job_env(MPIMESH_BENCH_ROOT=tree, MPIMESH_BENCH_LOCK="")  # (this process holds the lock)
+            out = subprocess.run([find_mpiexec(), "-n", "1", sys.executable, os.path.abspath(__file__), "--case-times"],
+                                 env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+            assert json.loads(out.splitlines()[-2]) == tree, (out, tree)  # (the checkout it timed)
+            for name, t in json.loads(out.splitlines()[-1]).items():
+                best[tree][name] = min(best[tree].get(name, float("inf")), t)
+    rows = [(name, f"{best[other][name]:.2f}", f"{t:.2f}", f"{t / best[other][name]:.3f}")
+            for name, t in best[here].items()]
+    print(f"\nhost time per op, this checkout ({here}) against {other}: best of {rounds} turns each")
+    print(table(("op", "other us", "this us", "this / other"), rows))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--against", metavar="DIR", help="another mpimesh checkout to time the same cases with")
+    parser.add_argument("--rounds", type=int, default=5, help="turns each with --against (default 5)")
+    parser.add_argument("--case-times", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case_times:  # (a turn of --against: this process imports the checkout on PYTHONPATH)
+        print(json.dumps(os.path.dirname(os.path.dirname(os.path.abspath(mm.__file__)))))
+        print(json.dumps(case_times(mm.Mesh("all:1", comm=mm.MPI.COMM_SELF))))
+        return
     print(kernel_report())
+    if args.against:
+        against(os.path.abspath(args.against), args.rounds)
+        return
     mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
     rows, verdicts = [], []
     for name, mine, ref in cases(mesh):

@@ -1,8 +1,8 @@
 """The flight recorder, always on, and the events of an open timeline (`mm.profile(timeline=...)`).
 
-`ring` keeps this rank's last `MPIMESH_FLIGHT_RECORDS` (200) ops and collectives, a small tuple each
-(`(time, "op", opdef)`, `(time, "collective", the guard's key, mesh shape)`, `(time, "replay",
-name)`); `dump` writes it when a time-out or divergence ends the job (`mpimesh.abort`). `timeline`
+`ring` keeps this rank's last `MPIMESH_FLIGHT_RECORDS` (200) ops and collectives: an op's `OpDef` as it
+is (no time: one append per op), else a small tuple (`(time, "collective", the guard's key, mesh
+shape)`, `(time, "replay", name)`); `dump` writes it when a time-out or divergence ends the job (`mpimesh.abort`). `timeline`
 holds the open timeline's event list, or nothing: the hot paths test it once. Event layouts:
 docs/timeline.md.
 
@@ -128,11 +128,11 @@ def dump(error: str, rank: int, size: int) -> str:
 
 
 def _entry(e: tuple, now: float) -> dict:
-    """One ring entry as written: `ago` (seconds before the dump), `kind`, and what it was."""
+    """One ring entry as written: `ago` (seconds before the dump; not for an op), `kind`, and what it was."""
+    if type(e) is not tuple:  # an op's OpDef
+        return {"kind": "op", "name": e.name}
     out = {"ago": round(now - e[0], 6), "kind": e[1]}
-    if e[1] == "op":
-        out["name"] = e[2].name
-    elif e[1] == "collective":
+    if e[1] == "collective":
         seq, kind, dims, dtype, shape, detail = e[2]
         out.update(seq=seq, collective=kind, mesh_dims=list(dims), dtype=str(dtype),
                    shape=list(shape) if isinstance(shape, tuple) else shape, detail=detail.strip(), mesh=str(e[3]))

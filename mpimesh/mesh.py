@@ -305,7 +305,10 @@ class Mesh(AbstractMesh):
         bucketed gradient's einsum writes there, `mpimesh.buckets`) or `into=` (`OpDef.into`)."""
         coll = self._collectives if ctx is None else ctx
         kernel = op.kernels.get(self._backend, op.kernel) if op.kernels else op.kernel
-        result = kernel(self.collectives if coll is None else coll, *arrays, **params, **out)
+        if out:
+            result = kernel(self.collectives if coll is None else coll, *arrays, **params, **out)
+        else:
+            result = kernel(self.collectives if coll is None else coll, *arrays, **params)
         if n_out == 1:
             return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)
         if not isinstance(result, tuple):  # one array where several were declared: dispatch says so

@@ -116,6 +116,8 @@ class OpDef:
             raise TypeError(f"op {self.name!r}: its kernel is {self.kernel!r}, not a function")
         if self.fill is not None and self.fill not in FILLS:
             raise ValueError(f"op {self.name!r}: fill {self.fill!r} is not one of {FILLS} or None")
+        if not callable(self.saves):  # (read per traced op: normalised once)
+            object.__setattr__(self, "_saved", _normalised(self.saves))
 
     def kernel_for(self, backend: str) -> Callable:
         """The kernel that runs on `backend` ("numpy", "cupy", "jax")."""
@@ -123,8 +125,7 @@ class OpDef:
 
     def saved(self, params: Mapping) -> tuple:
         """`(inputs, outputs)` whose values the gradient rule reads, for these params."""
-        saves = self.saves(params) if callable(self.saves) else self.saves
-        return tuple(_ALL if v == ALL else tuple(v) for v in saves)
+        return _normalised(self.saves(params)) if callable(self.saves) else self._saved
 
     def count_flops(self, params: Mapping, ins: Sequence, outs: Sequence) -> int:
         return int(self.flops(params, ins, outs)) if self.flops is not None else 0
@@ -145,3 +146,8 @@ class _All:
 
 
 _ALL = _All()
+
+
+def _normalised(saves) -> tuple:
+    """`saves` as `(inputs, outputs)` tuples of indices (`ALL`: every one)."""
+    return tuple(_ALL if v == ALL else tuple(v) for v in saves)

@@ -297,7 +297,7 @@ _spmd = guard._settings  # (the SPMD check's switch, read per op)
 _remember, _timeline = flight.remember, flight.timeline  # (read per op)
 _tensor: list = [None, None]  # the tensor classes dispatch makes (`mpimesh.tensor` registers them)
 partials_alive = [0]  # partial tensors alive (`PartialTensor` counts them): only then does dispatch look for one
-_checked: set = set()  # output specs (shape, layout) already found valid on a mesh shape
+_checked: set = set()  # (layout, rank, mesh dim names) of output specs already found valid
 
 
 def tensor_type(cls):
@@ -336,40 +336,43 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
             if t.partial:
                 raise MpimeshError(f"op {op.name!r}: its input {t.shape} {t.dtype} still awaits a sum over mesh dims "
                                    f"{'+'.join(t.partial)}: sum it first (to_layout)")
-    make = _tensor[1] if partial else _tensor[0]
+    names = mesh.shape.names
     for spec in out_specs:
-        key = (spec, mesh.shape)
+        key = (spec[1], len(spec[0].names), names)  # (what `_check_spec` reads: no Shape hashed, per-op time)
         if key not in _checked:
             _check_spec(op.name, spec[0], spec[1], mesh)
             _checked.add(key)
     # the mesh runs the kernel: on its processor (`Mesh.run`), or dry (`dryrun.DryMesh.run`)
     arrays = [t.local for t in inputs]
-    extra = _NO_PARAMS if out is None else {"out": out}
-    t0 = _clock()
+    t0 = _clock() if _timeline else 0.0  # (a timeline's op is a span from t0)
     if mesh.dry:
         result = mesh.run_dry(op, params, arrays, out_specs)
     else:
-        _remember((t0, "op", op))  # the flight recorder (`mpimesh.flight`): always on
+        _remember(op)  # the flight recorder (`mpimesh.flight`): always on
         if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
             guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
             try:
-                result = mesh.run(op, params, arrays, len(out_specs), **extra)
+                result = mesh.run(op, params, arrays, len(out_specs), out=out) if out is not None else \
+                    mesh.run(op, params, arrays, len(out_specs))
             finally:
                 guard.in_op[0] = ""
+        elif out is None:
+            result = mesh.run(op, params, arrays, len(out_specs))
         else:
-            result = mesh.run(op, params, arrays, len(out_specs), **extra)
+            result = mesh.run(op, params, arrays, len(out_specs), out=out)
     if len(result) != len(out_specs):
         raise MpimeshError(f"op {op.name!r} declares {len(out_specs)} outputs, but its kernel returned {len(result)}")
     if partial:
-        outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0], partial)]
+        outputs = [_tensor[1](mesh, out_specs[0][0], out_specs[0][1], result[0], partial)]
     elif len(out_specs) == 1:
-        outputs = [make(mesh, out_specs[0][0], out_specs[0][1], result[0])]
+        outputs = [_tensor[0](mesh, out_specs[0][0], out_specs[0][1], result[0])]
     else:
+        make = _tensor[0]
         outputs = [make(mesh, shape, layout, local) for (shape, layout), local in zip(out_specs, result)]
     if _debug["on"]:
         for i, t in enumerate(outputs):
             _check_local(op.name, i, t)
-    if counters.opened:  # a profile counts (and may record a timeline: an op is a span from t0 to now)
+    if counters.opened:  # a profile counts (and may record a timeline)
         flops = op.count_flops(params, arrays, result)
         if op.flops is not None:
             counters.record_flops(flops)

@@ -346,32 +346,28 @@ def _einsum(xs: list, mesh, out_spec, reduced, layout: Optional[TensorLayout], l
     out, out_layout, reduce_mesh, plan = _front(shapes, layouts, out_spec, reduced, mesh_shape,
                                                 mesh.layout if layout is None else layout, coords, dtypes)
     bucket = claim(result_type(*dtypes)) if pending() else None  # a gradient's sum that may wait in a bucket
-    if bucket is not None and reduce_mesh and not plan.params["plan"].whole:
+    left = leave and reduce_mesh
+    if bucket is not None and reduce_mesh and not plan.whole:
         plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True, False)
     else:
         bucket = None
-        if leave and reduce_mesh:
-            plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True,
-                         bool(plan.params["plan"].whole))
-            if layouts != plan.targets:
-                xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
-            (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=reduce_mesh)
-            y.rounds_to = plan.out_dtype
-            return y
+        if left:
+            plan = _plan(shapes, layouts, out, out_layout, mesh_shape, coords, dtypes, True, bool(plan.whole))
     if layouts != plan.targets:
         xs = [x if x.tensor_layout == t else to_layout(x, t) for x, t in zip(xs, plan.targets)]
-    # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer: nothing is copied in
-    into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes))) \
-        if bucket else None
-    if bucket is None:
-        whole = plan.params["plan"].whole
-        if whole:  # each rank's sums of the output dims computed whole, then reduce-scattered
-            (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=whole)
-            return to_layout(sum_partial(y, out_layout, plan.out_dtype), out_layout)
-        (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params)
+    if bucket is not None:  # a bucketed gradient's GEMM writes its slot in the bucket's flat buffer
+        into = bucket.slot(mesh, out, out_layout, reduce_mesh, accumulation_dtype(result_type(*dtypes)))
+        (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into, partial=reduce_mesh)
+        return bucket.partial(y, plan.out_dtype)
+    if left:
+        (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=reduce_mesh)
+        y.rounds_to = plan.out_dtype
         return y
-    (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params, out=into, partial=reduce_mesh)
-    return bucket.partial(y, plan.out_dtype)
+    if plan.whole:  # each rank's sums of the output dims computed whole, then reduce-scattered
+        (y,) = dispatch(EINSUM, xs, [(out, plan.layout)], plan.params, partial=plan.whole)
+        return to_layout(sum_partial(y, out_layout, plan.out_dtype), out_layout)
+    (y,) = dispatch(EINSUM, xs, [(out, out_layout)], plan.params)
+    return y
 
 
 @lru_cache(maxsize=4096)
@@ -395,6 +391,7 @@ class _Plan(NamedTuple):
     targets: tuple
     out_dtype: Optional[object]
     layout: TensorLayout  # the kernel's output's: the output's, but for dims it computes whole (`whole`)
+    whole: tuple  # the mesh dims whose sums a reduce-scatter takes after the kernel (`scatters`)
     params: dict  # the op record's (shared by every record of this plan: never written)
 
 
@@ -444,7 +441,7 @@ def _plan(in_shapes: tuple, in_layouts: tuple, out: Shape, out_layout: TensorLay
                        sums=None if pair is not None or bmm is not None else sum_plan(subs),
                        dtype=np.result_type(*(accumulation_dtype(d) for d in dtypes)) if low else
                        np.result_type(*dtypes), whole=whole)
-    return _Plan(targets, out_dtype, layout, {"subscripts": subs, "reduce_mesh_dims": summed, "plan": plan})
+    return _Plan(targets, out_dtype, layout, whole, {"subscripts": subs, "reduce_mesh_dims": summed, "plan": plan})
 
 
 def _pair_views(pair: tuple, local: tuple, dtypes: tuple) -> Optional[tuple]:
@@ -602,7 +599,13 @@ def _contract(ctx, arrays, plan: Contraction, summed: tuple, out, be: _Backend):
 
 
 def _kernel(be: _Backend) -> Callable:
+    views, matmul = be.views, be.matmul
+
     def kernel(ctx, *arrays, plan: Contraction, subscripts: str, reduce_mesh_dims: tuple, out=None):
+        if views and plan.views is not None and plan.casts is None:  # (`_contract`'s first path, per-op time)
+            y = _planned_pair(ctx.xp, matmul, arrays, plan.views, out)
+            if y is not None:
+                return y
         return _contract(ctx, arrays, plan, reduce_mesh_dims, out, be)
     return kernel
 

@@ -200,7 +200,7 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: 
 def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) -> tuple:
     """The `OpDef`s of a binary op: of two tensors of the same dims, of two tensors whose axes are
     aligned by name (`xd`, `yd`, `od`), and of a tensor and a number (`scalar` on the `side` of it)."""
-    first = (lambda ctx: ctx) if getattr(kernel, "with_ctx", False) else (lambda ctx: ctx.xp)
+    whole_ctx = getattr(kernel, "with_ctx", False)  # the kernel takes the context, not just its array module
     ufunc = _IN_PLACE.get(name)
     into = _OVER_FIRST if ufunc else None
 
@@ -209,7 +209,7 @@ def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) ->
             return getattr(ctx.xp, ufunc)(a, b, out=a)
         if casts is not None:  # operands of two dtypes, in their promotion (`mpimesh.promotion`)
             a, b = cast_operands((a, b), casts)
-        return kernel(first(ctx), a, b)
+        return kernel(ctx if whole_ctx else ctx.xp, a, b)
 
     def aligned(ctx, a, b, xd, yd, od, casts=None, into=()):
         xp = ctx.xp
@@ -219,7 +219,7 @@ def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) ->
         a = align(xp, a, xd, od)
         if casts is not None:
             a, b = cast_operands((a, b), casts)
-        return kernel(first(ctx), a, b)
+        return kernel(ctx if whole_ctx else ctx.xp, a, b)
 
     def scalar(ctx, a, scalar, side, keep=None, casts=None, into=()):
         if into and _over_scalar(a, scalar):
@@ -228,7 +228,7 @@ def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) ->
         pair = (a, scalar) if side == "right" else (scalar, a)
         if casts is not None:
             pair = cast_operands(pair, casts)
-        y = kernel(first(ctx), *pair)
+        y = kernel(ctx if whole_ctx else ctx.xp, *pair)
         return y if keep is None else round_to(y, keep)
     both = reads[0] + reads[1]
     tensors = ([i for i, v in enumerate("xy") if v in both], (0,) if "z" in both else ())
