@@ -528,8 +528,9 @@ def resume(path: str, args: argparse.Namespace, mesh: mm.Mesh, params: Params, o
 
 
 def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = False, top: int = 5) -> tuple:
-    """`--layout auto`: `(rules, predicted seconds per step, blocks to remat)` that `mm.auto_layout` chooses for the
-    training step on a mesh of `mesh_shape`, priced on this machine's calibration for that mesh
+    """`--layout auto`: `(rules, predicted seconds per step, blocks to remat, mesh dims to shard the weights over
+    or "")` that `mm.auto_layout` chooses for the training step on a mesh of `mesh_shape` (weight sharding only
+    when no rules fit the memory), priced on this machine's calibration for that mesh
     (kept on disk from an earlier run, or measured now: `recalibrate` measures again); rank 0
     prints them and the next `top` alternatives with their predicted step times. The step is
     recorded dry: the parameters and optimizer state are placeholders on a `DryMesh` (shapes and
@@ -555,7 +556,7 @@ def auto_layout(mesh_shape: str, cfg: Config, seed: int, recalibrate: bool = Fal
               f"{plan.seconds * 1e3:.1f} ms per step ({time.perf_counter() - t1:.1f} s to search); calibration "
               f"{how}")
         print(plan.report(top), flush=True)
-    return plan.rules, plan.seconds, -(-plan.remat // 2)  # blocks: two remat sublayers each
+    return plan.rules, plan.seconds, -(-plan.remat // 2), plan.shard_weights or ""  # blocks: two remat sublayers each
 
 
 def predicted_beside_measured(predicted: float, times: list) -> str:
@@ -947,8 +948,9 @@ def make_run(args: argparse.Namespace, cfg: Config, auto: bool, train: np.ndarra
         return Run(args, cfg, mesh, train, held, jax=JaxSide(helper, jm, across, jax_mesh))
     predicted = None
     if auto:
-        rules, predicted, remat = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
+        rules, predicted, remat, shard = auto_layout(args.mesh or default_mesh(world), cfg, args.seed, args.recalibrate)
         cfg = replace(cfg, remat=max(cfg.remat, remat))
+        args.shard_weights = args.shard_weights or shard
         args.layout = moe_layout(rules, cfg.moe_every)
     mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                    backend="cupy" if args.device == "gpu" else "numpy")

@@ -237,6 +237,39 @@ def layout_from_spec(shape: Shape, mesh_shape: Shape, spec) -> TensorLayout:
     return plan_layout(shape, mesh_shape, rules)
 
 
+def pick_dim(shape: Shape, layout: TensorLayout, k: int) -> Optional[str]:
+    """The dim of a tensor of `shape` laid out as `layout` that `mm.shard_weights` splits over a mesh
+    dim of `k` ranks: the largest unsplit one that `k` divides, else the largest unsplit one at least
+    `k` long; None where there is none.
+
+    >>> pick_dim(Shape("d:4;f:6"), (None, None), 2), pick_dim(Shape("d:5;f:3"), (None, None), 2)
+    ('f', 'd')
+    >>> pick_dim(Shape("d:4;f:6"), (None, "cols"), 2), pick_dim(Shape("s:1"), (None,), 2)
+    ('d', None)
+    """
+    free = [i for i, d in enumerate(shape) if layout[i] is None and d.size >= k > 1]
+    even = [i for i in free if shape[i].size % k == 0]
+    pick = even or free
+    return shape.names[max(pick, key=lambda i: (shape[i].size, -i))] if pick else None
+
+
+def weight_layout(shape: Shape, layout: TensorLayout, mesh_shape: Shape, over: Sequence[str]) -> TensorLayout:
+    """`layout` additionally split over each mesh dim of `over` by `pick_dim`, as `mm.shard_weights`
+    lays out a float parameter when not told its dims (a mesh dim the layout uses already, or with no
+    dim to split, is left out).
+
+    >>> weight_layout(Shape("d:4;f:6"), (None, None), Shape("rows:2;cols:3"), ("rows", "cols"))  # d: uneven
+    ('cols', 'rows')
+    """
+    out = list(layout)
+    for m in over:
+        if m not in out:
+            dim = pick_dim(shape, tuple(out), mesh_shape[m].size)
+            if dim is not None:
+                out[shape.index(dim)] = m
+    return tuple(out)
+
+
 def block(size: int, k: int, c):
     """`(start, stop)` of block `c` when `size` elements are cut into `k` blocks like
     `numpy.array_split` (the first `size % k` blocks one longer; blocks may be empty). `c` may be

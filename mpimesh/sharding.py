@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 
 from .backend import is_float
 from .errors import LayoutError, MpimeshError
+from .layout import pick_dim
 from .ops.relayout import to_layout
 from .tree import flatten, named_leaves, unflatten
 
@@ -91,12 +92,3 @@ def _axis(name: str, t, layout: list, m: str, dim: Optional[str]) -> Optional[in
     dim = pick_dim(t.shape, tuple(layout), k)
     return None if dim is None else t.shape.index(dim)
 
-
-def pick_dim(shape, layout: tuple, k: int) -> Optional[str]:
-    """The dim of a tensor of `shape` laid out as `layout` that `shard_weights` splits over a mesh dim
-    of `k` ranks: the largest unsplit one that `k` divides, else the largest unsplit one at least `k`
-    long; None where there is none."""
-    free = [i for i, d in enumerate(shape) if layout[i] is None and d.size >= k > 1]
-    even = [i for i in free if shape[i].size % k == 0]
-    pick = even or free
-    return shape.names[max(pick, key=lambda i: (shape[i].size, -i))] if pick else None

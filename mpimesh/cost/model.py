@@ -13,18 +13,18 @@ per rank at coordinate 0 (the largest blocks): each op's roofline plus a fixed c
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .. import counters, liveness
-from ..backend import as_dtype
+from ..backend import as_dtype, is_float
 from ..dryrun import DryMesh, placeholder, shaped
 from ..errors import LayoutError, MpimeshError
 from ..mesh import AbstractMesh, layout_scope, mesh_shape_of
 from ..program import Program
 from ..trace import Released, Trace, open_traces, trace
-from ..layout import LayoutRules
+from ..layout import LayoutRules, weight_layout
 from ..shape import Shape
 from ..tree import is_tensor, map_leaves, tensors
 from .machine import Machine
@@ -96,10 +96,14 @@ class Recording:
     Attributes:
       state_bytes: this rank's blocks of the arguments (parameters, optimizer state, batch).
       activation_bytes: the peak of the op outputs alive at once.
+      weights: the mesh dims (`"rows"`, `"rows+cols"`) the float tensors of the weight arguments were
+        additionally split over, as `mm.shard_weights` splits them (`""`: none; see `record`).
+      weight_args: the positions of the weight arguments in `args`.
     """
 
-    def __init__(self, fn, args, mesh_shape: Shape, rules: LayoutRules):
+    def __init__(self, fn, args, mesh_shape: Shape, rules: LayoutRules, weights: str = "", weight_args=()):
         self.fn, self.args, self.mesh_shape, self.rules = fn, args, mesh_shape, rules
+        self.weights, self.weight_args = weights, tuple(weight_args)
         self.ops: list[OpCost] = []
         """An `OpCost` per op, in order."""
         self.collectives: dict = {}
@@ -117,26 +121,31 @@ class Recording:
         """Memory per rank at the peak: `state_bytes + activation_bytes`."""
         return self.state_bytes + self.activation_bytes
 
-    def rerun(self, rules=None, mesh_shape=None) -> "Recording":
-        """This program recorded on `mesh_shape` under `rules` (None: this recording's); kept."""
+    def rerun(self, rules=None, mesh_shape=None, weights: Optional[str] = None) -> "Recording":
+        """This program recorded on `mesh_shape` under `rules` with `weights` sharded (each None:
+        this recording's; see `record`); kept."""
         rules = self.rules if rules is None else LayoutRules(rules)
         mesh_shape = self.mesh_shape if mesh_shape is None else mesh_shape_of(mesh_shape)
-        if (rules, mesh_shape) == (self.rules, self.mesh_shape):
+        weights = self.weights if weights is None else weights
+        if (rules, mesh_shape, weights) == (self.rules, self.mesh_shape, self.weights):
             return self
         if self.fn is None:
             raise MpimeshError(f"this trace is priced as it was recorded (rules {str(self.rules)!r} on mesh "
-                               f"{self.mesh_shape}); to price rules {str(rules)!r} on mesh {mesh_shape}, record "
-                               f"the step with mm.cost.record(fn, args, mesh), which can run it again dry")
-        key = (str(rules), str(mesh_shape))
+                               f"{self.mesh_shape}); to price rules {str(rules)!r} on mesh {mesh_shape}"
+                               f"{f' with weights sharded over {weights}' if weights else ''}, record the step "
+                               f"with mm.cost.record(fn, args, mesh), which can run it again dry")
+        key = (str(rules), str(mesh_shape), weights)
         if key not in self._runs:
-            self._runs[key] = record(self.fn, self.args, mesh_shape, rules)
+            self._runs[key] = record(self.fn, self.args, mesh_shape, rules, weights=weights,
+                                     weight_args=self.weight_args)
         if rules != self.rules:
             _check_rule_dims("estimate", rules, self._runs[key])
         return self._runs[key]
 
     def __repr__(self) -> str:
         return (f"Recording({len(self.ops)} ops on mesh {self.mesh_shape}, rules {str(self.rules)!r}, "
-                f"{self.bytes_per_rank} bytes per rank)")
+                + (f"weights sharded over {self.weights}, " if self.weights else "")
+                + f"{self.bytes_per_rank} bytes per rank)")
 
 
 class _Lifetimes:
@@ -290,12 +299,13 @@ def _check_rule_dims(where: str, rules: LayoutRules, rec: Recording) -> None:
                           f"{list(rec.dims)})")
 
 
-def record(fn, args, mesh, rules=None) -> Recording:
+def record(fn, args, mesh, rules=None, *, weights: str = "", weight_args: Optional[Sequence[int]] = None) -> Recording:
     """Run `fn(*args)` dry on a `DryMesh` of `mesh`'s shape (a mesh, or a mesh shape) under
     `rules` (default: the mesh's rules in force; none for a shape) and record what it costs.
-
     `args` may nest DistTensors and `ArgSpec`s (each becomes a placeholder laid out by the rules)
-    among other values; `fn` must not read values. More: docs/cost_model.md.
+    among other values; `fn` must not read values. `weights` (`"rows"`, `"rows+cols"`): mesh dims
+    over which the float tensors of the arguments at positions `weight_args` (default: the dicts)
+    are also split, by `mm.shard_weights`' rule (`layout.weight_layout`). More: docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> def step(x, w):
@@ -314,11 +324,19 @@ def record(fn, args, mesh, rules=None) -> Recording:
         raise TypeError(f"record: mesh must be a Mesh, a DryMesh or a mesh shape ('rows:2;cols:2'), got "
                         f"{mesh!r:.60} ({type(mesh).__name__})")
     rules = in_force if rules is None else LayoutRules(rules)
+    over = _weight_dims(weights, mesh_shape)
+    sharded = weight_positions(args, weight_args)
     specs = _map(args, lambda t: t if isinstance(t, ArgSpec) else ArgSpec(t.shape, t.dtype))
-    rec = Recording(fn, specs, mesh_shape, rules)
+    rec = Recording(fn, specs, mesh_shape, rules, "+".join(over), sharded)
     dry = DryMesh(mesh_shape, rules)
+
+    def weight(s: ArgSpec):
+        layout = dry.layout_of(s.shape)
+        return placeholder(dry, s.shape, s.dtype, weight_layout(s.shape, layout, mesh_shape, over)
+                           if is_float(s.dtype) else layout)
     with layout_scope(dry, rules):
-        ghosts = _map(specs, lambda s: placeholder(dry, s.shape, s.dtype))
+        ghosts = [_map(a, weight if i in sharded and over else lambda s: placeholder(dry, s.shape, s.dtype))
+                  for i, a in enumerate(specs)]
     arg_tensors = tensors(ghosts)
     rec.state_bytes = sum(_nbytes(t) for t in arg_tensors)
     for t in arg_tensors:
@@ -331,6 +349,39 @@ def record(fn, args, mesh, rules=None) -> Recording:
     rec.activation_bytes = tr.finish(out)
     rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
+
+
+def weight_positions(args, weight_args: Optional[Sequence[int]] = None) -> tuple:
+    """The positions in `args` of `record`'s weight arguments: `weight_args` checked, or (None) those
+    of the arguments that are dicts.
+
+    >>> weight_positions(({"w": 1}, {"m": {}}, [2])), weight_positions((1, 2), [1])
+    ((0, 1), (1,))
+    """
+    if weight_args is None:
+        return tuple(i for i, a in enumerate(args) if isinstance(a, dict))
+    if isinstance(weight_args, (str, bytes)) or not hasattr(weight_args, "__iter__"):
+        raise TypeError(f"weight_args must be positions in args (a list of ints) or None (the dict arguments), got "
+                        f"{weight_args!r:.60} ({type(weight_args).__name__})")
+    out = tuple(weight_args)
+    bad = [i for i in out if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(args)]
+    if bad:
+        raise MpimeshError(f"weight_args: {bad} are not positions in the step's {len(args)} arguments")
+    return out
+
+
+def _weight_dims(weights, mesh_shape: Shape) -> tuple:
+    """The mesh dims of `record`'s `weights` ("", "rows" or "rows+cols"), checked against the mesh."""
+    if not isinstance(weights, str):
+        raise TypeError(f"record: weights must be mesh dims ('rows', 'rows+cols') or '' (none), got {weights!r:.60} "
+                        f"({type(weights).__name__})")
+    over = tuple(m.strip() for m in weights.split("+")) if weights else ()
+    for m in over:
+        if m not in mesh_shape:
+            raise LayoutError(f"record: weights names {m!r}, which is not a dim of the mesh {mesh_shape}")
+    if len(set(over)) != len(over):
+        raise MpimeshError(f"record: weights names a mesh dim twice: {weights!r}")
+    return over
 
 
 def from_trace(trace) -> Recording:
@@ -410,12 +461,13 @@ def op_seconds(op: OpCost, machine: Machine) -> float:
     return max(op.flops / machine.flops, op.nbytes / machine.memory_bandwidth) + fixed
 
 
-def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = None) -> dict[str, Any]:
+def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = None, *,
+             weights: Optional[str] = None) -> dict[str, Any]:
     """Price one run of a step on `machine`: a dict with `seconds` (compute plus communication,
     per rank), `compute_seconds`, `comm_seconds`, `bytes_per_rank`, and the parts (`flops`,
     `comm_bytes`, `collectives`, `state_bytes`, `activation_bytes`, `ops`). `trace`: a `Recording`,
-    run again dry where `rules` or `mesh_shape` differ from its own; or, priced as it ran, a plain
-    `mm.trace()`, a compiled step or a `Program`. More: docs/cost_model.md.
+    run again dry where `rules`, `mesh_shape` or `weights` (see `record`) differ from its own; or,
+    priced as it ran, a plain `mm.trace()`, a compiled step or a `Program`. More: docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
@@ -436,10 +488,10 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
         rec = from_trace(trace) if isinstance(trace, Trace) else from_program(trace)
         mesh_shape = None if mesh_shape is None else mesh_shape_of(mesh_shape)
         if (rules is not None and LayoutRules(rules) != rec.rules) or \
-                (mesh_shape is not None and mesh_shape != rec.mesh_shape):
-            rec.rerun(rules, mesh_shape)  # raises: a plain trace cannot run again
+                (mesh_shape is not None and mesh_shape != rec.mesh_shape) or weights:
+            rec.rerun(rules, mesh_shape, weights)  # raises: a plain trace cannot run again
     elif isinstance(trace, Recording):
-        rec = trace.rerun(rules, mesh_shape)
+        rec = trace.rerun(rules, mesh_shape, weights)
     else:
         raise MpimeshError(f"estimate prices a mm.cost.Recording (mm.cost.record), a mm.trace(), a "
                            f"compiled step (mm.compile) or its Program, got {type(trace).__name__}")

@@ -8,7 +8,9 @@ are traced once). Where the candidates number at most `exact_limit`, all are pri
 otherwise a beam search starts from the replicated layout and moves one tensor dim at a time,
 keeping the `beam` best (not two that differ only by swapping mesh dims of equal size), until no
 move helps. Plans over `memory_per_rank` are left out; among equal times the plan with fewer
-uneven splits wins (then fewer rules).
+uneven splits wins (then fewer rules). Where none fits, the search runs again with the weights sharded
+over each mesh dim of size > 1 and over all (`record`'s `weights`), the fastest that fits winning; then
+with one more `mm.remat` block rematerialised at a time. More: docs/weight_sharding.md.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import itertools
 import math
 import numbers
 import weakref
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 from ..backend import as_dtype, is_float
 from ..errors import MpimeshError
@@ -27,7 +29,7 @@ from ..remat import remat_policy
 from .cache import calibrated
 from .machine import Machine, number
 from ..tree import flatten, is_tensor
-from .model import ArgSpec, Recording, check_step, estimate, record
+from .model import ArgSpec, Recording, check_step, estimate, record, weight_positions
 
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mesh -> {dtype: Machine}
 
@@ -62,39 +64,75 @@ class LayoutPlan:
     bytes_per_rank: int
     """The predicted memory per rank of `rules`, in bytes."""
     candidates: list
-    """`[(rules, seconds, bytes_per_rank)]` of the priced rules that fit, fastest first (the first is `rules`)."""
+    """`[(rules, seconds, bytes_per_rank)]` of the priced rules that fit, fastest first (the first is `rules`,
+    with its `plan_label`). A plan with weights sharded is named by `plan_label`: its rules and
+    `" | shard_weights <mesh dims>"`, `"batch:x | shard_weights x"`."""
     too_big: list
-    """`[(rules, seconds, bytes_per_rank)]` of the priced rules over the memory limit, smallest first."""
+    """`[(rules, seconds, bytes_per_rank)]` of the priced rules over the memory limit, smallest first
+    (named like `candidates`)."""
     machine: Machine
     """The `Machine` the rules were priced on."""
     recording: Recording
-    """The step recorded replicated (no rules), for `estimate` under other rules."""
+    """The step recorded replicated (no rules; with the plan's weights sharded, `Recording.weights`),
+    for `estimate` under other rules."""
     exact: bool
     """Whether every candidate was priced (else a beam search)."""
     remat: int = 0
     """How many of the step's `mm.remat` blocks the plan rematerialises: the first `remat` calls
     (run the step inside `mpimesh.remat.remat_policy(lambda k: k < plan.remat)`). 0, unless no
     layout fits the memory without: then the fewest that let one fit."""
+    shard_weights: Optional[str] = None
+    """The mesh dims (`"x"`, `"rows+cols"`) over which the plan shards the weights: run the step on
+    `mm.shard_weights(a, plan.shard_weights)` for each weight argument `a` (`auto_layout`'s
+    `weight_args`; the optimizer state made from sharded parameters is sharded alike). None, unless
+    no rules fit the memory without: see the module."""
 
     def report(self, top: int = 5) -> str:
         """The chosen rules and the next `top` alternatives (not those that only swap mesh dims
         of equal size with one shown), with predicted times and memory."""
         lines = [f"layout search ({'exact' if self.exact else 'beam'}, {len(self.candidates) + len(self.too_big)} "
                  f"candidates priced on {self.machine.name or 'the given machine'}):"]
+        if self.shard_weights:
+            lines.append(f"  memory is short: weights sharded over {self.shard_weights} "
+                         f"(mm.shard_weights; gathered before use, gradients reduce-scattered)")
         if self.remat:
             lines.append(f"  memory is short: the first {self.remat} mm.remat block(s) rematerialised "
                          f"(their activations recomputed in the backward pass)")
         shown: set = set()
-        for rules, s, b in self.candidates:
-            sig = _signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape)
+        for label, s, b in self.candidates:
+            rules, weights = split_label(label)
+            sig = (_signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape), weights)
             if sig in shown:
                 continue
             mark = "chosen" if not shown else f"  #{len(shown) + 1} "
             shown.add(sig)
-            lines.append(f"  {mark} {s * 1e3:9.2f} ms  {b / 2**20:9.2f} MiB/rank  {rules or '(replicated)'!s}")
+            lines.append(f"  {mark} {s * 1e3:9.2f} ms  {b / 2**20:9.2f} MiB/rank  {label or '(replicated)'!s}")
             if len(shown) > top:
                 break
         return "\n".join(lines)
+
+
+def plan_label(rules: str, weights: Optional[str]) -> str:
+    """A priced plan's name in `LayoutPlan.candidates`: its rules, then `" | shard_weights <mesh dims>"`
+    where it shards the weights (`split_label` reads it back).
+
+    >>> plan_label("batch:x", "x"), plan_label("", "x"), plan_label("batch:x", None)
+    ('batch:x | shard_weights x', '| shard_weights x', 'batch:x')
+    """
+    return f"{rules} {_SHARDED}{weights}".lstrip() if weights else rules
+
+
+def split_label(label: str) -> tuple:
+    """`(rules, weights or None)` of a `plan_label`.
+
+    >>> split_label('batch:x | shard_weights x'), split_label('hidden:x')
+    (('batch:x', 'x'), ('hidden:x', None))
+    """
+    rules, _, weights = label.partition(_SHARDED)
+    return rules.strip(), weights or None
+
+
+_SHARDED = "| shard_weights "
 
 
 def _rules_string(assign: dict, order: list) -> str:
@@ -110,13 +148,13 @@ def _signature(assign: dict, mesh_shape) -> tuple:
 
 
 def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine: Optional[Machine] = None,
-                *, exact_limit: int = 256, beam: int = 2) -> LayoutPlan:
+                *, exact_limit: int = 256, beam: int = 2, weight_args: Optional[Sequence[int]] = None) -> LayoutPlan:
     """Choose layout rules for `fn(*args)` on `mesh` with the cost model: a collective, every rank must
     call and gets the same plan (candidates are priced dry, shared out over the ranks: `fn` must not
-    read values). `machine`: default this mesh's calibration (`cost.cache.calibrated`);
-    `memory_per_rank`: bytes (default the machine's; `math.inf`: no limit); `exact_limit`, `beam`: see
-    the module. If no plan fits, the fewest `mm.remat` blocks that make one fit are rematerialised
-    (`LayoutPlan.remat`). More: docs/cost_model.md.
+    read values). `machine`: default this mesh's calibration (`cost.cache.calibrated`); `memory_per_rank`:
+    bytes (default the machine's; `math.inf`: no limit); `exact_limit`, `beam`: see the module. If no rules
+    fit, the float tensors of the arguments at `weight_args` (default: the dicts) are sharded
+    (`LayoutPlan.shard_weights`), then the fewest `mm.remat` blocks rematerialised (`.remat`). docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> from mpimesh.dryrun import DryMesh
@@ -150,19 +188,52 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
         if machine is None:
             machine = _calibrated[mesh][dtype] = calibrated(mesh, dtype=dtype)
     limit = machine.memory if memory_per_rank is None else memory_per_rank
+    positions = weight_positions(args, weight_args)
     calls: list = []
     with remat_policy(lambda k: calls.append(k) or False):
-        record(fn, args, mesh.shape, "")
+        record(fn, args, mesh.shape, "", weight_args=positions)
+    big = [d.name for d in mesh.shape if d.size > 1]
+    sharding = (big + ["+".join(big)] * (len(big) > 1)) if _has_weights(args, positions) else []
     for k in range(len(calls) + 1):  # the fewest remat blocks that let a layout fit
+        run = _rematerialising(fn, k)
         try:
-            return _search(_rematerialising(fn, k), args, mesh, machine, limit, exact_limit, beam, k)
+            return _search(run, args, mesh, machine, limit, exact_limit, beam, k, "", positions)
         except _TooBig as e:
-            if k == len(calls):
-                raise MpimeshError(str(e)) from None
+            short = [e]
+        plans = []
+        for weights in sharding:  # weight sharding only where no rules fit without
+            try:
+                plans.append(_search(run, args, mesh, machine, limit, exact_limit, beam, k, weights, positions))
+            except _TooBig as e:
+                short.append(e)
+        if plans:
+            return _best(plans, [c for e in short for c in e.too_big])
+        if k == len(calls):
+            raise MpimeshError(str(short[0]) + "".join(f"; with weights sharded over {e.weights}, {e.smallest}"
+                                                          for e in short[1:])) from None
 
 
 class _TooBig(MpimeshError):
-    pass
+    def __init__(self, message: str, weights: str, smallest: str, too_big: list):
+        super().__init__(message)
+        self.weights, self.smallest, self.too_big = weights, smallest, too_big
+
+
+def _has_weights(args, positions: tuple) -> bool:
+    """Whether the arguments at `positions` hold a float tensor (DistTensor or ArgSpec)."""
+    return any((is_tensor(t) or isinstance(t, ArgSpec)) and is_float(as_dtype(t.dtype))
+               for i in positions for t in flatten(args[i])[0])
+
+
+def _best(plans: list, too_big: list) -> LayoutPlan:
+    """The fastest of the plans of one `_search` each (with weights sharded over different mesh dims),
+    fewer sharded mesh dims on a tie; their candidates merged, with `too_big` (the other searches')."""
+    best = min(plans, key=lambda p: (p.seconds, (p.shard_weights or "").count("+")))
+    fits = sorted((c for p in plans for c in p.candidates), key=lambda c: (c[1], c[0].count("+")))
+    fits.remove(best.candidates[0])
+    too_big = sorted(too_big + [c for p in plans for c in p.too_big], key=lambda c: c[2])
+    return replace(best, candidates=[best.candidates[0]] + fits, too_big=too_big,
+                   exact=all(p.exact for p in plans))
 
 
 def _rematerialising(fn, k: int):
@@ -173,9 +244,11 @@ def _rematerialising(fn, k: int):
     return run
 
 
-def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, beam: int, remat: int) -> LayoutPlan:
-    """`auto_layout`'s search for `fn` as it is; `_TooBig` where no layout fits `limit`."""
-    base = record(fn, args, mesh.shape, "")
+def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, beam: int, remat: int,
+            weights: str, positions: tuple) -> LayoutPlan:
+    """`auto_layout`'s search for `fn` as it is, with `weights` sharded (see `record`); `_TooBig`
+    where no layout fits `limit`."""
+    base = record(fn, args, mesh.shape, "", weights=weights, weight_args=positions)
     order = list(base.dims)
     mdims = [d for d in mesh.shape if d.size > 1]
     options = {d: [None] + [m.name for m in mdims if base.dims[d] >= m.size] for d in order}
@@ -259,10 +332,14 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
     ranked = sorted(priced.values(), key=score)
     fits = [(r, s, b) for r, s, b, _ in ranked if b <= limit]
     over = [(r, s, b) for r, s, b, _ in ranked if b > limit]
+    fits = [(plan_label(r, weights), s, b) for r, s, b in fits]
+    over = [(plan_label(r, weights), s, b) for r, s, b in over]
     if not fits:
         r, s, b = min(over, key=lambda p: p[2])
-        raise _TooBig(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: the "
-                      f"smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced"
-                      + (f", with {remat} mm.remat block(s) rematerialised" if remat else ""))
-    rules, seconds, nbytes = fits[0]
-    return LayoutPlan(rules, seconds, int(nbytes), fits, over, machine, base, exact, remat)
+        smallest = f"the smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced"
+        raise _TooBig(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: "
+                      f"{smallest}" + (f", with {remat} mm.remat block(s) rematerialised" if remat else ""),
+                      weights, smallest, over)
+    label, seconds, nbytes = fits[0]
+    return LayoutPlan(split_label(label)[0], seconds, int(nbytes), fits, over, machine, base, exact, remat,
+                      weights or None)
