@@ -181,6 +181,28 @@ def test_memory_short_of_every_rules_string_shards_the_weights():
     assert miss["all"][0] <= miss[""][0] + 0.05 * miss["all"][1], (plan.rules, plan.bytes_per_rank, miss)
 
 
+def test_a_2d_mesh_gets_gspmds_layout():
+    """On a 2x2 mesh (dry) with no rules fitting: the batch split over one mesh dim, the hidden dim over
+    the other, the weights sharded over the batch's too (GSPMD's 2-D weight sharding); the report shows
+    the plan once, not again with the mesh dims swapped."""
+    args = ({"w1": ArgSpec(f"io:{I};hidden:{H}", "float32"), "w2": ArgSpec(f"hidden:{H};out:{O}", "float32")},
+            ArgSpec(f"batch:{B};io:{I}", "float32"))
+    mesh = DryMesh("rows:2;cols:2")
+    roomy = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=math.inf, machine=TOY)
+    plan = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=min(b for _, _, b in roomy.candidates) - 1,
+                          machine=TOY)
+    split = dict(mm.LayoutRules(plan.rules).pairs)
+    assert split.get("batch") == plan.shard_weights and {split["batch"], split["hidden"]} == {"rows", "cols"}
+    twin = plan.candidates[0][0].replace("rows", "@").replace("cols", "rows").replace("@", "cols")
+    assert twin in [r for r, _, _ in plan.candidates] and twin not in plan.report(), plan.report()
+
+
+def _mlp_grads(p, x):
+    with mm.trace():
+        h = mm.relu(mm.einsum([x, p["w1"]]))
+        return mm.gradients([mm.reduce_sum(mm.einsum([h, p["w2"]]))], [p["w1"], p["w2"]])
+
+
 def test_weight_args_checked_and_the_error_says_what_was_tried():
     mesh = DryMesh("x:2")
     step = lambda p, x: mm.reduce_sum(mm.einsum([x, p["w"]]))  # noqa: E731

@@ -101,7 +101,7 @@ class LayoutPlan:
         shown: set = set()
         for label, s, b in self.candidates:
             rules, weights = split_label(label)
-            sig = (_signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape), weights)
+            sig = _signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape, weights)
             if sig in shown:
                 continue
             mark = "chosen" if not shown else f"  #{len(shown) + 1} "
@@ -139,10 +139,11 @@ def _rules_string(assign: dict, order: list) -> str:
     return ";".join(f"{d}:{assign[d]}" for d in order if assign.get(d))
 
 
-def _signature(assign: dict, mesh_shape) -> tuple:
-    """What a plan is up to renaming mesh dims of equal size (its twins price alike, or nearly)."""
+def _signature(assign: dict, mesh_shape, weights: Optional[str] = None) -> tuple:
+    """What a plan is up to renaming mesh dims of equal size (its twins price alike, or nearly);
+    `weights`: the mesh dims it shards the weights over."""
     groups: dict = {}
-    for d, m in assign.items():
+    for d, m in list(assign.items()) + [("| weights", m) for m in (weights.split("+") if weights else ())]:
         groups.setdefault(m, []).append(d)
     return tuple(sorted((mesh_shape[m].size, tuple(sorted(ds))) for m, ds in groups.items()))
 
