@@ -36,7 +36,7 @@ kernel, which an op definition holds), so it counts; `cublas.py` (ctypes binding
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("errors", ("errors", "version")),
     ("env", ("env", "extras")),
-    ("pure", ("shape", "layout", "tree", "liveness", "stack")),
+    ("pure", ("shape", "layout", "tree", "liveness", "stack", "pipeline_schedules")),
     ("counters", ("counters", "flight", "collectives.callsite")),
     ("backend", ("promotion", "backend")),
     ("opdef", ("opdef",)),
@@ -47,7 +47,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("replay", ("program", "dryrun", "tpu", "tpu.*")),
     ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
-    ("engines", ("compiled", "graphs", "remat", "cost", "cost.*")),
+    ("engines", ("compiled", "graphs", "remat", "pipeline", "cost", "cost.*")),
     ("optim", ("optim", "sharding")),
     ("layers", ("layers", "layers.*")),
     ("api", ("profile", "timeline", "timeline_plot", "checkpoint", "checkpoint_sync", "async_save", "safetensors_io",

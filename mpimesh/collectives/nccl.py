@@ -123,7 +123,7 @@ class NcclCollectives(MpiCollectives):
             if dest != MPI.PROC_NULL:
                 comm.send(send.data.ptr, n, dt, dest, s)
             if src != MPI.PROC_NULL:
-                comm.recv(recv.data.ptr, n, dt, src, s)
+                comm.recv(recv.data.ptr, recv.size, dt, src, s)  # (a pipeline's sendrecv: sizes may differ)
             nccl.groupEnd()
         else:
             raise NotImplementedError(kind)

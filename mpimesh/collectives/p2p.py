@@ -1,0 +1,94 @@
+"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` and `broadcast_from`.
+
+Unlike `permute`, what a rank sends and what it receives may differ in shape (a microbatch of
+another size, or nothing: an empty array), so a pipeline stage hands its neighbour one activation
+per tick. Both are collectives of the group over the mesh dim in the transports' way: the SPMD
+check (`guard.enter`: every rank of the mesh must be at the same transfer, the shapes left out since
+they may differ), the profile's counters, the time-out while polled (`MpiCollectives._complete`),
+and a departed neighbour named. The MPI, staged and NCCL transports post them as a permute.
+
+>>> import numpy as np
+>>> from mpimesh import Mesh, MPI
+>>> coll = Mesh("stages:1", comm=MPI.COMM_SELF).collectives
+>>> sendrecv(coll, np.arange(3.0), "stages", 1, (3,)), broadcast_from(coll, np.ones(2), "stages", 0)
+(array([0., 1., 2.]), array([1., 1.]))
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import counters
+from ..backend import is_low_precision, to_host, wire_dtype
+from ..errors import MpimeshError
+from .base import DONE, Request
+
+
+def sendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None):
+    """Send `x` to coordinate c+offset along `mesh_dim` (cyclically) and return what coordinate
+    c-offset sent, an array of `recv_shape` and x's dtype (`out`, where given). Every rank of the
+    mesh calls it; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
+    recv_shape = tuple(int(n) for n in recv_shape)
+    k = coll.size((mesh_dim,))
+    if k == 1 or offset % k == 0:  # to itself
+        if tuple(x.shape) != recv_shape:
+            raise MpimeshError(f"sendrecv over {mesh_dim!r} to itself: sends shape {tuple(x.shape)}, expects "
+                               f"{recv_shape}")
+        return x.copy() if out is None else _into(out, x)
+    c = coll.coord(mesh_dim)
+    dest, src = (c + offset) % k, (c - offset) % k
+    xp = coll.xp if not isinstance(x, np.ndarray) else np
+    send = xp.ascontiguousarray(x)
+    recv = xp.empty(recv_shape, x.dtype) if out is None else out
+    _transfer(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
+    return recv
+
+
+def broadcast_from(coll, x, mesh_dim: str, root: int):
+    """Coordinate `root`'s `x` along `mesh_dim` on every rank of its group (each passes an array of
+    the shape and dtype `root` sends: what it holds is overwritten, in a copy)."""
+    k = coll.size((mesh_dim,))
+    if not 0 <= root < k:
+        raise MpimeshError(f"broadcast over {mesh_dim!r}: root {root} is not a coordinate 0..{k - 1}")
+    if k == 1:
+        return x
+    xp = coll.xp if not isinstance(x, np.ndarray) else np
+    buf = np.array(to_host(x), copy=True, order="C")  # (through the host on a GPU: not a hot path)
+    _transfer(coll, "broadcast", mesh_dim, buf, buf, f" from {root}", root=root)
+    return buf if xp is np else xp.asarray(buf)
+
+
+def _into(out, x):
+    out[...] = x
+    return out
+
+
+def _transfer(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> None:
+    """Check, count, post and complete one transfer, as `MpiCollectives._run` does; the SPMD check
+    compares no shapes (ranks may send and receive blocks of other shapes, or none)."""
+    dims = (mesh_dim,)
+    coll._two_steps.drain()
+    coll.guard.enter(kind, dims, send, detail, shape="")
+    counters.record(kind, dims, send.size, send.nbytes)
+    mesh = coll.mesh
+    if not mesh.has_comm(dims):  # making it is a collective over the whole mesh: first, every rank is here
+        coll.guard.wait_mpi(coll.guard.comm.Ibarrier(), f"making the communicator over {mesh_dim}")
+    if kind == "broadcast":
+        comm = coll._comm(dims)
+        words = send.view(wire_dtype(send.dtype)) if is_low_precision(send.dtype) else send
+        req = comm.Ibcast(words, root=where["root"]) if send.size else None
+        request = DONE if req is None else Request(req.Test, req.Wait)
+    elif send.size == 0 and recv.size == 0:
+        mesh.comm_for(dims)
+        request = DONE
+    else:
+        request = _post(coll, dims, send, recv, where["dest"], where["src"])
+    coll._complete(request, dims)
+
+
+def _post(coll, dims: tuple, send, recv, dest: int, src: int) -> Request:
+    """The transport's permute, with a side left out where it moves nothing (an empty send or
+    receive: MPI's null process)."""
+    dest = dest if send.size else MPI.PROC_NULL
+    src = src if recv.size else MPI.PROC_NULL
+    return coll._post("permute", dims, send, recv, dest=dest, src=src)

@@ -1,0 +1,432 @@
+"""Pipeline parallelism over a mesh dim (GSPMD's and GPipe's): `pipeline`, `pipeline_value_and_grad`.
+
+Every tensor of `stage_params` has a stage dim split over `mesh_dim`: the rank at coordinate s holds
+stage s (with V virtual stages, the block of V stages s*V .. s*V+V-1, applied at positions
+v*S + s: `pipeline_schedules.application_order`). A rank runs `stage_fn` only for its own stages, on
+the *stage mesh*: this mesh with `mesh_dim` of size 1, over the ranks that share its coordinate
+there (`stage_mesh`), so operator parallelism over the other mesh dims nests inside a stage, and
+their collectives involve only ranks that run the same schedule. Between ticks of the schedule
+(`pipeline_schedules.ticks`) activations and their gradients move to the neighbouring stage
+(`collectives.p2p.sendrecv`); every rank of the mesh runs the same transfers, so the SPMD check and
+the time-outs cover them. A pipeline is one op of the open traces (its gradient op runs the
+backward schedule); `stage_fn` first runs dry on shapes, on every rank, so that an error in it is
+raised everywhere before anything moves. More: docs/pipelines.md.
+
+>>> import numpy as np, mpimesh as mm
+>>> mesh = mm.Mesh("stages:1", comm=mm.MPI.COMM_SELF)
+>>> scale = mesh.from_numpy(np.array([[2.0, 3.0]]), "stage:1;d:2", "stage:stages")
+>>> x = mesh.from_numpy(np.arange(6.0).reshape(3, 2), "b:3;d:2")
+>>> y = pipeline(lambda p, h: h * p["scale"], {"scale": scale}, x, "stages", microbatches=2)
+>>> y.to_numpy().tolist()
+[[0.0, 3.0], [4.0, 9.0], [8.0, 15.0]]
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+from . import trace as _trace
+from .autodiff import gradients
+from .backend import is_float
+from .collectives.p2p import broadcast_from, sendrecv
+from .counters import paused
+from .dryrun import DryMesh, placeholder
+from .errors import MeshError, MpimeshError, ShapeError
+from .layout import block_sizes, local_sizes
+from .mesh import Mesh, layout_scope
+from .opdef import ALL, OpDef
+from .ops.relayout import to_layout
+from .ops.slicing import concat, split
+from .pipeline_schedules import application_order, check_schedule, stage_of, ticks
+from .shape import Dimension, Shape
+from .tensor import DistTensor, tensor_arg
+from .trace import dispatch, release_unneeded, trace
+from .tree import flatten, named_leaves, unflatten
+
+_stage_meshes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def stage_mesh(mesh: Mesh, mesh_dim: str) -> Mesh:
+    """The mesh one stage runs on: `mesh` with `mesh_dim` of size 1, over the ranks that share this
+    rank's coordinate along it (made once per mesh and dim: a collective over `mesh` the first time).
+
+    >>> import mpimesh as mm
+    >>> stage_mesh(mm.Mesh("stages:1;cols:1", comm=mm.MPI.COMM_SELF), "stages").shape
+    Shape('[stages:1, cols:1]')
+    """
+    per = _stage_meshes.setdefault(mesh, {})
+    sub = per.get(mesh_dim)
+    if sub is None:
+        shape = Shape([Dimension(d.name, 1 if d.name == mesh_dim else d.size) for d in mesh.shape])
+        comm = mesh.comm_for([n for n in mesh.shape.names if n != mesh_dim])
+        sub = per[mesh_dim] = Mesh(shape, mesh.rules, comm=comm, backend=mesh.backend, device=mesh.device,
+                                   transport=mesh.transport)
+    return sub
+
+
+@contextmanager
+def _alone():
+    """Inside the block, ops are recorded in no trace open outside it and belong to no remat region:
+    a pipeline's stage ops are its own op's business (its kernel runs them)."""
+    traces, regions, kept = _trace._open_traces[:], _trace._regions[:], _trace._kept
+    del _trace._open_traces[:], _trace._regions[:]
+    _trace._kept = _trace._Kept()
+    try:
+        yield
+    finally:
+        _trace._open_traces[:], _trace._regions[:], _trace._kept = traces, regions, kept
+
+
+class _Plan:
+    """What every rank knows of one pipeline call from shapes alone."""
+
+    def __init__(self, what, stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, virtual,
+                 loss_fn=None, targets=None):
+        if not callable(stage_fn):
+            raise TypeError(f"{what}: stage_fn must be a function, got {type(stage_fn).__name__}")
+        x = tensor_arg(what, x)
+        mesh = x.mesh
+        if not isinstance(mesh_dim, str) or mesh_dim not in mesh.shape.names:
+            raise MeshError(f"{what}: mesh_dim {mesh_dim!r} is not a dim of mesh {mesh.shape}")
+        self.mesh, self.mesh_dim, self.stage_fn, self.loss_fn = mesh, mesh_dim, stage_fn, loss_fn
+        self.S, self.V = mesh.shape[mesh_dim].size, virtual
+        self.K = self.S * self.V
+        self.names = [name for name, _ in named_leaves(stage_params)]
+        flat, self.structure = flatten(stage_params)
+        if not flat or len(flat) != len(self.names):
+            raise MpimeshError(f"{what}: stage_params must be a dict (nested allowed) of tensors, got "
+                               f"{type(stage_params).__name__}{' with no tensors' if not flat else ''}")
+        self.leaves, self.views = list(flat), []
+        for name, p in zip(self.names, self.leaves):
+            self.views.append(self._view(what, name, tensor_arg(what, p, f"stage_params[{name!r}]"), stage_dim))
+        self.batch_dim = x.shape[0].name if batch_dim is None else batch_dim
+        if x.shape.rank == 0 or self.batch_dim not in x.shape.names:
+            raise ShapeError(f"{what}: batch_dim {self.batch_dim!r} is not a dim of x {x.shape}")
+        B = x.shape[self.batch_dim].size
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or not 1 <= microbatches <= B:
+            raise MpimeshError(f"{what}: microbatches must be an int from 1 to the size of batch dim "
+                               f"{self.batch_dim!r}, {B}; got {microbatches!r}")
+        self.M, self.sizes = microbatches, block_sizes(B, microbatches)
+        self.x_shape, self.dtype = x.shape, x.dtype
+        self.x_layout = _without(x.tensor_layout, mesh_dim)
+        if targets is not None:
+            targets = tensor_arg(what, targets, "targets")
+            if self.batch_dim not in targets.shape.names or targets.shape[self.batch_dim].size != B:
+                raise ShapeError(f"{what}: targets {targets.shape} must have batch dim {self.batch_dim}:{B}, as x "
+                                 f"{x.shape} has")
+            self.t_shape, self.t_layout = targets.shape, _without(targets.tensor_layout, mesh_dim)
+        self.sub = stage_mesh(mesh, mesh_dim)
+        self.rules = mesh.layout
+        self._probe(what, targets)
+
+    def _view(self, what: str, name: str, p, stage_dim: str) -> tuple:
+        """(shape, layout, stage axis) of one stage's slice of parameter `p`."""
+        if p.mesh is not self.mesh:
+            raise MeshError(f"{what}: stage_params[{name!r}] lives on mesh {p.mesh.shape}, x on {self.mesh.shape}")
+        if stage_dim not in p.shape.names:
+            raise ShapeError(f"{what}: stage_params[{name!r}] {p.shape} has no stage dim {stage_dim!r}")
+        ax = p.shape.index(stage_dim)
+        if p.shape[ax].size != self.K:
+            many = f"the size of mesh dim {self.mesh_dim!r}, {self.S}" + (f", times virtual_stages {self.V}"
+                                                                         if self.V > 1 else "")
+            raise ShapeError(f"{what}: stage_params[{name!r}] {p.shape}: stage dim {stage_dim!r} has size "
+                             f"{p.shape[ax].size}, but it must be {many}: {self.K}")
+        if p.tensor_layout[ax] != self.mesh_dim:
+            raise MpimeshError(f"{what}: stage_params[{name!r}] {p.shape}: stage dim {stage_dim!r} must be split "
+                               f"over mesh dim {self.mesh_dim!r}, but its layout is {p.layout} (mm.relayout it, "
+                               f"or lay it out with '{stage_dim}:{self.mesh_dim}')")
+        shape = Shape([d for i, d in enumerate(p.shape) if i != ax])
+        return shape, tuple(m for i, m in enumerate(p.tensor_layout) if i != ax), ax
+
+    def mb_shape(self, m: int, shape: Optional[Shape] = None) -> Shape:
+        shape = self.x_shape if shape is None else shape
+        return Shape([Dimension(d.name, self.sizes[m]) if d.name == self.batch_dim else d for d in shape])
+
+    def mb_block(self, m: int) -> tuple:
+        """The local shape of microbatch `m`'s activation on this rank."""
+        return local_sizes(self.mb_shape(m), self.sub.shape, self.x_layout, self.sub.coords)
+
+    def params(self, v: int) -> object:
+        """This rank's virtual stage `v`'s parameters, views on the stage mesh (no copy)."""
+        views = [DistTensor(self.sub, shape, layout, p.local[(slice(None),) * ax + (v,)])
+                 for p, (shape, layout, ax) in zip(self.leaves, self.views)]
+        return unflatten(self.structure, views)
+
+    def run_stage(self, params, h):
+        """`stage_fn(params, h)`, laid out as h (what moves to the next stage)."""
+        with layout_scope(self.sub, self.rules):
+            out = self.stage_fn(params, h)
+            return to_layout(out, self.x_layout)
+
+    def _probe(self, what: str, targets) -> None:
+        """Run `stage_fn` (and `loss_fn`) dry on the first microbatch's shapes: a bad result, or an
+        error inside, is raised on every rank before any transfer."""
+        dry = DryMesh(self.sub.shape, self.rules)
+        with paused(), _alone():
+            p = unflatten(self.structure, [placeholder(dry, shape, leaf.dtype, layout)
+                                           for leaf, (shape, layout, _) in zip(self.leaves, self.views)])
+            h = placeholder(dry, self.mb_shape(0), self.dtype, self.x_layout)
+            out = self.stage_fn(p, h)
+            if not hasattr(out, "tensor_layout") or out.shape != h.shape or out.dtype != h.dtype:
+                got = f"{out.shape} {out.dtype}" if hasattr(out, "tensor_layout") else type(out).__name__
+                raise ShapeError(f"{what}: stage_fn must return a tensor of its input's shape and dtype, "
+                                 f"{h.shape} {h.dtype}; it returned {got}")
+            if self.loss_fn is not None:
+                t = placeholder(dry, self.mb_shape(0, self.t_shape), targets.dtype, self.t_layout)
+                loss = self.loss_fn(out, t)
+                if not hasattr(loss, "tensor_layout") or loss.shape.rank != 0:
+                    raise ShapeError(f"{what}: loss_fn must return a scalar tensor (no dims), got "
+                                     f"{getattr(loss, 'shape', type(loss).__name__)}")
+                self.loss_dtype = loss.dtype
+
+
+def _without(layout: tuple, mesh_dim: str) -> tuple:
+    return tuple(None if m == mesh_dim else m for m in layout)
+
+
+class _Saved:
+    """What a pipeline's forward keeps for its gradient op, per (microbatch, position)."""
+
+    def __init__(self, remat: bool):
+        self.remat, self.kept, self.done = remat, {}, False
+
+
+def _empty(xp, dtype):
+    return xp.empty(0, dtype)
+
+
+def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callable, first_acts=None) -> None:
+    """Run this rank's steps of `table`, moving activations (+1) and gradients (-1) along `mesh_dim`
+    after each tick where some rank made one for another (every rank knows the table, so all run
+    the same transfers). `forward(step, k, h)` gives the activation for position k+1 (None past
+    the last); `backward(step, k, dy)` the gradient for position k-1 (None before the first)."""
+    S, K, md, xp = plan.S, plan.K, plan.mesh_dim, plan.sub.xp
+    s = ctx.coord(md)
+    acts, cots = {}, {}
+    for row in table:
+        step, send_f, send_b = row[s], None, None
+        if step is not None:
+            k = stage_of(s, step.virtual, S)
+            if step.kind == "F":
+                h = first_acts(step.mb) if k == 0 else acts.pop((step.mb, k))
+                send_f = forward(step, k, h)
+            else:
+                send_b = backward(step, k, cots.pop((step.mb, k), None))
+        if any(r is not None and r.kind == "F" and stage_of(j, r.virtual, S) < K - 1 for j, r in enumerate(row)):
+            prev = row[(s - 1) % S]
+            kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
+            wants = prev is not None and prev.kind == "F" and kp < K - 1
+            got = sendrecv(ctx, _empty(xp, plan.dtype) if send_f is None else send_f.local, md, 1,
+                           plan.mb_block(prev.mb) if wants else (0,))
+            if wants:
+                acts[(prev.mb, kp + 1)] = DistTensor(plan.sub, plan.mb_shape(prev.mb), plan.x_layout, got)
+        if any(r is not None and r.kind == "B" and stage_of(j, r.virtual, S) > 0 for j, r in enumerate(row)):
+            nxt = row[(s + 1) % S]
+            kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
+            wants = nxt is not None and nxt.kind == "B" and kn > 0
+            got = sendrecv(ctx, _empty(xp, plan.dtype) if send_b is None else send_b.local, md, -1,
+                           plan.mb_block(nxt.mb) if wants else (0,))
+            if wants:
+                cots[(nxt.mb, kn - 1)] = DistTensor(plan.sub, plan.mb_shape(nxt.mb), plan.x_layout, got)
+
+
+def _pieces(plan: _Plan, local, shape: Shape, layout: tuple) -> list:
+    """A tensor of x's mesh whose block is `local`, cut into the microbatches on the stage mesh."""
+    whole = DistTensor(plan.sub, shape, layout, local)
+    with layout_scope(plan.sub, plan.rules):
+        return [to_layout(t, layout) for t in split(whole, plan.batch_dim, list(plan.sizes))]
+
+
+def _joined(ctx, plan: _Plan, pieces: dict, root: int):
+    """The microbatches `pieces` (on coordinate `root` of `mesh_dim`) joined, as every rank's block."""
+    if ctx.coord(plan.mesh_dim) == root:
+        with layout_scope(plan.sub, plan.rules):
+            whole = concat([pieces[m] for m in range(plan.M)], plan.batch_dim)
+            block = to_layout(whole, plan.x_layout).local
+    else:
+        shape = local_sizes(plan.x_shape, plan.sub.shape, plan.x_layout, plan.sub.coords)
+        block = plan.sub.xp.empty(shape, plan.dtype)
+    return broadcast_from(ctx, block, plan.mesh_dim, root)
+
+
+def _grad_step(plan: _Plan, tr, ys: list, params, h, dy, grads: dict, v: int):
+    """Differentiate one stage's recorded run: add its parameters' gradients into `grads[v]`; h's."""
+    leaves = flatten(params)[0]
+    wanted = [h] + [p for p in leaves if is_float(p.dtype)]
+    got = gradients(ys, wanted, None if dy is None else [dy], tr=tr)
+    it = iter(got[1:])
+    per = [next(it) if is_float(p.dtype) else None for p in leaves]
+    if v in grads:
+        with layout_scope(plan.sub, plan.rules):
+            grads[v] = [a if b is None else (b if a is None else a + b) for a, b in zip(grads[v], per)]
+    else:
+        grads[v] = per
+    return got[0]
+
+
+def _stacked(plan: _Plan, grads: dict) -> list:
+    """Each parameter's gradient blocks, the virtual stages stacked on its stage axis."""
+    xp, out = plan.sub.xp, []
+    for i, (p, (_, _, ax)) in enumerate(zip(plan.leaves, plan.views)):
+        parts = [grads[v][i] for v in range(plan.V)]
+        out.append(xp.zeros_like(p.local) if parts[0] is None else xp.stack([g.local for g in parts], axis=ax))
+    return out
+
+
+# The ops --------------------------------------------------------------------------------------------
+def _forward_kernel(ctx, x, *blocks, plan: _Plan, saved: Optional[_Saved]):
+    """`pipeline`'s forward schedule: this rank's stages on each microbatch; y's block on every rank.
+    With `saved`, each stage's recorded run (or, with remat, its input) is kept for the gradient."""
+    outputs = {}
+
+    def forward(step, k, h):
+        params = plan.params(step.virtual)
+        if saved is None or saved.remat:
+            out = plan.run_stage(params, h)
+            if saved is not None:
+                saved.kept[(step.mb, k)] = h
+        else:
+            with trace() as tr:
+                out = plan.run_stage(params, h)
+                release_unneeded()
+            saved.kept[(step.mb, k)] = (tr, params, h, out)
+        if k == plan.K - 1:
+            outputs[step.mb] = out
+            return None
+        return out
+
+    with _alone():
+        pieces = _pieces(plan, x, plan.x_shape, plan.x_layout) if ctx.coord(plan.mesh_dim) == 0 else None
+        _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, backward=False), forward, None,
+                 lambda m: pieces[m])
+        return _joined(ctx, plan, outputs, plan.S - 1)
+
+
+def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
+    """`pipeline`'s gradient: the backward schedule in reverse microbatch order (GPipe's), from the
+    kept runs (or runs again from the kept inputs, with remat). dx's block, then the parameters'."""
+    if saved.done:
+        raise MpimeshError("mm.pipeline: its gradient was taken already, and its stages' values went with it: "
+                           "differentiate a pipeline once per forward")
+    grads, dxs = {}, {}
+
+    def backward(step, k, g):
+        if saved.remat:
+            h = saved.kept.pop((step.mb, k))
+            with trace() as tr:
+                params = plan.params(step.virtual)
+                out = plan.run_stage(params, h)
+        else:
+            tr, params, h, out = saved.kept.pop((step.mb, k))
+        dh = _grad_step(plan, tr, [out], params, h, g if k < plan.K - 1 else seeds[step.mb], grads, step.virtual)
+        if k == 0:
+            dxs[step.mb] = dh
+            return None
+        return dh
+
+    with _alone():
+        last = ctx.coord(plan.mesh_dim) == plan.S - 1
+        seeds = _pieces(plan, dy, plan.x_shape, plan.x_layout) if last else None
+        _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, forward=False), None, backward)
+        saved.done, saved.kept = True, {}
+        return (_joined(ctx, plan, dxs, 0),) + tuple(_stacked(plan, grads))
+
+
+def _pipeline_grad(rec, dy):
+    plan, saved = rec.params["plan"], rec.params["saved"]
+    if saved is None:
+        raise MpimeshError("mm.pipeline ran outside any open trace, so nothing was kept for its gradient")
+    dy = to_layout(dy, plan.x_layout)
+    x = rec.inputs[0]
+    specs = [(x.shape, x.tensor_layout)] + [(p.shape, p.tensor_layout) for p in rec.inputs[1:]]
+    return dispatch(PIPELINE_GRAD, [dy, x] + list(rec.inputs[1:]), specs, {"plan": plan, "saved": saved})
+
+
+PIPELINE = OpDef("pipeline", _forward_kernel, grad=_pipeline_grad, saves=(ALL, ()), fill=None)
+PIPELINE_GRAD = OpDef("pipeline_grad", _backward_kernel, fill=None)
+
+
+def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str):
+    """`pipeline_value_and_grad`'s schedule: the loss, dx's block, then the parameters' gradients."""
+    kept, grads, dxs, losses = {}, {}, {}, []
+
+    def forward(step, k, h):
+        params = plan.params(step.virtual)
+        with trace() as tr:
+            out = plan.run_stage(params, h)
+            if k == plan.K - 1:
+                with layout_scope(plan.sub, plan.rules):
+                    out = plan.loss_fn(out, tpieces[step.mb])
+                losses.append(out.local)
+            release_unneeded()
+        kept[(step.mb, k)] = (tr, params, h, out)
+        return None if k == plan.K - 1 else out
+
+    def backward(step, k, g):
+        tr, params, h, out = kept.pop((step.mb, k))
+        dh = _grad_step(plan, tr, [out], params, h, g, grads, step.virtual)
+        if k == 0:
+            dxs[step.mb] = dh
+            return None
+        return dh
+
+    with _alone():
+        s = ctx.coord(plan.mesh_dim)
+        pieces = _pieces(plan, x, plan.x_shape, plan.x_layout) if s == 0 else None
+        tpieces = _pieces(plan, targets, plan.t_shape, plan.t_layout) if s == plan.S - 1 else None
+        _execute(ctx, plan, ticks(schedule, plan.S, plan.M, plan.V), forward, backward, lambda m: pieces[m])
+        xp = plan.sub.xp
+        if s == plan.S - 1:
+            total = losses[0]
+            for term in losses[1:]:
+                total = total + term
+        else:
+            total = xp.empty((), plan.loss_dtype)
+        loss = broadcast_from(ctx, xp.asarray(total), plan.mesh_dim, plan.S - 1)
+        return (loss, _joined(ctx, plan, dxs, 0)) + tuple(_stacked(plan, grads))
+
+
+PIPELINE_VALUE_AND_GRAD = OpDef("pipeline_value_and_grad", _value_and_grad_kernel, fill=None)
+
+
+# The API ----------------------------------------------------------------------------------------------
+def pipeline(stage_fn: Callable, stage_params, x, mesh_dim: str, microbatches: int, batch_dim: Optional[str] = None,
+             stage_dim: str = "stage", remat: bool = False):
+    """Stages 0, 1, ..., S-1 of `stage_fn` applied in order to `x`, pipelined over mesh dim `mesh_dim`.
+
+    Every tensor of `stage_params` (a dict, nested allowed) has a dim `stage_dim` of the size S of
+    `mesh_dim`, split over it: the rank at coordinate s holds stage s. `stage_fn(p, h)` maps one
+    stage's parameters (`stage_dim` removed, on the stage mesh: `stage_mesh`) and one microbatch `h` to
+    a tensor of h's shape and dtype. `x` is cut into `microbatches` along `batch_dim` (default: its
+    first dim; uneven cuts as `numpy.array_split`). Returns a tensor of x's shape and layout.
+    Differentiable with `mm.gradients`: the backward runs in reverse pipeline order (GPipe); it keeps
+    each stage's activations per microbatch, or with `remat` only each stage's input.
+    """
+    plan = _Plan("mm.pipeline", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, 1)
+    saved = _Saved(bool(remat)) if _trace.current_trace() is not None else None
+    xs = to_layout(x, plan.x_layout)
+    (y,) = dispatch(PIPELINE, [xs] + plan.leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
+    return to_layout(y, x.tensor_layout)
+
+
+def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params, x, targets, mesh_dim: str,
+                            microbatches: int, batch_dim: Optional[str] = None, stage_dim: str = "stage",
+                            schedule: str = "1f1b", virtual_stages: int = 1) -> tuple:
+    """`(loss, grads, dx)` of a pipeline (see `pipeline`) ending in `loss_fn(h, t)`, one microbatch's
+    scalar loss (`targets` cut like `x`): `loss` their sum, `grads` its gradients laid out as
+    `stage_params`, `dx` as `x`. `schedule`: `"gpipe"` (every forward, then every backward),
+    `"1f1b"` (at most S microbatches in flight per stage) or `"interleaved"` with `virtual_stages`
+    V: the stage dim has S*V entries, rank s holding entries s*V .. s*V+V-1, entry s*V+v applied at
+    position v*S+s (`pipeline_schedules.application_order`).
+    """
+    check_schedule(schedule, virtual_stages)
+    if not callable(loss_fn):
+        raise TypeError(f"mm.pipeline_value_and_grad: loss_fn must be a function, got {type(loss_fn).__name__}")
+    plan = _Plan("mm.pipeline_value_and_grad", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim,
+                 stage_dim, virtual_stages, loss_fn, targets)
+    xs, ts = to_layout(x, plan.x_layout), to_layout(targets, plan.t_layout)
+    specs = [(Shape([]), ()), (plan.x_shape, plan.x_layout)] + [(p.shape, p.tensor_layout) for p in plan.leaves]
+    loss, dx, *grads = dispatch(PIPELINE_VALUE_AND_GRAD, [xs, ts] + plan.leaves, specs,
+                                {"plan": plan, "schedule": schedule})
+    return loss, unflatten(plan.structure, grads), to_layout(dx, x.tensor_layout)

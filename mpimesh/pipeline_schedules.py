@@ -1,0 +1,150 @@
+"""Pipeline schedules as data: each rank's ordered steps, and the ticks all ranks run them in.
+
+A step is `(kind, microbatch, virtual)`: `"F"` (forward) or `"B"` (backward) of one microbatch
+through the rank's `virtual`-th stage. With S ranks and V virtual stages, rank s holds the stages
+applied at positions `v * S + s` of the pipeline (v = 0 .. V-1). `ticks` turns the ranks' orders
+into a table of ticks, every rank doing at most one step per tick, a step running only after the
+steps it needs ran at earlier ticks (an activation or gradient moves to the neighbour between two
+ticks). Pure Python: the same table on every rank.
+
+>>> [" ".join(f"{k}{m}" if k else "--" for k, m, _ in (a or (None, None, 0) for a in row))
+...  for row in ticks("1f1b", 2, 3)]
+['F0 --', 'F1 F0', '-- B0', 'B0 F1', 'F2 B1', 'B1 F2', '-- B2', 'B2 --']
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from .errors import MpimeshError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class Step(NamedTuple):
+    """One rank's work at one tick: `kind` "F" or "B", the microbatch, the rank's virtual stage."""
+    kind: str
+    mb: int
+    virtual: int
+
+
+def stage_of(s: int, v: int, stages: int) -> int:
+    """The pipeline position of rank `s`'s virtual stage `v` (`v * stages + s`).
+
+    >>> [stage_of(s, v, 2) for s in range(2) for v in range(2)]
+    [0, 2, 1, 3]
+    """
+    return v * stages + s
+
+
+def application_order(stages: int, virtual: int) -> list:
+    """Index along a stage dim of size `stages * virtual` (blocks of `virtual` per rank) of the
+    stage applied first, second, ...: position `v * stages + s` is index `s * virtual + v`.
+
+    >>> application_order(2, 2), application_order(3, 1)
+    ([0, 2, 1, 3], [0, 1, 2])
+    """
+    return [s * virtual + v for v in range(virtual) for s in range(stages)]
+
+
+def check_schedule(schedule: str, virtual: int) -> None:
+    """A clear error for an unknown schedule, or virtual stages outside "interleaved"."""
+    if schedule not in SCHEDULES:
+        raise MpimeshError(f"pipeline: unknown schedule {schedule!r}: use one of {', '.join(map(repr, SCHEDULES))}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise MpimeshError(f"pipeline: virtual_stages must be a positive int, got {virtual!r}")
+    if virtual > 1 and schedule != "interleaved":
+        raise MpimeshError(f"pipeline: virtual_stages={virtual} needs schedule='interleaved' (got {schedule!r})")
+
+
+def rank_order(schedule: str, stages: int, microbatches: int, s: int, virtual: int = 1,
+               forward: bool = True, backward: bool = True, extra: int = 0) -> list:
+    """Rank `s`'s steps in order. GPipe: every forward, then the backwards in reverse. 1F1B:
+    `stages - s - 1` forwards, then one forward and one backward in turn, then the last
+    backwards (at most `stages - s` microbatches in flight). Interleaved: as 1F1B over (microbatch,
+    virtual stage) pairs taken in groups of `stages` microbatches, stage by stage (Megatron-LM's);
+    `extra` more forwards before the first backward (`ticks` adds them where microbatches do not
+    fill the groups and Megatron-LM's count would wait for ever).
+
+    >>> [f"{k}{m}" for k, m, _ in rank_order("1f1b", 3, 4, 0)]
+    ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
+    """
+    M, S, V = microbatches, stages, virtual
+    pairs = sorted(((m, v) for m in range(M) for v in range(V)), key=lambda p: (p[0] // S, p[1], p[0] % S))
+    fwd = [Step("F", m, v) for m, v in pairs]
+    bwd = [Step("B", m, V - 1 - v) for m, v in pairs]
+    if not backward:
+        return fwd
+    if not forward:
+        return bwd[::-1] if schedule == "gpipe" else bwd
+    if schedule == "gpipe":
+        return fwd + bwd[::-1]
+    warm = min(len(fwd), ((S - s - 1) if V == 1 else (S - s - 1) * 2 + (V - 1) * S) + extra)
+    order = fwd[:warm]
+    for f, b in zip(fwd[warm:], bwd):
+        order += [f, b]
+    return order + bwd[len(fwd) - warm:]
+
+
+def ticks(schedule: str, stages: int, microbatches: int, virtual: int = 1, forward: bool = True,
+          backward: bool = True) -> list:
+    """The tick table: per tick, one `Step` or None per rank. A forward of position k needs the
+    forward of position k-1 at an earlier tick; a backward needs its forward and the backward of
+    position k+1 (the last position: its own forward) earlier. Without `forward`, backwards only
+    (the gradient pass of `mm.pipeline`, whose forwards ran before); without `backward`, forwards only."""
+    for extra in range(microbatches * virtual + 1):
+        orders = [rank_order(schedule, stages, microbatches, s, virtual, forward, backward, extra)
+                  for s in range(stages)]
+        table = _run(orders, stages, virtual, forward)
+        if table is not None:
+            return table
+    raise MpimeshError(f"pipeline schedule {schedule!r} ({stages} stages, {microbatches} microbatches, {virtual} "
+                       f"virtual) cannot progress")  # (a bug in the orders: never for users)
+
+
+def _run(orders: list, S: int, V: int, forward: bool) -> Optional[list]:
+    """The tick table of the ranks' `orders`, or None where they wait for each other for ever."""
+    last = S * V - 1
+    done: dict = {}
+    at = [0] * S
+    table: list = []
+    while any(at[s] < len(orders[s]) for s in range(S)):
+        t, row = len(table), []
+        for s in range(S):
+            step = orders[s][at[s]] if at[s] < len(orders[s]) else None
+            if step is not None and _ready(step, stage_of(s, step.virtual, S), last, done, t, forward):
+                row.append(step)
+                at[s] += 1
+            else:
+                row.append(None)
+        if all(r is None for r in row):
+            return None
+        for s, step in enumerate(row):
+            if step is not None:
+                done[(step.kind, step.mb, stage_of(s, step.virtual, S))] = t
+        table.append(row)
+    return table
+
+
+def _ready(step: Step, k: int, last: int, done: dict, t: int, forwards: bool) -> bool:
+    def before(key) -> bool:
+        return key in done and done[key] < t
+    if step.kind == "F":
+        return k == 0 or before(("F", step.mb, k - 1))
+    if forwards and not before(("F", step.mb, k)):
+        return False
+    return k == last or before(("B", step.mb, k + 1))
+
+
+def most_in_flight(table: list, s: int) -> int:
+    """The most microbatches (forwards not yet matched by their backward) rank `s` holds at once.
+
+    >>> most_in_flight(ticks("1f1b", 4, 8), 0), most_in_flight(ticks("gpipe", 4, 8), 0)
+    (4, 8)
+    """
+    held = most = 0
+    for row in table:
+        step: Optional[Step] = row[s]
+        if step is not None:
+            held += 1 if step.kind == "F" else -1
+            most = max(most, held)
+    return most
