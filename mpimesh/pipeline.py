@@ -1,23 +1,16 @@
 """Pipeline parallelism over a mesh dim (GSPMD's and GPipe's): `pipeline`, `pipeline_value_and_grad`.
 
-Every tensor of `stage_params` has a stage dim split over `mesh_dim`: the rank at coordinate s holds
-stage s (with V virtual stages, the block of V stages s*V .. s*V+V-1, applied at positions
-v*S + s: `pipeline_schedules.application_order`). A rank runs `stage_fn` only for its own stages, on
-the *stage mesh*: this mesh with `mesh_dim` of size 1, over the ranks that share its coordinate
-there (`stage_mesh`), so operator parallelism over the other mesh dims nests inside a stage, and
-their collectives involve only ranks that run the same schedule. Between ticks of the schedule
-(`pipeline_schedules.ticks`) activations and their gradients move to the neighbouring stage
-(`collectives.p2p.sendrecv`); every rank of the mesh runs the same transfers, so the SPMD check and
-the time-outs cover them. A pipeline is one op of the open traces (its gradient op runs the
-backward schedule); `stage_fn` first runs dry on shapes, on every rank, so that an error in it is
-raised everywhere before anything moves. More: docs/pipelines.md.
+The rank at coordinate s of `mesh_dim` holds stage s of the stage-stacked parameters and runs
+`stage_fn` for it on the *stage mesh* (`stage_mesh`: `mesh_dim` of size 1, the ranks of its
+coordinate), where operator parallelism over the other mesh dims nests. Activations and gradients
+move to the neighbouring stage between the ticks of a schedule (`pipeline_schedules.ticks`,
+`collectives.p2p.sendrecv`). A pipeline is one op of the open traces. More: docs/pipelines.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("stages:1", comm=mm.MPI.COMM_SELF)
 >>> scale = mesh.from_numpy(np.array([[2.0, 3.0]]), "stage:1;d:2", "stage:stages")
 >>> x = mesh.from_numpy(np.arange(6.0).reshape(3, 2), "b:3;d:2")
->>> y = pipeline(lambda p, h: h * p["scale"], {"scale": scale}, x, "stages", microbatches=2)
->>> y.to_numpy().tolist()
+>>> pipeline(lambda p, h: h * p["scale"], {"scale": scale}, x, "stages", microbatches=2).to_numpy().tolist()
 [[0.0, 3.0], [4.0, 9.0], [8.0, 15.0]]
 """
 from __future__ import annotations

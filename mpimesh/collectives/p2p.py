@@ -52,10 +52,9 @@ def broadcast_from(coll, x, mesh_dim: str, root: int):
         raise MpimeshError(f"broadcast over {mesh_dim!r}: root {root} is not a coordinate 0..{k - 1}")
     if k == 1:
         return x
-    xp = coll.xp if not isinstance(x, np.ndarray) else np
     buf = np.array(to_host(x), copy=True, order="C")  # (through the host on a GPU: not a hot path)
     _transfer(coll, "broadcast", mesh_dim, buf, buf, f" from {root}", root=root)
-    return buf if xp is np else xp.asarray(buf)
+    return buf if isinstance(x, np.ndarray) else coll.xp.asarray(buf)
 
 
 def _into(out, x):
