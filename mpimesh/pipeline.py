@@ -16,10 +16,8 @@ move to the neighbouring stage between the ticks of a schedule (`pipeline_schedu
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 from typing import Callable, Optional
 
-from . import trace as _trace
 from .autodiff import gradients
 from .backend import is_float
 from .collectives.p2p import broadcast_from, sendrecv
@@ -31,10 +29,10 @@ from .mesh import Mesh, layout_scope
 from .opdef import ALL, OpDef
 from .ops.relayout import to_layout
 from .ops.slicing import concat, split
-from .pipeline_schedules import application_order, check_schedule, stage_of, ticks
+from .pipeline_schedules import check_schedule, stage_of, ticks
 from .shape import Dimension, Shape
 from .tensor import DistTensor, tensor_arg
-from .trace import dispatch, release_unneeded, trace
+from .trace import current_trace, dispatch, release_unneeded, set_apart, trace
 from .tree import flatten, named_leaves, unflatten
 
 _stage_meshes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -56,19 +54,6 @@ def stage_mesh(mesh: Mesh, mesh_dim: str) -> Mesh:
         sub = per[mesh_dim] = Mesh(shape, mesh.rules, comm=comm, backend=mesh.backend, device=mesh.device,
                                    transport=mesh.transport)
     return sub
-
-
-@contextmanager
-def _alone():
-    """Inside the block, ops are recorded in no trace open outside it and belong to no remat region:
-    a pipeline's stage ops are its own op's business (its kernel runs them)."""
-    traces, regions, kept = _trace._open_traces[:], _trace._regions[:], _trace._kept
-    del _trace._open_traces[:], _trace._regions[:]
-    _trace._kept = _trace._Kept()
-    try:
-        yield
-    finally:
-        _trace._open_traces[:], _trace._regions[:], _trace._kept = traces, regions, kept
 
 
 class _Plan:
@@ -156,7 +141,7 @@ class _Plan:
         """Run `stage_fn` (and `loss_fn`) dry on the first microbatch's shapes: a bad result, or an
         error inside, is raised on every rank before any transfer."""
         dry = DryMesh(self.sub.shape, self.rules)
-        with paused(), _alone():
+        with paused(), set_apart():
             p = unflatten(self.structure, [placeholder(dry, shape, leaf.dtype, layout)
                                            for leaf, (shape, layout, _) in zip(self.leaves, self.views)])
             h = placeholder(dry, self.mb_shape(0), self.dtype, self.x_layout)
@@ -289,7 +274,7 @@ def _forward_kernel(ctx, x, *blocks, plan: _Plan, saved: Optional[_Saved]):
             return None
         return out
 
-    with _alone():
+    with set_apart():
         pieces = _pieces(plan, x, plan.x_shape, plan.x_layout) if ctx.coord(plan.mesh_dim) == 0 else None
         _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, backward=False), forward, None,
                  lambda m: pieces[m])
@@ -318,7 +303,7 @@ def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
             return None
         return dh
 
-    with _alone():
+    with set_apart():
         last = ctx.coord(plan.mesh_dim) == plan.S - 1
         seeds = _pieces(plan, dy, plan.x_shape, plan.x_layout) if last else None
         _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, forward=False), None, backward)
@@ -364,7 +349,7 @@ def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str)
             return None
         return dh
 
-    with _alone():
+    with set_apart():
         s = ctx.coord(plan.mesh_dim)
         pieces = _pieces(plan, x, plan.x_shape, plan.x_layout) if s == 0 else None
         tpieces = _pieces(plan, targets, plan.t_shape, plan.t_layout) if s == plan.S - 1 else None
@@ -397,7 +382,7 @@ def pipeline(stage_fn: Callable, stage_params, x, mesh_dim: str, microbatches: i
     each stage's activations per microbatch, or with `remat` only each stage's input.
     """
     plan = _Plan("mm.pipeline", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, 1)
-    saved = _Saved(bool(remat)) if _trace.current_trace() is not None else None
+    saved = _Saved(bool(remat)) if current_trace() is not None else None
     xs = to_layout(x, plan.x_layout)
     (y,) = dispatch(PIPELINE, [xs] + plan.leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
     return to_layout(y, x.tensor_layout)

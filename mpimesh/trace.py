@@ -249,6 +249,20 @@ def take_over(i: int) -> None:
         _kept.needed.add(i)
 
 
+@contextmanager
+def set_apart() -> Iterator[None]:
+    """Inside the block, ops are recorded in no trace open outside it and belong to no remat region:
+    for an op whose kernel runs other ops (a pipeline's stages), which are its own business."""
+    global _kept
+    traces, regions, kept = _open_traces[:], _regions[:], _kept
+    del _open_traces[:], _regions[:]
+    _kept = _Kept()
+    try:
+        yield
+    finally:
+        _open_traces[:], _regions[:], _kept = traces, regions, kept
+
+
 def release_unneeded() -> None:
     """Free now every array of the open traces that nothing but them holds and no gradient rule
     reads (`mm.gradients` calls it before its backward pass)."""
