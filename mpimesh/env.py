@@ -41,6 +41,7 @@ KNOWN: dict[str, str] = {
     "MPIMESH_AUTO_THREADS": "threads.py writes it: a default it chose",
     "MPIMESH_BENCH_REEXEC": "benchmarks/common.py writes it: the process was re-executed",
     "MPIMESH_BENCH_LOCK": "benchmarks/common.py: the lock file of timed runs ('' for none)",
+    "MPIMESH_BENCH_ROOT": "benchmarks/common.py: the mpimesh checkout a benchmark imports (default: its own)",
     # the tests'
     "MPIMESH_TEST_SLOW_SAVE": "checkpoint.py: a save sleeps, for the crash tests",
     "MPIMESH_TEST_RANKS": "tests/run.py: rank counts", "MPIMESH_TEST_TIMEOUT": "tests/run.py: seconds per run",

@@ -364,12 +364,13 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
     else:
         _remember(op)  # the flight recorder (`mpimesh.flight`): always on
         if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
+            outer = guard.in_op[0]
             guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"
             try:
                 result = mesh.run(op, params, arrays, len(out_specs), out=out) if out is not None else \
                     mesh.run(op, params, arrays, len(out_specs))
             finally:
-                guard.in_op[0] = ""
+                guard.in_op[0] = outer  # (an op whose kernel runs ops, a pipeline's: its own again)
         elif out is None:
             result = mesh.run(op, params, arrays, len(out_specs))
         else:

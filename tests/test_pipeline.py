@@ -13,7 +13,7 @@ from mpi4py import MPI
 import mpimesh as mm
 from mpimesh.pipeline_schedules import application_order, most_in_flight, ticks
 
-SHAPES = ["stages:1", "stages:2", "stages:4", "stages:2;cols:2", "stages:2;batch:2", "stages:4;cols:2",
+SHAPES = ["stages:1", "stages:2", "stages:3", "stages:4", "stages:2;cols:2", "stages:2;batch:2", "stages:4;cols:2",
           "stages:2;batch:2;cols:2"]
 B, D, F = 12, 3, 4
 
@@ -129,7 +129,7 @@ def test_value_and_grad_equal_the_sequential_reference(shape, microbatches, sche
 
 def test_the_spmd_check_sees_every_rank_at_the_same_transfers():
     n = MPI.COMM_WORLD.Get_size()
-    mesh = _mesh({1: "stages:1", 2: "stages:2", 4: "stages:2;cols:2", 8: "stages:2;batch:2;cols:2"}.get(n, "x"))
+    mesh = _mesh({4: "stages:2;cols:2", 8: "stages:2;batch:2;cols:2"}.get(n, f"stages:{n}"))
     S = mesh.shape["stages"].size
     w1, w2, x0, t0 = _data(S)
     params, x = _params(mesh, w1, w2), mesh.from_numpy(x0, f"b:{B};d:{D}")
@@ -174,7 +174,7 @@ def _bad(mesh, **kw):
 
 def test_bad_input_is_named():
     n = MPI.COMM_WORLD.Get_size()
-    mesh = _mesh({1: "stages:1", 2: "stages:2", 4: "stages:4", 8: "stages:4;cols:2"}.get(n, "x"))
+    mesh = _mesh({8: "stages:4;cols:2"}.get(n, f"stages:{n}"))
     S = mesh.shape["stages"].size
     w = np.ones((S, D, F))
     with pytest.raises(mm.MpimeshError, match="no stage dim 'stage'"):

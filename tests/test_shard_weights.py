@@ -235,6 +235,41 @@ def test_each_rank_holds_its_share_of_parameters_and_optimizer_state():
     assert sum(t.local.nbytes for s in ("m", "v") for t in state[s].values()) == 2 * full / n
 
 
+@pytest.mark.parametrize("fmt", ["mpimesh", "safetensors"])
+def test_checkpoints_move_between_sharded_and_replicated_layouts_and_rank_counts(tmp_path, fmt):
+    n = mm.MPI.COMM_WORLD.size
+    world = mm.MPI.COMM_WORLD
+    mesh = get_mesh(f"all:{n}", "batch:all")
+    rng = np.random.default_rng(3)
+    values = {"w": rng.standard_normal((3 * n + 1, 4 * n)), "b": rng.standard_normal(4 * n)}  # uneven rows
+    shapes = {"w": f"d:{3 * n + 1};f:{4 * n}", "b": f"f:{4 * n}"}
+    p = mm.shard_weights({k: mesh.from_numpy(v, shapes[k]) for k, v in values.items()}, "all", dims={"w": "d"})
+    state = mm.optim.Adam(0.01).init(p)
+    folder = world.bcast(str(tmp_path), root=0)
+    sharded = os.path.join(folder, "sharded")
+    save = {"format": "safetensors"} if fmt == "safetensors" else {}
+    mm.save(sharded, {"params": p, "m": state["m"]} if fmt == "mpimesh" else p, **save)
+    # back on the same ranks replicated, and on one rank alone (each rank its own 1-rank mesh)
+    for where in (mesh, mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)):
+        got = mm.load(sharded, where, layout="")
+        got = got["params"] if fmt == "mpimesh" else got
+        for k, v in values.items():
+            assert got[k].layout == {} and got[k].mesh is where
+            np.testing.assert_array_equal(got[k].to_numpy(), v)
+    # saved replicated by rank 0 alone, loaded sharded on every rank as shard_weights lays it out
+    alone = os.path.join(folder, "alone")
+    if world.rank == 0:
+        one = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+        mm.save(alone, {k: one.from_numpy(v, shapes[k]) for k, v in values.items()}, **save)
+    world.Barrier()
+    back = mm.load(alone, mesh, layout="d:all")  # (w split already; b left for shard_weights)
+    resharded = mm.shard_weights(back, "all", dims={"w": "d"})
+    for k, v in values.items():
+        assert resharded[k].tensor_layout == p[k].tensor_layout or n == 1  # (a size-1 mesh dim splits nothing)
+        np.testing.assert_array_equal(resharded[k].local, p[k].local)
+        np.testing.assert_array_equal(resharded[k].to_numpy(), v)
+
+
 # ------------------------------------------------------------------------------------------ the Transformer
 
 CFG = T.Config(d_model=12, heads=3, d_kv=4, d_ff=10, layers=2, length=6, batch=6, dtype="float64")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from .. import counters
+from .. import counters, flight
 from ..backend import is_low_precision, to_host, wire_dtype
 from ..errors import MpimeshError
 from .base import DONE, Request
@@ -82,6 +82,8 @@ def _transfer(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) 
         request = DONE
     else:
         request = _post(coll, dims, send, recv, where["dest"], where["src"])
+    if flight.timeline:  # (its span, and the wait for the last rank to arrive, in an open timeline)
+        coll._spanned(request, kind, dims, send.nbytes)
     coll._complete(request, dims)
 
 
