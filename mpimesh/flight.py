@@ -2,8 +2,8 @@
 
 `ring` keeps this rank's last `MPIMESH_FLIGHT_RECORDS` (200) ops and collectives: an op's `OpDef` as it
 is (no time: one append per op), else a small tuple (`(time, "collective", the guard's key, mesh
-shape)`, `(time, "replay", name)`); `dump` writes it when a time-out or divergence ends the job (`mpimesh.abort`). `timeline`
-holds the open timeline's event list, or nothing: the hot paths test it once. Event layouts:
+shape)`, `(time, "replay", name)`); `dump` writes it when a time-out or divergence ends the job
+(`mpimesh.abort`). `timeline` holds the open timeline's event list, or nothing: the hot paths test it once. Event layouts:
 docs/timeline.md.
 
 >>> events = open_timeline()
