@@ -21,7 +21,7 @@ import tempfile
 import numpy as np
 
 import mpimesh as mm
-from common import WORLD, compare, kernel_report, load_average, rank0_print, table
+from common import WORLD, compare, kernel_report, load_average, on_rank0, rank0_print, table
 
 S = 2  # stages: the ranks
 
@@ -111,12 +111,7 @@ def main() -> None:
     cases.update({f"interleaved V=2 M={m}": ("interleaved", m, 2, half) for m in (4, 8)})
     fns = {name: pipelined_step(mesh, w, x, t, args.d, m, s, v) for name, (s, m, v, w) in cases.items()}
     ref = reference_step(whole, x, t, args.d, args.f) if WORLD.Get_rank() == 0 else None
-
-    def alone():  # the unpipelined step on rank 0, the other rank idle (not spinning) meanwhile
-        if ref is not None:
-            ref()
-        common._sleep_barrier(WORLD)
-    fns["one rank, unpipelined"] = alone
+    fns["one rank, unpipelined"] = lambda: on_rank0(lambda: ref() and None)  # (the other rank sleeps meanwhile)
     times = compare(fns, repeat=args.repeat)
     t1 = times.pop("one rank, unpipelined")[1]
     folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None, root=0)

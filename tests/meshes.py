@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import mpimesh as mm
 from mpimesh.collectives import guard
+from mpimesh.tree import tensors
 
 _SHAPES = {
     1: ["all:1", "rows:1;cols:1", "rows:1;cols:1;planes:1"],
@@ -155,3 +156,21 @@ class Errors(list):
 
     def check(self) -> None:
         assert not self, f"{len(self)} failures:\n" + "\n".join(self[:6])
+
+
+def adam_mlp_step(opt):
+    """The cost tests' training step: a two-layer MLP (`params` w1, w2; `batch` x, y), its mean
+    squared error, gradients and `opt`'s update, traced."""
+    def step(params, state, batch):
+        with mm.trace():
+            h = mm.relu(mm.einsum([batch["x"], params["w1"]]))
+            loss = mm.reduce_mean(mm.square(mm.einsum([h, params["w2"]]) - batch["y"]))
+            grads = dict(zip(params, mm.gradients([loss], list(params.values()))))
+            params, state = opt.update(params, grads, state)
+        return params, state, loss
+    return step
+
+
+def local_bytes(tree) -> int:
+    """The bytes of this rank's blocks of the tensors in `tree`."""
+    return sum(t.local.nbytes for t in tensors(tree))

@@ -15,8 +15,7 @@ from mpimesh.backend import resolve_backend
 from mpimesh.cost import ArgSpec, Machine, estimate, record
 from mpimesh.cost.search import plan_label, split_label
 from mpimesh.dryrun import DryMesh
-from mpimesh.tree import tensors
-from meshes import transfers
+from meshes import adam_mlp_step, local_bytes, transfers
 
 pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu): dry runs need it")
 
@@ -69,8 +68,8 @@ def test_a_sharded_layers_bytes_agree_with_the_real_run():
     rec = record(_grad_step, (p, x), mesh, weights="all")
     with mm.profile(memory=True) as prof:
         _grad_step(p, x)
-    measured = WORLD.allreduce(_local_bytes((p, x)) + prof.peak_bytes["arrays"], op=MPI.MAX)
-    assert rec.state_bytes == WORLD.allreduce(_local_bytes((p, x)), op=MPI.MAX)  # coordinate 0's blocks: the largest
+    measured = WORLD.allreduce(local_bytes((p, x)) + prof.peak_bytes["arrays"], op=MPI.MAX)
+    assert rec.state_bytes == WORLD.allreduce(local_bytes((p, x)), op=MPI.MAX)  # coordinate 0's blocks: the largest
     # the model counts no kernel temporaries: the gradient's GEMM may copy this rank's block of x (x^T)
     assert abs(rec.bytes_per_rank - measured) <= 0.05 * measured + x.local.nbytes, (rec.bytes_per_rank, measured)
     assert _at_rank0(transfers(prof.transfers) == rec.collectives)  # the dry run counts coordinate 0's blocks
@@ -105,18 +104,7 @@ def _mlp(mesh, rules: str, shard: str = ""):
         opt = mm.optim.Adam(1e-3)
         state = opt.init(params)
 
-    def step(params, state, batch):
-        with mm.trace():
-            h = mm.relu(mm.einsum([batch["x"], params["w1"]]))
-            loss = mm.reduce_mean(mm.square(mm.einsum([h, params["w2"]]) - batch["y"]))
-            grads = dict(zip(params, mm.gradients([loss], list(params.values()))))
-            params, state = opt.update(params, grads, state)
-        return params, state, loss
-    return step, (params, state, batch)
-
-
-def _local_bytes(tree) -> int:
-    return sum(t.local.nbytes for t in tensors(tree))
+    return adam_mlp_step(opt), (params, state, batch)
 
 
 def _at_rank0(verdict: bool) -> bool:
@@ -169,14 +157,14 @@ def test_memory_short_of_every_rules_string_shards_the_weights():
     miss = {}
     for shard in ("", plan.shard_weights):
         step, args = _mlp(mesh, plan.rules, shard)
-        held = _local_bytes(args)
+        held = local_bytes(args)
         with mm.layout_scope(mesh, plan.rules), mm.profile(memory=True) as prof:
             step(*args)
         measured = WORLD.allreduce(held + prof.peak_bytes["arrays"], op=MPI.MAX)
         predicted = plan.bytes_per_rank if shard else estimate(plan.recording, plan.rules, None, TOY,
                                                                weights="")["bytes_per_rank"]
         miss[shard] = (abs(predicted - measured), measured)
-    assert WORLD.allreduce(held, op=MPI.MAX) == e["state_bytes"] and held < _local_bytes(_mlp(mesh, plan.rules)[1])
+    assert WORLD.allreduce(held, op=MPI.MAX) == e["state_bytes"] and held < local_bytes(_mlp(mesh, plan.rules)[1])
     assert _at_rank0(transfers(prof.transfers) == e["collectives"])
     assert {"allgather/all", "reduce_scatter/all"} <= set(e["collectives"])
     assert miss["all"][0] <= miss[""][0] + 0.05 * miss["all"][1], (plan.rules, plan.bytes_per_rank, miss)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 import mpimesh as mm
 from mpimesh.backend import resolve_backend
 from mpimesh import counters
-from meshes import mesh_shapes, transfers
+from meshes import adam_mlp_step, local_bytes, mesh_shapes, transfers
 
 pytest.importorskip("jax", reason="jax is not installed (python3 install.py tpu): dry runs need it")
 if MPI.COMM_WORLD.Get_size() > 4:  # the meshes of 1-4 ranks cover 1-D, 2-D, 3-D and uneven blocks
@@ -22,7 +22,6 @@ if MPI.COMM_WORLD.Get_size() > 4:  # the meshes of 1-4 ranks cover 1-D, 2-D, 3-D
 
 from mpimesh.cost import ArgSpec, Machine, collective_seconds, estimate, record  # noqa: E402
 from mpimesh.dryrun import DryMesh  # noqa: E402
-from mpimesh.tree import tensors  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 TOY = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30, memory_bandwidth=4e9, op_overhead=2e-6,
@@ -242,31 +241,16 @@ def _wide(mesh, rules):
     return params, state, batch, opt
 
 
-def _adam_step(opt):
-    def step(params, state, batch):
-        with mm.trace():
-            h = mm.relu(mm.einsum([batch["x"], params["w1"]]))
-            loss = mm.reduce_mean(mm.square(mm.einsum([h, params["w2"]]) - batch["y"]))
-            grads = dict(zip(params, mm.gradients([loss], list(params.values()))))
-            params, state = opt.update(params, grads, state)
-        return params, state, loss
-    return step
-
-
-def _local_bytes(tree) -> int:
-    return sum(t.local.nbytes for t in tensors(tree))
-
-
 @pytest.mark.skipif(resolve_backend(None) != "numpy", reason="measures host memory (tracemalloc)")
-def test_memory_limit_shards_parameters_and_predicts_local_bytes():
+def test_memory_limit_shards_parameters_and_predictslocal_bytes():
     """With a limit below what the replicated step needs (parameters, Adam's state, and the
     activations its trace holds), the plan splits the parameters, and its bytes per rank are within
     10% of what a real run holds: the arguments' `.local` blocks plus the peak of the arrays the
     step allocates (tracemalloc), on the rank with the most."""
     mesh = mm.Mesh(mesh_shapes()[0] if WORLD.Get_size() < 4 else mesh_shapes()[1])  # 1-D; 2-D from 4 ranks
     params, state, batch, opt = _wide(mesh, "")
-    replicated = _local_bytes((params, state))
-    step = _adam_step(opt)
+    replicated = local_bytes((params, state))
+    step = adam_mlp_step(opt)
     need = record(step, (params, state, batch), mesh, "").bytes_per_rank  # replicated: all of it on every rank
     assert need > replicated
     limit = 0.75 * need if mesh.size > 1 else 2**40
@@ -277,7 +261,7 @@ def test_memory_limit_shards_parameters_and_predicts_local_bytes():
     if mesh.size > 1:
         assert plan.too_big and ({"hidden", "io", "out"} & set(split)), plan.report()
     params, state, batch, _ = _wide(mesh, plan.rules)
-    held = _local_bytes((params, state, batch))
+    held = local_bytes((params, state, batch))
     with mm.layout_scope(mesh, plan.rules), mm.profile(memory=True) as prof:
         step(params, state, batch)
     measured = WORLD.allreduce(held + prof.peak_bytes["arrays"], op=MPI.MAX)
@@ -315,7 +299,7 @@ def test_bytes_per_rank_counts_views_once_with_d_model_split():
                   for n in ("q", "k", "v")}
         x = mesh.from_numpy(rng.normal(size=(8, 64, 50)).astype(np.float32), "batch:8;length:64;d_model:50")
     predicted = record(_attention_step, (params, x), mesh, rules).bytes_per_rank
-    held = _local_bytes((params, x))
+    held = local_bytes((params, x))
     with mm.layout_scope(mesh, rules), mm.profile(memory=True) as prof:
         _attention_step(params, x)
     measured = WORLD.allreduce(held + prof.peak_bytes["arrays"], op=MPI.MAX)
