@@ -7,8 +7,8 @@ Speed: `benchmarks/mlp_step.py`'s data-parallel step (apps/two_layer.py, `batch:
 Transformer's (apps/transformer.py, a weight-heavy configuration, Adam), each eager and compiled, with its
 weights replicated (data parallel) and sharded over the same mesh dim; the median of interleaved runs,
 the ratio sharded / replicated (bars: the MLP at most 1.10x, the Transformer 1.15x), the bytes each rank
-sends per step (allgather + reduce-scatter against the allreduce) and the share of the step spent
-completing collectives. Memory (`--memory`): parameter, gradient and optimizer bytes per rank against
+sends per step (allgather + reduce-scatter against the allreduce) and the share of the time in collectives
+that ran hidden behind compute (compiled steps prefetch gathers and overlap reduce-scatters: docs/weight_sharding.md). Memory (`--memory`): parameter, gradient and optimizer bytes per rank against
 replicated / N, and the Transformer step's peak of live arrays (`mm.profile(memory=True)`), replicated,
 sharded, and sharded with `mm.remat` per block (which gathers each weight again in the backward:
 FSDP's reshard-after-forward). Prints figures and ratios, no verdict against another machine's.
@@ -82,18 +82,26 @@ def transformer_case(mesh, cfg, shard: bool, compiled: bool, remat: bool = False
 
 def speed(mesh, name: str, make, repeat: int) -> list:
     rows = []
+    timer = _TIMERS.setdefault(id(mesh), T.CommTimer(mesh))
     for compiled in (False, True):
         fns = {"replicated": make(False, compiled), "sharded": make(True, compiled)}
         times = compare(fns, repeat=repeat)
-        traffic = {}
+        traffic, hidden = {}, {}
         for label, fn in fns.items():
+            c0 = timer.seconds
             with mm.profile() as prof:
                 fn()
             traffic[label] = sent_bytes(prof, mesh)
+            comm = timer.seconds - c0 + prof.overlap["seconds"]  # blocking collectives, and non-blocking ones' lives
+            hidden[label] = prof.overlap["hidden"] / comm if comm else 0.0
         rep, sh = times["replicated"][1], times["sharded"][1]  # medians
         rows.append([name, "compiled" if compiled else "eager", f"{rep * 1e3:.2f}", f"{sh * 1e3:.2f}",
-                     f"{sh / rep:.3f}", f"{traffic['replicated'] / 2**20:.3f}", f"{traffic['sharded'] / 2**20:.3f}"])
+                     f"{sh / rep:.3f}", f"{traffic['replicated'] / 2**20:.3f}", f"{traffic['sharded'] / 2**20:.3f}",
+                     f"{hidden['replicated']:.0%}", f"{hidden['sharded']:.0%}"])
     return rows
+
+
+_TIMERS: dict = {}  # one per mesh: it wraps the mesh's collectives once
 
 
 def memory(mesh, cfg) -> None:
@@ -132,8 +140,10 @@ def main() -> None:
     rows = speed(mesh, "MLP b512 1024x4096 SGD", lambda s, c: mlp_case(mesh, sizes, s, c), args.repeat)
     rows += speed(mesh, "Transformer d512 ff2048 Adam", lambda s, c: transformer_case(mesh, cfg, s, c)[0],
                   args.repeat)
-    rank0_print("\nstep time (median ms, slowest rank) and MiB each rank sends per step:")
-    rank0_print(table(["step", "mode", "replicated", "sharded", "ratio", "sent repl.", "sent shard."], rows))
+    rank0_print("\nstep time (median ms, slowest rank), MiB each rank sends per step, and the share of the time in "
+                "collectives that ran hidden behind compute (prefetched gathers, overlapped reduce-scatters, buckets):")
+    rank0_print(table(["step", "mode", "replicated", "sharded", "ratio", "sent repl.", "sent shard.", "hidden repl.",
+                       "hidden shard."], rows))
     if args.memory:
         memory(mesh, cfg)
 

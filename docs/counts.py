@@ -44,7 +44,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("mesh", ("mesh",)),
     ("trace", ("trace",)),
     ("tensor", ("tensor",)),
-    ("replay", ("program", "dryrun", "tpu", "tpu.*")),
+    ("replay", ("program", "overlap", "dryrun", "tpu", "tpu.*")),
     ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
     ("engines", ("compiled", "graphs", "remat", "pipeline", "cost", "cost.*")),

@@ -30,7 +30,8 @@ from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
 from . import liveness
-from .program import BucketStep, OpStep, Program, ProgramError
+from .overlap import prefetch_depth, schedule
+from .program import AsyncStep, BucketStep, OpStep, Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
 from .trace import current_trace, trace
 from .tree import flatten, unflatten
@@ -316,6 +317,7 @@ class _Engine:
             if k in starts:
                 self.steps.append(BucketStep("start", starts[k]))
         self.steps += [BucketStep("wait", b) for b in waits.get(len(program.ops), ())]
+        self.steps = schedule(self.steps, prefetch_depth())
         self.n_slots = len(slots)
         self.n_inputs = len(program.input_ids)
         self.outputs = [slots[i] for i in program.output_ids]
@@ -373,6 +375,14 @@ class _Engine:
                     counters.record_flops(step.flops)
                 for request in flying.values():  # MPI moves data only inside its calls
                     request.test()
+            elif type(step) is AsyncStep:
+                op = step.step
+                if step.kind == "start":
+                    flying[id(op)] = step.begin(ctx or self.mesh.collectives, *[env[s] for s in op.ins])
+                else:
+                    env[op.outs[0]] = flying.pop(id(op)).wait()
+                    for s in op.frees:
+                        env[s] = None
             elif step.kind == "make":
                 env[step.bucket.flat] = step.bucket.make(ctx or self.mesh.collectives)
             elif step.kind == "start":
@@ -387,6 +397,8 @@ def _step_span(t0: float, step, env: list, ins) -> None:
     if type(step) is OpStep:
         flight.span(t0, step.op.name, "op", {"flops": step.flops, "shapes": ins,
                                              "out_shapes": [_shape(env[s]) for s in step.outs], "compiled": True})
+    elif type(step) is AsyncStep:
+        flight.span(t0, f"{step.step.op.name} {step.kind}", "overlap", {"compiled": True})
     else:
         b = step.bucket
         flight.span(t0, f"bucket {step.kind}", "bucket", {"bytes": b.size * b.dtype.itemsize, "mesh_dims": list(b.dims),

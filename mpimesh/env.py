@@ -33,7 +33,7 @@ KNOWN: dict[str, str] = {
     "MPIMESH_SPMD_CHECK": "collectives/guard.py", "MPIMESH_COLLECTIVE_TIMEOUT": "collectives/guard.py",
     "MPIMESH_HANG_NOTICE": "collectives/guard.py",
     "MPIMESH_SHM": "collectives/shm.py", "MPIMESH_CUDA_AWARE_MPI": "collectives/placement.py",
-    "MPIMESH_DEBUG": "trace.py", "MPIMESH_BUCKET_BYTES": "buckets.py", "MPIMESH_CUDA_GRAPHS": "graphs.py",
+    "MPIMESH_DEBUG": "trace.py", "MPIMESH_BUCKET_BYTES": "buckets.py", "MPIMESH_PREFETCH": "overlap.py", "MPIMESH_CUDA_GRAPHS": "graphs.py",
     "MPIMESH_JAX_COORDINATOR": "tpu/distributed.py", "MPIMESH_CACHE_DIR": "cost/cache.py",
     "MPIMESH_RECALIBRATE": "cost/cache.py",
     "MPIMESH_FLIGHT_RECORDS": "flight.py", "MPIMESH_FLIGHT_DIR": "flight.py",

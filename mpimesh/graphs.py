@@ -19,7 +19,7 @@ from . import env
 from .backend import on_gpu
 from . import counters, flight
 from . import liveness
-from .program import OpStep
+from .program import BucketStep, OpStep
 
 _TRANSFERS = frozenset({"allreduce", "iallreduce", "allgather", "alltoall", "reduce_scatter", "permute",
                         "exscan", "any_rank", "guard"})
@@ -113,7 +113,7 @@ class GraphEngine:
         self.plan: list = []
         self.held: dict = {}  # slot -> the array a graph writes, kept for the graphs' life
         self.segments = self.host_steps = 0
-        self.last_read = liveness.last_uses(_read(step) for step in engine.steps)  # slot -> its last reader
+        self.last_read = liveness.last_uses(step.reads() for step in engine.steps)  # slot -> its last reader
 
     def run(self, arrays: list) -> list:
         self.runs += 1
@@ -159,8 +159,8 @@ class GraphEngine:
         engine, cap = self.engine, self.cap
         while j > i:
             ops = engine.steps[i:j]
-            made = {s for step in ops for s in _made(step)}
-            reads = sorted({s for step in ops for s in _read(step)} - made)
+            made = {s for step in ops for s in step.writes()}
+            reads = sorted({s for step in ops for s in step.reads()} - made)
             copies = [(s, env[s]) for s in reads if s not in graph_made and s not in constant]
             statics = [(s, cap.static(a)) for s, a in copies]
             saved = list(env)
@@ -232,17 +232,5 @@ class GraphEngine:
 
 def _device_step(step) -> bool:
     """Whether a step runs on the device (an op's kernel, a bucket's buffer made), so a graph may
-    capture it; a bucket's allreduce and its wait run on the host."""
-    return type(step) is OpStep or step.kind == "make"
-
-
-def _made(step) -> list:
-    """The slots a step fills."""
-    return step.outs if type(step) is OpStep else [step.bucket.flat] if step.kind == "make" else []
-
-
-def _read(step) -> list:
-    """The slots a step reads."""
-    if type(step) is OpStep:
-        return step.reads()
-    return [] if step.kind == "make" else [*step.bucket.ins, step.bucket.flat]
+    capture it; a bucket's allreduce, an overlapped collective (`AsyncStep`) and their waits run on the host."""
+    return type(step) is OpStep or type(step) is BucketStep and step.kind == "make"

@@ -89,7 +89,9 @@ class OpDef:
     collectives; `flops`, `bytes`, `scratch` count for the profile and the cost model. The rest say
     where an engine may take a shortcut or must take care: `into` (outputs a replay may write over
     inputs), `fill` (padding), `capture` (CUDA graphs), `bucketed`, `view`, `gemm`, `linear`,
-    `partial_inputs`, `partial_grads` (its rule takes a gradient still awaiting its sum over ranks). More:
+    `partial_inputs`, `partial_grads` (its rule takes a gradient still awaiting its sum over ranks), `start`
+(`start(params)`: for one collective, `(ctx, *arrays) -> Request`, its transfer started without waiting,
+the request's `wait()` its one output; None where it has none: a replay prefetches and overlaps it). More:
     docs/architecture.md ("OpDef's fields")."""
 
     name: str
@@ -110,6 +112,7 @@ class OpDef:
     linear: bool = False
     partial_inputs: bool = False
     partial_grads: bool = False
+    start: Optional[Callable] = None
 
     def __post_init__(self):
         if not callable(self.kernel):

@@ -147,6 +147,10 @@ class OpStep:
         """The slots the step reads (its inputs, and the buffer it writes a part of)."""
         return self.ins if self.write is None else self.ins + [self.write[0]]
 
+    def writes(self) -> list:
+        """The slots the step fills."""
+        return self.outs
+
 
 @dataclass
 class BucketStep:
@@ -155,3 +159,26 @@ class BucketStep:
 
     kind: str
     bucket: Any
+
+    def reads(self) -> list:
+        return [] if self.kind == "make" else [*self.bucket.ins, self.bucket.flat]
+
+    def writes(self) -> list:
+        return [self.bucket.flat] if self.kind == "make" else self.bucket.outs if self.kind == "wait" else []
+
+
+@dataclass
+class AsyncStep:
+    """A collective op run without blocking (`OpDef.start`): `"start"` its transfer from the slots
+    `step.ins` (`begin`, the op's starter), `"wait"` for it: its output's slot then holds the result
+    and `step.frees` are freed."""
+
+    kind: str
+    step: OpStep
+    begin: Any = None
+
+    def reads(self) -> list:
+        return self.step.ins if self.kind == "start" else []
+
+    def writes(self) -> list:
+        return self.step.outs if self.kind == "wait" else []

@@ -102,6 +102,11 @@ class Request:
 DONE = Request(lambda: True, lambda: None)  # a transfer that completed when it was started
 
 
+def completed(result) -> Request:
+    """A request complete when made, whose `wait()` gives `result`."""
+    return Request(lambda: True, lambda: None, then=lambda: result)
+
+
 class Overlapped(Request):
     """A non-blocking collective's request that, when it completes, adds to the profile's
     `"overlap"`: its lifetime (start to the first `test()` or `wait()` that saw it done), the part
@@ -300,8 +305,7 @@ class Collectives:
         if out is not None:
             self._check_out(out, x, x.shape, "iallreduce")
         if self.size(dims) == 1:
-            done = x if out is None else _copy(out, x)
-            return Request(lambda: True, lambda: None, then=lambda: done)
+            return completed(x if out is None else _copy(out, x))
         if x.dtype == bool:  # as bytes (see `allreduce`)
             r = self._iallreduce(x.astype(self.xp.uint8), dims, "min" if op == "min" else "max")
             return Request(r.test, r.wait, then=lambda: r.result.astype(bool) if out is None
@@ -322,8 +326,32 @@ class Collectives:
 
     def _iallreduce(self, x, dims: tuple, op: str, **out) -> Request:
         """A transport without a non-blocking path: the blocking allreduce, complete when started."""
-        result = self._allreduce(x, dims, op, **out)
-        return Request(lambda: True, lambda: None, then=lambda: result)
+        return completed(self._allreduce(x, dims, op, **out))
+
+    def iallgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None) -> Request:
+        """Start `allgather(x, mesh_dim, axis, size)` without waiting: a `Request` (as `iallreduce`'s)
+        whose `wait()` gives the result. `x` must not change until it completes."""
+        k = self._sizes[mesh_dim]
+        if k == 1:
+            return completed(x)
+        return self._iallgather(x, mesh_dim, axis, None if size is None else _unequal(block_sizes(size, k)))
+
+    def _iallgather(self, x, mesh_dim: str, axis: int, sizes) -> Request:
+        """A transport without a non-blocking path: the blocking allgather, complete when started."""
+        return completed(self._allgather(x, mesh_dim, axis, sizes))
+
+    def ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum") -> Request:
+        """Start `reduce_scatter(x, mesh_dim, axis, op)` without waiting: a `Request` (as `iallreduce`'s)
+        whose `wait()` gives this rank's block. `x` must not change until it completes."""
+        k = self._sizes[mesh_dim]
+        if k == 1 or x.dtype == bool:
+            return completed(self.reduce_scatter(x, mesh_dim, axis, op))
+        n = x.shape[axis]
+        return self._ireduce_scatter(x, mesh_dim, axis, op, None if n % k == 0 else _unequal(block_sizes(n, k)))
+
+    def _ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes) -> Request:
+        """A transport without a non-blocking path: the blocking reduce-scatter, complete when started."""
+        return completed(self._reduce_scatter(x, mesh_dim, axis, op, sizes))
 
     def allgather(self, x, mesh_dim: str, axis: int, size: Optional[int] = None, out=None):
         """Concatenate the ranks' `x` along `axis`, in coordinate order along `mesh_dim`.

@@ -414,25 +414,47 @@ class MpiCollectives(Collectives):
         return Overlapped(req.test, wait, then, getattr(begun, "span", None) if flight.timeline else None)
 
     def _allgather(self, x, mesh_dim: str, axis: int, sizes, out=None):
+        args, kw, finish = self._gathering(x, mesh_dim, axis, sizes, out)
+        self._run(*args, **kw)
+        return finish()
+
+    def _iallgather(self, x, mesh_dim: str, axis: int, sizes) -> Request:
+        return self._overlapped(*self._gathering(x, mesh_dim, axis, sizes))
+
+    def _gathering(self, x, mesh_dim: str, axis: int, sizes, out=None) -> tuple:
+        """An allgather as `(args, kw, finish)`: `_run`'s (or `_start`'s) arguments, and what gives the
+        result once the transfer is complete."""
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
         x = contiguous(xp, x)
         front = axis == 0 or math.prod(x.shape[:axis]) == 1  # blocks stack in memory: receive straight into the result
+        dims, detail = (mesh_dim,), f" axis {axis}"
         if sizes is not None:
             counts = block_counts(x.shape, axis, sizes)
             flat = out.reshape(-1) if out is not None and front else pool.empty((sum(counts),), x.dtype)
-            self._run("allgather", (mesh_dim,), x, flat, x.size, x.nbytes, f" axis {axis}",
-                      uneven_shape(x.shape, axis, sizes, self.coord(mesh_dim)), counts=((x.size,) * k, counts))
-            if front:
-                return flat.reshape(x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:]) if out is None else out
-            return unpack(xp, flat, x.shape, axis, sizes)
+            args = ("allgather", dims, x, flat, x.size, x.nbytes, detail,
+                    uneven_shape(x.shape, axis, sizes, self.coord(mesh_dim)))
+            kw = {"counts": ((x.size,) * k, counts)}
+            if not front:
+                return args, kw, lambda: unpack(xp, flat, x.shape, axis, sizes)
+            shape = x.shape[:axis] + (sum(sizes),) + x.shape[axis + 1:]
+            return args, kw, (lambda: flat.reshape(shape)) if out is None else (lambda: out)
         if front:
             shape = x.shape[:axis] + (k * x.shape[axis],) + x.shape[axis + 1:]
-            out = pool.empty(shape, x.dtype) if out is None else out
-            self._run("allgather", (mesh_dim,), x, out, x.size, x.nbytes, f" axis {axis}")
-            return out
+            recv = pool.empty(shape, x.dtype) if out is None else out
+            return ("allgather", dims, x, recv, x.size, x.nbytes, detail), {}, lambda: recv
         every = pool.empty((k,) + x.shape, x.dtype)
-        self._run("allgather", (mesh_dim,), x, every, x.size, x.nbytes, f" axis {axis}")
-        return merge_front(xp, every, axis)
+        return ("allgather", dims, x, every, x.size, x.nbytes, detail), {}, lambda: merge_front(xp, every, axis)
+
+    def _overlapped(self, args: tuple, kw: dict, finish) -> Request:
+        """Start the transfer `_start(*args, **kw)` without waiting: an `Overlapped` request (counted
+        in the profile's overlap) whose `wait()` completes it and gives `finish()`."""
+        req, dims = self._start(*args, **kw), args[1]
+
+        def then(send=args[2], recv=args[3]):  # the request owns its buffers until it completes
+            req.wait()
+            return finish()
+        return Overlapped(req.test, lambda: self._complete(req, dims), then,
+                          getattr(req, "span", None) if flight.timeline else None)
 
     def _alltoall(self, x, mesh_dim: str, split_axis: int, concat_axis: int, sizes, out=None):
         k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
@@ -460,20 +482,33 @@ class MpiCollectives(Collectives):
         return recv if flat else merge_front(xp, recv, concat_axis)
 
     def _reduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes, out=None):
-        k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        k, xp = self.size((mesh_dim,)), self._on(x)[0]
         if is_low_precision(x.dtype):
             sizes = sizes or block_sizes(x.shape[axis], k)
             c = self.coord(mesh_dim)
             mine = self._exchange16("reduce_scatter", (mesh_dim,), pack(xp, x, axis, sizes),
                                     block_counts(x.shape, axis, sizes), op, x.shape)[1]()
             return mine.reshape(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:])
+        args, kw = self._scattering(x, mesh_dim, axis, op, sizes, out)
+        self._run(*args, **kw)
+        return args[3]
+
+    def _ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes) -> Request:
+        if is_low_precision(x.dtype):  # (two steps: blocking)
+            return super()._ireduce_scatter(x, mesh_dim, axis, op, sizes)
+        args, kw = self._scattering(x, mesh_dim, axis, op, sizes)
+        return self._overlapped(args, kw, lambda: args[3])
+
+    def _scattering(self, x, mesh_dim: str, axis: int, op: str, sizes, out=None) -> tuple:
+        """A reduce-scatter of wide words as `(args, kw)` for `_run` or `_start`; its result is `args[3]`."""
+        k, (xp, pool) = self.size((mesh_dim,)), self._on(x)
+        detail = f" {op} axis {axis}"
         if sizes is not None:
             send, counts = pack(xp, x, axis, sizes), block_counts(x.shape, axis, sizes)
             c = self.coord(mesh_dim)
             recv = pool.empty(x.shape[:axis] + (sizes[c],) + x.shape[axis + 1:], x.dtype) if out is None else out
-            self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}",
-                      op=op, counts=(counts, counts))
-            return recv
+            return ("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, detail), \
+                {"op": op, "counts": (counts, counts)}
         if axis == 0:  # block j is already the j-th contiguous slab
             send = contiguous(xp, x)
             shape = (x.shape[0] // k,) + x.shape[1:]
@@ -481,8 +516,7 @@ class MpiCollectives(Collectives):
             send = split_front(xp, x, axis, k)
             shape = send.shape[1:]
         recv = pool.empty(shape, x.dtype) if out is None else out
-        self._run("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, f" {op} axis {axis}", op=op)
-        return recv
+        return ("reduce_scatter", (mesh_dim,), send, recv, send.size, send.nbytes, detail), {"op": op}
 
     def _permute(self, x, mesh_dim: str, offset: int, wrap: bool, out=None):
         k, c = self.size((mesh_dim,)), self.mesh.coords[mesh_dim]

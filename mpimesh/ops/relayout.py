@@ -78,9 +78,19 @@ def _relayout_grad(op, dy):
     return [to_layout(dy, op.inputs[0].tensor_layout)]
 
 
+def _start_relayout(params: dict):
+    """A relayout that is one allgather (a sharded weight before its einsum), started without waiting."""
+    steps = params["steps"]
+    if len(steps) != 1 or steps[0][0] != "allgather":
+        return None
+    _, mesh_dim, axis = steps[0]
+    size = params["shape"][axis].size
+    return lambda ctx, x: ctx.iallgather(x, mesh_dim, axis, size)
+
+
 RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), linear=True, partial_grads=True,
                  abstract=lambda ctx, shapes, x, **params: (_relayout(ctx, x, **params).dtype,),
-                 view=lambda params, ins, outs: None if params["steps"] else 0)
+                 view=lambda params, ins, outs: None if params["steps"] else 0, start=_start_relayout)
 
 
 def sum_kernel(ctx, x, mesh_dims: tuple, dtype=None, scatter: tuple = (), bucket=None):
@@ -100,8 +110,16 @@ def sum_abstract(ctx, shapes, x, **params) -> tuple:
     return (sum_kernel(ctx, x, **params).dtype,)
 
 
+def _start_sum(params: dict):
+    """A sum that is one reduce-scatter (a sharded weight's gradient), started without waiting."""
+    if params["mesh_dims"] or len(params["scatter"]) != 1 or params.get("dtype") is not None:
+        return None
+    ((mesh_dim, axis),) = params["scatter"]
+    return lambda ctx, x: ctx.ireduce_scatter(x, mesh_dim, axis)
+
+
 SUM_PARTIAL = OpDef("psum", sum_kernel, grad=lambda op, dy: [to_layout(dy, op.inputs[0].tensor_layout)],
-                    saves=((), ()), partial_inputs=True, abstract=sum_abstract)
+                    saves=((), ()), partial_inputs=True, abstract=sum_abstract, start=_start_sum)
 """The sum a partial tensor awaits (named as JAX's `lax.psum`)."""
 
 
