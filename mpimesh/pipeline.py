@@ -75,8 +75,8 @@ class _Plan:
         if not flat or len(flat) != len(self.names):
             raise MpimeshError(f"{what}: stage_params must be a dict (nested allowed) of tensors, got "
                                f"{type(stage_params).__name__}{' with no tensors' if not flat else ''}")
-        self.leaves, self.views = list(flat), []
-        for name, p in zip(self.names, self.leaves):
+        self.dtypes, self.views = [p.dtype for p in flat], []
+        for name, p in zip(self.names, flat):
             self.views.append(self._view(what, name, tensor_arg(what, p, f"stage_params[{name!r}]"), stage_dim))
         self.batch_dim = x.shape[0].name if batch_dim is None else batch_dim
         if x.shape.rank == 0 or self.batch_dim not in x.shape.names:
@@ -125,10 +125,11 @@ class _Plan:
         """The local shape of microbatch `m`'s activation on this rank."""
         return local_sizes(self.mb_shape(m), self.sub.shape, self.x_layout, self.sub.coords)
 
-    def params(self, v: int) -> object:
-        """This rank's virtual stage `v`'s parameters, views on the stage mesh (no copy)."""
-        views = [DistTensor(self.sub, shape, layout, p.local[(slice(None),) * ax + (v,)])
-                 for p, (shape, layout, ax) in zip(self.leaves, self.views)]
+    def params(self, v: int, blocks: tuple) -> object:
+        """This rank's virtual stage `v`'s parameters from its `blocks` of `stage_params` (a kernel's
+        inputs: a compiled step's replay passes new ones), views on the stage mesh (no copy)."""
+        views = [DistTensor(self.sub, shape, layout, b[(slice(None),) * ax + (v,)])
+                 for b, (shape, layout, ax) in zip(blocks, self.views)]
         return unflatten(self.structure, views)
 
     def run_stage(self, params, h):
@@ -142,8 +143,8 @@ class _Plan:
         error inside, is raised on every rank before any transfer."""
         dry = DryMesh(self.sub.shape, self.rules)
         with paused(), set_apart():
-            p = unflatten(self.structure, [placeholder(dry, shape, leaf.dtype, layout)
-                                           for leaf, (shape, layout, _) in zip(self.leaves, self.views)])
+            p = unflatten(self.structure, [placeholder(dry, shape, dtype, layout)
+                                           for dtype, (shape, layout, _) in zip(self.dtypes, self.views)])
             h = placeholder(dry, self.mb_shape(0), self.dtype, self.x_layout)
             out = self.stage_fn(p, h)
             if not hasattr(out, "tensor_layout") or out.shape != h.shape or out.dtype != h.dtype:
@@ -243,12 +244,12 @@ def _grad_step(plan: _Plan, tr, ys: list, params, h, dy, grads: dict, v: int):
     return got[0]
 
 
-def _stacked(plan: _Plan, grads: dict) -> list:
-    """Each parameter's gradient blocks, the virtual stages stacked on its stage axis."""
+def _stacked(plan: _Plan, grads: dict, blocks: tuple) -> list:
+    """Each parameter's gradient blocks (like its `blocks`), the virtual stages stacked on its stage axis."""
     xp, out = plan.sub.xp, []
-    for i, (p, (_, _, ax)) in enumerate(zip(plan.leaves, plan.views)):
+    for i, (b, (_, _, ax)) in enumerate(zip(blocks, plan.views)):
         parts = [grads[v][i] for v in range(plan.V)]
-        out.append(xp.zeros_like(p.local) if parts[0] is None else xp.stack([g.local for g in parts], axis=ax))
+        out.append(xp.zeros_like(b) if parts[0] is None else xp.stack([g.local for g in parts], axis=ax))
     return out
 
 
@@ -257,9 +258,11 @@ def _forward_kernel(ctx, x, *blocks, plan: _Plan, saved: Optional[_Saved]):
     """`pipeline`'s forward schedule: this rank's stages on each microbatch; y's block on every rank.
     With `saved`, each stage's recorded run (or, with remat, its input) is kept for the gradient."""
     outputs = {}
+    if saved is not None:  # (a compiled step's replay runs this op again with the recording's params)
+        saved.kept, saved.done = {}, False
 
     def forward(step, k, h):
-        params = plan.params(step.virtual)
+        params = plan.params(step.virtual, blocks)
         if saved is None or saved.remat:
             out = plan.run_stage(params, h)
             if saved is not None:
@@ -293,7 +296,7 @@ def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
         if saved.remat:
             h = saved.kept.pop((step.mb, k))
             with trace() as tr:
-                params = plan.params(step.virtual)
+                params = plan.params(step.virtual, blocks)
                 out = plan.run_stage(params, h)
         else:
             tr, params, h, out = saved.kept.pop((step.mb, k))
@@ -308,7 +311,7 @@ def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
         seeds = _pieces(plan, dy, plan.x_shape, plan.x_layout) if last else None
         _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, forward=False), None, backward)
         saved.done, saved.kept = True, {}
-        return (_joined(ctx, plan, dxs, 0),) + tuple(_stacked(plan, grads))
+        return (_joined(ctx, plan, dxs, 0),) + tuple(_stacked(plan, grads, blocks))
 
 
 def _pipeline_grad(rec, dy):
@@ -330,7 +333,7 @@ def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str)
     kept, grads, dxs, losses = {}, {}, {}, []
 
     def forward(step, k, h):
-        params = plan.params(step.virtual)
+        params = plan.params(step.virtual, blocks)
         with trace() as tr:
             out = plan.run_stage(params, h)
             if k == plan.K - 1:
@@ -362,7 +365,7 @@ def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str)
         else:
             total = xp.empty((), plan.loss_dtype)
         loss = broadcast_from(ctx, xp.asarray(total), plan.mesh_dim, plan.S - 1)
-        return (loss, _joined(ctx, plan, dxs, 0)) + tuple(_stacked(plan, grads))
+        return (loss, _joined(ctx, plan, dxs, 0)) + tuple(_stacked(plan, grads, blocks))
 
 
 PIPELINE_VALUE_AND_GRAD = OpDef("pipeline_value_and_grad", _value_and_grad_kernel, fill=None)
@@ -384,7 +387,8 @@ def pipeline(stage_fn: Callable, stage_params, x, mesh_dim: str, microbatches: i
     plan = _Plan("mm.pipeline", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, 1)
     saved = _Saved(bool(remat)) if current_trace() is not None else None
     xs = to_layout(x, plan.x_layout)
-    (y,) = dispatch(PIPELINE, [xs] + plan.leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
+    leaves = flatten(stage_params)[0]
+    (y,) = dispatch(PIPELINE, [xs] + leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
     return to_layout(y, x.tensor_layout)
 
 
@@ -404,7 +408,8 @@ def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params,
     plan = _Plan("mm.pipeline_value_and_grad", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim,
                  stage_dim, virtual_stages, loss_fn, targets)
     xs, ts = to_layout(x, plan.x_layout), to_layout(targets, plan.t_layout)
-    specs = [(Shape([]), ()), (plan.x_shape, plan.x_layout)] + [(p.shape, p.tensor_layout) for p in plan.leaves]
-    loss, dx, *grads = dispatch(PIPELINE_VALUE_AND_GRAD, [xs, ts] + plan.leaves, specs,
+    leaves = flatten(stage_params)[0]
+    specs = [(Shape([]), ()), (plan.x_shape, plan.x_layout)] + [(p.shape, p.tensor_layout) for p in leaves]
+    loss, dx, *grads = dispatch(PIPELINE_VALUE_AND_GRAD, [xs, ts] + leaves, specs,
                                 {"plan": plan, "schedule": schedule})
     return loss, unflatten(plan.structure, grads), to_layout(dx, x.tensor_layout)

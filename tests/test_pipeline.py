@@ -127,6 +127,42 @@ def test_value_and_grad_equal_the_sequential_reference(shape, microbatches, sche
     assert grads["w2"].tensor_layout == params["w2"].tensor_layout and dx.tensor_layout == x.tensor_layout
 
 
+def _sgd_steps(step, params, x, t, steps: int = 3) -> list:
+    """`steps` SGD steps of `step` (params, x, t) -> (loss, grads): every loss and the last parameters."""
+    out = []
+    for _ in range(steps):
+        loss, grads = step(params, x, t)
+        params = {k: params[k] - grads[k] * 0.01 for k in params}
+        out.append(loss)
+    return out + list(params.values())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("form", ["gpipe", "1f1b", "interleaved", "pipeline", "pipeline-remat"])
+def test_compiled_steps_replay_pipelines_bitwise(shape, form):
+    mesh = _mesh(shape)
+    S, V = mesh.shape["stages"].size, 2 if form == "interleaved" else 1
+    w1, w2, x0, t0 = _data(S * V)
+    params, x = _params(mesh, w1, w2), mesh.from_numpy(x0, f"b:{B};d:{D}")
+    t = mesh.from_numpy(t0, f"b:{B};d:{D}")
+
+    def step(params, x, t):
+        if form.startswith("pipeline"):
+            with mm.trace():
+                y = mm.pipeline(_stage, params, x, "stages", 3, remat=form.endswith("remat"))
+                loss = _loss(y, t)
+                grads = dict(zip(params, mm.gradients([loss], list(params.values()))))
+            return loss, grads
+        loss, grads, _ = mm.pipeline_value_and_grad(_stage, _loss, params, x, t, "stages", 3, schedule=form,
+                                                    virtual_stages=V)
+        return loss, grads
+    compiled = mm.compile(lambda params, x, t: step(params, x, t))
+    eager, got = _sgd_steps(step, params, x, t), _sgd_steps(compiled, params, x, t)
+    assert compiled.recordings == 1 and compiled.replays == 2
+    for a, b in zip(eager, got):
+        assert a.to_numpy().tobytes() == b.to_numpy().tobytes()
+
+
 def test_the_spmd_check_sees_every_rank_at_the_same_transfers():
     n = MPI.COMM_WORLD.Get_size()
     mesh = _mesh({4: "stages:2;cols:2", 8: "stages:2;batch:2;cols:2"}.get(n, f"stages:{n}"))
