@@ -83,6 +83,7 @@ class Request:
         if not self._done:
             self._done = True
             self.result = self._then() if self._then is not None else None
+            self._then = None  # (what it held, a send buffer say, may go now)
         return self.result
 
     def test(self) -> bool:

@@ -1,4 +1,5 @@
-"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` and `broadcast_from`.
+"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`, started without
+waiting) and `broadcast_from`.
 
 Unlike `permute`, what a rank sends and what it receives may differ in shape (a microbatch of
 another size, or nothing: an empty array), so a pipeline stage hands its neighbour one activation
@@ -21,27 +22,38 @@ from mpi4py import MPI
 from .. import counters, flight
 from ..backend import is_low_precision, to_host, wire_dtype
 from ..errors import MpimeshError
-from .base import DONE, Request
+from .base import DONE, Request, completed
 
 
 def sendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None):
     """Send `x` to coordinate c+offset along `mesh_dim` (cyclically) and return what coordinate
     c-offset sent, an array of `recv_shape` and x's dtype (`out`, where given). Every rank of the
     mesh calls it; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
+    return isendrecv(coll, x, mesh_dim, offset, recv_shape, out).wait()
+
+
+def isendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None) -> Request:
+    """`sendrecv` started without waiting: a `Request` whose `wait()` completes it (polled, under the
+    time-out) and gives what arrived. `x` must not change until then. Every rank of the mesh starts
+    its transfers in the same order; it may wait for them in any order."""
     recv_shape = tuple(int(n) for n in recv_shape)
     k = coll.size((mesh_dim,))
     if k == 1 or offset % k == 0:  # to itself
         if tuple(x.shape) != recv_shape:
             raise MpimeshError(f"sendrecv over {mesh_dim!r} to itself: sends shape {tuple(x.shape)}, expects "
                                f"{recv_shape}")
-        return x.copy() if out is None else _into(out, x)
+        return completed(x.copy() if out is None else _into(out, x))
     c = coll.coord(mesh_dim)
     dest, src = (c + offset) % k, (c - offset) % k
     xp = coll.xp if not isinstance(x, np.ndarray) else np
     send = xp.ascontiguousarray(x)
     recv = xp.empty(recv_shape, x.dtype) if out is None else out
-    _transfer(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
-    return recv
+    req = _start(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
+
+    def then(send=send):  # (the request owns `send` until it completes)
+        coll._complete(req, (mesh_dim,))
+        return recv
+    return Request(req.test, lambda: None, then)
 
 
 def broadcast_from(coll, x, mesh_dim: str, root: int):
@@ -63,8 +75,13 @@ def _into(out, x):
 
 
 def _transfer(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> None:
-    """Check, count, post and complete one transfer, as `MpiCollectives._run` does; the SPMD check
-    compares no shapes (ranks may send and receive blocks of other shapes, or none)."""
+    """Check, count, post and complete one transfer, as `MpiCollectives._run` does."""
+    coll._complete(_start(coll, kind, mesh_dim, send, recv, detail, **where), (mesh_dim,))
+
+
+def _start(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> Request:
+    """Check, count and post one transfer: its request. The SPMD check compares no shapes (ranks may
+    send and receive blocks of other shapes, or none)."""
     dims = (mesh_dim,)
     coll._two_steps.drain()
     coll.guard.enter(kind, dims, send, detail, shape="")
@@ -84,7 +101,7 @@ def _transfer(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) 
         request = _post(coll, dims, send, recv, where["dest"], where["src"])
     if flight.timeline:  # (its span, and the wait for the last rank to arrive, in an open timeline)
         coll._spanned(request, kind, dims, send.nbytes)
-    coll._complete(request, dims)
+    return request
 
 
 def _post(coll, dims: tuple, send, recv, dest: int, src: int) -> Request:
