@@ -26,7 +26,7 @@ from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
 from .layout import local_sizes
 from .ops.elementwise import cast
-from .ops.relayout import sum_abstract, sum_kernel
+from .ops.relayout import SUM_PARTIAL, sum_abstract, sum_kernel, sum_plan
 from .partials import active
 from .tensor import DistTensor
 from .opdef import OpDef
@@ -90,6 +90,7 @@ class Bucketer:
         self.uses = len(uses)
         self.open: dict = {}  # (mesh id, mesh dims, dtype) -> _Bucket still filling
         self.started: list = []  # buckets in flight, in start order
+        self.scatters: list = []  # (gradient, its reduce-scatter in flight), in start order
 
     def __enter__(self) -> "Bucketer":
         active.append(self)
@@ -135,6 +136,24 @@ class Bucketer:
             self._start(key)
         return out
 
+    def scatter(self, y, layout):
+        """`y` (a `PartialTensor`: a gathered weight's gradient terms) reduce-scattered into `layout`, the
+        weight's, started now and waited for in `finish`: recorded as the `"psum"` op `to_layout` would
+        run. None where that sum is not one reduce-scatter (or on a dry mesh): the caller sums it itself."""
+        out_layout, params = sum_plan(y, layout)
+        if getattr(y.mesh, "dry", False) or out_layout != tuple(layout) or params["mesh_dims"] or \
+                len(params["scatter"]) != 1 or "dtype" in params:
+            return None
+        ((mesh_dim, axis),) = params["scatter"]
+        request = y.mesh.collectives.ireduce_scatter(y.local, mesh_dim, axis)
+        out = DistTensor(y.mesh, y.shape, out_layout, Unreduced(y.local, (mesh_dim,)))
+        if _open_traces:
+            rec = OpRecord(SUM_PARTIAL, (y,), (out,), params, y.mesh.layout)
+            for tr in _open_traces:
+                tr._append(rec)
+        self.scatters.append((out, request))
+        return out
+
     def _start(self, key) -> None:
         bucket = self.open.pop(key)
         bucket.start()
@@ -144,6 +163,8 @@ class Bucketer:
         """Let the transfers in flight progress (MPI moves data only inside its calls)."""
         for bucket in self.started:
             bucket.request.test()
+        for _, request in self.scatters:
+            request.test()
 
     def finish(self) -> None:
         """Start the buckets still filling, wait for every one, and hand each gradient its values."""
@@ -152,6 +173,9 @@ class Bucketer:
         for bucket in self.started:
             bucket.finish()
         self.started = []
+        for out, request in self.scatters:
+            out.local = request.wait()
+        self.scatters = []
 
 
 _serials = itertools.count()

@@ -1,5 +1,5 @@
-"""Which einsum may leave its sum over mesh dims to a gradient bucket: the hook between the ops and
-`mpimesh.buckets` (which sits above them).
+"""Which einsum may leave its sum over mesh dims to a gradient bucket, and which relayout its reduce-scatter:
+the hooks between the ops and `mpimesh.buckets` (which sits above them).
 
 A gradient rule wraps the one einsum that makes a leaf's gradient in `partial_for(leaf)`; the
 einsum asks `claim(dtype)`: a `Bucketer` (an `mm.gradients` walk in progress that buckets that leaf) to
@@ -30,6 +30,14 @@ def partial_for(x) -> Iterator[None]:
         yield
     finally:
         _claims.pop()
+
+
+def deferred(x) -> Optional[object]:
+    """The Bucketer of the innermost `mm.gradients` walk in progress if `x` is one of the leaves it
+    buckets (whose gradients it reads only once every transfer is in), else None: a gathered weight's
+    relayout rule hands it its gradient's reduce-scatter (`Bucketer.scatter`)."""
+    b = active[-1] if active else None
+    return b if b is not None and id(x) in b.leaves else None
 
 
 def pending() -> bool:

@@ -1,7 +1,8 @@
-"""Prefetch and overlap in compiled steps (`mpimesh.overlap`): where the schedule puts each overlapped
-collective's start and wait (hand-made steps, every prefetch depth), and a compiled step with sharded
-weights: its gathers started ahead and its reduce-scatters running behind the backward, counted as
-overlapped in the profile, values bitwise eager's, and at most `depth` gathered weights more alive."""
+"""Prefetch and overlap (`mpimesh.overlap`, `Bucketer.scatter`): where the schedule puts each overlapped
+collective's start and wait (hand-made steps, every prefetch depth), a compiled step with sharded
+weights (gathers started ahead, reduce-scatters behind the backward, counted as overlapped in the
+profile, values bitwise eager's, at most `depth` gathered weights more alive), and an eager walk's
+reduce-scatters overlapped, equal to blocking ones."""
 from __future__ import annotations
 
 import os
@@ -139,6 +140,34 @@ def test_a_sharded_step_prefetches_its_gathers_and_overlaps_its_reduce_scatters(
     waits = {id(s.step): i for i, s in enumerate(steps) if type(s) is AsyncStep and s.kind == "wait"}
     first = where[id(scatters[0])]
     assert any(first < e < waits[id(scatters[0].step)] for e in einsums)
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_an_eager_walk_reduce_scatters_behind_the_backward(shape):
+    """`mm.gradients` starts each sharded weight's reduce-scatter without waiting and takes it in at the
+    end (with buckets on, the default); the values are those of the blocking sums (buckets off)."""
+    over = next((d.name for d in get_mesh(shape).shape if d.size > 1), None)
+    if over is None:
+        pytest.skip("no mesh dim of more than one rank: nothing gathered")
+    mesh = get_mesh(shape, f"batch:{over}")
+    layers, d = 3, 4 * mesh.size + 1
+    p = mm.shard_weights(_mlp(mesh, layers, d), over)
+    b = 8 * d
+    x = mesh.from_numpy(np.random.default_rng(1).standard_normal((b, d)), f"batch:{b};d0:{d}")
+    got = {}
+    for limit in (None, 0):
+        before = mm.buckets.bucket_bytes()
+        mm.set_bucket_bytes(before if limit is None else limit)
+        try:
+            with mm.profile() as prof:
+                got[limit] = _step(layers)(p, x)
+        finally:
+            mm.set_bucket_bytes(before)
+        sharded = sum(over in t.tensor_layout for t in p.values())
+        assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == sharded
+        assert prof.overlap["requests"] == (sharded if limit is None else 0)
+    for a, b in zip(got[None][1], got[0][1]):
+        assert a.tensor_layout == b.tensor_layout and a.to_numpy().tobytes() == b.to_numpy().tobytes()
 
 
 def test_prefetch_depth_bounds_the_gathered_weights_alive(monkeypatch):

@@ -1,12 +1,10 @@
-"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`, started without
-waiting) and `broadcast_from`.
-
-Unlike `permute`, what a rank sends and what it receives may differ in shape (a microbatch of
-another size, or nothing: an empty array), so a pipeline stage hands its neighbour one activation
-per tick. Both are collectives of the group over the mesh dim in the transports' way: the SPMD
-check (`guard.enter`: every rank of the mesh must be at the same transfer, the shapes left out since
-they may differ), the profile's counters, the time-out while polled (`MpiCollectives._complete`),
-and a departed neighbour named. The MPI, staged and NCCL transports post them as a permute.
+"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`: not waiting),
+`broadcast_from`. Unlike `permute`, what a rank sends and what it receives may differ in shape (a
+microbatch of another size, or nothing: an empty array), so a stage hands its neighbour one activation
+per tick. Both are collectives of the group over the mesh dim in the transports' way: the SPMD check
+(`guard.enter`: every rank of the mesh must be at the same transfer, the shapes left out since they may
+differ), the profile's counters, the time-out while polled (`MpiCollectives._complete`), and a departed
+neighbour named. The MPI, staged and NCCL transports post them as a permute.
 
 >>> import numpy as np
 >>> from mpimesh import Mesh, MPI

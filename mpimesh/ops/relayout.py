@@ -20,6 +20,7 @@ from functools import lru_cache
 from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
 from ..opdef import OpDef
+from ..partials import deferred
 from ..shape import Shape
 from ..tensor import tensor_arg
 from ..trace import dispatch
@@ -75,7 +76,10 @@ def _relayout(ctx, x, layout: TensorLayout, steps: tuple, shape: Shape):
 
 
 def _relayout_grad(op, dy):
-    return [to_layout(dy, op.inputs[0].tensor_layout)]
+    x = op.inputs[0]
+    walk = deferred(x) if dy.partial else None  # a gathered weight's gradient: reduce-scattered behind the walk
+    g = walk.scatter(dy, x.tensor_layout) if walk is not None else None
+    return [to_layout(dy, x.tensor_layout) if g is None else g]
 
 
 def _start_relayout(params: dict):
@@ -135,6 +139,13 @@ def sum_partial(x, target: TensorLayout, dtype=None):
     >>> sum_partial(PartialTensor(mesh, mm.Shape("a:2"), (None,), mesh.xp.ones(2), ("all",)), (None,)).partial
     ()
     """
+    layout, params = sum_plan(x, target, dtype)
+    (y,) = dispatch(SUM_PARTIAL, [x], [(x.shape, layout)], params)
+    return y
+
+
+def sum_plan(x, target: TensorLayout, dtype=None) -> tuple:
+    """`sum_partial`'s `(result layout, SUM_PARTIAL's params)`."""
     layout, scatter = list(x.tensor_layout), []
     for m in x.partial:
         if m in target and m not in x.tensor_layout and splitting(m, x.mesh.shape):
@@ -148,8 +159,7 @@ def sum_partial(x, target: TensorLayout, dtype=None):
     dtype = x.rounds_to if dtype is None else dtype
     if dtype is not None and dtype != x.dtype:
         params["dtype"] = dtype
-    (y,) = dispatch(SUM_PARTIAL, [x], [(x.shape, tuple(layout))], params)
-    return y
+    return tuple(layout), params
 
 
 def to_layout(x, tensor_layout: TensorLayout):
