@@ -73,6 +73,22 @@ def traffic(params, ins, outs) -> int:
     return sum(nbytes(a) for a in ins) + sum(nbytes(a) for a in outs)
 
 
+C_TYPES = {"float32": "float", "float64": "double", "bfloat16": "float"}
+"""The dtypes an elementwise op's C expression (`OpDef.cexpr`) computes, and the C type it computes them
+in: bfloat16 in float, rounded back after each op, as numpy's bfloat16 ufuncs do."""
+
+
+def c_number(v, dtype) -> Optional[str]:
+    """The number `v` as an op on `dtype` computes with it, as a C value (numpy converts a Python number
+    to the tensor's dtype first: 0.05 is 0.0500488 beside bfloat16), or None where it is not finite.
+
+    >>> c_number(0.25, "float32"), c_number(0.05, "bfloat16")
+    ('((float)0x1.0000000000000p-2)', '((float)0x1.9a00000000000p-5)')
+    """
+    x = float(np.asarray(v).astype(dtype).astype(np.float64))
+    return f"(({C_TYPES[np.dtype(dtype).name]}){x.hex()})" if math.isfinite(x) else None
+
+
 def same_dtype(ctx, outs, *ins, **params) -> tuple:
     """The default `abstract` rule: no communication, every output of `params["dtype"]`, else of the
     first input's dtype (an op without inputs must give `dtype`)."""
@@ -90,8 +106,9 @@ class OpDef:
     where an engine may take a shortcut or must take care: `into` (outputs a replay may write over
     inputs), `fill` (padding), `capture` (CUDA graphs), `bucketed`, `view`, `gemm`, `linear`,
     `partial_inputs`, `partial_grads` (its rule takes a gradient still awaiting its sum over ranks), `start`
-(`start(params)`: for one collective, `(ctx, *arrays) -> Request`, its transfer started without waiting,
-the request's `wait()` its one output; None where it has none: a replay prefetches and overlaps it). More:
+    (`start(params)`: for one collective, `(ctx, *arrays) -> Request` starting it without waiting, the
+    request's `wait()` its one output; None where it cannot: a replay prefetches and overlaps it), `cexpr`
+    (an elementwise op's C expression, from which `mpimesh.fusion` generates fused kernels). More:
     docs/architecture.md ("OpDef's fields")."""
 
     name: str
@@ -113,6 +130,7 @@ the request's `wait()` its one output; None where it has none: a replay prefetch
     partial_inputs: bool = False
     partial_grads: bool = False
     start: Optional[Callable] = None
+    cexpr: Optional[Callable] = None
 
     def __post_init__(self):
         if not callable(self.kernel):
@@ -138,6 +156,11 @@ the request's `wait()` its one output; None where it has none: a replay prefetch
 
     def count_scratch(self, params: Mapping, ins: Sequence, outs: Sequence) -> int:
         return int(self.scratch(params, ins, outs)) if self.scratch is not None else 0
+
+    def c_expression(self, params: Mapping, ins: Sequence, out) -> Optional[str]:
+        """This elementwise op's C expression for these params and input/output dtypes (`cexpr`), or
+        None: not elementwise, or no C form that computes the kernel's values bitwise."""
+        return self.cexpr(params, tuple(np.dtype(d) for d in ins), np.dtype(out)) if self.cexpr is not None else None
 
     def __repr__(self) -> str:
         return f"OpDef({self.name!r})"

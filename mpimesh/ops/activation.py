@@ -22,11 +22,11 @@ import numpy as np
 
 from ..backend import align, cached_kernel, is_low_precision
 from ..errors import ShapeError
-from ..opdef import ALL, OpDef, size
+from ..opdef import ALL, C_TYPES, OpDef, size
 from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
 from ..trace import dispatch
-from .elementwise import bias_grad, gelu_values, round_to
+from .elementwise import bias_grad, gelu_values, no_c, round_to
 from .relayout import laid_out_within, to_layout
 
 _C = math.sqrt(2.0 / math.pi)
@@ -174,13 +174,34 @@ def _flops(grad: bool):
     return flops
 
 
+C_EXPRESSIONS = {"relu": ("(({a} > 0) || ({a} != {a})) ? {a} : 0", "{g} * (({a} > 0) ? 1 : 0)"), None: ("{a}", "{g}")}
+"""activation -> (forward, gradient) as C expressions of the pre-activation `a` (x + bias) and the output's
+gradient `g`, the arithmetic of the numpy kernels above (`mpimesh.fusion` fuses them); none for gelu
+and tanh, whose libraries' tanh differ."""
+
+
+def _cexpr(activation: Optional[str], grad: bool):
+    """The op's `OpDef.cexpr`: where x, the bias, dy and the output share a float dtype (a bfloat16 x + bias
+    is rounded before the activation compares it: not one expression)."""
+    if activation not in C_EXPRESSIONS:
+        return no_c
+
+    def cexpr(params, ins, out):
+        bias = len(ins) > 1 + grad
+        if out.name not in C_TYPES or any(d != out for d in ins) or bias and out.name == "bfloat16" and activation:
+            return None
+        a = "({0} + {%d})" % (1 + grad) if bias else "{0}"
+        return C_EXPRESSIONS[activation][grad].format(a=a, g="{1}")
+    return cexpr
+
+
 def _defs(activation: Optional[str]) -> tuple:
     """The OpDefs of `bias_<activation>` and of its gradient."""
     name = f"bias_{activation or 'add'}"
     backward = OpDef(f"{name}_grad", _backward, kernels={"cupy": _backward_cupy}, flops=_flops(True),
-                     abstract=lambda ctx, shapes, a, g, *b, **params: (g.dtype,))
+                     abstract=lambda ctx, shapes, a, g, *b, **params: (g.dtype,), cexpr=_cexpr(activation, True))
     forward = OpDef(name, _forward, kernels={"cupy": _forward_cupy}, grad=_rule, saves=(ALL, ()),
-                    flops=_flops(False), abstract=_forward_abstract)
+                    flops=_flops(False), abstract=_forward_abstract, cexpr=_cexpr(activation, False))
     return forward, backward
 
 

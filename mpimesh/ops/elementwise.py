@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from ..partials import partial_for
 from ..promotion import cast_operands, operand_casts
 from ..shape import Shape, union_shape
 from ..tensor import DistTensor, tensor_arg
-from ..opdef import OpDef, per_element
+from ..opdef import C_TYPES, OpDef, c_number, per_element
 from ..trace import dispatch
 from .einsum import sum_to
 from .inplace import axpy_into, axpy_into_chunked, axpy_new, axpy_new_chunked
@@ -168,21 +168,57 @@ def _keep(dtype) -> dict:
     return {"keep": np.dtype(dtype)} if is_low_precision(dtype) else {}
 
 
-def _elementwise(name: str, kernel: Callable, grad=None, saves=((), ()), flops: int = 1, into=None) -> OpDef:
-    """An elementwise op's `OpDef`: `kernel(ctx, *blocks, **params)`, its dtypes probed on empty blocks."""
-    op = OpDef(name, kernel, grad=grad, saves=saves, flops=per_element(flops), into=into or {},
+def no_c(params, ins, out) -> None:
+    """The `cexpr` of an elementwise op without a C form that gives its kernel's values bitwise (a
+    library's exp or tanh, a comparison, a select): it is counted as a pass over memory, never fused."""
+    return None
+
+
+def _c_unary(template: Optional[str]) -> Callable:
+    """A unary op's `cexpr`: `template` over `{0}`, where its input and output share a float dtype."""
+    def cexpr(params, ins, out):
+        return template if out.name in C_TYPES and ins[0] == out else None
+    return cexpr if template is not None else no_c
+
+
+def _c_binary(template: Optional[str]) -> Callable:
+    """A binary op's `cexpr`: `template` over `{0}` and `{1}` where both operands have the output's float
+    dtype; a number operand (one side) as the kernel converts it to that dtype (`c_number`)."""
+    def cexpr(params, ins, out):
+        if out.name not in C_TYPES or params.get("casts") is not None or any(d != out for d in ins):
+            return None
+        if "scalar" not in params:
+            return template
+        v = params["scalar"]
+        own = np.dtype(v.dtype) == out if hasattr(v, "dtype") else \
+            isinstance(v, float) or isinstance(v, int) and not isinstance(v, bool) and -2 ** 53 < v < 2 ** 53
+        number = c_number(v, out) if own else None
+        if number is None:
+            return None
+        return template.format(*(("{0}", number) if params["side"] == "right" else (number, "{0}")))
+    return cexpr if template is not None else no_c
+
+
+def _elementwise(name: str, kernel: Callable, grad=None, saves=((), ()), flops: int = 1, into=None,
+                 cexpr: Callable = no_c) -> OpDef:
+    """An elementwise op's `OpDef`: `kernel(ctx, *blocks, **params)`, its dtypes probed on empty blocks;
+    `cexpr` its C expression (`OpDef.cexpr`)."""
+    op = OpDef(name, kernel, grad=grad, saves=saves, flops=per_element(flops), into=into or {}, cexpr=cexpr,
                abstract=lambda ctx, shapes, *ins, **p: _probe_dtype(ctx, shapes, *ins, _op=op, **p))
     return op
 
 
-def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: str = "x", flops: int = 1):
-    """`grad(x, y, dy)` reads the values of the input x, the output y, or neither (`reads`: "x", "y", "")."""
+def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: str = "x", flops: int = 1,
+           c: Optional[str] = None):
+    """`grad(x, y, dy)` reads the values of the input x, the output y, or neither (`reads`: "x", "y", "");
+    `c`: the kernel as a C expression of `{0}` in float or double (None: it has none that is bitwise)."""
     rule = None if grad is None else (lambda op, dy: [grad(op.inputs[0], op.outputs[0], dy)])
 
     def k(ctx, a, keep=None):
         y = kernel(ctx.xp, a)
         return y if keep is None else round_to(y, keep)
-    opdef = _elementwise(name, k, rule, ((0,) if "x" in reads else (), (0,) if "y" in reads else ()), flops)
+    opdef = _elementwise(name, k, rule, ((0,) if "x" in reads else (), (0,) if "y" in reads else ()), flops,
+                         cexpr=_c_unary(c))
 
     def op(x):
         why = _refusal(opdef, (tensor_arg(name, x).dtype,))  # (cached: the door of every elementwise op)
@@ -197,9 +233,10 @@ def _unary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: 
     return op
 
 
-def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) -> tuple:
+def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int, c: Optional[str]) -> tuple:
     """The `OpDef`s of a binary op: of two tensors of the same dims, of two tensors whose axes are
-    aligned by name (`xd`, `yd`, `od`), and of a tensor and a number (`scalar` on the `side` of it)."""
+    aligned by name (`xd`, `yd`, `od`), and of a tensor and a number (`scalar` on the `side` of it);
+    `c` the kernel as a C expression of `{0}` and `{1}` (None: none that is bitwise)."""
     whole_ctx = getattr(kernel, "with_ctx", False)  # the kernel takes the context, not just its array module
     ufunc = _IN_PLACE.get(name)
     into = _OVER_FIRST if ufunc else None
@@ -234,15 +271,17 @@ def _binary_defs(name: str, kernel: Callable, rule, reads: tuple, flops: int) ->
     tensors = ([i for i, v in enumerate("xy") if v in both], (0,) if "z" in both else ())
     right = ((0,) if "x" in reads[0] else (), (0,) if "z" in reads[0] else ())
     left = ((0,) if "y" in reads[1] else (), (0,) if "z" in reads[1] else ())
-    return (_elementwise(name, same, rule, tensors, flops, into), _elementwise(name, aligned, rule, tensors, flops, into),
-            _elementwise(name, scalar, rule, lambda p: right if p["side"] == "right" else left, flops, into))
+    cexpr = _c_binary(c)
+    return (_elementwise(name, same, rule, tensors, flops, into, cexpr),
+            _elementwise(name, aligned, rule, tensors, flops, into, cexpr),
+            _elementwise(name, scalar, rule, lambda p: right if p["side"] == "right" else left, flops, into, cexpr))
 
 
 def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads: tuple = ("xyz", "xyz"),
-            flops: int = 1):
+            flops: int = 1, c: Optional[str] = None):
     """`grad(x, y, z, dz)` returns two functions of no argument, giving x's and y's gradient: only
     those of the inputs that need one run (nothing is computed for a constant side). `reads`: the
-    values (of x, y, the output z) each of the two reads."""
+    values (of x, y, the output z) each of the two reads; `c`: the kernel as a C expression."""
     def rule(op, dz):
         if len(op.inputs) == 2:
             x, y = op.inputs
@@ -256,7 +295,7 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
         if op.params["side"] == "right":
             return [grad(op.inputs[0], op.params["scalar"], op.outputs[0], dz)[0]()]
         return [grad(op.params["scalar"], op.inputs[0], op.outputs[0], dz)[1]()]
-    same, aligned, scalar = _binary_defs(name, kernel, None if grad is None else rule, reads, flops)
+    same, aligned, scalar = _binary_defs(name, kernel, None if grad is None else rule, reads, flops, c)
     compare = name in _COMPARISONS
 
     def with_number(t, v, side: str):
@@ -344,7 +383,10 @@ def _sign(x):
     return cast(greater(x, 0), x.dtype) - cast(less(x, 0), x.dtype)
 
 
-relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * greater(x, 0))
+_MAX = "(({0} > {1}) || ({0} != {0})) ? {0} : {1}"  # numpy's maximum: a NaN wins, a tie gives the second
+_MIN = "(({0} < {1}) || ({0} != {0})) ? {0} : {1}"
+relu = _unary("relu", lambda xp, a: xp.maximum(a, 0), "max(x, 0).", lambda x, y, dy: dy * greater(x, 0),
+              c=_MAX.format("{0}", "0"))
 gelu = _unary("gelu", gelu_values, "GELU, tanh approximation (as Mesh-TensorFlow and jax.nn.gelu).", _gelu_grad)
 exp = _unary("exp", lambda xp, a: xp.exp(a), "e**x.", lambda x, y, dy: dy * y, "y")
 log = _unary("log", lambda xp, a: xp.log(a), "Natural logarithm.", lambda x, y, dy: dy / x)
@@ -353,11 +395,11 @@ rsqrt = _unary("rsqrt", lambda xp, a: 1 / xp.sqrt(a), "1 / sqrt(x).", lambda x, 
 tanh = _unary("tanh", lambda xp, a: xp.tanh(a), "Hyperbolic tangent.", lambda x, y, dy: dy * (1.0 - y * y), "y")
 sigmoid = _unary("sigmoid", lambda xp, a: 0.5 * (1 + xp.tanh(0.5 * a)), "1 / (1 + e**-x), overflow-free.",
                  lambda x, y, dy: dy * y * (1.0 - y), "y")
-square = _unary("square", lambda xp, a: a * a, "x * x.", lambda x, y, dy: dy * 2.0 * x)
+square = _unary("square", lambda xp, a: a * a, "x * x.", lambda x, y, dy: dy * 2.0 * x, c="{0} * {0}")
 abs = _unary("abs", lambda xp, a: xp.abs(a), "|x|.", lambda x, y, dy: dy * _sign(x))  # noqa: A001 - the API's name
 sin = _unary("sin", lambda xp, a: xp.sin(a), "Sine.", lambda x, y, dy: dy * cos(x))
 cos = _unary("cos", lambda xp, a: xp.cos(a), "Cosine.", lambda x, y, dy: -(dy * sin(x)))
-negative = _unary("negative", lambda xp, a: -a, "-x.", lambda x, y, dy: -dy, "")
+negative = _unary("negative", lambda xp, a: -a, "-x.", lambda x, y, dy: -dy, "", c="-{0}")
 
 
 def _min_max_grad(pick_x):
@@ -376,13 +418,14 @@ def _pow_grad(x, y, z, dz):
     return (lambda: dz * y * power(x, y - 1)), (lambda: dz * z * (log(x) if _is_tensor(x) else math.log(x)))
 
 
-add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: ((lambda: dz), (lambda: dz)), ("", ""))
+add = _binary("add", lambda xp, a, b: a + b, "x + y.", lambda x, y, z, dz: ((lambda: dz), (lambda: dz)), ("", ""),
+              c="{0} + {1}")
 subtract = _binary("subtract", lambda xp, a, b: a - b, "x - y.", lambda x, y, z, dz: ((lambda: dz), (lambda: -dz)),
-                   ("", ""))
+                   ("", ""), c="{0} - {1}")
 multiply = _binary("multiply", lambda xp, a, b: a * b, "x * y.",
-                   lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)), ("y", "x"))
+                   lambda x, y, z, dz: ((lambda: dz * y), (lambda: dz * x)), ("y", "x"), c="{0} * {1}")
 divide = _binary("divide", lambda xp, a, b: a / b, "x / y.",
-                 lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"))
+                 lambda x, y, z, dz: ((lambda: dz / y), (lambda: -(dz * z) / y)), ("y", "yz"), c="{0} / {1}")
 
 
 def _kind_letter(v) -> str:
@@ -419,9 +462,9 @@ def power(x, y):
 
 
 minimum = _binary("minimum", lambda xp, a, b: xp.minimum(a, b), "Elementwise minimum.",
-                  _min_max_grad(lambda x, y: less_equal(x, y)))
+                  _min_max_grad(lambda x, y: less_equal(x, y)), c=_MIN)
 maximum = _binary("maximum", lambda xp, a, b: xp.maximum(a, b), "Elementwise maximum.",
-                  _min_max_grad(lambda x, y: greater_equal(x, y)))
+                  _min_max_grad(lambda x, y: greater_equal(x, y)), c=_MAX)
 less = _binary("less", lambda xp, a, b: a < b, "x < y (no gradient).")
 less_equal = _binary("less_equal", lambda xp, a, b: a <= b, "x <= y (no gradient).")
 greater = _binary("greater", lambda xp, a, b: a > b, "x > y (no gradient).")
@@ -509,7 +552,7 @@ def _axpy_grad(op, dz):
 def _axpy_def(scaled: bool) -> OpDef:
     def numpy_kernel(ctx, *arrays, **params):  # a chunk at a time, in cache (`mpimesh.ops.inplace`)
         return _axpy(ctx, *arrays, chunked=True, **params)
-    return OpDef("axpy", _axpy, kernels={"numpy": numpy_kernel}, grad=_axpy_grad,
+    return OpDef("axpy", _axpy, kernels={"numpy": numpy_kernel}, grad=_axpy_grad, cexpr=no_c,
                  saves=((0, 1) if scaled else (), ()), into={0: 2 if scaled else 1}, flops=per_element(2))
 
 
@@ -538,8 +581,18 @@ def _cast(ctx, a, dtype):
     return a.astype(dtype)
 
 
-CAST = OpDef("cast", _cast, grad=lambda op, dy: [cast(dy, op.inputs[0].dtype)], saves=((), ()), linear=True)
-CAST_NO_GRAD = OpDef("cast", _cast)
+_C_CAST_FROM = {"float32": (*C_TYPES, "int32", "int64", "bool"), "float64": (*C_TYPES, "int32", "int64", "bool"),
+                "bfloat16": ("float32",)}  # (float64 to bfloat16 rounds once in numpy, twice through float)
+
+
+def _c_cast(params, ins, out):
+    """A cast's C expression: its input converted to the output's C type (rounded to bfloat16 after)."""
+    return "{0}" if ins[0].name in _C_CAST_FROM.get(out.name, ()) else None
+
+
+CAST = OpDef("cast", _cast, grad=lambda op, dy: [cast(dy, op.inputs[0].dtype)], saves=((), ()), linear=True,
+             cexpr=_c_cast)
+CAST_NO_GRAD = OpDef("cast", _cast, cexpr=_c_cast)
 
 
 def where(cond, x, y):
@@ -599,7 +652,7 @@ def _where_grad(op, dz):
     return grads
 
 
-WHERE = OpDef("where", _where, grad=_where_grad, saves=((0,), ()),
+WHERE = OpDef("where", _where, grad=_where_grad, saves=((0,), ()), cexpr=no_c,
               abstract=lambda ctx, shapes, *ins, sizes, **p: _probe_dtype(ctx, shapes, *ins, _op=WHERE,
                                                                           sizes=(0,) * len(sizes), **p))
 

@@ -255,17 +255,19 @@ extern "C" __global__ void mpimesh_layer_norm_grad_rows(%(mpimesh_layer_norm_gra
   }
 }
 """ % ROWS_PARAMS
-_TO_BF16 = ("__device__ __forceinline__ unsigned short store(float f) {  /* to nearest, ties to even; NaN quiet */\n"
-            "  unsigned int u = __float_as_uint(f);\n"
-            "  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);\n"
-            "  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);\n}\n")
+BF16_CONVERSIONS = (
+    "__device__ __forceinline__ float load(unsigned short v) { return __uint_as_float(((unsigned int)v) << 16); }\n"
+    "__device__ __forceinline__ unsigned short store(float f) {  /* to nearest, ties to even; NaN quiet */\n"
+    "  unsigned int u = __float_as_uint(f);\n"
+    "  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);\n"
+    "  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);\n}\n")
+"""bfloat16 (its bits, an unsigned short) to float and back, as ml_dtypes converts (the fused kernels' too)."""
 PRELUDE_TYPES = {
     "float32": "typedef float T; typedef float A;\n__device__ __forceinline__ A load(T v) { return v; }\n"
                "__device__ __forceinline__ T store(A v) { return v; }\n",
     "float64": "typedef double T; typedef double A;\n__device__ __forceinline__ A load(T v) { return v; }\n"
                "__device__ __forceinline__ T store(A v) { return v; }\n",
-    "bfloat16": "typedef unsigned short T; typedef float A;\n__device__ __forceinline__ A load(T v) "
-                "{ return __uint_as_float(((unsigned int)v) << 16); }\n" + _TO_BF16,
+    "bfloat16": "typedef unsigned short T; typedef float A;\n" + BF16_CONVERSIONS,
 }
 GPU_PRELUDE = """#define WARP 32
 #define NEG_INF (-__int_as_float(0x7f800000))
