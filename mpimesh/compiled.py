@@ -2,9 +2,9 @@
 
 The first call per signature (each tensor argument's mesh, shape, layout and dtype, other arguments
 by value, the rules, bucket size and matmul precision in force) runs `fn` eagerly in a trace; later
-calls replay its `Program`'s kernels, bitwise eager's values (as CUDA graphs on CuPy). `fn` may not
-read values on the host (a `CompileError` at the read) nor assign into its arguments; donated
-tensors (`donate_argnums`) may have results written over them. More: docs/compile.md.
+calls replay its `Program`'s kernels, bitwise eager's values (on CuPy as CUDA graphs, elementwise chains
+fused: `mpimesh.fusion`). `fn` may not read values on the host (a `CompileError` at the read) nor assign
+into its arguments; donated tensors (`donate_argnums`) may have results written over them. More: docs/compile.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -29,7 +29,7 @@ from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
-from . import liveness
+from . import fusion, liveness
 from .overlap import prefetch_depth, schedule
 from .program import AsyncStep, BucketStep, OpStep, Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
@@ -44,9 +44,10 @@ class CompileError(ProgramError):
     than tensors (in tuples, lists and dicts)."""
 
 
-def compile(fn: Callable, cache_size: int = 8, donate_argnums=()) -> "Compiled":  # noqa: A001 - the API's name
+def compile(fn: Callable, cache_size: int = 8, donate_argnums=(), fuse: bool = True) -> "Compiled":  # noqa: A001
     """`fn` recorded once per signature and replayed without per-op Python; the tensors in the
-    positional arguments `donate_argnums` (an int or a tuple of them) are given to the step (see the module)."""
+    positional arguments `donate_argnums` (an int or a tuple of them) are given to the step; `fuse`:
+    chains of elementwise ops run as one generated kernel each where the backend has one (see the module)."""
     if not callable(fn):
         raise TypeError(f"mm.compile needs a function, got {type(fn).__name__}")
     if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
@@ -57,15 +58,17 @@ def compile(fn: Callable, cache_size: int = 8, donate_argnums=()) -> "Compiled":
                                                      for i in donate):
         raise MpimeshError(f"mm.compile: donate_argnums must be a position (an int >= 0) or a tuple of them, "
                            f"got {donate_argnums!r}")
-    return Compiled(fn, cache_size, tuple(sorted(set(donate))))
+    if not isinstance(fuse, bool):
+        raise MpimeshError(f"mm.compile: fuse must be True or False, got {fuse!r}")
+    return Compiled(fn, cache_size, tuple(sorted(set(donate))), fuse)
 
 
 class Compiled:
     """A compiled step: call it as `fn`. `recordings` and `replays` count the calls of each kind;
     `signatures()` lists the signatures held, most recent last."""
 
-    def __init__(self, fn: Callable, cache_size: int, donate: tuple = ()):
-        self.fn, self.cache_size, self.donate = fn, cache_size, donate
+    def __init__(self, fn: Callable, cache_size: int, donate: tuple = (), fuse: bool = True):
+        self.fn, self.cache_size, self.donate, self.fuse = fn, cache_size, donate, fuse
         self.cache: OrderedDict = OrderedDict()
         self.recordings = self.replays = 0
         self.__name__ = getattr(fn, "__name__", "step")
@@ -173,7 +176,7 @@ class Compiled:
             if v is not None and not isinstance(v, DistTensor):
                 raise CompileError(f"mm.compile({self.__name__}): the step returns a {type(v).__name__}; a "
                                    f"compiled step returns tensors (in tuples, lists and dicts) and None")
-        entry = _Entry(tr, inner, out_leaves, out_tree)
+        entry = _Entry(tr, inner, out_leaves, out_tree, self.fuse)
         theirs = {id(own[id(v)]): v for v in leaves if isinstance(v, DistTensor)}
         return unflatten(out_tree, [theirs.get(id(v), v) for v in out_leaves]), entry  # (arguments as passed)
 
@@ -207,7 +210,7 @@ class Compiled:
 class _Entry:
     """One signature's program and how to map arguments onto it and results back."""
 
-    def __init__(self, tr, leaves: list, out_leaves: list, out_tree):
+    def __init__(self, tr, leaves: list, out_leaves: list, out_tree, fuse: bool = True):
         arg_ids = {}
         for i, v in enumerate(leaves):
             if isinstance(v, DistTensor):
@@ -238,7 +241,7 @@ class _Entry:
             program = Program(tr, inputs, unique, CompileError, "mm.compile")
         except ProgramError as e:
             raise CompileError(str(e)) from None
-        self.engine = for_engine(_Engine(program))
+        self.engine = for_engine(_Engine(program, fuse))
         self.program = program.strip()  # the engine has its constants' arrays
         self.metas = [(t.mesh, t.shape, t.tensor_layout) for t in unique]
 
@@ -275,10 +278,13 @@ class _Engine:
     each run before the einsum of its first member (`"make"`), that each member's einsum writes its
     slot of (its step's `write`), then `"start"` where its last member was recorded (one
     non-blocking allreduce in place, as eager) and `"wait"` before the first op that reads one of
-    them. `run(arrays)` gives the outputs' arrays."""
+    them. `fuse`: the program's elementwise chains as one step each (`mpimesh.fusion`), where the
+    mesh's backend has their kernels. `run(arrays)` gives the outputs' arrays."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, fuse: bool = True):
         self.mesh = program.mesh
+        ops = fusion.fuse(program.ops, program.output_ids, self.mesh.backend) \
+            if fuse and fusion.applies(self.mesh.backend) else program.ops
         slots: dict[int, int] = {}
 
         def slot(i: int) -> int:
@@ -287,13 +293,13 @@ class _Engine:
             slot(i)
         self.constants = [(slot(i), t.local) for i, t in program.constants.items()]
         reads = []
-        for rec in program.ops:
+        for rec in ops:
             reads.append([slot(id(t)) for t in rec.inputs])
             for t in rec.outputs:
                 slot(id(t))
         keep = {slots[i] for i in program.output_ids} | {s for s, _ in self.constants}  # (inputs: freed)
         frees = liveness.frees(reads, keep)
-        buckets = _buckets(program.ops, slots, program.mesh)
+        buckets = _buckets(ops, slots, program.mesh)
         starts = {b.start_at: b for b in buckets}
         waits: dict[int, list] = {}
         for b in buckets:
@@ -304,7 +310,7 @@ class _Engine:
             makes.setdefault(min(b.writers), []).append(b)
         writers = {k: (b, j) for b in buckets for j, k in enumerate(b.writers)}
         self.steps: list = []
-        for k, rec in enumerate(program.ops):
+        for k, rec in enumerate(ops):
             self.steps += [BucketStep("wait", b) for b in waits.get(k, ())]
             self.steps += [BucketStep("make", b) for b in makes.get(k, ())]
             ins, outs, dead = [slots[id(t)] for t in rec.inputs], [slots[id(t)] for t in rec.outputs], frees.get(k, [])
@@ -316,7 +322,7 @@ class _Engine:
                 self.steps.append(OpStep(rec.op, rec.params, ins, outs, dead, rec.flops, into))
             if k in starts:
                 self.steps.append(BucketStep("start", starts[k]))
-        self.steps += [BucketStep("wait", b) for b in waits.get(len(program.ops), ())]
+        self.steps += [BucketStep("wait", b) for b in waits.get(len(ops), ())]
         self.steps = schedule(self.steps, prefetch_depth())
         self.n_slots = len(slots)
         self.n_inputs = len(program.input_ids)

@@ -6,11 +6,12 @@ numpy lowerings on machines without a GPU.
 a warp of one thread) and returns its kernels, each called as CuPy calls one: `f(grid, block, args)`,
 every (block, thread) run in turn.
 
-`elementwise(in_params, out_params, body)` returns `f(*inputs) -> output(s)`, called as a CuPy
+`elementwise(in_params, out_params, body, preamble)` returns `f(*inputs) -> output(s)`, called as a CuPy
 `ElementwiseKernel` is: a plain parameter is one element (arrays broadcast to the output's shape,
 or to `size=`, as CuPy's where every array is raw), a `raw` parameter the whole array, indexed by
 hand; `i` is the element's C-order index; `T` is the
-dtype of the arrays given for T parameters, and numbers are cast to their parameter's type. Compiled with `-ffp-contract=off`, so a
+dtype of the arrays given for T parameters, and numbers are cast to their parameter's type; `preamble`
+(functions the body calls) follows `CPU_PRELUDE`. Compiled with `-ffp-contract=off`, so a
 multiply-add stays two roundings, as numpy does it (nvcc may fuse them: a GPU may differ from this
 in the last bit). `compiler()` is None where no C++ compiler is installed (tests then skip).
 
@@ -30,7 +31,7 @@ import tempfile
 import numpy as np
 
 _C_TYPES = {"bool": "bool", "float32": "float", "float64": "double", "int32": "int", "int64": "long long",
-            "uint32": "unsigned int", "uint64": "unsigned long long"}
+            "uint16": "unsigned short", "uint32": "unsigned int", "uint64": "unsigned long long"}
 _BUILT: dict = {}
 
 
@@ -51,7 +52,7 @@ def _params(spec: str) -> list[tuple[bool, str, str]]:
     return out
 
 
-def elementwise(in_params: str, out_params: str, body: str):
+def elementwise(in_params: str, out_params: str, body: str, preamble: str = ""):
     """The kernel `body` as a Python function (see the module's docstring); `T` is the dtype of the
     arrays given for T parameters (they must agree, as CuPy requires), numbers are cast to it."""
     ins, outs = _params(in_params), _params(out_params)
@@ -61,9 +62,10 @@ def elementwise(in_params: str, out_params: str, body: str):
             raise TypeError(f"{len(ins)} inputs expected, got {len(inputs)}")
         given = {np.asarray(x).dtype.name for (_, t, _), x in zip(ins, inputs)
                  if t == "T" and isinstance(x, (np.ndarray, np.generic))}
-        if len(given) != 1:
+        typed = any(t == "T" for _, t, _ in ins + outs)
+        if typed and len(given) != 1:
             raise TypeError(f"the arrays for T have dtypes {sorted(given)}: CuPy needs exactly one")
-        dtype = given.pop()
+        dtype = given.pop() if typed else None
         plain = [np.asarray(x) for (raw, _, _), x in zip(ins, inputs) if not raw]
         shape = (size,) if size is not None else np.broadcast_shapes(*(x.shape for x in plain)) if plain else ()
         arrays = []
@@ -72,15 +74,16 @@ def elementwise(in_params: str, out_params: str, body: str):
             a = np.asarray(x, dtype=dt) if raw else np.broadcast_to(np.asarray(x, dtype=dt), shape)
             arrays.append(np.ascontiguousarray(a))
         results = [np.zeros(shape, dtype=np.dtype(dtype if t == "T" else t)) for _, t, _ in outs]
-        lib = _build(_source(ins, outs, body, dtype))
+        lib = _build(_source(ins, outs, body, dtype, preamble))
         lib.run(ctypes.c_longlong(int(np.prod(shape))),
                 *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays + results))
         return tuple(results) if len(results) > 1 else results[0]
     return call
 
 
-def _source(ins: list, outs: list, body: str, dtype: str) -> str:
-    """The C++ of the loop: each element's plain inputs loaded, the body run, the outputs stored."""
+def _source(ins: list, outs: list, body: str, dtype, preamble: str = "") -> str:
+    """The C++ of the loop: each element's plain inputs loaded, the body run, the outputs stored
+    (`dtype`: T's, None where no parameter is a T)."""
     def ctype(t):
         return _C_TYPES[dtype if t == "T" else t]
     args, loads, decls, stores = ["long long n"], [], [], []
@@ -91,7 +94,8 @@ def _source(ins: list, outs: list, body: str, dtype: str) -> str:
         args.append(f"{ctype(t)}* {name}_p")
         decls.append(f"{ctype(t)} {name} = 0;")
         stores.append(f"{name}_p[i] = {name};")
-    return (f"#include <cmath>\n#include <cstdint>\nusing namespace std;\ntypedef {ctype('T')} T;\n"
+    return (f"{CPU_PRELUDE if preamble else ''}{preamble}#include <cmath>\n#include <cstdint>\nusing namespace std;\n"
+            f"{'typedef %s T;' % ctype('T') if dtype else ''}\n"
             f"extern \"C\" void run({', '.join(args)}) {{\n"
             f"  for (long long i = 0; i < n; ++i) {{\n    {' '.join(loads)}\n    {' '.join(decls)}\n"
             f"    {{\n{body}\n    }}\n    {' '.join(stores)}\n  }}\n}}\n")

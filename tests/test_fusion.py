@@ -1,0 +1,210 @@
+"""The fusion pass (`mpimesh.fusion`): which elementwise ops it groups, the kernels it generates (their
+CUDA source compiled for the CPU as tests/cuda_source.py does, standing in for CuPy's
+`ElementwiseKernel` on a numpy mesh) against the unfused eager run, bitwise, in float32, bfloat16 and
+float64 with edge values (signed zeros, NaN, infinities, subnormals), forward and backward, on 1-D to
+3-D meshes with uneven blocks; and the elementwise passes and bytes of the Transformer step before
+and after fusion (`benchmarks/fusion.py` prints them)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cuda_source  # noqa: E402
+from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
+
+import mpimesh as mm  # noqa: E402
+from mpimesh import fusion  # noqa: E402
+from mpimesh.backend import resolve_backend  # noqa: E402
+from mpimesh.ops.activation import bias_activation  # noqa: E402
+from mpimesh.program import OpStep, Program  # noqa: E402
+from mpimesh.tree import flatten  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "apps"))
+import transformer as T  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("benchmarks_fusion", os.path.join(ROOT, "benchmarks", "fusion.py"))
+fusion_counts = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fusion_counts)
+
+pytestmark = pytest.mark.mpi
+on_cpu = [pytest.mark.skipif(cuda_source.compiler() is None, reason="no C++ compiler to run the generated sources"),
+          pytest.mark.skipif(resolve_backend(None) != "numpy", reason="the sources on the CPU; a GPU runs the kernels")]
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+    """A numpy mesh's compiled steps fuse, their generated sources compiled for the CPU."""
+    monkeypatch.setitem(fusion.BUILDERS, "numpy",
+                        lambda xp, ins, outs, body, preamble, name: cuda_source.elementwise(ins, outs, body, preamble))
+
+
+def _program(fn, *inputs):
+    with mm.trace() as tr:
+        out = fn(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    return Program(tr, list(inputs), outs)
+
+
+def _named(p) -> list:
+    return [[p.ops[k].name for k in g] for _, g in fusion.plan(p.ops, p.output_ids)]
+
+
+def test_plan_fuses_a_chain_and_writes_out_what_others_read():
+    mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    x, y, b = mesh.ones("a:3;b:4"), mesh.ones("a:3;b:4"), mesh.ones("b:4")
+    p = _program(lambda x, y, b: mm.relu(x * y + b) * 2.0, x, y, b)
+    assert _named(p) == [["multiply", "add", "relu", "multiply"]]
+    (fused,) = fusion.fuse(p.ops, p.output_ids, "cupy")
+    assert [t.shape.names for t in fused.inputs] == [("a", "b"), ("a", "b"), ("b",)] and len(fused.outputs) == 1
+    # t, read by a sum between its producer and the last multiply, is written out: the group runs before the sum
+    p = _program(lambda x, y: (lambda t: (mm.reduce_sum(t), -(t * 3.0)))(x * y + 1.0), x, y)
+    assert _named(p) == [["multiply", "add", "multiply", "negative"]]
+    fused = fusion.fuse(p.ops, p.output_ids, "cupy")
+    assert [r.name for r in fused] == ["fused(multiply+add+multiply+negative)", "einsum"] and len(fused[0].outputs) == 2
+    # the last multiply reads the sum of t: no place runs all three, the sum between them
+    p = _program(lambda x, y: (lambda t: t * mm.reduce_sum(t))(x * y + 1.0), x, y)
+    assert _named(p) == [["multiply", "add"]]
+    # an intermediate the program returns is written out as well
+    p = _program(lambda x, y: (lambda t: (t, t - y))(x + y), x, y)
+    (fused,) = fusion.fuse(p.ops, p.output_ids, "cupy")
+    assert [id(t) for t in fused.outputs] == [id(p.ops[0].outputs[0]), id(p.ops[1].outputs[0])]
+    # other dims, an op without an exact C form (exp: the libraries differ) and mixed dtypes stay apart
+    p = _program(lambda x, b: mm.exp(mm.reduce_sum(x * 2.0, output_shape="b:4") + b) * 3.0, x, b)
+    assert _named(p) == []
+    p = _program(lambda x: mm.cast(x, "bfloat16") * 2.0 + mm.cast(x, "float64") * 3.0, x)
+    assert _named(p) == [["cast", "multiply"], ["cast", "multiply"]]
+
+
+def test_generated_source_rounds_bfloat16_after_each_op():
+    mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    x = mm.cast(mesh.ones("a:2"), "bfloat16")
+    p = _program(lambda x: mm.cast((x + x) * 0.05, "float32"), x)
+    (fused,) = fusion.fuse(p.ops, p.output_ids, "cupy")
+    ins, outs, body, preamble = fusion.source(fused.members, fused.inputs, fused.outputs)
+    assert (ins, outs) == ("uint16 in0", "float32 out0") and "store(float f)" in preamble
+    assert body.count("load(store(") == 2 and "0x1.9a00000000000p-5" in body  # 0.05 as bfloat16 holds it
+
+
+def _edges(n: int, dtype, seed: int) -> np.ndarray:
+    """n values of `dtype`: normal ones, then signed zeros, NaN, infinities, a subnormal, large ones."""
+    a = np.random.default_rng(seed).standard_normal(n) * 3
+    special = [0.0, -0.0, np.nan, np.inf, -np.inf, 1e-40, -3e38, 2.5, -1.0, 1e-30]
+    a[:len(special)] = special[:n]
+    with np.errstate(over="ignore"):
+        return a.astype(dtype)
+
+
+def _chain(x, y, b):
+    """Elementwise ops of every fused kind, broadcasts and numbers, an intermediate read by a sum."""
+    t = mm.relu(x * y + b) - 0.75 * x
+    u = mm.maximum(t, y) / (mm.square(y) + 1.0)
+    v = mm.minimum(-u, 0.05) - b
+    wide = "float64" if x.dtype == np.float32 else "float32"
+    w = mm.cast(mm.cast(v, wide) * 3.0, x.dtype) + mm.cast(mm.greater(x, 0.5), x.dtype)
+    return w, mm.reduce_sum(t, output_shape="b:7"), bias_activation(w, b, "relu") * 0.5
+
+
+def _fused_steps(step) -> list:
+    (entry,) = step.cache.values()
+    return [s.op.name for s in entry.engine.steps if isinstance(s, OpStep) and s.op.name.startswith("fused(")]
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bitwise equal, a NaN equal to any NaN: IEEE 754 leaves open which operand's NaN an operation of two
+    returns (a compiler may swap an addition's operands; a GPU returns one canonical NaN)."""
+    nan_a, nan_b = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
+    return a.shape == b.shape and (nan_a == nan_b).all() and a[~nan_a].tobytes() == b[~nan_b].tobytes()
+
+
+def _compare(fn, args, errs, what: str) -> int:
+    """`fn` compiled (recorded, then replayed fused) against eager, bitwise: the number of fused steps."""
+    step = mm.compile(fn)
+    step(*args)  # (the recording runs eagerly)
+    got, want = step(*args), fn(*args)
+    for k, (g, w) in enumerate(zip(got, want)):
+        errs.expect(g.dtype == w.dtype and g.tensor_layout == w.tensor_layout, f"{what}: output {k}'s dtype or layout")
+        errs.expect(same_bits(g.local, w.local), f"{what}: output {k} differs from eager")
+    return len(_fused_steps(step))
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
+@pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
+def test_fused_kernels_equal_the_unfused_ops(shape, dtype):
+    mesh = get_mesh(shape)
+    errs = Errors()  # asserted after the last collective
+    xs, ys, bs = (_edges(n, dtype, s) for n, s in ((35, 1), (35, 2), (7, 3)))
+    for lay in layouts(mesh, ["a", "b"], limit=4):  # split, uneven (5 and 7 over 2 to 4 ranks) and empty blocks
+        with mm.layout_scope(mesh, lay):
+            x, y = mesh.from_numpy(xs.reshape(5, 7), "a:5;b:7"), mesh.from_numpy(ys.reshape(5, 7), "a:5;b:7")
+            b = mesh.from_numpy(bs, "b:7")
+            with np.errstate(all="ignore"):
+                fused = _compare(_chain, (x, y, b), errs, f"{lay} forward")
+                errs.expect(fused >= 1, f"{lay}: no fused step")
+
+                def train(x, b):
+                    with mm.trace():
+                        loss = mm.reduce_sum(_chain(x, y, b)[2] * y)
+                        return tuple(mm.gradients([loss], [x, b]))
+                fused = _compare(train, (x, b), errs, f"{lay} gradients")
+                errs.expect(fused >= 2, f"{lay}: {fused} fused steps with the gradients, expected at least 2")
+    errs.check()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
+@pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
+def test_the_transformer_step_fused_equals_eager(dtype):
+    """apps/transformer.py's Adam step on the paper's layout (heads 6, d_ff 36, batch 12: uneven on 4
+    ranks), compiled and fused, against eager over three steps: loss, parameters and state bitwise."""
+    cfg = T.Config(d_model=16, heads=6, d_kv=4, d_ff=36, layers=2, length=8, batch=12, optimizer="adam", lr=3e-3,
+                   warmup=4, dtype=dtype)
+    mesh = get_mesh(T.default_mesh(MPI.COMM_WORLD.Get_size()), T.PAPER_LAYOUT)
+    data = np.random.default_rng(1).integers(0, 256, size=4096).astype(np.uint8)
+    opt = T.make_optimizer(cfg)
+    params = T.init_params(mesh, cfg, seed=3)
+    plain = T.make_train_step(cfg, opt)
+    step = mm.compile(plain)
+    eager = compiled = (params, T.init_state(cfg, opt, params))
+    errs = Errors()
+    for k in range(3):
+        batch = T.make_batch(mesh, data, cfg, T.train_offsets(data, cfg, 5, k))
+        eager, compiled = plain(*eager[:2], batch, 7), step(*compiled[:2], batch, 7)
+        pairs = zip(flatten(eager)[0], flatten(compiled)[0])
+        errs.expect(all(a.local.tobytes() == b.local.tobytes() for a, b in pairs), f"step {k}: compiled differs")
+    errs.check()
+    assert len(_fused_steps(step)) >= 3  # the backward pass's residual gradients, the learning rate's schedule
+
+
+@pytest.mark.usefixtures("cpu_kernels")
+def test_fuse_false_keeps_every_step():
+    mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    x = mesh.ones("a:3")
+    assert fusion.applies("numpy")
+    for fuse, expected in ((False, []), (True, ["fused(multiply+add)"])):
+        step = mm.compile(lambda x: x * 2.0 + 1.0, fuse=fuse)
+        step(x), step(x)
+        assert _fused_steps(step) == expected
+    with pytest.raises(mm.MpimeshError, match="fuse must be True or False"):
+        mm.compile(lambda x: x, fuse="yes")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transformer_step_counts(dtype):
+    """The counts `benchmarks/fusion.py` prints, for the tiny Transformer step (the GPU benchmark's
+    structure): fusion removes the passes of the fused chains' intermediates and never adds one."""
+    before, after, groups = fusion_counts.counts(dtype, "tiny")
+    members = sum(len(g.split("+")) for g in groups)
+    assert after[0] == before[0] - members + len(groups) and after[1] < before[1]
+    names = [tuple(n.split("+")) for n in groups]
+    assert ("add", "add") in names or ("add", "add", "cast") in names  # the backward pass's residual gradients
