@@ -8,7 +8,7 @@
 # check for a GPU first takes up to 20 more):
 #   tests-1rank   tests/run.py --backend cupy on 1 rank, the tests that need a GPU (GPU_TESTS below; the
 #                 file arguments, or GPU_CHECK_TESTS, replace that list): the one-kernel rows, widened GEMMs
-#                 through cuBLAS, CUDA graphs, the GPU transports, the GPU pool's peak
+#                 through cuBLAS, fused elementwise kernels, CUDA graphs, the GPU transports, the GPU pool's peak
 #   tests-2ranks  the same on 2 ranks sharing the GPU (NCCL refuses that: the meshes take the staged
 #                 transport), beside tests-1rank
 #   benchmark     python benchmarks/gpu.py --profile (tf32 and bf16 against PyTorch eager, then where one
@@ -45,6 +45,7 @@ STEPS=(tests-1rank tests-2ranks benchmark)
 GPU_TESTS="tests/test_layers.py::test_one_kernel_layer_norm_on_a_gpu tests/test_nn.py::test_one_kernel_rows_on_a_gpu
            tests/test_einsum.py::test_sums_of_elementwise_products_take_multiply_and_sum_on_a_gpu
            tests/test_collectives_out.py::test_host_buffers_on_a_gpu_mesh_are_compared_by_numpy
+           tests/test_fusion.py::test_fused_kernels_on_a_gpu
            tests/test_gemm.py tests/test_graphs.py tests/test_gpu_transports.py tests/test_gpu_memory_peak.py"
 
 pytest_summary() {  # rank 0's pytest summary ("41 passed, 20 skipped in 30.2s"), or how far it got

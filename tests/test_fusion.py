@@ -113,7 +113,8 @@ def _chain(x, y, b):
 
 def _fused_steps(step) -> list:
     (entry,) = step.cache.values()
-    return [s.op.name for s in entry.engine.steps if isinstance(s, OpStep) and s.op.name.startswith("fused(")]
+    engine = getattr(entry.engine, "engine", entry.engine)  # (CUDA graphs wrap the flat engine)
+    return [s.op.name for s in engine.steps if isinstance(s, OpStep) and s.op.name.startswith("fused(")]
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -123,14 +124,16 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and (nan_a == nan_b).all() and a[~nan_a].tobytes() == b[~nan_b].tobytes()
 
 
-def _compare(fn, args, errs, what: str) -> int:
-    """`fn` compiled (recorded, then replayed fused) against eager, bitwise: the number of fused steps."""
+def _compare(fn, args, errs, what: str, replays: int = 1) -> int:
+    """`fn` compiled (recorded, then replayed fused `replays` times: on CuPy the second captures a CUDA
+    graph, the third launches it) against eager, bitwise: the number of fused steps."""
     step = mm.compile(fn)
     step(*args)  # (the recording runs eagerly)
-    got, want = step(*args), fn(*args)
-    for k, (g, w) in enumerate(zip(got, want)):
-        errs.expect(g.dtype == w.dtype and g.tensor_layout == w.tensor_layout, f"{what}: output {k}'s dtype or layout")
-        errs.expect(same_bits(g.local, w.local), f"{what}: output {k} differs from eager")
+    want = fn(*args)
+    for r in range(replays):
+        for k, (g, w) in enumerate(zip(step(*args), want)):
+            errs.expect(g.dtype == w.dtype and g.tensor_layout == w.tensor_layout, f"{what}: output {k} dtype/layout")
+            errs.expect(same_bits(g.local, w.local), f"{what}: output {k} differs from eager (replay {r})")
     return len(_fused_steps(step))
 
 
@@ -140,7 +143,21 @@ def _compare(fn, args, errs, what: str) -> int:
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
 @pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
 def test_fused_kernels_equal_the_unfused_ops(shape, dtype):
-    mesh = get_mesh(shape)
+    _chains_against_eager(get_mesh(shape), dtype, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_fused_kernels_on_a_gpu(dtype):
+    """The generated `ElementwiseKernel`s (NVRTC, `--fmad=false`) against CuPy's unfused ops, through
+    CUDA graphs too (three replays: run, captured, launched)."""
+    mesh = get_mesh(mesh_shapes()[0])
+    if mesh.backend != "cupy":
+        pytest.skip("CuPy's kernels (their sources run on the CPU in test_fused_kernels_equal_the_unfused_ops)")
+    _chains_against_eager(mesh, dtype, 3)
+    assert any(key[:2] == ("fusion", "cupy") for key in mm.backend._kernels)
+
+
+def _chains_against_eager(mesh, dtype: str, replays: int) -> None:
     errs = Errors()  # asserted after the last collective
     xs, ys, bs = (_edges(n, dtype, s) for n, s in ((35, 1), (35, 2), (7, 3)))
     for lay in layouts(mesh, ["a", "b"], limit=4):  # split, uneven (5 and 7 over 2 to 4 ranks) and empty blocks
@@ -148,14 +165,14 @@ def test_fused_kernels_equal_the_unfused_ops(shape, dtype):
             x, y = mesh.from_numpy(xs.reshape(5, 7), "a:5;b:7"), mesh.from_numpy(ys.reshape(5, 7), "a:5;b:7")
             b = mesh.from_numpy(bs, "b:7")
             with np.errstate(all="ignore"):
-                fused = _compare(_chain, (x, y, b), errs, f"{lay} forward")
+                fused = _compare(_chain, (x, y, b), errs, f"{lay} forward", replays)
                 errs.expect(fused >= 1, f"{lay}: no fused step")
 
                 def train(x, b):
                     with mm.trace():
                         loss = mm.reduce_sum(_chain(x, y, b)[2] * y)
                         return tuple(mm.gradients([loss], [x, b]))
-                fused = _compare(train, (x, b), errs, f"{lay} gradients")
+                fused = _compare(train, (x, b), errs, f"{lay} gradients", replays)
                 errs.expect(fused >= 2, f"{lay}: {fused} fused steps with the gradients, expected at least 2")
     errs.check()
 
