@@ -30,6 +30,7 @@ STORAGE = {np.dtype(k): v for k, v in (("float32", "float32"), ("float64", "floa
 VALUE = {np.dtype(k): v for k, v in dict(C_TYPES, int32="int", int64="long long", bool="bool").items()}
 """The C type a fused kernel computes each dtype's values in (the outputs': `opdef.C_TYPES`)."""
 _COMPUTED = {np.dtype(k) for k in C_TYPES}
+_BF16 = "namespace bf16 {\n" + BF16_CONVERSIONS + "}\n"  # (its own namespace: nothing CuPy includes can clash)
 
 
 def _cupy_kernel(xp, in_params: str, out_params: str, body: str, preamble: str, name: str):
@@ -186,7 +187,7 @@ def source(recs: list, inputs: tuple, outputs: tuple) -> tuple:
         dt = np.dtype(t.dtype)
         bf16 |= dt == BFLOAT16
         var[id(t)] = (f"v{len(var)}", dt)
-        lines.append(f"{VALUE[dt]} v{len(var) - 1} = {'load(in%d)' % j if dt == BFLOAT16 else 'in%d' % j};")
+        lines.append(f"{VALUE[dt]} v{len(var) - 1} = {'bf16::load(in%d)' % j if dt == BFLOAT16 else 'in%d' % j};")
     for rec in recs:
         dt = np.dtype(rec.outputs[0].dtype)
         ct = VALUE[dt]
@@ -195,14 +196,14 @@ def source(recs: list, inputs: tuple, outputs: tuple) -> tuple:
         lines.append(f"{ct} {v} = {expression(rec).format(*operands)};")
         if dt == BFLOAT16:
             bf16 = True
-            lines.append(f"{v} = load(store({v}));")
+            lines.append(f"{v} = bf16::load(bf16::store({v}));")
         var[id(rec.outputs[0])] = (v, dt)
     for j, t in enumerate(outputs):
         v, dt = var[id(t)]
-        lines.append(f"out{j} = {'store(%s)' % v if dt == BFLOAT16 else v};")
+        lines.append(f"out{j} = {'bf16::store(%s)' % v if dt == BFLOAT16 else v};")
     in_params = ", ".join(f"{STORAGE[np.dtype(t.dtype)]} in{j}" for j, t in enumerate(inputs))
     out_params = ", ".join(f"{STORAGE[np.dtype(t.dtype)]} out{j}" for j, t in enumerate(outputs))
-    return in_params, out_params, "\n".join(lines), BF16_CONVERSIONS if bf16 else ""
+    return in_params, out_params, "\n".join(lines), _BF16 if bf16 else ""
 
 
 def _bits(a):

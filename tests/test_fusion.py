@@ -89,7 +89,7 @@ def test_generated_source_rounds_bfloat16_after_each_op():
     (fused,) = fusion.fuse(p.ops, p.output_ids, "cupy")
     ins, outs, body, preamble = fusion.source(fused.members, fused.inputs, fused.outputs)
     assert (ins, outs) == ("uint16 in0", "float32 out0") and "store(float f)" in preamble
-    assert body.count("load(store(") == 2 and "0x1.9a00000000000p-5" in body  # 0.05 as bfloat16 holds it
+    assert body.count("bf16::load(bf16::store(") == 2 and "0x1.9a00000000000p-5" in body  # 0.05 as bfloat16
 
 
 def _edges(n: int, dtype, seed: int) -> np.ndarray:
