@@ -34,13 +34,20 @@ _BF16 = "namespace bf16 {\n" + BF16_CONVERSIONS + "}\n"  # (its own namespace: n
 
 
 def _cupy_kernel(xp, in_params: str, out_params: str, body: str, preamble: str, name: str):
-    return xp.ElementwiseKernel(in_params, out_params, body, name, preamble=preamble, options=("--fmad=false",))
+    """The `ElementwiseKernel`, compiled now on one element of each input, or None where NVRTC refuses it
+    (the members' own kernels run then)."""
+    kernel = xp.ElementwiseKernel(in_params, out_params, body, name, preamble=preamble, options=("--fmad=false",))
+    try:
+        kernel(*(xp.zeros(1, np.dtype(p.split()[0])) for p in in_params.split(", ")))
+    except Exception:
+        return None
+    return kernel
 
 
 BUILDERS = {"cupy": _cupy_kernel}
 """backend -> `build(xp, in_params, out_params, body, preamble, name)`: the fused kernel, called as
-CuPy calls an `ElementwiseKernel` (inputs broadcast to the output's shape). `mm.compile` fuses where
-its mesh's backend has one."""
+CuPy calls an `ElementwiseKernel` (inputs broadcast to the output's shape), or None (the members' own
+kernels run). `mm.compile` fuses where its mesh's backend has one."""
 
 
 def applies(backend: str) -> bool:
@@ -165,9 +172,10 @@ def _fused(recs: list, members: set, readers: dict, backend: str) -> FusedRecord
     digest = hashlib.sha1(body.encode()).hexdigest()[:10]
     spec = (in_params, out_params, body, preamble, f"mpimesh_fused_{len(recs)}_{digest}")
     domain = recs[-1].outputs[0].shape.names
-    op = OpDef(f"fused({'+'.join(names)})", _sequential(recs, inputs, outputs, backend), cexpr=_no_expression,
+    sequential = _sequential(recs, inputs, outputs, backend)
+    op = OpDef(f"fused({'+'.join(names)})", sequential, cexpr=_no_expression,
                kernels={backend: _generated(spec, [t.shape.names for t in inputs], domain,
-                                            [np.dtype(t.dtype) for t in outputs], backend)})
+                                            [np.dtype(t.dtype) for t in outputs], backend, sequential)})
     return FusedRecord(op, inputs, outputs, recs)
 
 
@@ -211,12 +219,15 @@ def _bits(a):
     return a.view(np.uint16) if a.dtype == BFLOAT16 else a
 
 
-def _generated(spec: tuple, in_dims: list, domain: tuple, dtypes: list, backend: str):
+def _generated(spec: tuple, in_dims: list, domain: tuple, dtypes: list, backend: str, fallback):
     """The fused step's kernel on `backend`: the inputs' blocks aligned to the output's dims, the kernel
-    built from `spec` on first use (one cache for every program: `backend.cached_kernel`)."""
+    built from `spec` on first use (one cache for every program: `backend.cached_kernel`); `fallback`
+    where the backend refused it."""
     def kernel(ctx, *arrays):
         xp = ctx.xp
         run = cached_kernel(("fusion", backend) + spec, lambda: BUILDERS[backend](xp, *spec))
+        if run is None:
+            return fallback(ctx, *arrays)
         result = run(*(_bits(align(xp, a, dims, domain)) for a, dims in zip(arrays, in_dims)))
         result = result if isinstance(result, tuple) else (result,)
         result = tuple(r.view(dt) if r.dtype != dt else r for r, dt in zip(result, dtypes))  # (bfloat16's bits)

@@ -80,13 +80,14 @@ in: bfloat16 in float, rounded back after each op, as numpy's bfloat16 ufuncs do
 
 def c_number(v, dtype) -> Optional[str]:
     """The number `v` as an op on `dtype` computes with it, as a C value (numpy converts a Python number
-    to the tensor's dtype first: 0.05 is 0.0500488 beside bfloat16), or None where it is not finite.
+    to the tensor's dtype first: 0.05 is 0.0500488 beside bfloat16), or None where it is not finite. The
+    literal is the shortest decimal that reads back as that double exactly (Python's repr).
 
     >>> c_number(0.25, "float32"), c_number(0.05, "bfloat16")
-    ('((float)0x1.0000000000000p-2)', '((float)0x1.9a00000000000p-5)')
+    ('((float)0.25)', '((float)0.050048828125)')
     """
     x = float(np.asarray(v).astype(dtype).astype(np.float64))
-    return f"(({C_TYPES[np.dtype(dtype).name]}){x.hex()})" if math.isfinite(x) else None
+    return f"(({C_TYPES[np.dtype(dtype).name]}){x!r})" if math.isfinite(x) else None
 
 
 def same_dtype(ctx, outs, *ins, **params) -> tuple:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -89,7 +90,7 @@ def test_generated_source_rounds_bfloat16_after_each_op():
     (fused,) = fusion.fuse(p.ops, p.output_ids, "cupy")
     ins, outs, body, preamble = fusion.source(fused.members, fused.inputs, fused.outputs)
     assert (ins, outs) == ("uint16 in0", "float32 out0") and "store(float f)" in preamble
-    assert body.count("bf16::load(bf16::store(") == 2 and "0x1.9a00000000000p-5" in body  # 0.05 as bfloat16
+    assert body.count("bf16::load(bf16::store(") == 2 and "((float)0.050048828125)" in body  # 0.05 as bfloat16
 
 
 def _edges(n: int, dtype, seed: int) -> np.ndarray:
@@ -201,6 +202,26 @@ def test_the_transformer_step_fused_equals_eager(dtype):
         errs.expect(all(a.local.tobytes() == b.local.tobytes() for a, b in pairs), f"step {k}: compiled differs")
     errs.check()
     assert len(_fused_steps(step)) >= 3  # the backward pass's residual gradients, the learning rate's schedule
+
+
+@pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
+def test_a_kernel_the_compiler_refuses_leaves_the_members_own_kernels(monkeypatch):
+    """CuPy's builder compiles the kernel at once (on one element per input) and gives None where the
+    compiler refuses it; the fused step then runs its members' kernels, eager's values."""
+    fake = SimpleNamespace(zeros=np.zeros, ElementwiseKernel=lambda ins, outs, body, name, preamble, options:
+                           cuda_source.elementwise(ins, outs, body, preamble))
+    ins, outs, preamble = "float32 in0, uint16 in1, bool in2", "float32 out0", fusion._BF16
+    good = fusion.BUILDERS["cupy"](fake, ins, outs, "out0 = in0 + bf16::load(in1) + (float)in2;", preamble, "k")
+    assert good(np.float32([1.5]), np.float32([2.0]).astype("bfloat16").view(np.uint16), np.array([True])).tolist() \
+        == [4.5]
+    assert fusion.BUILDERS["cupy"](fake, ins, outs, "out0 = in0 +;", preamble, "k") is None
+    monkeypatch.setitem(fusion.BUILDERS, "numpy", lambda *args: None)
+    mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
+    x = mesh.from_numpy(np.array([0.1, -2.0, 3.0], np.float32), "a:3")
+    step = mm.compile(lambda x: x * 3.0 + 0.7)
+    step(x)
+    assert step(x).local.tobytes() == (x * 3.0 + 0.7).local.tobytes()
+    assert _fused_steps(step) == ["fused(multiply+add)"]
 
 
 @pytest.mark.usefixtures("cpu_kernels")
