@@ -47,7 +47,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("replay", ("program", "overlap", "dryrun", "tpu", "tpu.*")),
     ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
-    ("engines", ("compiled", "fusion", "graphs", "remat", "pipeline", "cost", "cost.*")),
+    ("engines", ("compiled", "fusion", "graphs", "remat", "pipeline", "stages", "cost", "cost.*")),
     ("optim", ("optim", "sharding")),
     ("layers", ("layers", "layers.*")),
     ("api", ("profile", "timeline", "timeline_plot", "checkpoint", "checkpoint_sync", "async_save", "safetensors_io",

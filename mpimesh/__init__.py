@@ -44,6 +44,7 @@ from .ops.nn import log_softmax, softmax
 from .profile import profile, visualize
 from .remat import remat
 from .pipeline import pipeline, pipeline_value_and_grad
+from .stages import stack_layers, unstack_stages
 from .sharding import shard_weights
 from .shape import Dimension, Shape
 from .tensor import DistTensor, arange as range, from_local, from_numpy
@@ -77,7 +78,8 @@ __all__ = [
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal",
     "softmax", "log_softmax", "conv1d", "conv2d",
     # autodiff, checkpoints, measurement, safety nets
-    "trace", "gradients", "remat", "pipeline", "pipeline_value_and_grad", "shard_weights", "set_bucket_bytes", "save", "load", "SaveHandle", "save_step", "steps",
+    "trace", "gradients", "remat", "pipeline", "pipeline_value_and_grad", "stack_layers", "unstack_stages",
+    "shard_weights", "set_bucket_bytes", "save", "load", "SaveHandle", "save_step", "steps",
     "step_path", "newest_intact", "profile", "visualize", "set_spmd_check", "set_collective_timeout",
     "set_hang_notice",
     # speed

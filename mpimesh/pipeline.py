@@ -4,7 +4,7 @@ The rank at coordinate s of `mesh_dim` holds stage s of the stage-stacked parame
 `stage_fn` for it on the *stage mesh* (`stage_mesh`: `mesh_dim` of size 1, the ranks of its
 coordinate), where operator parallelism over the other mesh dims nests. Activations and gradients
 move to the neighbouring stage between the ticks of a schedule (`pipeline_schedules.ticks`,
-`collectives.p2p.sendrecv`). A pipeline is one op of the open traces. More: docs/pipelines.md.
+`collectives.p2p.isendrecv`). A pipeline is one op of the open traces. More: docs/pipelines.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("stages:1", comm=mm.MPI.COMM_SELF)
@@ -15,8 +15,9 @@ move to the neighbouring stage between the ticks of a schedule (`pipeline_schedu
 """
 from __future__ import annotations
 
+import time
 import weakref
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .autodiff import gradients
 from .backend import is_float
@@ -31,11 +32,36 @@ from .ops.relayout import to_layout
 from .ops.slicing import concat, split
 from .pipeline_schedules import check_schedule, stage_of, ticks
 from .shape import Dimension, Shape
-from .tensor import DistTensor, tensor_arg
+from .stack import Stack
+from .tensor import DistTensor, full, tensor_arg
 from .trace import current_trace, dispatch, release_unneeded, set_apart, trace
 from .tree import flatten, named_leaves, unflatten
 
 _stage_meshes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_running = Stack()  # the Microbatch of each stage_fn call under way
+
+last_run: dict = {}
+"""This rank's last pipeline op (run or replayed): `op`, `schedule`, `stages` (S), `virtual` (V),
+`microbatches` (M), `seconds` (the op's wall time) and `in_transfers` (of them, the time spent in the
+transfers between stages, waiting for a neighbour included: the rank's bubble)."""
+
+
+class Microbatch(NamedTuple):
+    """The work of one `stage_fn` call (`microbatch()`): `position`, the stage's place in the order
+    stages apply (0 .. S*V-1); `index`, the microbatch's number; `start` and `size`, its rows along
+    x's batch dim; `total`, x's rows."""
+    position: int
+    index: int
+    start: int
+    size: int
+    total: int
+
+
+def microbatch() -> Optional[Microbatch]:
+    """Inside `stage_fn`: the stage and microbatch it runs now (e.g. to draw a microbatch's random
+    numbers as its rows of the whole batch would, or to pick a stage's layers); None elsewhere.
+    The dry run before any transfer sees microbatch 0 at the rank's first position."""
+    return _running.top()
 
 
 def stage_mesh(mesh: Mesh, mesh_dim: str) -> Mesh:
@@ -60,7 +86,7 @@ class _Plan:
     """What every rank knows of one pipeline call from shapes alone."""
 
     def __init__(self, what, stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, virtual,
-                 loss_fn=None, targets=None):
+                 loss_fn=None, targets=None, loss_params=None):
         if not callable(stage_fn):
             raise TypeError(f"{what}: stage_fn must be a function, got {type(stage_fn).__name__}")
         x = tensor_arg(what, x)
@@ -75,8 +101,8 @@ class _Plan:
         if not flat or len(flat) != len(self.names):
             raise MpimeshError(f"{what}: stage_params must be a dict (nested allowed) of tensors, got "
                                f"{type(stage_params).__name__}{' with no tensors' if not flat else ''}")
-        self.dtypes, self.views = [p.dtype for p in flat], []
-        for name, p in zip(self.names, flat):
+        self.leaves, self.views = list(flat), []
+        for name, p in zip(self.names, self.leaves):
             self.views.append(self._view(what, name, tensor_arg(what, p, f"stage_params[{name!r}]"), stage_dim))
         self.batch_dim = x.shape[0].name if batch_dim is None else batch_dim
         if x.shape.rank == 0 or self.batch_dim not in x.shape.names:
@@ -86,6 +112,7 @@ class _Plan:
             raise MpimeshError(f"{what}: microbatches must be an int from 1 to the size of batch dim "
                                f"{self.batch_dim!r}, {B}; got {microbatches!r}")
         self.M, self.sizes = microbatches, block_sizes(B, microbatches)
+        self.starts = [sum(self.sizes[:m]) for m in range(self.M)]
         self.x_shape, self.dtype = x.shape, x.dtype
         self.x_layout = _without(x.tensor_layout, mesh_dim)
         if targets is not None:
@@ -96,6 +123,15 @@ class _Plan:
             self.t_shape, self.t_layout = targets.shape, _without(targets.tensor_layout, mesh_dim)
         self.sub = stage_mesh(mesh, mesh_dim)
         self.rules = mesh.layout
+        self.lp_leaves, self.lp_structure = [], None
+        if loss_params is not None:
+            lp, self.lp_structure = flatten(loss_params)
+            for name, p in zip([n for n, _ in named_leaves(loss_params)], lp):
+                p = tensor_arg(what, p, f"loss_params[{name!r}]")
+                if p.mesh is not mesh:
+                    raise MeshError(f"{what}: loss_params[{name!r}] lives on mesh {p.mesh.shape}, x on {mesh.shape}")
+                self.lp_leaves.append(to_layout(p, _without(p.tensor_layout, mesh_dim)))
+        self.n = len(self.leaves)
         self._probe(what, targets)
 
     def _view(self, what: str, name: str, p, stage_dim: str) -> tuple:
@@ -126,34 +162,49 @@ class _Plan:
         return local_sizes(self.mb_shape(m), self.sub.shape, self.x_layout, self.sub.coords)
 
     def params(self, v: int, blocks: tuple) -> object:
-        """This rank's virtual stage `v`'s parameters from its `blocks` of `stage_params` (a kernel's
-        inputs: a compiled step's replay passes new ones), views on the stage mesh (no copy)."""
+        """This rank's virtual stage `v`'s parameters (from the op's input `blocks`), views on the stage
+        mesh (no copy)."""
         views = [DistTensor(self.sub, shape, layout, b[(slice(None),) * ax + (v,)])
                  for b, (shape, layout, ax) in zip(blocks, self.views)]
         return unflatten(self.structure, views)
 
-    def run_stage(self, params, h):
-        """`stage_fn(params, h)`, laid out as h (what moves to the next stage)."""
-        with layout_scope(self.sub, self.rules):
-            out = self.stage_fn(params, h)
-            return to_layout(out, self.x_layout)
+    def loss_params(self, blocks: tuple) -> tuple:
+        """`loss_fn`'s extra argument (none without `loss_params`): its tensors' views on the stage mesh."""
+        if self.lp_structure is None:
+            return ()
+        views = [DistTensor(self.sub, p.shape, p.tensor_layout, b) for p, b in zip(self.lp_leaves, blocks[self.n:])]
+        return (unflatten(self.lp_structure, views),)
+
+    def run_stage(self, params, h, k: int, m: int) -> tuple:
+        """`stage_fn(params, h)` at position `k` on microbatch `m`: `(out laid out as h, aux or None)`."""
+        with layout_scope(self.sub, self.rules), _running.push(Microbatch(k, m, self.starts[m], self.sizes[m],
+                                                                          self.x_shape[self.batch_dim].size)):
+            out, aux = _with_aux(self.stage_fn(params, h))
+            return to_layout(out, self.x_layout), aux
 
     def _probe(self, what: str, targets) -> None:
         """Run `stage_fn` (and `loss_fn`) dry on the first microbatch's shapes: a bad result, or an
         error inside, is raised on every rank before any transfer."""
         dry = DryMesh(self.sub.shape, self.rules)
-        with paused(), set_apart():
-            p = unflatten(self.structure, [placeholder(dry, shape, dtype, layout)
-                                           for dtype, (shape, layout, _) in zip(self.dtypes, self.views)])
+        first = Microbatch(self.mesh.coords[self.mesh_dim], 0, 0, self.sizes[0], self.x_shape[self.batch_dim].size)
+        with paused(), set_apart(), _running.push(first):
+            p = unflatten(self.structure, [placeholder(dry, shape, leaf.dtype, layout)
+                                           for leaf, (shape, layout, _) in zip(self.leaves, self.views)])
             h = placeholder(dry, self.mb_shape(0), self.dtype, self.x_layout)
-            out = self.stage_fn(p, h)
+            out, aux = _with_aux(self.stage_fn(p, h))
             if not hasattr(out, "tensor_layout") or out.shape != h.shape or out.dtype != h.dtype:
                 got = f"{out.shape} {out.dtype}" if hasattr(out, "tensor_layout") else type(out).__name__
                 raise ShapeError(f"{what}: stage_fn must return a tensor of its input's shape and dtype, "
-                                 f"{h.shape} {h.dtype}; it returned {got}")
+                                 f"{h.shape} {h.dtype}, or with an aux loss (h, aux); it returned {got}")
+            if aux is not None and self.loss_fn is None:
+                raise MpimeshError(f"{what}: stage_fn returned (h, aux): aux losses need mm.pipeline_value_and_grad")
+            if aux is not None and (not hasattr(aux, "tensor_layout") or aux.shape.rank):
+                raise ShapeError(f"{what}: stage_fn returned (h, aux): aux must be a scalar tensor (no dims) or None, "
+                                 f"got {getattr(aux, 'shape', type(aux).__name__)}")
             if self.loss_fn is not None:
                 t = placeholder(dry, self.mb_shape(0, self.t_shape), targets.dtype, self.t_layout)
-                loss = self.loss_fn(out, t)
+                lp = [placeholder(dry, q.shape, q.dtype, q.tensor_layout) for q in self.lp_leaves]
+                loss = self.loss_fn(out, t, *([unflatten(self.lp_structure, lp)] if self.lp_structure else []))
                 if not hasattr(loss, "tensor_layout") or loss.shape.rank != 0:
                     raise ShapeError(f"{what}: loss_fn must return a scalar tensor (no dims), got "
                                      f"{getattr(loss, 'shape', type(loss).__name__)}")
@@ -162,6 +213,30 @@ class _Plan:
 
 def _without(layout: tuple, mesh_dim: str) -> tuple:
     return tuple(None if m == mesh_dim else m for m in layout)
+
+
+def _with_aux(result) -> tuple:
+    """`stage_fn`'s result as `(h, aux)` (aux None where it returned h alone)."""
+    return (result[0], result[1]) if isinstance(result, tuple) and len(result) == 2 else (result, None)
+
+
+class _Clock:
+    """A pipeline op's wall time on this rank and its time in the transfers (`last_run`)."""
+
+    def __init__(self):
+        self.t0, self.waiting = time.perf_counter(), 0.0
+
+    def wait(self, transfer: Callable, *args):
+        t = time.perf_counter()
+        try:
+            return transfer(*args)
+        finally:
+            self.waiting += time.perf_counter() - t
+
+    def record(self, op: str, plan: "_Plan", schedule: str) -> None:
+        last_run.clear()
+        last_run.update(op=op, schedule=schedule, stages=plan.S, virtual=plan.V, microbatches=plan.M,
+                        seconds=time.perf_counter() - self.t0, in_transfers=self.waiting)
 
 
 class _Saved:
@@ -217,12 +292,12 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
                 sent.append(req)
         sent = [req for req in sent if not req.test()]  # (MPI moves data only inside its calls; a sent block goes)
     for req in sent:
-        req.wait()
+        plan.clock.wait(req.wait)
 
 
 def _arrived(plan: _Plan, req, mb: int) -> DistTensor:
     """Microbatch `mb`'s activation (or gradient) on the stage mesh, once its transfer `req` is complete."""
-    return DistTensor(plan.sub, plan.mb_shape(mb), plan.x_layout, req.wait())
+    return DistTensor(plan.sub, plan.mb_shape(mb), plan.x_layout, plan.clock.wait(req.wait))
 
 
 def _pieces(plan: _Plan, local, shape: Shape, layout: tuple) -> list:
@@ -241,26 +316,29 @@ def _joined(ctx, plan: _Plan, pieces: dict, root: int):
     else:
         shape = local_sizes(plan.x_shape, plan.sub.shape, plan.x_layout, plan.sub.coords)
         block = plan.sub.xp.empty(shape, plan.dtype)
-    return broadcast_from(ctx, block, plan.mesh_dim, root)
+    return plan.clock.wait(broadcast_from, ctx, block, plan.mesh_dim, root)
 
 
-def _grad_step(plan: _Plan, tr, ys: list, params, h, dy, grads: dict, v: int):
-    """Differentiate one stage's recorded run: add its parameters' gradients into `grads[v]`; h's."""
-    leaves = flatten(params)[0]
+def _grad_step(plan: _Plan, tr, ys: list, dys: Optional[list], params, h, grads: dict, v: int, extra=()):
+    """Differentiate one stage's recorded run (outputs `ys`, cotangents `dys`, None: ones): add its
+    parameters' gradients into `grads[v]` and those of `extra` (`loss_fn`'s) into `grads["loss"]`; h's."""
+    leaves = flatten(params)[0] + list(extra)
     wanted = [h] + [p for p in leaves if is_float(p.dtype)]
-    got = gradients(ys, wanted, None if dy is None else [dy], tr=tr)
+    got = gradients(ys, wanted, dys, tr=tr)
     it = iter(got[1:])
     per = [next(it) if is_float(p.dtype) else None for p in leaves]
-    if v in grads:
-        with layout_scope(plan.sub, plan.rules):
-            grads[v] = [a if b is None else (b if a is None else a + b) for a, b in zip(grads[v], per)]
-    else:
-        grads[v] = per
+    for key, part in ((v, per[:len(per) - len(extra)]), ("loss", per[len(per) - len(extra):])):
+        if key in grads and part:
+            with layout_scope(plan.sub, plan.rules):
+                grads[key] = [a if b is None else (b if a is None else to_layout(a + b, a.tensor_layout))
+                              for a, b in zip(grads[key], part)]  # (the sum laid out as the parameter)
+        elif part:
+            grads[key] = part
     return got[0]
 
 
 def _stacked(plan: _Plan, grads: dict, blocks: tuple) -> list:
-    """Each parameter's gradient blocks (like its `blocks`), the virtual stages stacked on its stage axis."""
+    """Each parameter's gradient blocks, the virtual stages stacked on its stage axis."""
     xp, out = plan.sub.xp, []
     for i, (b, (_, _, ax)) in enumerate(zip(blocks, plan.views)):
         parts = [grads[v][i] for v in range(plan.V)]
@@ -272,19 +350,19 @@ def _stacked(plan: _Plan, grads: dict, blocks: tuple) -> list:
 def _forward_kernel(ctx, x, *blocks, plan: _Plan, saved: Optional[_Saved]):
     """`pipeline`'s forward schedule: this rank's stages on each microbatch; y's block on every rank.
     With `saved`, each stage's recorded run (or, with remat, its input) is kept for the gradient."""
-    outputs = {}
+    outputs, plan.clock = {}, _Clock()
     if saved is not None:  # (a compiled step's replay runs this op again with the recording's params)
         saved.kept, saved.done = {}, False
 
     def forward(step, k, h):
         params = plan.params(step.virtual, blocks)
         if saved is None or saved.remat:
-            out = plan.run_stage(params, h)
+            out, _ = plan.run_stage(params, h, k, step.mb)
             if saved is not None:
                 saved.kept[(step.mb, k)] = h
         else:
             with trace() as tr:
-                out = plan.run_stage(params, h)
+                out, _ = plan.run_stage(params, h, k, step.mb)
                 release_unneeded()
             saved.kept[(step.mb, k)] = (tr, params, h, out)
         if k == plan.K - 1:
@@ -296,7 +374,9 @@ def _forward_kernel(ctx, x, *blocks, plan: _Plan, saved: Optional[_Saved]):
         pieces = _pieces(plan, x, plan.x_shape, plan.x_layout) if ctx.coord(plan.mesh_dim) == 0 else None
         _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, backward=False), forward, None,
                  lambda m: pieces[m])
-        return _joined(ctx, plan, outputs, plan.S - 1)
+        y = _joined(ctx, plan, outputs, plan.S - 1)
+        plan.clock.record("pipeline", plan, "gpipe")
+        return y
 
 
 def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
@@ -305,17 +385,17 @@ def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
     if saved.done:
         raise MpimeshError("mm.pipeline: its gradient was taken already, and its stages' values went with it: "
                            "differentiate a pipeline once per forward")
-    grads, dxs = {}, {}
+    grads, dxs, plan.clock = {}, {}, _Clock()
 
     def backward(step, k, g):
         if saved.remat:
             h = saved.kept.pop((step.mb, k))
             with trace() as tr:
                 params = plan.params(step.virtual, blocks)
-                out = plan.run_stage(params, h)
+                out, _ = plan.run_stage(params, h, k, step.mb)
         else:
             tr, params, h, out = saved.kept.pop((step.mb, k))
-        dh = _grad_step(plan, tr, [out], params, h, g if k < plan.K - 1 else seeds[step.mb], grads, step.virtual)
+        dh = _grad_step(plan, tr, [out], [g if k < plan.K - 1 else seeds[step.mb]], params, h, grads, step.virtual)
         if k == 0:
             dxs[step.mb] = dh
             return None
@@ -326,7 +406,9 @@ def _backward_kernel(ctx, dy, x, *blocks, plan: _Plan, saved: _Saved):
         seeds = _pieces(plan, dy, plan.x_shape, plan.x_layout) if last else None
         _execute(ctx, plan, ticks("gpipe", plan.S, plan.M, forward=False), None, backward)
         saved.done, saved.kept = True, {}
-        return (_joined(ctx, plan, dxs, 0),) + tuple(_stacked(plan, grads, blocks))
+        dx = _joined(ctx, plan, dxs, 0)
+        plan.clock.record("pipeline_grad", plan, "gpipe")
+        return (dx,) + tuple(_stacked(plan, grads, blocks))
 
 
 def _pipeline_grad(rec, dy):
@@ -344,24 +426,34 @@ PIPELINE_GRAD = OpDef("pipeline_grad", _backward_kernel, fill=None)
 
 
 def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str):
-    """`pipeline_value_and_grad`'s schedule: the loss, dx's block, then the parameters' gradients."""
-    kept, grads, dxs, losses = {}, {}, {}, []
+    """`pipeline_value_and_grad`'s schedule: the loss, dx's block, the parameters' gradients, then
+    those of `loss_params`. The loss is the sum over the ranks along `mesh_dim` of their terms (the
+    last stage's losses, every stage's aux losses)."""
+    kept, grads, dxs, terms, plan.clock = {}, {}, {}, [], _Clock()
+    extra = plan.loss_params(blocks)
 
     def forward(step, k, h):
         params = plan.params(step.virtual, blocks)
         with trace() as tr:
-            out = plan.run_stage(params, h)
-            if k == plan.K - 1:
-                with layout_scope(plan.sub, plan.rules):
-                    out = plan.loss_fn(out, tpieces[step.mb])
-                losses.append(out.local)
+            out, aux = plan.run_stage(params, h, k, step.mb)
+            with layout_scope(plan.sub, plan.rules):
+                if k == plan.K - 1:
+                    out = plan.loss_fn(out, tpieces[step.mb], *extra)
+                    out, aux = (out if aux is None else out + aux), None
+                    terms.append(out.local)
+                elif aux is not None:
+                    terms.append(aux.local)
+                ys = [out] if aux is None else [out, aux]
             release_unneeded()
-        kept[(step.mb, k)] = (tr, params, h, out)
+        kept[(step.mb, k)] = (tr, params, h, ys)
         return None if k == plan.K - 1 else out
 
     def backward(step, k, g):
-        tr, params, h, out = kept.pop((step.mb, k))
-        dh = _grad_step(plan, tr, [out], params, h, g, grads, step.virtual)
+        tr, params, h, ys = kept.pop((step.mb, k))
+        last = k == plan.K - 1
+        dys = None if last else [g] + [full(plan.sub, (), 1.0, a.dtype) for a in ys[1:]]
+        dh = _grad_step(plan, tr, ys, dys, params, h, grads, step.virtual,
+                        flatten(extra[0])[0] if extra and last else ())
         if k == 0:
             dxs[step.mb] = dh
             return None
@@ -373,14 +465,24 @@ def _value_and_grad_kernel(ctx, x, targets, *blocks, plan: _Plan, schedule: str)
         tpieces = _pieces(plan, targets, plan.t_shape, plan.t_layout) if s == plan.S - 1 else None
         _execute(ctx, plan, ticks(schedule, plan.S, plan.M, plan.V), forward, backward, lambda m: pieces[m])
         xp = plan.sub.xp
-        if s == plan.S - 1:
-            total = losses[0]
-            for term in losses[1:]:
-                total = total + term
-        else:
-            total = xp.empty((), plan.loss_dtype)
-        loss = broadcast_from(ctx, xp.asarray(total), plan.mesh_dim, plan.S - 1)
-        return (loss, _joined(ctx, plan, dxs, 0)) + tuple(_stacked(plan, grads, blocks))
+        total = xp.zeros((), plan.loss_dtype)
+        for term in terms:
+            total = total + term
+        loss = plan.clock.wait(ctx.allreduce, xp.asarray(total, plan.loss_dtype), (plan.mesh_dim,))
+        dx = _joined(ctx, plan, dxs, 0)
+        lgrads = _loss_grads(ctx, plan, grads.get("loss"), blocks[plan.n:])
+        plan.clock.record("pipeline_value_and_grad", plan, schedule)
+        return (loss, dx) + tuple(_stacked(plan, grads, blocks[:plan.n])) + lgrads
+
+
+def _loss_grads(ctx, plan: _Plan, got: Optional[list], blocks: tuple) -> tuple:
+    """The gradients of `loss_params` (`got`, on the last stage) as every rank's blocks."""
+    out = []
+    for i, b in enumerate(blocks):
+        g = got[i] if got is not None else None
+        mine = plan.sub.xp.zeros_like(b) if g is None else g.local
+        out.append(plan.clock.wait(broadcast_from, ctx, mine, plan.mesh_dim, plan.S - 1))
+    return tuple(out)
 
 
 PIPELINE_VALUE_AND_GRAD = OpDef("pipeline_value_and_grad", _value_and_grad_kernel, fill=None)
@@ -402,29 +504,36 @@ def pipeline(stage_fn: Callable, stage_params, x, mesh_dim: str, microbatches: i
     plan = _Plan("mm.pipeline", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim, stage_dim, 1)
     saved = _Saved(bool(remat)) if current_trace() is not None else None
     xs = to_layout(x, plan.x_layout)
-    leaves = flatten(stage_params)[0]
-    (y,) = dispatch(PIPELINE, [xs] + leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
+    (y,) = dispatch(PIPELINE, [xs] + plan.leaves, [(plan.x_shape, plan.x_layout)], {"plan": plan, "saved": saved})
     return to_layout(y, x.tensor_layout)
 
 
 def pipeline_value_and_grad(stage_fn: Callable, loss_fn: Callable, stage_params, x, targets, mesh_dim: str,
                             microbatches: int, batch_dim: Optional[str] = None, stage_dim: str = "stage",
-                            schedule: str = "1f1b", virtual_stages: int = 1) -> tuple:
+                            schedule: str = "1f1b", virtual_stages: int = 1, loss_params=None) -> tuple:
     """`(loss, grads, dx)` of a pipeline (see `pipeline`) ending in `loss_fn(h, t)`, one microbatch's
     scalar loss (`targets` cut like `x`): `loss` their sum, `grads` its gradients laid out as
     `stage_params`, `dx` as `x`. `schedule`: `"gpipe"` (every forward, then every backward),
     `"1f1b"` (at most S microbatches in flight per stage) or `"interleaved"` with `virtual_stages`
     V: the stage dim has S*V entries, rank s holding entries s*V .. s*V+V-1, entry s*V+v applied at
-    position v*S+s (`pipeline_schedules.application_order`).
+    position v*S+s (`pipeline_schedules.application_order`). `stage_fn` may return `(h, aux)`: aux, a
+    scalar (an auxiliary loss: a mixture of experts' load balance), is added to the loss.
+    `loss_params` (a dict of tensors of x's mesh, nested allowed): passed on as `loss_fn(h, t,
+    loss_params)` (the model's head on the last stage); the result is then `(loss, grads, dx,
+    loss_grads)`, loss_grads laid out as `loss_params`.
     """
     check_schedule(schedule, virtual_stages)
     if not callable(loss_fn):
         raise TypeError(f"mm.pipeline_value_and_grad: loss_fn must be a function, got {type(loss_fn).__name__}")
     plan = _Plan("mm.pipeline_value_and_grad", stage_fn, stage_params, x, mesh_dim, microbatches, batch_dim,
-                 stage_dim, virtual_stages, loss_fn, targets)
+                 stage_dim, virtual_stages, loss_fn, targets, loss_params)
     xs, ts = to_layout(x, plan.x_layout), to_layout(targets, plan.t_layout)
-    leaves = flatten(stage_params)[0]
-    specs = [(Shape([]), ()), (plan.x_shape, plan.x_layout)] + [(p.shape, p.tensor_layout) for p in leaves]
-    loss, dx, *grads = dispatch(PIPELINE_VALUE_AND_GRAD, [xs, ts] + leaves, specs,
-                                {"plan": plan, "schedule": schedule})
-    return loss, unflatten(plan.structure, grads), to_layout(dx, x.tensor_layout)
+    ins = plan.leaves + plan.lp_leaves
+    specs = [(Shape([]), ()), (plan.x_shape, plan.x_layout)] + [(p.shape, p.tensor_layout) for p in ins]
+    loss, dx, *grads = dispatch(PIPELINE_VALUE_AND_GRAD, [xs, ts] + ins, specs, {"plan": plan, "schedule": schedule})
+    out = loss, unflatten(plan.structure, grads[:plan.n]), to_layout(dx, x.tensor_layout)
+    if loss_params is None:
+        return out
+    originals = flatten(loss_params)[0]
+    return out + (unflatten(plan.lp_structure, [to_layout(g, p.tensor_layout)
+                                               for g, p in zip(grads[plan.n:], originals)]),)

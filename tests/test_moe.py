@@ -144,6 +144,24 @@ def test_matches_reference(config, routing):
         np.testing.assert_allclose(float(aux), raux, rtol=1e-10, err_msg=str(kw))
 
 
+@pytest.mark.parametrize("first,size", [(0, 3), (3, 5), (7, 1)])
+def test_groups_of_a_batch_draw_the_batchs_numbers(first, size):
+    """`draws=(first, G)`: groups first .. first+size-1 of a batch of G (a pipeline's microbatch) route
+    with the whole batch's random draws, those rows of them: the loop reference on those rows."""
+    shape, rules, emd = configs()[0]
+    mesh, p, xa, _ = setup(shape, rules, emd, seed=1)
+    rows = xa[first:first + size]
+    x = mesh.from_numpy(rows, f"group:{size};tokens:{S};d_model:{M}")
+    kw = {"seed": 3, "second_threshold": 1.0, "capacity_factor": 4.0}  # the draws decide many second choices
+    y, _ = moe(p, x, "group", draws=(first, G), **kw)
+    w = {k: t.to_numpy() for k, t in p.items()}
+    ry, _ = reference(rows, w["wg"], w["wi"], w["wo"], draws(3)[first:first + size], expert_capacity(S, E, 4.0),
+                      threshold=1.0)
+    np.testing.assert_allclose(y.to_numpy(), ry, rtol=1e-10, atol=1e-12)
+    alone, _ = moe(p, x, "group", **kw)  # without draws: the first `size` rows' numbers, another routing
+    assert first == 0 or not np.allclose(alone.to_numpy(), ry)
+
+
 def test_reference_sees_overflow_and_random_drops():
     """The reference cases do exercise dropped tokens and dropped second experts."""
     mesh = self_mesh()

@@ -30,6 +30,7 @@ from ..ops.reduce import reduce_mean, reduce_sum
 from ..ops.relayout import relayout
 from ..ops.routing import POLICIES, combine_slots, dispatch_slots, top2_slots
 from ..ops.scan import cumsum
+from ..ops.slicing import slice as slice_dim
 from ..shape import Dimension, Shape
 from .core import ACTIVATIONS, DimLike, Params, as_dim, like, subseed
 
@@ -131,12 +132,18 @@ def _pick(gates, index, e: Dimension):
 
 
 def _top2_gates(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, policy: str, threshold: float,
-                seed: int, loss_coef: float, fused: bool):
+                seed: int, loss_coef: float, fused: bool, draws: Optional[tuple]):
     """Gates, top-2 choice and aux loss of x [G, S, M]: (mask_1, mask_2, g1, g2, uniform draws, aux,
     slots): slots from `top2_slots` when `fused`, else None (the one-hot path decides later)."""
     dt = x.dtype
     gates = softmax(einsum([x, wg], output_shape=Shape([g, s, e])), e.name)
-    u = x.mesh.random_uniform(Shape([g, s]), seed, dtype=dt) if policy == "random" else None
+    u = None
+    if policy == "random" and draws is None:
+        u = x.mesh.random_uniform(Shape([g, s]), seed, dtype=dt)
+    elif policy == "random":  # groups first .. first+G-1 of a batch of `total`: their rows of its draws
+        first, total = draws
+        u = slice_dim(x.mesh.random_uniform(Shape([Dimension(g.name, total), s]), seed, dtype=dt), first, g.size,
+                      g.name)
     if fused:
         index_1, index_2, slots = top2_slots(gates, s.name, e.name, c, policy, threshold, u)
         mask_1, gate_1 = _pick(gates, index_1, e)
@@ -192,14 +199,17 @@ def _gather_blocker(mesh, rules: LayoutRules, x_shape: Shape, tokens: str, buffe
 
 def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacity_factor: Optional[float] = None,
         min_capacity: int = 4, loss_coef: float = 1e-2, second_policy: str = "random",
-        second_threshold: float = 0.2, seed: int = 0, activation: str = "relu", routing: str = "auto"):
+        second_threshold: float = 0.2, seed: int = 0, activation: str = "relu", routing: str = "auto",
+        draws: Optional[tuple] = None):
     """GShard top-2 mixture of experts on x [G, S, M] (params from `init_moe`): `(y, aux_loss)`.
 
     y has x's shape and the layout the rules in force give it; aux_loss is a scalar to add to the
     training loss. `capacity_factor` defaults to 1.25 when `train`, else 2.0; `seed` seeds the
     random second-expert policy (use a new one each step). `routing`: "gather" (slots and gathers,
     `mpimesh.ops.routing`), "one_hot" (the [G, S, E, C] masks and einsums) or "auto" (gather where
-    the layout allows: see the module doc). The formulas are in the module doc.
+    the layout allows: see the module doc). `draws`, `(first, total)`: x's groups are groups first ..
+    of a batch of `total` (a pipeline's microbatch): the random policy draws their numbers of that
+    batch. The formulas are in the module doc.
     """
     if second_policy not in POLICIES:
         raise MpimeshError(f"moe: unknown second_policy {second_policy!r}; choose from {list(POLICIES)}")
@@ -228,7 +238,8 @@ def moe(params: Params, x, group_dim: str = "group", train: bool = True, capacit
     wg, wi, wo = (like(params[n], x) for n in ("wg", "wi", "wo"))  # x's dtype: float32 masters cast
     with layout_scope(mesh, rules_g):
         mask_1, mask_2, gate_1, gate_2, u, aux, slots = _top2_gates(x, wg, g, s, e, c, second_policy,
-                                                                    second_threshold, seed, loss_coef, fused)
+                                                                    second_threshold, seed, loss_coef, fused,
+                                                                    draws)
         if fused:
             expert_in = dispatch_slots(x, slots, output_shape=ein_shape)
         else:
