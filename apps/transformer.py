@@ -9,7 +9,7 @@ and activations; the `--layout` rules say which tensor dim is split over which m
 the Mesh-TensorFlow paper's, batch over rows; heads, d_ff and vocab over cols). The training step
 (`make_train_step`: forward, `mm.gradients`, the optimizer update) is compiled (`mm.compile`).
 `--help` lists the flags; docs/transformer.md describes the data, the output, `--log-json`,
-checkpoints, MoE, GPUs, `--layout auto`, `--backend jax` and how `main` is split.
+checkpoints, MoE, `--pipeline`, GPUs, `--layout auto`, `--backend jax` and how `main` is split.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import mpimesh as mm  # noqa: E402  (first: it sets BLAS threads per rank before numpy loads BLAS)
 import numpy as np  # noqa: E402
+from apps import pipelined  # noqa: E402
 from apps.cli import (UsageError, check_at_least, check_layout, eta_text, main_guard, parser,  # noqa: E402
                       progress_bar)
 from mpimesh import checkpoint, layers, safetensors_io  # noqa: E402
@@ -117,13 +118,23 @@ def forward_aux(params: Params, inputs, cfg: Config, train: bool = False, seed: 
     `(capacity_factor, min_capacity)`, overrides the layer's defaults."""
     capacity = {} if moe_capacity is None else dict(zip(("capacity_factor", "min_capacity"), moe_capacity))
     p = layers.unflatten(params)
-    x = layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
+    x = embed(p, inputs, cfg)
     aux = None
     for i in range(cfg.layers):
         x, a = block(p[f"layer{i}"], x, cfg, i, train, seed, capacity, remat=i < cfg.remat)
         if a is not None:
             aux = a if aux is None else aux + a
-    return layers.dense(p["logits"], layers.layer_norm(p["ln_f"], x, "d_model")), aux
+    return head(p, x), aux
+
+
+def embed(p: dict, inputs, cfg: Config):
+    """The residual stream `[batch, length, d_model]` of byte ids `inputs`: embeddings plus positions."""
+    return layers.embedding(p["embed"], inputs, cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
+
+
+def head(p: dict, x):
+    """The logits `[..., vocab]` of the residual stream x: the final layer norm, then the logits layer."""
+    return layers.dense(p["logits"], layers.layer_norm(p["ln_f"], x, "d_model"))
 
 
 def block(b: dict, x, cfg: Config, i: int, train: bool, seed, capacity: dict, remat: bool = False) -> tuple:
@@ -148,6 +159,9 @@ def feed_forward_sublayer(b: dict, x, cfg: Config, i: int, train: bool, seed, ca
     y, a = layers.moe(b["moe"], h, group_dim="batch", train=train, seed=layers.subseed(seed, f"moe{i}"),
                       activation=cfg.activation, **capacity)
     return x + y, a
+
+
+MODEL = pipelined.Model(embed, block, head)  # what --pipeline runs (apps/pipelined.py)
 
 
 def forward(params: Params, inputs, cfg: Config):
@@ -592,12 +606,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags (in --help's order, by group), checked: a bad one or a bad combination is one line on
     stderr from rank 0 and exit status 2 on every rank, before any work."""
     ap = parser(__doc__.split("\n\n")[0] + "\n\nFull description: docs/transformer.md.", DIMS, PAPER_LAYOUT)
-    for add in (_model_flags, _optimizer_flags, _step_flags, _parallel_flags, _data_flags, _eval_flags,
-                _checkpoint_flags, _output_flags):
+    for add in (_model_flags, _optimizer_flags, _step_flags, _parallel_flags, pipelined.add_flags, _data_flags,
+                _eval_flags, _checkpoint_flags, _output_flags):
         add(ap)
     args = ap.parse_args(argv)
     _check_checkpoint_flags(ap, args)
     _check_values(ap, args)
+    pipelined.check_flags(ap, args)
     _check_log_json(ap, args)
     _check_export(ap, args)
     for note in _idle_flags(ap, args) if mm.MPI.COMM_WORLD.Get_rank() == 0 else ():
@@ -704,7 +719,8 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
                     "step: step, loss, tokens_per_s and step_ms (that step's), comm_share (of its time in "
                     "collectives; null with --backend jax), lr (the optimizer's learning rate at its step count), "
                     "peak_bytes (rank 0's peak memory in the step, mm.profile()'s: host = resident set high-water "
-                    "mark; gpu, gpu_cached with --device gpu), and heldout_loss on the evaluated steps alone")
+                    "mark; gpu, gpu_cached with --device gpu), heldout_loss on the evaluated steps alone, and "
+                    "with --pipeline bubble (rank 0's share of the pipeline op in the transfers between stages)")
     ap.add_argument("--profile", action="store_true", help="print the comm/compute counters of every step")
     ap.add_argument("--timeline", default=None, metavar="FILE", help="record every rank's ops and collectives "
                     "over the training steps (use a few --steps) into FILE, a Chrome trace (Perfetto, "
@@ -835,6 +851,7 @@ class Run:
     held: np.ndarray
     predicted: Optional[float] = None  # --layout auto: the cost model's seconds per step
     jax: Optional[JaxSide] = None  # --backend jax
+    pipe: Optional[pipelined.Pipe] = None  # --pipeline
 
     @property
     def first_rank(self) -> bool:
@@ -954,7 +971,10 @@ def make_run(args: argparse.Namespace, cfg: Config, auto: bool, train: np.ndarra
         args.layout = moe_layout(rules, cfg.moe_every)
     mesh = mm.Mesh(args.mesh or default_mesh(world), layout=args.layout,
                    backend="cupy" if args.device == "gpu" else "numpy")
-    return Run(args, cfg, mesh, train, held, predicted=predicted)
+    pipe = pipelined.from_args(args)
+    if pipe:
+        pipelined.check(pipe, mesh, cfg)
+    return Run(args, cfg, mesh, train, held, predicted=predicted, pipe=pipe)
 
 
 def initial_state(run: Run) -> Optional[Start]:
@@ -974,6 +994,9 @@ def initial_state(run: Run) -> Optional[Start]:
             run.say(f"nothing to do: the checkpoint {from_path!r} is at step {start}, and --steps {args.steps} is "
                     f"the total step count; pass a larger --steps to train on")
             return None
+    if run.pipe:  # the blocks stacked into stages (checkpoints and the init stay per layer)
+        params = pipelined.to_stages(params, run.pipe, mesh, run.cfg)
+        opt_state = pipelined.state_to_stages(opt_state, run.pipe, mesh, run.cfg)
     return Start(params, opt_state, optimizer, start, from_path, batches)
 
 
@@ -1002,6 +1025,8 @@ def print_banner(run: Run, start: Start, desc: str, base: float) -> None:
     if cfg.moe_every:
         say(f"MoE: layers {[i for i in range(cfg.layers) if cfg.is_moe(i)]} have {cfg.experts} experts "
             f"(top-2 gating, groups = sequences)")
+    if run.pipe:
+        say(pipelined.banner(run.pipe, run.mesh, cfg))
     say(f"data: {desc}")
     say(f"unigram baseline: {base:.3f} bits per byte (entropy of the training bytes)")
     if start.path:
@@ -1024,6 +1049,8 @@ def build_step(run: Run, start: Start) -> tuple:
                 + (f"persistent cache {args.compile_cache})" if args.compile_cache != "none" else "no cache)"))
         return jstep, None
     timer = CommTimer(run.mesh)
+    if run.pipe:  # (op by op: mm.compile does not replay pipelines yet)
+        return pipelined.make_train_step(run.cfg, start.optimizer, run.pipe, MODEL), timer
     if not run.args.eager:  # the parameters and optimizer state given to the step: updated in place
         train_step = mm.compile(train_step, donate_argnums=(0, 1))
     return train_step, timer
@@ -1103,6 +1130,7 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
     pending = None  # the background save under way: (its step, its SaveHandle)
     acc = np.zeros(5)  # seconds, seconds in collectives, bytes sent, loss, steps since the last line
     step_times: list = []  # with --layout auto, for the predicted time beside the measured one
+    bubbles: list = []  # with --pipeline, this rank's measured bubble per step
     t_begin = t_first = time.perf_counter()  # t_first: the end of the first step (it records the step)
     for step in range(start.step, args.steps):
         offsets = start.batches.next()
@@ -1120,6 +1148,8 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
         record = {"step": done, "loss": r.loss, "tokens_per_s": cfg.batch * cfg.length / r.seconds,
                   "step_ms": 1e3 * r.seconds, "comm_share": None if r.in_comm is None else r.in_comm / r.seconds,
                   "lr": learning_rate(cfg, r.t), "peak_bytes": r.prof.peak_bytes}
+        if run.pipe:
+            bubbles.append(record.setdefault("bubble", pipelined.measured_share()))
         if done % args.log_every == 0 or done == args.steps:
             per_step = (time.perf_counter() - t_first) / (done - start.step - 1) if done > start.step + 1 else acc[0]
             run.say(progress_line(run, done, acc, per_step), flush=True)
@@ -1128,9 +1158,11 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
         saving = args.checkpoint and (done % args.save_every == 0 or done == args.steps)
         if run.jax and (evaluating or saving):
             params, opt_state = step_fn.state()  # back to mpimesh tensors (from_numpy)
+        if evaluating or saving:  # per layer (--pipeline: the stacked blocks unstacked)
+            layer_params, layer_state = per_layer(run, params, opt_state)
         if evaluating:
             t_end = time.perf_counter()  # (the last evaluation is the final one, not training)
-            held_loss = record["heldout_loss"] = evaluate(params, run.mesh, run.held, cfg, args.eval_batches)
+            held_loss = record["heldout_loss"] = evaluate(layer_params, run.mesh, run.held, cfg, args.eval_batches)
             if done != args.steps:
                 run.say(f"  held-out loss {held_loss:.3f}  {held_loss / math.log(2):.3f} bits per byte "
                         f"(unigram baseline {base:.3f})", flush=True)
@@ -1138,13 +1170,23 @@ def train_loop(run: Run, start: Start, base: float) -> tuple:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if saving:
-            pending = save(run, done, params, opt_state, start.batches.state(), pending)
+            pending = save(run, done, layer_params, layer_state, start.batches.state(), pending)
         if done == start.step + 1:
             t_first = time.perf_counter()
     finish_save(run, pending)
     if log:
         log.close()
-    return params, held_loss, t_end - t_begin
+    if run.pipe:
+        run.say(pipelined.bubble_line(run.pipe, run.mesh, bubbles))
+    return layer_params, held_loss, t_end - t_begin
+
+
+def per_layer(run: Run, params: Params, opt_state: dict) -> tuple:
+    """`(params, opt_state)` with one tensor per layer, as checkpoints, evaluation and sampling take them."""
+    if not run.pipe:
+        return params, opt_state
+    return (pipelined.from_stages(params, run.pipe, run.mesh, run.cfg),
+            pipelined.state_to_stages(opt_state, run.pipe, run.mesh, run.cfg, back=True))
 
 
 def print_summary(run: Run, start: Start, base: float, held_loss: float, train_time: float) -> None:

@@ -158,6 +158,24 @@ def test_transformer_refuses_bad_values_naming_the_flag(args, words):
     _one_line(_run("transformer", *TINY, "--steps", "1", *args), *words)
 
 
+@pytest.mark.parametrize("args,words", [  # (2 ranks: the default mesh rows:1;cols:2)
+    (["--pipeline", "planes"], ["--pipeline 'planes'", "mesh [rows:1, cols:2] has no such dim"]),
+    (["--pipeline", "cols", "--layers", "3"], ["--layers 3 do not fill 2 stages", "cols:2 x --virtual-stages 1",
+                                               "multiple of 2"]),
+    (["--pipeline", "cols", "--layers", "4", "--schedule", "interleaved", "--virtual-stages", "3"],
+     ["--layers 4 do not fill 6 stages", "cols:2 x --virtual-stages 3"]),
+    (["--pipeline", "cols", "--layers", "2", "--microbatches", "5"], ["--microbatches 5 exceeds --batch 4"]),
+    (["--pipeline", "cols", "--layers", "4", "--moe-every", "4", "--experts", "2"],
+     ["--moe-every 4", "2 block(s) a stage", "4 layers over 2 stages", "must divide 2"]),
+    (["--microbatches", "3"], ["--microbatches need --pipeline MESH_DIM"]),
+    (["--pipeline", "cols", "--layers", "2", "--virtual-stages", "2"], ["--virtual-stages 2 needs --schedule "
+                                                                       "interleaved (got 1f1b)"]),
+    (["--pipeline", "cols", "--layers", "2", "--microbatches", "0"], ["--microbatches 0", "at least 1"]),
+    (["--pipeline", "cols", "--layers", "2", "--dtype", "float16"], ["--pipeline does not run with --dtype float16"])])
+def test_transformer_pipeline_refuses_bad_combinations_naming_sizes(args, words):
+    _one_line(_run("transformer", *TINY, "--steps", "1", *args), *words)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax")
 @pytest.mark.parametrize("mesh,words", [("rows:0;cols:2", ["size of at least 1"]),
                                         ("rows:1000;cols:1", ["1000 devices", "at most 64"])])

@@ -74,7 +74,8 @@ def test_head_and_aux_losses_equal_the_whole_batch(shape, schedule, virtual, mic
     rng = np.random.default_rng(K + microbatches)
     w1, w2 = rng.standard_normal((K, D, F)), rng.standard_normal((K, F, D)) * 0.5
     u, x0, t0 = rng.standard_normal((D, E)), rng.standard_normal((B, D)), rng.standard_normal((B, E))
-    params = {"w1": mesh.from_numpy(w1, f"stage:{K};d:{D};d_ff:{F}"), "w2": mesh.from_numpy(w2, f"stage:{K};d_ff:{F};d:{D}")}
+    params = {"w1": mesh.from_numpy(w1, f"stage:{K};d:{D};d_ff:{F}"),
+              "w2": mesh.from_numpy(w2, f"stage:{K};d_ff:{F};d:{D}")}
     head = {"u": mesh.from_numpy(u, f"d:{D};e:{E}", "d:stages" if S > 1 else None)}  # split over stages: gathered
     x, t = mesh.from_numpy(x0, f"b:{B};d:{D}"), mesh.from_numpy(t0, f"b:{B};e:{E}")
     seen.clear()
@@ -96,7 +97,8 @@ def test_head_and_aux_losses_equal_the_whole_batch(shape, schedule, virtual, mic
     starts = np.cumsum([0] + sizes)[:-1]
     assert seen[0] == (Microbatch(s, 0, 0, sizes[0], B), False)
     ran = sorted(tuple(mb) for mb, real in seen[1:] if real)
-    assert ran == sorted((v * S + s, m, int(starts[m]), sizes[m], B) for v in range(virtual) for m in range(microbatches))
+    assert ran == sorted((v * S + s, m, int(starts[m]), sizes[m], B)
+                         for v in range(virtual) for m in range(microbatches))
     assert microbatch() is None
     assert last_run["op"] == "pipeline_value_and_grad" and last_run["schedule"] == schedule
     assert (last_run["stages"], last_run["virtual"], last_run["microbatches"]) == (S, virtual, microbatches)

@@ -162,5 +162,6 @@ def test_bad_input_is_named():
     with mm.trace():
         with pytest.raises(mm.MpimeshError, match="outside mm.trace"):
             mm.stack_layers(layers, "stages")
-    with pytest.raises(mm.MpimeshError, match=rf"stacked\[0\]\['w'\] \[d:3, d_ff:4\] must have a dim 'stage' of size {S}"):
+    with pytest.raises(mm.MpimeshError, match=rf"stacked\[0\]\['w'\] \[d:3, d_ff:4\] must have a dim 'stage' of "
+                                              rf"size {S}"):
         mm.unstack_stages([{"w": layers[0]["w"]}], "stages")
