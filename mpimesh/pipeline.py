@@ -30,7 +30,7 @@ from .mesh import Mesh, layout_scope
 from .opdef import ALL, OpDef
 from .ops.relayout import to_layout
 from .ops.slicing import concat, split
-from .pipeline_schedules import check_schedule, stage_of, ticks
+from .pipeline_schedules import check_schedule, moves, stage_of, ticks
 from .shape import Dimension, Shape
 from .stack import Stack
 from .tensor import DistTensor, full, tensor_arg
@@ -270,7 +270,8 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
             else:
                 g = cots.pop((step.mb, k), None)
                 send_b = backward(step, k, None if g is None else _arrived(plan, g, step.mb))
-        if any(r is not None and r.kind == "F" and stage_of(j, r.virtual, S) < K - 1 for j, r in enumerate(row)):
+        forward_moves, backward_moves = moves(row, S, plan.V)
+        if forward_moves:
             prev = row[(s - 1) % S]
             kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
             wants = prev is not None and prev.kind == "F" and kp < K - 1
@@ -280,7 +281,7 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
                 acts[(prev.mb, kp + 1)] = req
             else:
                 sent.append(req)
-        if any(r is not None and r.kind == "B" and stage_of(j, r.virtual, S) > 0 for j, r in enumerate(row)):
+        if backward_moves:
             nxt = row[(s + 1) % S]
             kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
             wants = nxt is not None and nxt.kind == "B" and kn > 0

@@ -135,6 +135,19 @@ def _ready(step: Step, k: int, last: int, done: dict, t: int, forwards: bool) ->
     return k == last or before(("B", step.mb, k + 1))
 
 
+def moves(row: list, stages: int, virtual: int = 1) -> tuple:
+    """`(forward, backward)` after tick `row`: whether some rank hands an activation on to the next
+    position (a forward short of the last), and some a gradient back to the previous (a backward
+    past the first): a transfer along the mesh dim each, in which every rank takes part.
+
+    >>> [moves(row, 2) for row in ticks("gpipe", 2, 1)]
+    [(True, False), (False, False), (False, True), (False, False)]
+    """
+    last = stages * virtual - 1
+    return (any(r is not None and r.kind == "F" and stage_of(j, r.virtual, stages) < last for j, r in enumerate(row)),
+            any(r is not None and r.kind == "B" and stage_of(j, r.virtual, stages) > 0 for j, r in enumerate(row)))
+
+
 def most_in_flight(table: list, s: int) -> int:
     """The most microbatches (forwards not yet matched by their backward) rank `s` holds at once.
 

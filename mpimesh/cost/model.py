@@ -37,7 +37,8 @@ def collective_seconds(kind: str, k: int, nbytes: float, machine: Machine, mesh_
         return 0.0
     alpha, beta = machine.group(mesh_dims)
     factor = {"allreduce": 2 * (k - 1) / k, "exscan": 2 * (k - 1) / k, "alltoall": (k - 1) / k,
-              "reduce_scatter": (k - 1) / k, "allgather": k - 1, "permute": 1.0}.get(kind)
+              "reduce_scatter": (k - 1) / k, "allgather": k - 1, "permute": 1.0, "sendrecv": 1.0,
+              "broadcast": 2 * (k - 1) / k}.get(kind)
     if factor is None:
         raise MpimeshError(f"no cost for collective kind {kind!r}")
     return calls * alpha + factor * nbytes / beta
@@ -153,7 +154,7 @@ class _Lifetimes:
 
     An output lives to its last use; one made while a trace of the program was open lives (held
     by that trace's records) until the trace closes, or until autodiff releases it. An output that
-    is a view of an input (see `_view_of`) adds no bytes: it keeps its input's block alive."""
+    is a view of an input (see `view_of`) adds no bytes: it keeps its input's block alive."""
 
     def __init__(self):
         self.live: dict[int, int] = {}  # id -> index into spans
@@ -208,7 +209,7 @@ class _Lifetimes:
         return int(np.cumsum(delta).max(initial=0))
 
 
-def _view_of(rec, ins: list, out) -> Optional[int]:
+def view_of(rec, ins: list, out) -> Optional[int]:
     """The input whose block op record `rec`'s output `out` is a view of (numpy shares the memory),
     or None: the op says so (`OpDef.view`), for one input of the output's size and dtype. `ins` and
     `out` need `.shape` and `.dtype`."""
@@ -261,7 +262,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
             self.life.scratch(i, op.op.count_scratch(op.params, ins, [t.local for t in op.outputs]))
             for t in op.outputs:
                 nbytes += _nbytes(t)
-                v = _view_of(op, ins, t.local)
+                v = view_of(op, ins, t.local)
                 self.life.make(t, i, id(users[0]) if users else None, None if v is None else op.inputs[v])
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
@@ -316,14 +317,7 @@ def record(fn, args, mesh, rules=None, *, weights: str = "", weight_args: Option
     (['einsum', 'tanh', 'einsum'], 1, 96)
     """
     check_step("record", fn, args)
-    if isinstance(mesh, (str, Shape, list, tuple)):
-        mesh_shape, in_force = mesh_shape_of(mesh), LayoutRules("")
-    elif isinstance(mesh, AbstractMesh):
-        mesh_shape, in_force = mesh.shape, mesh.layout
-    else:
-        raise TypeError(f"record: mesh must be a Mesh, a DryMesh or a mesh shape ('rows:2;cols:2'), got "
-                        f"{mesh!r:.60} ({type(mesh).__name__})")
-    rules = in_force if rules is None else LayoutRules(rules)
+    mesh_shape, rules = shape_and_rules("record", mesh, rules)
     over = _weight_dims(weights, mesh_shape)
     sharded = weight_positions(args, weight_args)
     specs = _map(args, lambda t: t if isinstance(t, ArgSpec) else ArgSpec(t.shape, t.dtype))
@@ -349,6 +343,19 @@ def record(fn, args, mesh, rules=None, *, weights: str = "", weight_args: Option
     rec.activation_bytes = tr.finish(out)
     rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
+
+
+def shape_and_rules(where: str, mesh, rules) -> tuple:
+    """`(mesh shape, rules)` of `mesh` (a mesh, or a mesh shape) and `rules` (None: the mesh's rules in
+    force; none for a shape), as `record` takes them."""
+    if isinstance(mesh, (str, Shape, list, tuple)):
+        mesh_shape, in_force = mesh_shape_of(mesh), LayoutRules("")
+    elif isinstance(mesh, AbstractMesh):
+        mesh_shape, in_force = mesh.shape, mesh.layout
+    else:
+        raise TypeError(f"{where}: mesh must be a Mesh, a DryMesh or a mesh shape ('rows:2;cols:2'), got "
+                        f"{mesh!r:.60} ({type(mesh).__name__})")
+    return mesh_shape, in_force if rules is None else LayoutRules(rules)
 
 
 def weight_positions(args, weight_args: Optional[Sequence[int]] = None) -> tuple:
@@ -438,7 +445,7 @@ def _priced(ops, inputs, to_end) -> Recording:
                 out = local(t)
                 size = math.prod(out.shape) * np.dtype(t.dtype).itemsize
                 nbytes += size
-                v = _view_of(op, ins, out)
+                v = view_of(op, ins, out)
                 life.make(t, i, None, None if v is None else op.inputs[v], size)
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:

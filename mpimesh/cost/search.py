@@ -30,6 +30,7 @@ from .cache import calibrated
 from .machine import Machine, number
 from ..tree import flatten, is_tensor
 from .model import ArgSpec, Recording, check_step, estimate, record, weight_positions
+from .pipeline import bubble, pipeline_estimate, stage_step
 
 _calibrated: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # mesh -> {dtype: Machine}
 
@@ -86,6 +87,11 @@ class LayoutPlan:
     `mm.shard_weights(a, plan.shard_weights)` for each weight argument `a` (`auto_layout`'s
     `weight_args`; the optimizer state made from sharded parameters is sharded alike). None, unless
     no rules fit the memory without: see the module."""
+    pipeline: Optional[dict] = None
+    """How the plan pipelines (`auto_layout`'s `pipeline`), or None: `{"mesh_dim", "schedule", "microbatches",
+    "virtual_stages", "remat", "bubble", "why"}`, `why` "the fastest plan" or "the only plan that fits".
+    Run the stages as `mm.pipeline_value_and_grad` (or `mm.pipeline`) does over `mesh_dim` under `rules`,
+    which split the stage dim over it; `recording` is then one stage's run on a microbatch."""
 
     def report(self, top: int = 5) -> str:
         """The chosen rules and the next `top` alternatives (not those that only swap mesh dims
@@ -98,10 +104,16 @@ class LayoutPlan:
         if self.remat:
             lines.append(f"  memory is short: the first {self.remat} mm.remat block(s) rematerialised "
                          f"(their activations recomputed in the backward pass)")
+        if self.pipeline:
+            p = self.pipeline
+            v = f", {p['virtual_stages']} virtual stages" if p["virtual_stages"] > 1 else ""
+            lines.append(f"  {p['why']}: a pipeline over {p['mesh_dim']} ({p['schedule']}, {p['microbatches']} "
+                         f"microbatches{v}" + (", remat" if p["remat"] else "") + f"; bubble {p['bubble']:.1%})")
         shown: set = set()
         for label, s, b in self.candidates:
             rules, weights = split_label(label)
-            sig = _signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape, weights)
+            sig = (_signature(dict(LayoutRules(rules).pairs), self.recording.mesh_shape, weights),
+                   label.partition(_PIPELINED)[2])
             if sig in shown:
                 continue
             mark = "chosen" if not shown else f"  #{len(shown) + 1} "
@@ -123,16 +135,28 @@ def plan_label(rules: str, weights: Optional[str]) -> str:
 
 
 def split_label(label: str) -> tuple:
-    """`(rules, weights or None)` of a `plan_label`.
+    """`(rules, weights or None)` of a `plan_label` (or of a `pipeline_label`: its rules, None).
 
-    >>> split_label('batch:x | shard_weights x'), split_label('hidden:x')
-    (('batch:x', 'x'), ('hidden:x', None))
+    >>> split_label('batch:x | shard_weights x'), split_label('hidden:x'), split_label('stage:x | pipeline x (1f1b)')
+    (('batch:x', 'x'), ('hidden:x', None), ('stage:x', None))
     """
-    rules, _, weights = label.partition(_SHARDED)
-    return rules.strip(), weights or None
+    rules, _, weights = label.partition(_PIPELINED)[0].partition(_SHARDED)
+    return rules.strip(), weights.strip() or None
+
+
+def pipeline_label(rules: str, pipeline: dict) -> str:
+    """A priced pipeline's name in `LayoutPlan.candidates`: its rules, then `" | pipeline <mesh dim> (...)"`.
+
+    >>> pipeline_label("stage:x", {"mesh_dim": "x", "schedule": "1f1b", "microbatches": 8, "virtual_stages": 1})
+    'stage:x | pipeline x (1f1b, 8 microbatches)'
+    """
+    v = pipeline["virtual_stages"]
+    return (f"{rules} {_PIPELINED}{pipeline['mesh_dim']} ({pipeline['schedule']}, {pipeline['microbatches']} "
+            f"microbatches{f', {v} virtual stages' if v > 1 else ''})")
 
 
 _SHARDED = "| shard_weights "
+_PIPELINED = "| pipeline "
 
 
 def _rules_string(assign: dict, order: list) -> str:
@@ -149,13 +173,14 @@ def _signature(assign: dict, mesh_shape, weights: Optional[str] = None) -> tuple
 
 
 def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine: Optional[Machine] = None,
-                *, exact_limit: int = 256, beam: int = 2, weight_args: Optional[Sequence[int]] = None) -> LayoutPlan:
-    """Choose layout rules for `fn(*args)` on `mesh` with the cost model: a collective, every rank must
-    call and gets the same plan (candidates are priced dry, shared out over the ranks: `fn` must not
-    read values). `machine`: default this mesh's calibration (`cost.cache.calibrated`); `memory_per_rank`:
-    bytes (default the machine's; `math.inf`: no limit); `exact_limit`, `beam`: see the module. If no rules
-    fit, the float tensors of the arguments at `weight_args` (default: the dicts) are sharded
-    (`LayoutPlan.shard_weights`), then the fewest `mm.remat` blocks rematerialised (`.remat`). docs/cost_model.md.
+                *, exact_limit: int = 256, beam: int = 2, weight_args: Optional[Sequence[int]] = None,
+                pipeline: Optional[dict] = None) -> LayoutPlan:
+    """Choose layout rules for `fn(*args)` on `mesh` with the cost model: a collective, every rank must call
+    and gets the same plan (candidates priced dry, shared out over the ranks: `fn` must not read values).
+    `machine`: default the mesh's calibration; `memory_per_rank`: bytes (default the machine's; `math.inf`:
+    none); `exact_limit`, `beam`: see the module. If no rules fit, the weights at `weight_args` (default: the
+    dicts) are sharded (`.shard_weights`), then `mm.remat` blocks rematerialised (`.remat`). `pipeline`: the
+    model as stages, `pipeline_estimate`'s arguments in a dict (`.pipeline`). docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> from mpimesh.dryrun import DryMesh
@@ -189,6 +214,25 @@ def auto_layout(fn, args, mesh, memory_per_rank: Optional[float] = None, machine
         if machine is None:
             machine = _calibrated[mesh][dtype] = calibrated(mesh, dtype=dtype)
     limit = machine.memory if memory_per_rank is None else memory_per_rank
+    if pipeline is None:
+        return _unpipelined(fn, args, mesh, machine, limit, exact_limit, beam, weight_args)
+    plans, over = _pipelined(pipeline, mesh, machine, limit, exact_limit, beam)
+    try:
+        plans.append(_unpipelined(fn, args, mesh, machine, limit, exact_limit, beam, weight_args))
+        why = "the fastest plan"
+    except MpimeshError as e:
+        if not plans:
+            smallest = min(over, key=lambda c: c[2])
+            raise MpimeshError(f"{e}; nor does a pipeline: the smallest needs {smallest[2]:.0f} "
+                               f"({smallest[0]})") from None
+        why = "the only plan that fits"
+    best = _best(plans, over)
+    return best if best.pipeline is None else replace(best, pipeline=dict(best.pipeline, why=why))
+
+
+def _unpipelined(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, beam: int,
+                 weight_args) -> LayoutPlan:
+    """`auto_layout` without pipelines: the rules, then weight sharding, then remat (see the module)."""
     positions = weight_positions(args, weight_args)
     calls: list = []
     with remat_policy(lambda k: calls.append(k) or False):
@@ -226,6 +270,56 @@ def _has_weights(args, positions: tuple) -> bool:
                for i in positions for t in flatten(args[i])[0])
 
 
+_PIPELINE_KEYS = {"stage_fn", "stage_params", "x", "microbatches", "loss_fn", "targets", "schedule", "virtual_stages",
+                  "remat", "batch_dim", "stage_dim", "mesh_dims"}
+
+
+def _pipelined(spec, mesh, machine: Machine, limit: float, exact_limit: int, beam: int) -> tuple:
+    """`(plans, over)`: per mesh dim, schedule and microbatch count of `spec` (`auto_layout`'s `pipeline`),
+    the fastest rules within the stage (`ranked` over the stage mesh) that fit `limit`, as a `LayoutPlan`;
+    and the pipelines priced over `limit`."""
+    if not isinstance(spec, dict) or not {"stage_fn", "stage_params", "x", "microbatches"} <= set(spec) \
+            or set(spec) - _PIPELINE_KEYS:
+        raise TypeError(f"auto_layout: pipeline must be a dict with stage_fn, stage_params, x and microbatches, and "
+                        f"optionally {', '.join(sorted(_PIPELINE_KEYS - {'stage_fn', 'stage_params', 'x'}))}; got "
+                        f"{spec!r:.100}")
+    kw = {k: spec[k] for k in ("loss_fn", "targets", "remat", "batch_dim") if k in spec}
+    stage_dim, virtual = spec.get("stage_dim", "stage"), spec.get("virtual_stages", 1)
+    counts = [spec["microbatches"]] if isinstance(spec["microbatches"], int) else list(spec["microbatches"])
+    schedules = [spec.get("schedule")] if not isinstance(spec.get("schedule"), (list, tuple)) else spec["schedule"]
+    sizes = {t.shape[stage_dim].size for t in flatten(spec["stage_params"])[0]
+             if (is_tensor(t) or isinstance(t, ArgSpec)) and stage_dim in t.shape.names}
+    dims = spec.get("mesh_dims") or [d.name for d in mesh.shape if d.size > 1 and {d.size * virtual} == sizes]
+    if not dims:
+        raise MpimeshError(f"auto_layout: no mesh dim of {mesh.shape} has the stages' count: stage dim "
+                           f"{stage_dim!r} of stage_params has size(s) {sorted(sizes)}, virtual_stages {virtual}")
+    plans, over = [], []
+    for mesh_dim in dims:
+        for schedule in schedules:
+            for m in counts:
+                base, sub = stage_step(spec["stage_fn"], spec["stage_params"], spec["x"], mesh.shape, mesh_dim, m,
+                                       schedule=schedule, virtual_stages=virtual, stage_dim=stage_dim, **kw)
+
+                def staged(rules: str, mesh_dim=mesh_dim) -> str:
+                    return ";".join(r for r in (rules, f"{stage_dim}:{mesh_dim}") if r)
+
+                def price(rules: str, mesh_dim=mesh_dim, schedule=schedule, m=m) -> tuple:
+                    e = pipeline_estimate(spec["stage_fn"], spec["stage_params"], spec["x"], mesh.shape, mesh_dim, m,
+                                          machine, rules=staged(rules), schedule=schedule, virtual_stages=virtual,
+                                          stage_dim=stage_dim, **kw)
+                    return e["seconds"], e["bytes_per_rank"]
+                fits, too_big, exact = ranked(base, sub, _comm(mesh), price, limit, exact_limit, beam)
+                info = {"mesh_dim": mesh_dim, "schedule": schedule or ("1f1b" if "loss_fn" in kw else "gpipe"),
+                        "microbatches": m, "virtual_stages": virtual, "remat": bool(kw.get("remat")),
+                        "bubble": bubble(mesh.shape[mesh_dim].size, m, virtual)}
+                over += [(pipeline_label(staged(r), info), s, b) for r, s, b in too_big]
+                if fits:
+                    plans.append(LayoutPlan(staged(fits[0][0]), fits[0][1], int(fits[0][2]),
+                                            [(pipeline_label(staged(r), info), s, b) for r, s, b in fits], [], machine,
+                                            base, exact, pipeline=info))
+    return plans, over
+
+
 def _best(plans: list, too_big: list) -> LayoutPlan:
     """The fastest of the plans of one `_search` each (with weights sharded over different mesh dims),
     fewer sharded mesh dims on a tie; their candidates merged, with `too_big` (the other searches')."""
@@ -250,8 +344,36 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
     """`auto_layout`'s search for `fn` as it is, with `weights` sharded (see `record`); `_TooBig`
     where no layout fits `limit`."""
     base = record(fn, args, mesh.shape, "", weights=weights, weight_args=positions)
+
+    def price(rules: str) -> tuple:
+        e = estimate(base, rules, mesh.shape, machine)
+        return e["seconds"], e["bytes_per_rank"]
+    fits, over, exact = ranked(base, mesh.shape, _comm(mesh), price, limit, exact_limit, beam)
+    fits = [(plan_label(r, weights), s, b) for r, s, b in fits]
+    over = [(plan_label(r, weights), s, b) for r, s, b in over]
+    if not fits:
+        r, s, b = min(over, key=lambda p: p[2])
+        smallest = f"the smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced"
+        raise _TooBig(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: "
+                      f"{smallest}" + (f", with {remat} mm.remat block(s) rematerialised" if remat else ""),
+                      weights, smallest, over)
+    label, seconds, nbytes = fits[0]
+    return LayoutPlan(split_label(label)[0], seconds, int(nbytes), fits, over, machine, base, exact, remat,
+                      weights or None)
+
+
+def _comm(mesh):
+    """The communicator over which `ranked` shares out its pricing: `mesh`'s, or None (one rank, or dry)."""
+    return mesh.comm_for(mesh.shape.names) if hasattr(mesh, "comm_for") and mesh.size > 1 else None
+
+
+def ranked(base: Recording, mesh_shape, comm, price, limit: float, exact_limit: int, beam: int) -> tuple:
+    """`(fits, over, exact)`: the rules for the step of `base` (recorded replicated) on `mesh_shape`, each
+    `(rules, seconds, bytes_per_rank)` by `price(rules)`, those within `limit` fastest first, the others
+    smallest first; `exact`: all priced (else a beam search; see the module). `comm`: None, or the
+    communicator whose ranks share out the pricing (every one calls, all get all prices)."""
     order = list(base.dims)
-    mdims = [d for d in mesh.shape if d.size > 1]
+    mdims = [d for d in mesh_shape if d.size > 1]
     options = {d: [None] + [m.name for m in mdims if base.dims[d] >= m.size] for d in order}
     order = [d for d in order if len(options[d]) > 1]
     shapes = [[d for d in s if d in options] for s in base.shapes]
@@ -265,10 +387,9 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
 
     priced: dict[str, tuple] = {}
     failed: dict[str, str] = {}
-    comm = mesh.comm_for(mesh.shape.names) if hasattr(mesh, "comm_for") and mesh.size > 1 else None
 
-    def price(assigns: list) -> None:
-        """Price the new ones among `assigns`, shared out over the mesh's ranks (each prices every
+    def price_all(assigns: list) -> None:
+        """Price the new ones among `assigns`, shared out over the ranks of `comm` (each prices every
         size-th; all get all prices)."""
         todo = {}
         for a in assigns:
@@ -279,12 +400,12 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
         out = []
         for rules, assign in mine:
             try:
-                e = estimate(base, rules, mesh.shape, machine)
+                seconds, nbytes = price(rules)
             except MpimeshError as err:  # a layout some op cannot run: not a candidate
                 out.append((rules, None, str(err), 0))
                 continue
-            uneven = sum(base.dims[d] % mesh.shape[m].size != 0 for d, m in assign.items() if m)
-            out.append((rules, e["seconds"], e["bytes_per_rank"], uneven))
+            uneven = sum(base.dims[d] % mesh_shape[m].size != 0 for d, m in assign.items() if m)
+            out.append((rules, seconds, nbytes, uneven))
         for p in (sum(comm.allgather(out), []) if comm is not None else out):
             if p[1] is None:
                 failed[p[0]] = p[2]
@@ -300,10 +421,10 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
     if exact:
         everything = [dict((d, m) for d, m in zip(order, choice) if m)
                       for choice in itertools.product(*[options[d] for d in order])]
-        price([a for a in everything if valid(a)])
+        price_all([a for a in everything if valid(a)])
     else:
         frontier = [{}]
-        price([{}])
+        price_all([{}])
         while True:
             pool = {_rules_string(a, order): a for a in frontier}
             for st in frontier:
@@ -316,11 +437,11 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
                             new[d] = m
                         if valid(new):
                             pool[_rules_string(new, order)] = new
-            price(list(pool.values()))
+            price_all(list(pool.values()))
             pool = {r: a for r, a in pool.items() if r in priced}
             best, twins = [], set()
             for r in sorted(pool, key=lambda r: score(priced[r])):
-                sig = _signature(pool[r], mesh.shape)
+                sig = _signature(pool[r], mesh_shape)
                 if sig not in twins and len(best) < beam:
                     best.append(r)
                     twins.add(sig)
@@ -330,17 +451,6 @@ def _search(fn, args, mesh, machine: Machine, limit: float, exact_limit: int, be
     if not priced:
         raise MpimeshError(f"auto_layout: no layout of the step could be priced; the first error: "
                            f"{next(iter(failed.values()))}")
-    ranked = sorted(priced.values(), key=score)
-    fits = [(r, s, b) for r, s, b, _ in ranked if b <= limit]
-    over = [(r, s, b) for r, s, b, _ in ranked if b > limit]
-    fits = [(plan_label(r, weights), s, b) for r, s, b in fits]
-    over = [(plan_label(r, weights), s, b) for r, s, b in over]
-    if not fits:
-        r, s, b = min(over, key=lambda p: p[2])
-        smallest = f"the smallest needs {b:.0f} ({r or 'replicated'!s}); {len(over)} layouts priced"
-        raise _TooBig(f"auto_layout: no layout priced fits {limit:.0f} bytes per rank on mesh {mesh.shape}: "
-                      f"{smallest}" + (f", with {remat} mm.remat block(s) rematerialised" if remat else ""),
-                      weights, smallest, over)
-    label, seconds, nbytes = fits[0]
-    return LayoutPlan(split_label(label)[0], seconds, int(nbytes), fits, over, machine, base, exact, remat,
-                      weights or None)
+    ranked_ = sorted(priced.values(), key=score)
+    return ([(r, s, b) for r, s, b, _ in ranked_ if b <= limit], [(r, s, b) for r, s, b, _ in ranked_ if b > limit],
+            exact)
