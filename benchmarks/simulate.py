@@ -52,6 +52,11 @@ The runs (sizes from the papers and their public configs; what is assumed is sai
      memory per core by `pod_memory`'s formulas, term by term, the largest batch beside GShard's
      slides' (case study 2), and GSPMD's with the activations the cost model records for
      apps/transformer.py's block instead. Written to benchmarks/results/weight_sharding.txt.
+  5. GSPMD's nested layout (`--only nested`) on lingvo's DenseLm128B32x32: a pipeline over X (32 stages of
+     2 blocks, `mm.pipeline` with its gradient, GPipe, with and without remat; 32, 128 and 512
+     microbatches) with heads, d_ff and vocabulary over Y inside each stage, the embedding and softmax
+     data-parallel over X, priced by `mm.cost.pipeline_estimate`: step time and memory per core beside
+     the unpipelined 2-D layouts.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ import math
 import os
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -406,6 +412,111 @@ def dense_2d(quick: bool, remats, fuseds) -> list:
     return rows
 
 
+# ------------------------------------------------------------------------------ GSPMD's nested layout
+
+NESTED_STAGE = "heads:cols;d_ff:cols;vocab:cols"  # operators over Y inside a stage
+NESTED_AROUND = "batch:rows;heads:cols;d_ff:cols;vocab:cols"  # embedding and softmax: data-parallel over X
+
+
+def nested_stage(cfg: app.Config, per_stage: int, stages: int) -> tuple:
+    """`(stage_fn, stage_params)`: `per_stage` of cfg's blocks (apps/transformer.py's `block`) as one pipeline
+    stage, their parameters as `ArgSpec`s stacked over `stages` (a leading dim `stage`)."""
+    one = app.init_params(DryMesh("all:1"), _with(cfg, layers=per_stage, remat=False))
+    specs = {k: cost.ArgSpec(mm.Shape([mm.Dimension("stage", stages)] + list(t.shape)), t.dtype)
+             for k, t in one.items() if k.startswith("layer")}
+
+    def stage_fn(p, h):
+        tree = app.layers.unflatten(p)
+        for i in range(per_stage):
+            h, _ = app.block(tree[f"layer{i}"], h, cfg, i, True, 0, {})
+        return h
+    return stage_fn, specs
+
+
+def nested_around(cfg: app.Config, mesh_shape: str, rules: str, machine) -> dict:
+    """`estimate` of what runs around the pipeline, on the whole mesh under `rules`: the embedding and
+    position, the final norm, logits and loss, forward and backward (the pipeline's output h and the dx it
+    returns are arguments), and Adafactor's update of their parameters."""
+    dry = DryMesh(mesh_shape, rules)
+    opt = mm.optim.Adafactor()
+    with mm.layout_scope(dry, rules):
+        params = app.init_params(dry, _with(cfg, layers=0, remat=False))
+        state = opt.init(params)
+        shape = f"batch:{cfg.batch};length:{cfg.length}"
+        batch = {"inputs": placeholder(dry, shape, "int32"), "targets": placeholder(dry, shape, "int32")}
+        h, dx = (placeholder(dry, f"{shape};d_model:{cfg.d_model}", cfg.dtype) for _ in range(2))
+
+    def step(params, state, batch, h, dx):
+        names = list(params)
+        with mm.trace():
+            p = app.layers.unflatten(params)
+            x = app.layers.embedding(p["embed"], batch["inputs"], cfg.dtype) + mm.cast(p["pos"]["weights"], cfg.dtype)
+            logits = app.layers.dense(p["logits"], app.layers.layer_norm(p["ln_f"], h, "d_model"))
+            loss = mm.reduce_mean(app.layers.softmax_cross_entropy_with_logits(logits, batch["targets"], "vocab"))
+            grads = mm.gradients([loss, x], [params[n] for n in names] + [h],
+                                 [loss.mesh.ones(loss.shape, loss.dtype), dx])
+            return opt.update(params, dict(zip(names, grads)), state)
+    return cost.estimate(cost.record(step, (params, state, batch, h, dx), dry, rules), rules, mesh_shape, machine)
+
+
+def nested_update(specs: dict, stage_mesh: str, rules: str, machine) -> tuple:
+    """`(estimate, optimizer state bytes)` of Adafactor's update of one stage's parameters on the stage mesh."""
+    dry = DryMesh(stage_mesh, rules)
+    opt = mm.optim.Adafactor()
+    with mm.layout_scope(dry, rules):
+        params = {k: placeholder(dry, mm.Shape([d for d in a.shape if d.name != "stage"]), a.dtype)
+                  for k, a in specs.items()}
+        grads = {k: placeholder(dry, t.shape, t.dtype) for k, t in params.items()}
+        state = opt.init(params)
+    rec = cost.record(lambda p, g, st: opt.update(p, g, st), (params, grads, state), dry, rules)
+    held = sum(math.prod(t.local.shape) * np.dtype(t.dtype).itemsize for t in mm.tree.tensors(state))
+    return cost.estimate(rec, rules, stage_mesh, machine), held
+
+
+def gspmd_nested(quick: bool, remats, fuseds) -> list:
+    """GSPMD's nested layout on lingvo's DenseLm128B32x32 (64 layers, batch 512, TPUv3-2048 as 32 x 64): a
+    pipeline over X (32 stages of 2 blocks, `mm.pipeline` and its gradient: GPipe, with and without remat)
+    with operators over Y inside each stage, the embedding and softmax data-parallel over X; per microbatch
+    count, beside the unpipelined 2-D layouts (unfused, as `pipeline_estimate` prices)."""
+    cfg = app.Config(**DENSE, layers=64, batch=512)
+    rows, cols, machine = 32, 64, cost.TPUV3
+    mesh, stage_mesh = f"rows:{rows};cols:{cols}", f"rows:1;cols:{cols}"
+    stage_fn, specs = nested_stage(cfg, cfg.layers // rows, rows)
+    x = cost.ArgSpec(f"batch:{cfg.batch};length:{cfg.length};d_model:{cfg.d_model}", cfg.dtype)
+    around = nested_around(cfg, mesh, NESTED_AROUND, machine)
+    update, opt_state = nested_update(specs, stage_mesh, NESTED_STAGE, machine)
+    rows_out = []
+    for rules in DENSE_LAYOUTS:
+        got = variants(cfg, mesh, rules, machine, remats, (False,), depth=(1, 2))
+        for (r, _), e in got.items():
+            rows_out.append(_nested_row(f"unpipelined, {rules}", r, "-", "-", e["seconds"], e["bytes_per_rank"],
+                                        e["comm_seconds"]))
+    for remat in remats:
+        for m in (32, 128, 512):
+            t0 = time.perf_counter()
+            e = cost.pipeline_estimate(stage_fn, specs, x, mesh, "rows", m, machine,
+                                       rules=f"{NESTED_AROUND};stage:rows", remat=remat)
+            seconds = e["seconds"] + around["seconds"] + update["seconds"]
+            nbytes = e["bytes_per_rank"] + opt_state + update["activation_bytes"] + around["bytes_per_rank"]
+            comm = e["comm_seconds"] + around["comm_seconds"] + update["comm_seconds"]
+            rows_out.append(_nested_row("GSPMD nested: pipeline over rows (GPipe), heads/d_ff/vocab over cols; "
+                                        "embedding and softmax batch:rows", remat, m, f"{e['bubble']:.1%}", seconds,
+                                        nbytes, comm, e))
+            print(f"  nested, remat {remat}, {m} microbatches: {seconds:.2f} s, {nbytes / GIB:.1f} GiB "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows_out
+
+
+def _nested_row(layout: str, remat: bool, m, bubble_text: str, seconds: float, nbytes: float, comm: float,
+                e: Optional[dict] = None) -> dict:
+    parts = "" if e is None else (f"; stage memory: activations {e['stages'][0]['activation_bytes'] / GIB:.1f} GiB, "
+                                  f"inputs and outputs {e['stages'][0]['memory']['inputs_outputs'] / GIB:.1f} GiB, "
+                                  f"bubble {e['bubble_seconds']:.2f} s")
+    return {"layout": layout, "remat": "remat" if remat else "no remat", "microbatches": m, "bubble": bubble_text,
+            "cells": f"{seconds:.2f} s, {512 * 1024 / seconds / 1e3:.0f}k tokens/s, {nbytes / GIB:.1f} GiB/core"
+                     f"{' (fits)' if nbytes <= cost.TPUV3.memory else ''}; communication {comm:.2f} s{parts}"}
+
+
 # ------------------------------------------------------------------------------ weight sharding at pod scale
 
 SLIDES = {(64, 1024): 512, (64, 2048): 1024, (128, 1024): 256, (128, 2048): 512, (256, 1024): 128, (256, 2048): 256}
@@ -514,14 +625,15 @@ def _why(e: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="record fewer layers and scale (faster)")
-    ap.add_argument("--only", choices=["mtf", "gshard", "dense", "weights"], action="append", help="run only these")
+    ap.add_argument("--only", choices=["mtf", "gshard", "dense", "nested", "weights"], action="append",
+                    help="run only these")
     ap.add_argument("--remat", choices=["off", "on", "both"], default="both",
                     help="price the step without and/or with each block rematerialised (default both)")
     ap.add_argument("--fusion", choices=["off", "on", "both"], default="both",
                     help="price elementwise ops one by one and/or fused as XLA does (default both)")
     args = ap.parse_args()
     choice = {"off": (False,), "on": (True,), "both": (False, True)}
-    runs = {"mtf": mtf_lm, "gshard": gshard_moe, "dense": dense_2d}
+    runs = {"mtf": mtf_lm, "gshard": gshard_moe, "dense": dense_2d, "nested": gspmd_nested}
     rows = []
     for key, fn in runs.items():
         if args.only and key not in args.only:
@@ -529,6 +641,9 @@ def main() -> None:
         t0 = time.perf_counter()
         got = fn(args.quick, choice[args.remat], choice[args.fusion])
         for r in got:
+            if "layout" in r:  # a row of the nested layout's table
+                print(f"{r['layout']}, {r['remat']}, microbatches {r['microbatches']}: {r['cells']}", flush=True)
+                continue
             cells = "; ".join(f"{k}: {v}" for k, v in r["cells"].items())
             print(f"{r['run']} on {r['machine']}: published {r['published']}; {cells}"
                   + (f"; as ran ({r['as_ran']}): {r['why']} [recorded {r['e']['recorded']}]" if "e" in r else ""),
@@ -552,7 +667,8 @@ def write_table(rows: list) -> None:
                                       f"{m.memory_bandwidth / 1e9:.0f} GB/s per core" for m in (cost.TPUV2, cost.TPUV3)),
              "", "Each cell: the prediction (its error against the published figure); step time; memory per core.", ""]
     for title, group in (("Speed", [r for r in rows if "e" in r]), ("Largest batch in 16 GiB per core",
-                                                                       [r for r in rows if "e" not in r])):
+                                                                       [r for r in rows if "cells" in r and "e" not in r
+                                                                        and "layout" not in r])):
         if not group:
             continue
         names = list(group[0]["cells"])
@@ -564,12 +680,35 @@ def write_table(rows: list) -> None:
                                            + [r["cells"][n] for n in names]
                                            + ([r["as_ran"], r["why"]] if extra else [])) + " |")
         lines.append("")
+    nested = [r for r in rows if "layout" in r]
+    if nested:
+        lines += ["## GSPMD's nested layout: pipeline over X, operators over Y (dense 128B, TPUv3-2048, 32 x 64, "
+                  "batch 512)", "", "| layout | remat | microbatches | bubble | predicted (unfused) |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['layout']} | {r['remat']} | {r['microbatches']} | {r['bubble']} | {r['cells']} |"
+                  for r in nested]
+        lines += ["", NESTED_NOTES]
     lines += [NOTES]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "simulate.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
+
+NESTED_NOTES = """The nested layout (`gspmd_nested`; GSPMD's example: X pipelines the blocks and splits the batch of
+the embedding and softmax, Y splits heads, d_ff and vocabulary): 64 blocks as 32 stages of 2 on the rows,
+priced by `mm.cost.pipeline_estimate` as `mm.pipeline` and its gradient run them (GPipe; remat: each stage
+keeps its microbatches' inputs only), plus the embedding, final norm and softmax on the whole mesh
+(`batch:rows`) and Adafactor's updates, none overlapped. Unfused only: the pipeline's prices are
+`estimate`'s. The unpipelined rows are the Speed table's layouts at the same batch, unfused. What
+dominates the pipelined memory: mpimesh's pipeline takes x replicated along the pipeline dim (an
+allgather of the batch over rows), cuts and joins it on the end stages, and broadcasts y and dx along it,
+so each rank holds several copies of the whole batch's [512, 1024, 8192] bfloat16 activations (8 GiB
+each), where GSPMD's pipeline keeps one microbatch per stage in a shifting buffer. Without remat each
+microbatch's run also keeps its own bfloat16 cast of the stage's float32 weights (128 MiB per core), so the
+held activations grow with the microbatch count. Every stage run allreduces its activations over Y, as
+the unpipelined 2-D layout does for the whole batch; a transfer between stages is 16 MiB per sequence
+of the microbatch (each core sends the whole [b, 1024, 8192] block: d_model is not split)."""
 
 NOTES = """Notes and assumptions:
 - Utilisation is the FLOPs the recorded step executes per core (every einsum, MoE dispatch and

@@ -170,3 +170,20 @@ def test_gathers_and_reduce_scatters_move_one_allreduces_bytes():
     for name in ("ZeRO-1", "ZeRO-2", "ZeRO-3", "GSPMD 2-D"):
         assert math.isclose(seconds(LAYOUT[name]), allreduce, rel_tol=1e-12), name
     assert math.isclose(seconds(LAYOUT["GSPMD 2-D, kept"]), 0.75 * allreduce, rel_tol=1e-12)
+
+
+def test_the_nested_layouts_stages_are_the_apps_blocks_and_keep_their_inputs_with_remat():
+    """`gspmd_nested`'s stage: 2 of apps/transformer.py's blocks, their parameters stacked over the stages;
+    priced as `mm.pipeline` with remat, each stage keeps its M microbatches' inputs ([b/M, length, d_model]
+    bfloat16) and sends each on once: b/M x length x d_model x 2 bytes per transfer."""
+    cfg = app.Config(d_model=32, heads=2, d_kv=8, d_ff=64, layers=4, vocab=64, length=16, batch=8, dtype="bfloat16")
+    stage_fn, specs = simulate.nested_stage(cfg, 2, 2)
+    one = app.init_params(mm.dryrun.DryMesh("all:1"), cfg)
+    assert {k: (a.shape.names[0], a.shape[0].size, a.shape.names[1:]) for k, a in specs.items()} == \
+        {k: ("stage", 2, t.shape.names) for k, t in one.items() if k.startswith(("layer0/", "layer1/"))}
+    x = ArgSpec("batch:8;length:16;d_model:32", "bfloat16")
+    e = mm.cost.pipeline_estimate(stage_fn, specs, x, "rows:2;cols:2", "rows", 4, TOY,
+                                  rules=f"{simulate.NESTED_AROUND};stage:rows", remat=True)
+    assert e["transfer_bytes"] == e["kept_bytes"] == 2 * 16 * 32 * 2
+    assert [st["activation_bytes"] for st in e["stages"]] == [4 * e["kept_bytes"]] * 2
+    assert "allreduce/cols" in e["stages"][0]["collectives"]  # heads and d_ff over cols inside the stage
