@@ -21,10 +21,10 @@ from typing import Callable, NamedTuple, Optional
 
 from .autodiff import gradients
 from .backend import is_float
-from .collectives.p2p import broadcast_from, isendrecv
+from .collectives.p2p import broadcast_from, group_ranks, isendrecv
 from .counters import paused
 from .dryrun import DryMesh, placeholder
-from .errors import MeshError, MpimeshError, ShapeError
+from .errors import CollectiveTimeoutError, MeshError, MpimeshError, ShapeError
 from .layout import block_sizes, local_sizes
 from .mesh import Mesh, layout_scope
 from .opdef import ALL, OpDef
@@ -266,10 +266,19 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
             k = stage_of(s, step.virtual, S)
             if step.kind == "F":
                 h = first_acts(step.mb) if k == 0 else _arrived(plan, acts.pop((step.mb, k)), step.mb)
-                send_f = forward(step, k, h)
             else:
                 g = cots.pop((step.mb, k), None)
-                send_b = backward(step, k, None if g is None else _arrived(plan, g, step.mb))
+                g = None if g is None else _arrived(plan, g, step.mb)
+            try:
+                if step.kind == "F":
+                    send_f = forward(step, k, h)
+                else:
+                    send_b = backward(step, k, g)
+            except CollectiveTimeoutError as e:  # in a collective of the stage mesh, whose ranks it numbers
+                raise CollectiveTimeoutError(
+                    f"{e} (In stage {k} of the pipeline over {md!r}, at microbatch {step.mb}'s "
+                    f"{'forward' if step.kind == 'F' else 'backward'}: the ranks of its stage mesh are ranks "
+                    f"{group_ranks(plan.mesh, [d for d in plan.mesh.shape.names if d != md])} of the mesh.)") from None
         forward_moves, backward_moves = moves(row, S, plan.V)
         if forward_moves:
             prev = row[(s - 1) % S]

@@ -2,9 +2,9 @@
 `broadcast_from`. Unlike `permute`, what a rank sends and what it receives may differ in shape (a
 microbatch of another size, or nothing: an empty array), so a stage hands its neighbour one activation
 per tick. Both are collectives of the group over the mesh dim in the transports' way: the SPMD check
-(`guard.enter`: every rank of the mesh must be at the same transfer, the shapes left out since they may
-differ), the profile's counters, the time-out while polled (`MpiCollectives._complete`), and a departed
-neighbour named. The MPI, staged and NCCL transports post them as a permute.
+(`guard.enter`: every rank of the mesh at the same transfer, shapes left out since they may differ), the
+profile's counters, the time-out while polled (`MpiCollectives._complete`), and a departed neighbour
+named with its stage (`stages_text`). Transports post them as a permute.
 
 >>> import numpy as np
 >>> from mpimesh import Mesh, MPI
@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from .. import counters, flight
 from ..backend import is_low_precision, to_host, wire_dtype
-from ..errors import MpimeshError
+from ..errors import CollectiveTimeoutError, MpimeshError
 from .base import DONE, Request, completed
 
 
@@ -49,7 +49,7 @@ def isendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None) 
     req = _start(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
 
     def then(send=send):  # (the request owns `send` until it completes)
-        coll._complete(req, (mesh_dim,))
+        _complete(coll, req, mesh_dim, dest=dest, src=src)
         return recv
     return Request(req.test, lambda: None, then)
 
@@ -74,7 +74,15 @@ def _into(out, x):
 
 def _transfer(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> None:
     """Check, count, post and complete one transfer, as `MpiCollectives._run` does."""
-    coll._complete(_start(coll, kind, mesh_dim, send, recv, detail, **where), (mesh_dim,))
+    _complete(coll, _start(coll, kind, mesh_dim, send, recv, detail, **where), mesh_dim, **where)
+
+
+def _complete(coll, request, mesh_dim: str, **where) -> None:
+    """Wait for a transfer's `request` (polled, under the time-out); a time-out names the stages."""
+    try:
+        coll._complete(request, (mesh_dim,))
+    except CollectiveTimeoutError as e:
+        raise CollectiveTimeoutError(f"{e} {stages_text(coll, mesh_dim, **where)}") from None
 
 
 def _start(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> Request:
@@ -100,6 +108,36 @@ def _start(coll, kind: str, mesh_dim: str, send, recv, detail: str, **where) -> 
     if flight.timeline:  # (its span, and the wait for the last rank to arrive, in an open timeline)
         coll._spanned(request, kind, dims, send.nbytes)
     return request
+
+
+def group_ranks(mesh, dims) -> list:
+    """The mesh ranks of this rank's group over mesh dims `dims` (coordinates differ only there), in
+    row-major order of their coordinates: the ranks of the stage mesh, or of the stages along a dim.
+
+    >>> from mpimesh import Mesh, MPI
+    >>> group_ranks(Mesh("stages:1;cols:1", comm=MPI.COMM_SELF), ("stages",))
+    [0]
+    """
+    ranks = [0]
+    for d in mesh.shape:
+        steps = range(d.size) if d.name in dims else [mesh.coords[d.name]]
+        ranks = [r * d.size + c for r in ranks for c in steps]
+    return ranks
+
+
+def stages_text(coll, mesh_dim: str, dest=None, src=None, root=None) -> str:
+    """For an error in a transfer along `mesh_dim`: which rank is which stage (coordinate along it), those
+    known to have left the job first, and this rank's partners in the transfer."""
+    ranks = group_ranks(coll.mesh, (mesh_dim,))
+    c = coll.coord(mesh_dim)
+    gone = coll.guard.watch.gone([r for j, r in enumerate(ranks) if j != c])
+    text = [f"stage {j} (rank {r}) left the job" for j, r in enumerate(ranks) if r in gone]
+    text.append(f"this rank (rank {ranks[c]}) is stage {c} of {len(ranks)}")
+    if root is not None:
+        text.append(f"it takes stage {root}'s broadcast (rank {ranks[root]})")
+    if dest is not None:
+        text.append(f"it sends to stage {dest} (rank {ranks[dest]}) and receives from stage {src} (rank {ranks[src]})")
+    return f"Along the pipeline's mesh dim {mesh_dim!r}: " + "; ".join(text) + "."
 
 
 def _post(coll, dims: tuple, send, recv, dest: int, src: int) -> Request:
