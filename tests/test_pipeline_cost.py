@@ -63,7 +63,7 @@ def test_the_bubble_is_s_minus_1_over_m_plus_s_minus_1_over_v(S, M, V):
 def test_transfers_move_each_microbatch_once_each_way(S, M):
     """GPipe: every microbatch's block (b_m rows x D float64) forward from each stage but the last and back
     from each but the first; one call per tick that moves something, M + S - 2 ticks each way; then the
-    loss (a scalar) and dx (the whole batch) broadcast from the ends."""
+    loss (a scalar) summed over the stages and dx (the whole batch) broadcast from the first."""
     p, x = specs(S)
     e = pipeline_estimate(block, p, x, f"stages:{S}", "stages", M, TOY, schedule="gpipe", **valued(x))
     assert e["transfer_bytes"] == math.ceil(B / M) * D * 8
@@ -71,13 +71,14 @@ def test_transfers_move_each_microbatch_once_each_way(S, M):
         sends = (s < S - 1) + (s > 0)
         assert st["collectives"]["sendrecv/stages"] == {"calls": 2 * (M + S - 2), "elements": sends * B * D,
                                                         "bytes": sends * B * D * 8}
-        assert st["collectives"]["broadcast/stages"] == {"calls": 2, "elements": 1 + B * D, "bytes": 8 + B * D * 8}
-        assert set(st["collectives"]) == {"sendrecv/stages", "broadcast/stages"}  # nothing else: all replicated
+        assert st["collectives"]["broadcast/stages"] == {"calls": 1, "elements": B * D, "bytes": B * D * 8}
+        assert st["collectives"]["allreduce/stages"] == {"calls": 1, "elements": 1, "bytes": 8}
+        assert set(st["collectives"]) == {"sendrecv/stages", "broadcast/stages", "allreduce/stages"}  # (replicated)
 
 
 def test_the_transfers_are_priced_alpha_plus_bytes_over_beta():
     """Two links for the stages' mesh dim: the step's difference is the transfers' (2 per microbatch, α +
-    its bytes / β each, over 1 - bubble) and the two broadcasts' (α + 2(S-1)/S bytes / β each)."""
+    its bytes / β each, over 1 - bubble), the loss's sum and dx's broadcast (α + 2(S-1)/S bytes / β each)."""
     S, M = 3, 5
     p, x = specs(S)
     links = [(1e-5, 1e8), (3e-4, 2e7)]

@@ -234,10 +234,15 @@ def pipeline_estimate(stage_fn: Callable, stage_params, x, mesh, mesh_dim: str, 
     alpha, beta = machine.link(mesh_dim)
     tables = [ticks(pipe.schedule, S, M, V)] if valued else \
         [ticks("gpipe", S, M, backward=False), ticks("gpipe", S, M, forward=False)]
-    # along mesh_dim after the schedule: the loss (a scalar) and dx (pipeline_value_and_grad), or y and dx
-    first = np.dtype(kept[(pipe.sizes[0], True)][1]).itemsize if valued else x_block
-    casts = {"calls": 2, "elements": (first + x_block) // itemsize if not valued else 1 + x_block // itemsize,
-             "bytes": first + x_block}
+    # along mesh_dim after the schedule: the loss (a scalar, summed over the stages) and dx broadcast
+    # (pipeline_value_and_grad), or y and dx broadcast (mm.pipeline and its gradient)
+    if valued:
+        loss_bytes = np.dtype(kept[(pipe.sizes[0], True)][1]).itemsize
+        casts = {"calls": 1, "elements": x_block // itemsize, "bytes": x_block}
+        sums = {"calls": 1, "elements": 1, "bytes": loss_bytes}
+    else:
+        casts = {"calls": 2, "elements": 2 * x_block // itemsize, "bytes": 2 * x_block}
+        sums = None
     params = V * sum(pipe.block(p) for p in pipe.params)
     grads = V * sum(pipe.block(p) for p in pipe.params if is_float(p.dtype))
     stages, work, compute = [], [], []
@@ -259,6 +264,8 @@ def pipeline_estimate(stage_fn: Callable, stage_params, x, mesh, mesh_dim: str, 
         if S > 1:
             _add(coll, {f"sendrecv/{mesh_dim}": _sends(tables, s, S, V, mb_bytes, itemsize),
                         f"broadcast/{mesh_dim}": casts})
+            if sums is not None:
+                _add(coll, {f"allreduce/{mesh_dim}": sums})
         in_flight = most_in_flight(sum(tables, []), s)
         held = max(kept[key][0] for key in mine)
         memory = {"parameters": params, "gradients": grads, "activations": in_flight * held,
@@ -272,7 +279,9 @@ def pipeline_estimate(stage_fn: Callable, stage_params, x, mesh, mesh_dim: str, 
     share = bubble(S, M, V)
     piped = work[busiest] / (1 - share)
     around = e_edges["seconds"] + max(e_ends) + collective_seconds("broadcast", S, casts["bytes"], machine,
-                                                                   (mesh_dim,), 2)
+                                                                   (mesh_dim,), casts["calls"])
+    if sums is not None:
+        around += collective_seconds("allreduce", S, sums["bytes"], machine, (mesh_dim,))
     return {"seconds": piped + around, "compute_seconds": compute[busiest] + e_edges["compute_seconds"],
             "comm_seconds": work[busiest] - compute[busiest] + around - e_edges["compute_seconds"],
             "bubble_seconds": piped - work[busiest], "bubble": share,
