@@ -132,7 +132,7 @@ def _pick(gates, index, e: Dimension):
 
 
 def _top2_gates(x, wg, g: Dimension, s: Dimension, e: Dimension, c: Dimension, policy: str, threshold: float,
-                seed: int, loss_coef: float, fused: bool, draws: Optional[tuple]):
+                seed: int, loss_coef: float, fused: bool, draws: Optional[tuple] = None):
     """Gates, top-2 choice and aux loss of x [G, S, M]: (mask_1, mask_2, g1, g2, uniform draws, aux,
     slots): slots from `top2_slots` when `fused`, else None (the one-hot path decides later)."""
     dt = x.dtype
