@@ -7,7 +7,8 @@ compiled step's program before and after the fusion pass (`mpimesh.fusion`), and
 A count, not a timing: the step (apps/transformer.py's, Adam, one rank) is recorded once by
 `mm.compile` on numpy, with float32 or bfloat16 activations; a pass is a step of an op that declares
 itself elementwise (`OpDef.cexpr`), its bytes each distinct input block read once and each output
-written once (`fusion.traffic`); "after" is the program as the CuPy engine runs it (`fusion.fuse`).
+written once (`fusion.traffic`); "after" is the program as the CuPy engine runs it (`fusion.fuse`, then
+`rowfusion.fold`: chains inside the layer norm row kernels add bytes, not passes).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import transformer as app  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh import fusion  # noqa: E402
+from mpimesh import fusion, rowfusion  # noqa: E402
 
 SIZES = {"full": {"d_model": 1024, "heads": 16, "d_kv": 64, "d_ff": 4096, "layers": 4, "batch": 32, "length": 512},
          "tiny": {"d_model": 64, "heads": 4, "d_kv": 16, "d_ff": 256, "layers": 2, "batch": 8, "length": 64}}
@@ -45,8 +46,9 @@ def program(dtype: str, size: str):
 def counts(dtype: str, size: str) -> tuple:
     """`((passes, bytes) before, (passes, bytes) after, fused groups' member names)`."""
     p = program(dtype, size)
-    fused = fusion.fuse(p.ops, p.output_ids)
-    groups = ["+".join(r.name for r in rec.members) for rec in fused if isinstance(rec, fusion.FusedRecord)]
+    fused = rowfusion.fold(fusion.fuse(p.ops, p.output_ids), p.output_ids)
+    groups = ["+".join(r.name for r in rec.members) for rec in fused
+              if isinstance(rec, (fusion.FusedRecord, rowfusion.RowRecord))]
     return fusion.traffic(p.ops), fusion.traffic(fused), groups
 
 

@@ -29,7 +29,7 @@ from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
-from . import fusion, liveness
+from . import fusion, liveness, rowfusion
 from .overlap import prefetch_depth, schedule
 from .program import AsyncStep, BucketStep, OpStep, Program, ProgramError
 from .tensor import DistTensor, Donated, host_reads
@@ -278,13 +278,16 @@ class _Engine:
     each run before the einsum of its first member (`"make"`), that each member's einsum writes its
     slot of (its step's `write`), then `"start"` where its last member was recorded (one
     non-blocking allreduce in place, as eager) and `"wait"` before the first op that reads one of
-    them. `fuse`: the program's elementwise chains as one step each (`mpimesh.fusion`), where the
+    them. `fuse`: the program's elementwise chains as one step each (`mpimesh.fusion`), and those a
+    layer norm reads or whose dx they read folded into its row kernel (`mpimesh.rowfusion`), where the
     mesh's backend has their kernels. `run(arrays)` gives the outputs' arrays."""
 
     def __init__(self, program: Program, fuse: bool = True):
         self.mesh = program.mesh
         ops = fusion.fuse(program.ops, program.output_ids, self.mesh.backend) \
             if fuse and fusion.applies(self.mesh.backend) else program.ops
+        if fuse and self.mesh.backend in rowfusion.BUILDERS:
+            ops = rowfusion.fold(ops, program.output_ids, self.mesh.backend)
         slots: dict[int, int] = {}
 
         def slot(i: int) -> int:

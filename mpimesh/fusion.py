@@ -254,9 +254,11 @@ def _sequential(recs: list, inputs: tuple, outputs: tuple, backend: str):
 
 def traffic(ops) -> tuple:
     """`(passes, bytes)`: the steps of elementwise ops (`OpDef.cexpr` declared, fused steps too) and the
-    bytes they move on this rank, each distinct input block read once and each output written once."""
+    bytes they move on this rank, each distinct input block read once and each output written once; a
+    row kernel's folded chains (`rowfusion.RowRecord.folded`) add their bytes, not a pass."""
     passes = moved = 0
     for rec in ops:
+        moved += getattr(rec, "folded", 0)
         if rec.op.cexpr is None:
             continue
         passes += 1

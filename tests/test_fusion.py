@@ -20,8 +20,9 @@ import cuda_source  # noqa: E402
 from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
-from mpimesh import fusion  # noqa: E402
+from mpimesh import backend, fusion, rowfusion  # noqa: E402
 from mpimesh.backend import resolve_backend  # noqa: E402
+from mpimesh.ops import norm, rowwise  # noqa: E402
 from mpimesh.ops.activation import bias_activation  # noqa: E402
 from mpimesh.program import OpStep, Program  # noqa: E402
 from mpimesh.tree import flatten  # noqa: E402
@@ -44,6 +45,28 @@ def cpu_kernels(monkeypatch):
     """A numpy mesh's compiled steps fuse, their generated sources compiled for the CPU."""
     monkeypatch.setitem(fusion.BUILDERS, "numpy",
                         lambda xp, ins, outs, body, preamble, name: cuda_source.elementwise(ins, outs, body, preamble))
+
+
+@pytest.fixture
+def cpu_rows(monkeypatch):
+    """Layer norm (forwards, backwards) takes its CuPy path on a numpy mesh, eager and compiled: the
+    one-kernel rows (`rowwise.ROWS_SOURCE`) and the kernels `rowfusion` generates, compiled for the CPU
+    (elsewhere, CuPy's steps without the kernels of `rowwise.ROW_SOURCES`)."""
+    for op in (norm.LAYER_NORM, norm.LAYER_NORM_GRAD):
+        monkeypatch.setitem(op.kernels, "numpy", op.kernels["cupy"])
+    monkeypatch.setattr(norm, "fusable", lambda *arrays: False)
+    monkeypatch.setattr(backend, "_kernels", dict(backend._kernels))  # (this test's builds: its launches counted)
+    for dt in rowwise.PRELUDE_TYPES:
+        monkeypatch.setitem(backend._kernels, ("rowwise", "rows", dt),
+                            cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE,
+                                                   rowwise.ROWS_PARAMS))
+    launched = []
+
+    def build(xp, source, params, dtype):
+        kernels = cuda_source.raw_module(rowwise.PRELUDE_TYPES[dtype] + source, params)
+        return {k: (lambda *a, _f=f, _k=k: launched.append(_k) or _f(*a)) for k, f in kernels.items()}
+    monkeypatch.setitem(rowfusion.BUILDERS, "numpy", build)
+    return launched
 
 
 def _program(fn, *inputs):
@@ -112,10 +135,10 @@ def _chain(x, y, b):
     return w, mm.reduce_sum(t, output_shape="b:7"), bias_activation(w, b, "relu") * 0.5
 
 
-def _fused_steps(step) -> list:
+def _fused_steps(step, kind: str = "fused(") -> list:
     (entry,) = step.cache.values()
     engine = getattr(entry.engine, "engine", entry.engine)  # (CUDA graphs wrap the flat engine)
-    return [s.op.name for s in engine.steps if isinstance(s, OpStep) and s.op.name.startswith("fused(")]
+    return [s.op.name for s in engine.steps if isinstance(s, OpStep) and s.op.name.startswith(kind)]
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -125,7 +148,7 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and (nan_a == nan_b).all() and a[~nan_a].tobytes() == b[~nan_b].tobytes()
 
 
-def _compare(fn, args, errs, what: str, replays: int = 1) -> int:
+def _compare(fn, args, errs, what: str, replays: int = 1, kind: str = "fused(") -> int:
     """`fn` compiled (recorded, then replayed fused `replays` times: on CuPy the second captures a CUDA
     graph, the third launches it) against eager, bitwise: the number of fused steps."""
     step = mm.compile(fn)
@@ -135,7 +158,7 @@ def _compare(fn, args, errs, what: str, replays: int = 1) -> int:
         for k, (g, w) in enumerate(zip(step(*args), want)):
             errs.expect(g.dtype == w.dtype and g.tensor_layout == w.tensor_layout, f"{what}: output {k} dtype/layout")
             errs.expect(same_bits(g.local, w.local), f"{what}: output {k} differs from eager (replay {r})")
-    return len(_fused_steps(step))
+    return len(_fused_steps(step, kind))
 
 
 @pytest.mark.parametrize("shape", mesh_shapes())
@@ -178,13 +201,56 @@ def _chains_against_eager(mesh, dtype: str, replays: int) -> None:
     errs.check()
 
 
+@pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
 @pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
-def test_the_transformer_step_fused_equals_eager(dtype):
+def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, cpu_rows):
+    """A residual add and its layer norm (prologue), a chain computing the layer norm gradient's g
+    (prologue) and the residual gradient's add of its dx (epilogue) in one row kernel each, compiled
+    for the CPU, against the unfused eager run (the same row kernels, the chains' own ops), bitwise:
+    split, uneven and empty blocks; where the normalised dim is split, the members' own kernels."""
+    mesh = get_mesh(shape)
+    errs = Errors()
+    rng = np.random.default_rng(4)
+    spec, pdt = "b:5;l:3;d:37", "float32"
+    xs, rs, ws, a_s = (rng.standard_normal((5, 3, 37)) * 2 + 0.5 for _ in range(4))
+    lays = layouts(mesh, ["b", "l", "d"], limit=5)
+    for lay in lays:
+        with mm.layout_scope(mesh, lay):
+            x, r, w, a = (mm.cast(mesh.from_numpy(v, spec), dtype) for v in (xs, rs, ws, a_s))
+            sc, bias = (mesh.from_numpy(np.linspace(0.5, 1.5, 37).astype(pdt) + k, "d:37") for k in (0, 1))
+
+            def forward(x, r):
+                s = x + r * 0.5
+                return s, norm.layer_norm(s, ("d",), sc, bias)
+
+            def train(x, r, sc, bias):
+                with mm.trace():
+                    s = x + r
+                    y = norm.layer_norm(s, ("d",), sc, bias)
+                    z = s + (y * a + y)  # (dy: dz * a + dz, the gradient's g; ds: dz + dx, its dx's reader)
+                    loss = mm.reduce_sum(norm.layer_norm(z, ("d",)) * w)
+                    return tuple(mm.gradients([loss], [x, r, sc, bias]))
+            with np.errstate(all="ignore"):
+                rows = _compare(forward, (x, r), errs, f"{lay} forward", kind="rows(")
+                errs.expect(rows == 1, f"{lay} forward: {rows} row steps")
+                rows = _compare(train, (x, r, sc, bias), errs, f"{lay} gradients", kind="rows(")
+                errs.expect(rows >= 2, f"{lay} gradients: {rows} row steps, expected at least 2")
+    errs.check()
+    whole = sum("d" not in lay for lay in lays)  # (each: the forward's kernel, the two layer norms and gradients)
+    assert MPI.COMM_WORLD.allreduce(len(cpu_rows), op=MPI.MAX) == 5 * whole, cpu_rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
+@pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
+def test_the_transformer_step_fused_equals_eager(dtype, cpu_rows):
     """apps/transformer.py's Adam step on the paper's layout (heads 6, d_ff 36, batch 12: uneven on 4
-    ranks), compiled and fused, against eager over three steps: loss, parameters and state bitwise."""
+    ranks), compiled and fused (chains folded into the layer norm rows too), against eager (the same
+    row kernels, unfused) over three steps: loss, parameters and state bitwise."""
     cfg = T.Config(d_model=16, heads=6, d_kv=4, d_ff=36, layers=2, length=8, batch=12, optimizer="adam", lr=3e-3,
                    warmup=4, dtype=dtype)
     mesh = get_mesh(T.default_mesh(MPI.COMM_WORLD.Get_size()), T.PAPER_LAYOUT)
@@ -201,7 +267,9 @@ def test_the_transformer_step_fused_equals_eager(dtype):
         pairs = zip(flatten(eager)[0], flatten(compiled)[0])
         errs.expect(all(a.local.tobytes() == b.local.tobytes() for a, b in pairs), f"step {k}: compiled differs")
     errs.check()
-    assert len(_fused_steps(step)) >= 3  # the backward pass's residual gradients, the learning rate's schedule
+    # the residual adds and their layer norms, the residual gradients' adds and the layer norm gradients
+    assert len(_fused_steps(step, "rows(")) >= 6 and len(_fused_steps(step)) >= 1  # (and the learning rate's)
+    assert MPI.COMM_WORLD.allreduce(len(cpu_rows), op=MPI.MAX) > 0
 
 
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
@@ -240,9 +308,11 @@ def test_fuse_false_keeps_every_step():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_transformer_step_counts(dtype):
     """The counts `benchmarks/fusion.py` prints, for the tiny Transformer step (the GPU benchmark's
-    structure): fusion removes the passes of the fused chains' intermediates and never adds one."""
+    structure): fusion removes the passes of the fused chains' intermediates and never adds one; a
+    chain folded into a layer norm row kernel removes all of its passes (its bytes stay counted)."""
     before, after, groups = fusion_counts.counts(dtype, "tiny")
-    members = sum(len(g.split("+")) for g in groups)
-    assert after[0] == before[0] - members + len(groups) and after[1] < before[1]
     names = [tuple(n.split("+")) for n in groups]
-    assert ("add", "add") in names or ("add", "add", "cast") in names  # the backward pass's residual gradients
+    rows = ("layer_norm", "layer_norm_grad")
+    members = sum(len([m for m in g if m not in rows]) for g in names)
+    assert after[0] == before[0] - members + sum(not set(g) & set(rows) for g in names) and after[1] < before[1]
+    assert ("add", "layer_norm") in names and ("layer_norm_grad", "add") in names  # residual adds, forwards and back

@@ -119,10 +119,15 @@ def _layer_norm_cupy(ctx, a, *sb, **params):
     """CuPy: one kernel where the rows are whole here and the parameters lie along them."""
     xp = ctx.xp
     if params["vectors"] and rows_fit(xp, a, params["axes"]):
-        acc, has = accumulation_dtype(a.dtype), params["has"]
-        sc, b = (xp.ascontiguousarray(_as(sb[i], acc)) if has[k] else None for k, i in ((0, 0), (1, -1)))
-        return layer_norm_rows(xp, a, params["epsilon"], sc, b)
+        return layer_norm_rows(xp, a, params["epsilon"], *row_parameters(xp, sb, params["has"], a.dtype))
     return _layer_norm_kernel(ctx, a, *sb, be=CUPY, **params)
+
+
+def row_parameters(xp, sb: tuple, has: tuple, dtype) -> tuple:
+    """`(scale, bias)` as the one-kernel rows take them (`rowwise.layer_norm_rows`): contiguous, in the
+    arithmetic's dtype of x's `dtype`, None where `has` says there is none."""
+    acc = accumulation_dtype(dtype)
+    return tuple(xp.ascontiguousarray(_as(sb[i], acc)) if has[k] else None for k, i in ((0, 0), (1, -1)))
 
 
 def _statistic(x: Aval, axes: tuple) -> Aval:

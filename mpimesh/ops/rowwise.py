@@ -168,9 +168,9 @@ ROWS_PARAMS = {
     "mpimesh_layer_norm_grad_rows": "const T* x, const T* g, const A* mu, const A* r, const A* sc, T* dx, A* yhat, "
                                     "long long rows, long long n, A inv_n, int has_scale",
 }
-ROWS_SOURCE = """
+ROWS_HEAD = """
 #define WARP_ROW long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; \\
-  long long lane = threadIdx.x %% WARP; \\
+  long long lane = threadIdx.x % WARP; \\
   if (row >= rows) return;
 #define LANES(j) for (long long j = lane; j < n; j += WARP)
 
@@ -178,7 +178,18 @@ __device__ __forceinline__ A entry(const T* xr, long long j, bool masked_here, A
   A v = load(xr[j]);
   return masked_here ? v + masked : v;
 }
-
+"""
+# The layer norm kernels' loads of x (forwards) and g (backwards) and their store of dx, as macros: `X_LOAD(j)`
+# in the passes before the last, `X_LAST(j)` in the last (`mpimesh.rowfusion` defines them otherwise: an
+# elementwise chain computed as the row is read, or applied to dx as it is stored).
+ROWS_HOOKS = """#define X_LOAD(j) load(xr[j])
+#define X_LAST(j) load(xr[j])
+#define G_LOAD(j) load(gr[j])
+#define G_LAST(j) load(gr[j])
+#define DX_STORE(j, v) dr[j] = store(v)
+"""
+ROWS_KERNELS = {
+    "mpimesh_softmax_rows": """
 extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
   WARP_ROW
   const T* xr = x + row * n;
@@ -200,7 +211,8 @@ extern "C" __global__ void mpimesh_softmax_rows(%(mpimesh_softmax_rows)s) {
     yr[j] = store(log_out ? (v - m) - ls : exp(v - m) / s);
   }
 }
-
+""",
+    "mpimesh_softmax_grad_rows": """
 extern "C" __global__ void mpimesh_softmax_grad_rows(%(mpimesh_softmax_grad_rows)s) {
   WARP_ROW
   const T* yr = y + row * n;
@@ -214,26 +226,28 @@ extern "C" __global__ void mpimesh_softmax_grad_rows(%(mpimesh_softmax_grad_rows
     dr[j] = store(log_out ? gv - exp(yv) * s : yv * (gv - s));
   }
 }
-
+""",
+    "mpimesh_layer_norm_rows": """
 extern "C" __global__ void mpimesh_layer_norm_rows(%(mpimesh_layer_norm_rows)s) {
   WARP_ROW
   const T* xr = x + row * n;
   T* yr = y + row * n;
   A s = 0;
-  LANES(j) s += load(xr[j]);
+  LANES(j) s += X_LOAD(j);
   A mu = warp_sum(s) * inv_n;
   A q = 0;
-  LANES(j) { A c = load(xr[j]) - mu; q += c * c; }
+  LANES(j) { A c = X_LOAD(j) - mu; q += c * c; }
   A r = 1 / sqrt(warp_sum(q) * inv_n + eps);
   LANES(j) {
-    A v = (load(xr[j]) - mu) * r;
+    A v = (X_LAST(j) - mu) * r;
     if (has_scale) v = v * sc[j];
     if (has_bias) v = v + b[j];
     yr[j] = store(v);
   }
   if (lane == 0) { mean[row] = mu; rstd[row] = r; }
 }
-
+""",
+    "mpimesh_layer_norm_grad_rows": """
 extern "C" __global__ void mpimesh_layer_norm_grad_rows(%(mpimesh_layer_norm_grad_rows)s) {
   WARP_ROW
   const T* xr = x + row * n;
@@ -242,19 +256,22 @@ extern "C" __global__ void mpimesh_layer_norm_grad_rows(%(mpimesh_layer_norm_gra
   A* hr = yhat + row * n;
   A m = mu[row], rr = r[row], m1 = 0, m2 = 0;
   LANES(j) {
-    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A gs = has_scale ? G_LOAD(j) * sc[j] : G_LOAD(j);
     m1 += gs;
     m2 += gs * ((load(xr[j]) - m) * rr);
   }
   A a1 = warp_sum(m1) * inv_n, a2 = warp_sum(m2) * inv_n;
   LANES(j) {
-    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A gs = has_scale ? G_LAST(j) * sc[j] : G_LAST(j);
     A yh = (load(xr[j]) - m) * rr;
     hr[j] = yh;
-    dr[j] = store(((gs - a1) - yh * a2) * rr);
+    DX_STORE(j, ((gs - a1) - yh * a2) * rr);
   }
 }
-""" % ROWS_PARAMS
+""",
+}
+"""name -> the kernel's source, its parameters `%(name)s` (`ROWS_PARAMS`)."""
+ROWS_SOURCE = ROWS_HEAD + ROWS_HOOKS + "".join(ROWS_KERNELS.values()) % ROWS_PARAMS
 BF16_CONVERSIONS = (
     "__device__ __forceinline__ float load(unsigned short v) { return __uint_as_float(((unsigned int)v) << 16); }\n"
     "__device__ __forceinline__ unsigned short store(float f) {  /* to nearest, ties to even; NaN quiet */\n"
@@ -294,12 +311,13 @@ def rows_kernels(xp, key: tuple, source: str, names, dtype):
     """`{name: kernel}` of the raw CUDA `source` (a warp per row; one function per name of `names`)
     for `dtype`, compiled on first use and cached under `key + (dtype name,)` (`backend.cached_kernel`);
     None where NVRTC refuses it (then the caller's few-kernel path runs)."""
-    return cached_kernel(key + (dtype.name,), lambda: _compile_rows(xp, source, names, dtype.name))
+    return cached_kernel(key + (dtype.name,), lambda: compile_rows(xp, source, names, dtype.name))
 
 
-def _compile_rows(xp, source: str, names, dtype: str):
-    try:
-        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + source)
+def compile_rows(xp, source: str, names, dtype: str):
+    """`{name: kernel}` of `source` (after `GPU_PRELUDE` and `PRELUDE_TYPES[dtype]`) by NVRTC, or None."""
+    try:  # (no multiply-add contraction: a chain folded into a row kernel keeps each op's rounding, `rowfusion`)
+        module = xp.RawModule(code=GPU_PRELUDE + PRELUDE_TYPES[dtype] + source, options=("--fmad=false",))
         return {k: module.get_function(k) for k in names}
     except Exception:  # (an NVRTC that refuses the source: the kernels stay off, the others serve)
         return None
@@ -334,29 +352,36 @@ def softmax_rows(xp, x, log: bool, masked: float, causal: tuple = ()):
     return y
 
 
-def layer_norm_rows(xp, x, epsilon: float, scale=None, bias=None) -> tuple:
+def layer_norm_rows(xp, x, epsilon: float, scale=None, bias=None, fused=None) -> tuple:
     """`(y, mean, 1 / std)` of layer norm over x's last axis by one kernel (`rows_fit`): `scale`
     and `bias` None or vectors of that axis's length in the arithmetic's dtype (float32 for
-    bfloat16); the statistics in that dtype, of x's shape without the last axis."""
+    bfloat16); the statistics in that dtype, of x's shape without the last axis. `fused`:
+    `(kernels, extra args)` of a kernel whose prologue computes x (`mpimesh.rowfusion`; x an `Aval`)."""
     n = x.shape[-1]
     acc = np.float64 if x.dtype == np.float64 else np.float32
-    y = xp.empty_like(x)
+    y = xp.empty(x.shape, x.dtype)
     mean, rstd = (xp.empty(x.shape[:-1], acc) for _ in range(2))
-    _launch(xp, x, "mpimesh_layer_norm_rows", x, x if scale is None else scale, x if bias is None else bias, y,
-            mean, rstd, np.int64(x.size // n), np.int64(n), acc(1.0 / n), acc(epsilon), np.int32(scale is not None),
-            np.int32(bias is not None))
+    kernels, extra = fused or (_rows_kernels(xp, x.dtype), ())
+    x = y if fused else x  # (a prologue reads no x)
+    launch_rows(kernels, y, "mpimesh_layer_norm_rows", x, x if scale is None else scale, x if bias is None else bias,
+                y, mean, rstd, np.int64(y.size // n), np.int64(n), acc(1.0 / n), acc(epsilon),
+                np.int32(scale is not None), np.int32(bias is not None), *extra)
     return y, mean, rstd
 
 
-def layer_norm_grad_rows(xp, x, g, mean, rstd, scale=None) -> tuple:
+def layer_norm_grad_rows(xp, x, g, mean, rstd, scale=None, fused=None) -> tuple:
     """`(dx, normalised x)` of layer norm over x's last axis by one kernel: `g` of x's shape and
     dtype; `mean`, `rstd` and `scale` (None or a vector) in the arithmetic's dtype, as
-    `layer_norm_rows` gives and takes them; the normalised x in that dtype."""
+    `layer_norm_rows` gives and takes them; the normalised x in that dtype. `fused`: `(kernels, extra
+    args, dx)` of a kernel whose prologue computes g (g None) or whose epilogue takes dx (`dx` False:
+    dx is not written, and None takes its place) (`mpimesh.rowfusion`)."""
     n = x.shape[-1]
-    dx, yhat = xp.empty_like(x), xp.empty(x.shape, mean.dtype)
-    _launch(xp, x, "mpimesh_layer_norm_grad_rows", x, g, mean, rstd, x if scale is None else scale, dx, yhat,
-            np.int64(x.size // n), np.int64(n), mean.dtype.type(1.0 / n), np.int32(scale is not None))
-    return dx, yhat
+    kernels, extra, written = fused or (_rows_kernels(xp, x.dtype), (), True)
+    dx, yhat = xp.empty(x.shape if written else (1,), x.dtype), xp.empty(x.shape, mean.dtype)
+    launch_rows(kernels, x, "mpimesh_layer_norm_grad_rows", x, x if g is None else g, mean, rstd,
+                x if scale is None else scale, dx, yhat, np.int64(x.size // n), np.int64(n),
+                mean.dtype.type(1.0 / n), np.int32(scale is not None), *extra)
+    return dx if written else None, yhat
 
 
 def softmax_grad_rows(xp, y, g, log: bool):

@@ -1,0 +1,232 @@
+"""Elementwise chains folded into the one-kernel layer norm rows: a residual add and its layer norm, one kernel.
+
+`fold` (after `fusion.fuse`) takes an elementwise step (an op with `cexpr`, or a fused chain) whose output
+a layer norm (its gradient) reads as x (as g) and computes it inside the row kernel as the row is read, a
+*prologue* (`ROWS_HOOKS`' loads, the chain's other outputs written in the last pass); and the elementwise
+step that alone reads the gradient's dx, as it is stored, an *epilogue*. The chain's code is
+`fusion.source`'s (each value rounded as its op rounds it), the kernels compiled without multiply-add
+contraction, as the unfused ones (`rowwise.compile_rows`): the unfused values, bitwise. Where the rows are
+not whole on a rank, or a block is not contiguous, the step runs its members' own kernels. More:
+docs/compile.md.
+
+>>> import mpimesh as mm; from mpimesh.program import Program; from mpimesh.ops.norm import layer_norm
+>>> x = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2;d:4")
+>>> with mm.trace() as tr:
+...     y = layer_norm(x + x, ("d",))
+>>> [r.name for r in fold(Program(tr, [x], [y]).ops, [id(y)])]
+['rows(add+layer_norm)']
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from . import fusion
+from .backend import cached_kernel
+from .opdef import Aval, OpDef
+from .ops import norm, rowwise
+
+C_STORAGE = {"float32": "float", "float64": "double", "uint16": "unsigned short", "int32": "int",
+             "int64": "long long", "bool": "bool"}
+"""`fusion.STORAGE`'s types in C."""
+HOOKS = {norm.LAYER_NORM: ("mpimesh_layer_norm_rows", 0, None), norm.LAYER_NORM_GRAD: ("mpimesh_layer_norm_grad_rows",
+                                                                                        1, 0)}
+"""op -> (its row kernel, the input a prologue may compute (x, g), the output an epilogue may take (dx) or None)."""
+BUILDERS = {"cupy": rowwise.compile_rows}
+"""backend -> `build(xp, source, names, dtype)`: the row kernels of `source` (`rowwise.compile_rows`), or None."""
+
+
+class RowRecord:
+    """A row op with its folded chains as one step: `op`, `inputs`, `outputs` (the row op's, less a dx
+    the epilogue took, then the chains' written ones), `members` (the chains' and the row op's records),
+    `folded` (the bytes the chains add to the row kernel's: their inputs read and outputs written, less
+    the row kernel's own reads and writes they replace; `fusion.traffic`)."""
+
+    __slots__ = ("op", "inputs", "outputs", "params", "flops", "members", "folded")
+
+    def __init__(self, op, inputs, outputs, members, folded):
+        self.op, self.inputs, self.outputs, self.params, self.members = op, inputs, outputs, {}, members
+        self.flops, self.folded = sum(r.flops for r in members), folded
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+
+def _chain(rec):
+    """`(members, inputs, outputs)` of an elementwise step, or None."""
+    if isinstance(rec, fusion.FusedRecord):
+        return rec.members, rec.inputs, rec.outputs
+    return ([rec], rec.inputs, rec.outputs) if fusion.expression(rec) is not None else None
+
+
+def _fits(chain, like) -> bool:
+    """Whether every input and output of `chain` has `like`'s dims and layout (its row kernel's blocks)."""
+    return all(t.shape == like.shape and t.tensor_layout == like.tensor_layout and np.dtype(t.dtype) in fusion.STORAGE
+               for t in chain[1] + tuple(chain[2]))
+
+
+def fold(ops, outputs, backend: str = "cupy") -> list:
+    """`ops` (`fusion.fuse`'s steps; `outputs` the program's output ids) with each layer norm (gradient)
+    that can take its producer's chain (prologue) or its dx's one reader's (epilogue) one `RowRecord`."""
+    readers, made = fusion._readers(ops, outputs), {id(t): k for k, rec in enumerate(ops) for t in rec.outputs}
+    taken, at = set(), {}
+    for k, rec in enumerate(ops):
+        hook = HOOKS.get(rec.op)
+        if hook is None or k in taken:
+            continue
+        t = rec.inputs[hook[1]]
+        p = made.get(id(t))
+        pro = None
+        if p is not None and p not in taken and _chain(ops[p]) and _fits(_chain(ops[p]), t) \
+                and all(r >= k for u in ops[p].outputs for r in readers.get(id(u), ()) if r != k):
+            pro = p
+        epi = None
+        if hook[2] is not None:
+            dx = rec.outputs[hook[2]]
+            rs = readers.get(id(dx), [])
+            if len(rs) == 1 and rs[0] < len(ops) and rs[0] not in taken and _chain(ops[rs[0]]) \
+                    and _fits(_chain(ops[rs[0]]), dx) and all(made.get(id(u), -1) < k for u in ops[rs[0]].inputs
+                                                              if u is not dx):
+                epi = rs[0]
+        if pro is None and epi is None:
+            continue
+        taken |= {k} | {i for i in (pro, epi) if i is not None}
+        at[k] = _row_record(rec, hook, None if pro is None else ops[pro], None if epi is None else ops[epi],
+                            readers, k, backend)
+    return [at.get(k, rec) for k, rec in enumerate(ops) if k not in taken or k in at]
+
+
+def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
+    name, pi, _ = hook
+    pc, ec = _chain(pro) if pro else None, _chain(epi) if epi else None
+    x = rec.inputs[pi]
+    p_out = [] if pc is None else [u for u in pc[2] if any(r != k for r in readers.get(id(u), ()))]
+    dx = None if ec is None else rec.outputs[hook[2]]
+    e_in = [] if ec is None else [u for u in ec[1] if u is not dx]
+    row_in = [u for u in rec.inputs if pc is None or u is not x]
+    inputs = tuple({id(u): u for u in (list(pc[1]) if pc else []) + row_in + e_in}.values())
+    outs = tuple([u for u in rec.outputs if u is not dx] + p_out + (list(ec[2]) if ec else []))
+    source, params = _source(rec.outputs[0].dtype, name, pc, x, p_out, ec, dx, e_in)
+    folded = (sum(map(fusion._nbytes, (list(pc[1]) if pc else []) + p_out)) - (fusion._nbytes(x) if pc else 0)
+              + sum(map(fusion._nbytes, e_in + (list(ec[2]) if ec else []))) - (fusion._nbytes(dx) if ec else 0))
+    members = (list(pc[0]) if pc else []) + [rec] + (list(ec[0]) if ec else [])
+    steps = [s for s in (pro, rec, epi) if s is not None]
+    spec = (source, params, hashlib.sha1(source.encode()).hexdigest()[:10])
+    kernel = _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
+    op = OpDef(f"rows({'+'.join(r.name for r in members)})", kernel, kernels={backend: kernel})
+    return RowRecord(op, inputs, outs, members, folded)
+
+
+def _source(dtype, name, pc, x, p_out, ec, dx, e_in) -> tuple:
+    """`(source, params)`: the row kernel `name` with the chains' code in its hooks (`rowwise.ROWS_HOOKS`)
+    and their pointers after its own parameters (the prologue's inputs and written outputs, then the
+    epilogue's inputs other than dx and its outputs); a chain's inputs loaded at element `e` (dx: `dxv`)."""
+    extra, code, hooked, bf16 = [], [], [], False
+    x_hook = "X" if name == "mpimesh_layer_norm_rows" else "G"
+    for tag, chain, ins, outs in (("p", pc, pc[1] if pc else (), p_out), ("e", ec, e_in, ec[2] if ec else ())):
+        if chain is None:
+            continue
+        order = [x] + [u for u in chain[2] if u is not x] if tag == "p" else list(chain[2])
+        i_n, o_n = [f"{tag}i{j}" for j in range(len(ins))], [f"{tag}o{j}" for j in range(len(outs))]
+        mine = [f"const {_c(u)}* {v}" for u, v in zip(ins, i_n)] + [f"{_c(u)}* {v}" for u, v in zip(outs, o_n)]
+        extra += mine
+        _, _, body, pre = fusion.source(chain[0], tuple(chain[1]), tuple(order))
+        bf16 |= bool(pre)
+        named = {id(u): v for u, v in zip(ins, i_n)}
+        loads = " ".join(f"{_c(u)} in{j} = {'dxv' if u is dx else named[id(u)] + '[e]'};"
+                         for j, u in enumerate(chain[1]))
+        decl = " ".join(f"{_c(u)} out{j} = 0;" for j, u in enumerate(order))
+        written = {id(u): v for u, v in zip(outs, o_n)}
+        stores = " ".join(f"{written[id(u)]}[e] = out{j};" for j, u in enumerate(order) if id(u) in written)
+        args = ", ".join(i_n + o_n)
+        if tag == "p":
+            code.append(f"__device__ __forceinline__ A mpimesh_prologue(long long e, bool last, {', '.join(mine)}) {{\n"
+                        f"  {loads} {decl}\n  {{\n{body}\n  }}\n  if (last) {{ {stores} }}\n  return load(out0);\n}}\n"
+                        f"#define {x_hook}_LOAD(j) mpimesh_prologue(row * n + (j), false, {args})\n"
+                        f"#define {x_hook}_LAST(j) mpimesh_prologue(row * n + (j), true, {args})\n")
+            hooked += [f"{x_hook}_LOAD", f"{x_hook}_LAST"]
+        else:
+            code.append(f"__device__ __forceinline__ void mpimesh_epilogue(long long e, T dxv, {', '.join(mine)}) {{\n"
+                        f"  {loads} {decl}\n  {{\n{body}\n  }}\n  {stores}\n}}\n"
+                        f"#define DX_STORE(j, v) mpimesh_epilogue(row * n + (j), store(v), {args})\n")
+            hooked.append("DX_STORE")
+    defaults = [d for d in rowwise.ROWS_HOOKS.splitlines() if d.split("(")[0].split()[-1] not in hooked]
+    params = {name: rowwise.ROWS_PARAMS[name] + "".join(", " + e for e in extra)}
+    preamble = ("namespace bf16 {\n" + rowwise.BF16_CONVERSIONS + "}\n") if bf16 else ""
+    return (preamble + rowwise.ROWS_HEAD + "\n".join(defaults) + "\n" + "".join(code)
+            + rowwise.ROWS_KERNELS[name] % params), params
+
+
+def _c(u) -> str:
+    """The C type a kernel's pointer to tensor `u`'s block holds (bfloat16: its bits)."""
+    return C_STORAGE[fusion.STORAGE[np.dtype(u.dtype)]]
+
+
+def _storage(u):
+    return np.dtype(fusion.STORAGE[np.dtype(u.dtype)])
+
+
+def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend):
+    """The step's kernel: the generated row kernel where the unfused row op takes its one-kernel rows and
+    every block the chains read is of the rows' shape and contiguous; else the members' own kernels."""
+    source, params, digest = spec
+    at = {id(u): j for j, u in enumerate(inputs)}  # (indices now: a program kept for pricing swaps its tensors)
+    dtype = np.dtype(x.dtype)
+    reads = [at[id(u)] for u in tuple(pc[1] if pc else ()) + tuple(e_in)]
+    p, grad = dict(rec.params), rec.op is norm.LAYER_NORM_GRAD
+    roles = [at.get(id(u)) for u in rec.inputs]  # (the row op's inputs; None: its prologue's output)
+    whole = p["vectors"] and tuple(p["axes"]) == (len(p["xd"]) - 1,) and dtype.name in rowwise.PRELUDE_TYPES
+    order = {id(u): j for j, u in enumerate(inputs)}
+    runs = []
+    for s in steps:
+        runs.append((s.op.kernel_for(backend), dict(s.params), [order[id(u)] for u in s.inputs],
+                     [order.setdefault(id(u), len(order)) for u in s.outputs]))
+    wanted = [order[id(u)] for u in outs]
+    stored = [np.dtype(u.dtype) for u in outs]
+    p_store, e_store = [_storage(u) for u in p_out], [_storage(u) for u in (ec[2] if ec else ())]
+    p_read, e_read = [at[id(u)] for u in (pc[1] if pc else ())], [at[id(u)] for u in e_in]
+
+    def sequential(ctx, *arrays):
+        values = dict(enumerate(arrays))
+        for run, kw, ins, made in runs:
+            res = run(ctx, *(values[i] for i in ins), **kw)
+            for i, a in zip(made, res if isinstance(res, tuple) else (res,)):
+                values[i] = ctx.xp.asarray(a)
+        return tuple(values[i] for i in wanted)
+
+    def kernel(ctx, *arrays):
+        xp = ctx.xp
+        blocks = [arrays[i] for i in reads]
+        own = [None if i is None else arrays[i] for i in roles]
+        first = own[0] if grad or pc is None else blocks[0]
+        if grad and pc is None:
+            blocks.append(own[1])  # g: of x's dtype and contiguous, as the unfused kernel takes the rows
+            fit = own[1].dtype == dtype
+        else:
+            fit = True
+        shape = first.shape
+        fit = fit and whole and first.size > 0 and all(b.shape == shape and b.flags.c_contiguous for b in blocks) \
+            and first.flags.c_contiguous
+        base = fit and rowwise.rows_kernels(xp, ("rowwise", "rows"), rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS, dtype)
+        kernels = base and cached_kernel(("rowfusion", backend, digest, source, dtype.name),
+                                         lambda: BUILDERS[backend](xp, source, params, dtype.name))
+        if not kernels:
+            return sequential(ctx, *arrays)
+        made = [xp.empty(shape, d) for d in p_store]
+        e_made = [xp.empty(shape, d) for d in e_store]
+        extra = [fusion._bits(arrays[i]) for i in p_read] + made + [fusion._bits(arrays[i]) for i in e_read] + e_made
+        if not grad:
+            result = list(rowwise.layer_norm_rows(xp, Aval(shape, dtype), p["epsilon"],
+                                                  *norm.row_parameters(xp, own[1:], p["has"], dtype),
+                                                  fused=(kernels, extra)))
+        else:
+            a, g, mu, r, *s = own
+            sc = xp.ascontiguousarray(s[0].astype(mu.dtype, copy=False)) if s else None
+            d, yhat = rowwise.layer_norm_grad_rows(xp, a, g, xp.ascontiguousarray(mu), xp.ascontiguousarray(r), sc,
+                                                   fused=(kernels, extra, ec is None))
+            result = ([d] if ec is None else []) + [yhat]
+        result += made + e_made
+        return tuple(a if a.dtype == d else a.view(d) for a, d in zip(result, stored))
+    return kernel
