@@ -23,9 +23,10 @@ import hashlib
 import numpy as np
 
 from . import fusion
-from .backend import cached_kernel
+from .backend import BFLOAT16, cached_kernel
 from .opdef import Aval, OpDef
-from .ops import norm, rowwise
+from .ops import norm, rowwise, updates
+from .ops.elementwise import CAST, CAST_NO_GRAD
 
 C_STORAGE = {"float32": "float", "float64": "double", "uint16": "unsigned short", "int32": "int",
              "int64": "long long", "bool": "bool"}
@@ -69,12 +70,19 @@ def _fits(chain, like) -> bool:
 
 def fold(ops, outputs, backend: str = "cupy") -> list:
     """`ops` (`fusion.fuse`'s steps; `outputs` the program's output ids) with each layer norm (gradient)
-    that can take its producer's chain (prologue) or its dx's one reader's (epilogue) one `RowRecord`."""
+    that can take its producer's chain (prologue) or its dx's one reader's (epilogue) one `RowRecord`,
+    and each optimizer update with its gradients' casts from bfloat16 (`_widening`) one `RowRecord`."""
     readers, made = fusion._readers(ops, outputs), {id(t): k for k, rec in enumerate(ops) for t in rec.outputs}
     taken, at = set(), {}
     for k, rec in enumerate(ops):
         hook = HOOKS.get(rec.op)
-        if hook is None or k in taken:
+        if hook is None:
+            casts = _widening(ops, k, readers, made)
+            if casts:
+                taken |= {k, *casts}
+                at[k] = _update_record(rec, [ops[c] for c in casts])
+            continue
+        if k in taken:
             continue
         t = rec.inputs[hook[1]]
         p = made.get(id(t))
@@ -96,6 +104,38 @@ def fold(ops, outputs, backend: str = "cupy") -> list:
         at[k] = _row_record(rec, hook, None if pro is None else ops[pro], None if epi is None else ops[epi],
                             readers, k, backend)
     return [at.get(k, rec) for k, rec in enumerate(ops) if k not in taken or k in at]
+
+
+def _widening(ops, k: int, readers: dict, made: dict) -> list:
+    """The indices of the casts (bfloat16 to float32, read by this op alone) of the gradients of update
+    op `ops[k]` (`updates.gradient_inputs`), where its parameters and gradients are all float32 and its
+    `dtype` None or float32: CuPy's update kernel widens those gradients as it reads them, exactly as
+    the cast does (`updates.kernel_source`); elsewhere the update widens them first, as `cast`."""
+    rec = ops[k]
+    gs = updates.gradient_inputs(rec.op, rec.params, len(rec.inputs))
+    f32 = np.dtype(np.float32)
+    if not gs or rec.params["dtype"] not in (None, f32) \
+            or any(np.dtype(rec.inputs[i].dtype) != f32 for g in gs for i in (g - 1, g)):
+        return []
+    casts = []
+    for g in gs:
+        c = made.get(id(rec.inputs[g]))
+        src = None if c is None else ops[c]
+        if src is not None and src.op in (CAST, CAST_NO_GRAD) and np.dtype(src.inputs[0].dtype) == BFLOAT16 \
+                and readers.get(id(rec.inputs[g])) == [k]:
+            casts.append(c)
+    return casts
+
+
+def _update_record(rec, casts: list) -> RowRecord:
+    """The update `rec` reading the bfloat16 gradients of `casts` (its `dtype` float32: `updates.widened`)."""
+    narrow = {id(c.outputs[0]): c.inputs[0] for c in casts}
+    inputs = tuple(narrow.get(id(u), u) for u in rec.inputs)
+    op = OpDef(f"{rec.op.name}({'+'.join(r.name for r in casts)})", rec.op.kernel, kernels=dict(rec.op.kernels),
+               into=rec.op.into, flops=rec.op.flops, scratch=rec.op.scratch)  # (its kernels take them as they are)
+    out = RowRecord(op, inputs, rec.outputs, casts + [rec], 0)
+    out.params = dict(rec.params, dtype=np.dtype(np.float32))
+    return out
 
 
 def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:

@@ -48,7 +48,9 @@ def take_cupy_branch(monkeypatch):
     compiled = {k: cuda_source.elementwise(*spec) for k, spec in KERNELS.items()}
     for kernels in (updates.SGD_KERNELS, updates.ADAM_KERNELS):  # (a numpy mesh runs the CuPy kernels)
         monkeypatch.setitem(kernels, "numpy", kernels["cupy"])
-    monkeypatch.setattr(updates, "_kernel", lambda xp, which: compiled[which])
+    compiled.update({(k, True): cuda_source.elementwise(*updates.kernel_source(k, True)) for k in KERNELS})
+    monkeypatch.setattr(updates, "_kernel",
+                        lambda xp, which, narrow=False: compiled[(which, True) if narrow else which])
     cupy_kernels(monkeypatch, dropout_op.DROPOUT)
     monkeypatch.setitem(backend._kernels, ("dropout",),
                         cuda_source.elementwise(*dropout_op.DROPOUT_PARAMS, dropout_op.DROPOUT_SOURCE))

@@ -22,7 +22,7 @@ from meshes import Errors, get_mesh, layouts, mesh_shapes  # noqa: E402
 import mpimesh as mm  # noqa: E402
 from mpimesh import backend, fusion, rowfusion  # noqa: E402
 from mpimesh.backend import resolve_backend  # noqa: E402
-from mpimesh.ops import norm, rowwise  # noqa: E402
+from mpimesh.ops import norm, rowwise, updates  # noqa: E402
 from mpimesh.ops.activation import bias_activation  # noqa: E402
 from mpimesh.program import OpStep, Program  # noqa: E402
 from mpimesh.tree import flatten  # noqa: E402
@@ -49,9 +49,10 @@ def cpu_kernels(monkeypatch):
 
 @pytest.fixture
 def cpu_rows(monkeypatch):
-    """Layer norm (forwards, backwards) takes its CuPy path on a numpy mesh, eager and compiled: the
-    one-kernel rows (`rowwise.ROWS_SOURCE`) and the kernels `rowfusion` generates, compiled for the CPU
-    (elsewhere, CuPy's steps without the kernels of `rowwise.ROW_SOURCES`)."""
+    """Layer norm (forwards, backwards) and the optimizer updates take their CuPy path on a numpy mesh,
+    eager and compiled: the one-kernel rows (`rowwise.ROWS_SOURCE`), the update kernels and the kernels
+    `rowfusion` generates, compiled for the CPU (elsewhere, CuPy's steps without the kernels of
+    `rowwise.ROW_SOURCES`). Gives the list of the generated and the narrow update kernels' launches."""
     for op in (norm.LAYER_NORM, norm.LAYER_NORM_GRAD):
         monkeypatch.setitem(op.kernels, "numpy", op.kernels["cupy"])
     monkeypatch.setattr(norm, "fusable", lambda *arrays: False)
@@ -61,6 +62,11 @@ def cpu_rows(monkeypatch):
                             cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE,
                                                    rowwise.ROWS_PARAMS))
     launched = []
+    for kernels in (updates.SGD_KERNELS, updates.ADAM_KERNELS):  # (and the updates' CuPy kernels)
+        monkeypatch.setitem(kernels, "numpy", kernels["cupy"])
+    built = {(k, n): cuda_source.elementwise(*updates.kernel_source(k, n)) for k in ("adam", "sgd") for n in (0, 1)}
+    monkeypatch.setattr(updates, "_kernel", lambda xp, which, narrow=False: (
+        lambda *a: launched.append(f"{which} narrow" * narrow) or built[which, narrow](*a)))
 
     def build(xp, source, params, dtype):
         kernels = cuda_source.raw_module(rowwise.PRELUDE_TYPES[dtype] + source, params)
@@ -138,7 +144,7 @@ def _chain(x, y, b):
 def _fused_steps(step, kind: str = "fused(") -> list:
     (entry,) = step.cache.values()
     engine = getattr(entry.engine, "engine", entry.engine)  # (CUDA graphs wrap the flat engine)
-    return [s.op.name for s in engine.steps if isinstance(s, OpStep) and s.op.name.startswith(kind)]
+    return [s.op.name for s in engine.steps if isinstance(s, OpStep) and kind in s.op.name]
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -240,7 +246,7 @@ def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, 
                 errs.expect(rows >= 2, f"{lay} gradients: {rows} row steps, expected at least 2")
     errs.check()
     whole = sum("d" not in lay for lay in lays)  # (each: the forward's kernel, the two layer norms and gradients)
-    assert MPI.COMM_WORLD.allreduce(len(cpu_rows), op=MPI.MAX) == 5 * whole, cpu_rows
+    assert MPI.COMM_WORLD.allreduce(sum(k.startswith("mpimesh_") for k in cpu_rows), op=MPI.MAX) == 5 * whole
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -270,6 +276,9 @@ def test_the_transformer_step_fused_equals_eager(dtype, cpu_rows):
     # the residual adds and their layer norms, the residual gradients' adds and the layer norm gradients
     assert len(_fused_steps(step, "rows(")) >= 6 and len(_fused_steps(step)) >= 1  # (and the learning rate's)
     assert MPI.COMM_WORLD.allreduce(len(cpu_rows), op=MPI.MAX) > 0
+    if dtype == "bfloat16":  # the gradients' casts read by Adam's kernel as it loads them (the two replays)
+        (update,) = _fused_steps(step, "adam_update(cast")
+        assert MPI.COMM_WORLD.allreduce(cpu_rows.count("adam narrow"), op=MPI.MAX) == 2 * update.count("cast")
 
 
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..backend import cached_kernel
+from ..backend import BFLOAT16, cached_kernel
 from ..errors import MpimeshError
 from ..opdef import OpDef, size
 from ..trace import dispatch
@@ -46,10 +46,23 @@ SGD_SOURCE = """
 """The CuPy kernel of `sgd_update` for one parameter."""
 SGD_PARAMS = ("T p, T g, T v, T neg_lr, T mom, bool momentum", "T p1, T v1")
 
-def _kernel(xp, which: str):
-    """The CuPy ElementwiseKernel `which` ("adam" or "sgd"), compiled on first use."""
-    params, source = (ADAM_PARAMS, ADAM_SOURCE) if which == "adam" else (SGD_PARAMS, SGD_SOURCE)
-    return cached_kernel(("updates", which), lambda: xp.ElementwiseKernel(*params, source, f"mpimesh_{which}"))
+def kernel_source(which: str, narrow: bool = False) -> tuple:
+    """`(in_params, out_params, body, preamble)` of the CuPy kernel `which` ("adam" or "sgd"); `narrow`:
+    the gradient read as bfloat16 (its bits) and widened to T as it is loaded (exact, as `cast` widens it:
+    `mpimesh.rowfusion` folds a gradient's cast into its update)."""
+    ins, outs = ADAM_PARAMS if which == "adam" else SGD_PARAMS
+    body = ADAM_SOURCE if which == "adam" else SGD_SOURCE
+    if not narrow:
+        return ins, outs, body, ""
+    return (ins.replace("T g,", "uint16 g16,", 1), outs, "T g = (T)mpimesh_widen(g16);" + body,
+            "__device__ float mpimesh_widen(unsigned short v) { return __uint_as_float(((unsigned int)v) << 16); }\n")
+
+
+def _kernel(xp, which: str, narrow: bool = False):
+    """The CuPy ElementwiseKernel `which` (`kernel_source`), compiled on first use."""
+    ins, outs, body, preamble = kernel_source(which, narrow)
+    return cached_kernel(("updates", which, narrow), lambda: xp.ElementwiseKernel(
+        ins, outs, body, f"mpimesh_{which}{'_narrow' * narrow}", preamble=preamble))
 
 
 # ------------------------------------------------------------------ the formulas, written once
@@ -103,6 +116,23 @@ def widened(p, g, dtype):
     return (p if p.dtype == dtype else p.astype(dtype)), (g if g.dtype == dtype else g.astype(dtype))
 
 
+def _narrow(cuda: bool, dtype, p, g, *slots) -> bool:
+    """Whether CuPy's kernel reads a bfloat16 `g` as it is (`kernel_source`: widened as it loads it) for a
+    float32 update (`dtype`, p and its slots float32)."""
+    return cuda and g.dtype == BFLOAT16 and dtype == np.float32 and all(a.dtype == dtype for a in (p, *slots))
+
+
+def gradient_inputs(op: OpDef, params: dict, n_inputs: int) -> list:
+    """The input indices of the gradients of an `sgd_update` or `adam_update` op, else []."""
+    if op.kernels is ADAM_KERNELS:
+        first, k = 1 + (params["lr"] is None), 4
+    elif op.kernels is SGD_KERNELS:
+        first, k = int(params["lr"] is None), 3 if params["momentum"] else 2
+    else:
+        return []
+    return list(range(first + 1, n_inputs, k))
+
+
 def _rounded(a, dtype):
     return a if a.dtype == dtype else a.astype(dtype)
 
@@ -148,9 +178,10 @@ def _sgd_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> Ca
             v = v[0] if v else None
             over = _mine(into, j, n_out) if in_place and into and _in_place(dtype, p, g, v, neg_lr) else ()
             pdt = p.dtype
-            p, g = widened(p, g, dtype)
-            if cuda and v is not None and p.dtype == g.dtype == v.dtype:
-                p1, v1 = _kernel(xp, "sgd")(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
+            narrow = v is not None and _narrow(cuda, dtype, p, g, v)
+            p, g = (p, g.view(np.uint16)) if narrow else widened(p, g, dtype)
+            if narrow or cuda and v is not None and p.dtype == g.dtype == v.dtype:
+                p1, v1 = _kernel(xp, "sgd", narrow)(p, g, v, _typed(neg_lr, p.dtype), momentum, True)
             else:
                 p1, v1 = sgd_step(k, p, g, v, neg_lr, momentum, over)
             out += [_rounded(p1, pdt), v1][:n_out]
@@ -170,11 +201,12 @@ def _adam_kernel(ops: Callable, in_place: bool = False, cuda: bool = False) -> C
         for j, (p, g, m, v) in enumerate(groups):
             mine = in_place and into and _in_place(dtype, p, g, m, v, c1, c2, neg_lr, neg_lr_wd)
             pdt = p.dtype
-            p, g = widened(p, g, dtype)
-            if cuda and p.dtype == g.dtype == m.dtype == v.dtype:
+            narrow = _narrow(cuda, dtype, p, g, m, v)
+            p, g = (p, g.view(np.uint16)) if narrow else widened(p, g, dtype)
+            if narrow or cuda and p.dtype == g.dtype == m.dtype == v.dtype:
                 scalars = (_typed(a, p.dtype) for a in (c1, c2, neg_lr, neg_lr_wd))
-                p1, m1, v1 = _kernel(xp, "adam")(p, g, m, v, *scalars, beta1, beta2, 1.0 - beta1, 1.0 - beta2, epsilon,
-                                                 bool(weight_decay))
+                p1, m1, v1 = _kernel(xp, "adam", narrow)(p, g, m, v, *scalars, beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+                                                         epsilon, bool(weight_decay))
             else:
                 p1, m1, v1 = adam_step(k, p, g, m, v, c1, c2, neg_lr, neg_lr_wd if weight_decay else None, beta1,
                                        beta2, epsilon, _mine(into, j, 3) if mine else ())
