@@ -1,13 +1,11 @@
-"""Elementwise chains folded into the one-kernel layer norm rows: a residual add and its layer norm, one kernel.
+"""Elementwise steps folded into the kernels that read them: a residual add and its layer norm, one kernel.
 
-`fold` (after `fusion.fuse`) takes an elementwise step (an op with `cexpr`, or a fused chain) whose output
-a layer norm (its gradient) reads as x (as g) and computes it inside the row kernel as the row is read, a
-*prologue* (`ROWS_HOOKS`' loads, the chain's other outputs written in the last pass); and the elementwise
-step that alone reads the gradient's dx, as it is stored, an *epilogue*. The chain's code is
-`fusion.source`'s (each value rounded as its op rounds it), the kernels compiled without multiply-add
-contraction, as the unfused ones (`rowwise.compile_rows`): the unfused values, bitwise. Where the rows are
-not whole on a rank, or a block is not contiguous, the step runs its members' own kernels. More:
-docs/compile.md.
+`fold` (after `fusion.fuse`) computes the elementwise step whose output a layer norm reads as x (its
+gradient as g) inside the one-kernel rows as they are read (a *prologue*: `rowwise.ROWS_HOOKS`), and the
+step that alone reads the gradient's dx as it is stored (an *epilogue*), from `fusion.source`'s code
+(each op's rounding), compiled as the unfused rows are (no multiply-add contraction): bitwise the
+unfused values. An update's bfloat16 gradients' casts are read by its kernel (`updates.kernel_source`).
+Where the rows are not whole or a block not contiguous, the members' own kernels run. docs/compile.md.
 
 >>> import mpimesh as mm; from mpimesh.program import Program; from mpimesh.ops.norm import layer_norm
 >>> x = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2;d:4")
@@ -62,10 +60,21 @@ def _chain(rec):
     return ([rec], rec.inputs, rec.outputs) if fusion.expression(rec) is not None else None
 
 
+def _suffix(t, like) -> bool:
+    """Whether `t` has `like`'s last dims (all of them, or fewer: broadcast over the leading ones) and
+    their layout: its element for `like`'s element e is at `e % (its block's size)`."""
+    k = len(t.shape.names)
+    return 0 < k <= len(like.shape.names) and tuple(t.shape) == tuple(like.shape)[len(like.shape.names) - k:] \
+        and tuple(t.tensor_layout) == tuple(like.tensor_layout)[len(like.shape.names) - k:]
+
+
 def _fits(chain, like) -> bool:
-    """Whether every input and output of `chain` has `like`'s dims and layout (its row kernel's blocks)."""
-    return all(t.shape == like.shape and t.tensor_layout == like.tensor_layout and np.dtype(t.dtype) in fusion.STORAGE
-               for t in chain[1] + tuple(chain[2]))
+    """Whether `chain`'s outputs have `like`'s dims and layout (its row kernel's blocks), its inputs those
+    or their last ones (`_suffix`), one input at least all of them."""
+    full = [t.shape == like.shape and t.tensor_layout == like.tensor_layout for t in chain[1]]
+    return any(full) and all(f or _suffix(t, like) for f, t in zip(full, chain[1])) \
+        and all(t.shape == like.shape and t.tensor_layout == like.tensor_layout for t in chain[2]) \
+        and all(np.dtype(t.dtype) in fusion.STORAGE for t in chain[1] + tuple(chain[2]))
 
 
 def fold(ops, outputs, backend: str = "cupy") -> list:
@@ -170,17 +179,18 @@ def _source(dtype, name, pc, x, p_out, ec, dx, e_in) -> tuple:
             continue
         order = [x] + [u for u in chain[2] if u is not x] if tag == "p" else list(chain[2])
         i_n, o_n = [f"{tag}i{j}" for j in range(len(ins))], [f"{tag}o{j}" for j in range(len(outs))]
-        mine = [f"const {_c(u)}* {v}" for u, v in zip(ins, i_n)] + [f"{_c(u)}* {v}" for u, v in zip(outs, o_n)]
+        mine = [f"const {_c(u)}* {v}" + ("" if _whole(u, x) else f", long long {v}_n") for u, v in zip(ins, i_n)]
+        mine += [f"{_c(u)}* {v}" for u, v in zip(outs, o_n)]
         extra += mine
         _, _, body, pre = fusion.source(chain[0], tuple(chain[1]), tuple(order))
         bf16 |= bool(pre)
-        named = {id(u): v for u, v in zip(ins, i_n)}
-        loads = " ".join(f"{_c(u)} in{j} = {'dxv' if u is dx else named[id(u)] + '[e]'};"
+        named = {id(u): f"{v}[e]" if _whole(u, x) else f"{v}[e % {v}_n]" for u, v in zip(ins, i_n)}
+        loads = " ".join(f"{_c(u)} in{j} = {'dxv' if u is dx else named[id(u)]};"
                          for j, u in enumerate(chain[1]))
         decl = " ".join(f"{_c(u)} out{j} = 0;" for j, u in enumerate(order))
         written = {id(u): v for u, v in zip(outs, o_n)}
         stores = " ".join(f"{written[id(u)]}[e] = out{j};" for j, u in enumerate(order) if id(u) in written)
-        args = ", ".join(i_n + o_n)
+        args = ", ".join([a for u, v in zip(ins, i_n) for a in ([v] if _whole(u, x) else [v, v + "_n"])] + o_n)
         if tag == "p":
             code.append(f"__device__ __forceinline__ A mpimesh_prologue(long long e, bool last, {', '.join(mine)}) {{\n"
                         f"  {loads} {decl}\n  {{\n{body}\n  }}\n  if (last) {{ {stores} }}\n  return load(out0);\n}}\n"
@@ -199,9 +209,21 @@ def _source(dtype, name, pc, x, p_out, ec, dx, e_in) -> tuple:
             + rowwise.ROWS_KERNELS[name] % params), params
 
 
+def _whole(u, like) -> bool:
+    """Whether tensor `u` has all of `like`'s dims (else its last ones: `_suffix`)."""
+    return len(u.shape.names) == len(like.shape.names)
+
+
 def _c(u) -> str:
     """The C type a kernel's pointer to tensor `u`'s block holds (bfloat16: its bits)."""
     return C_STORAGE[fusion.STORAGE[np.dtype(u.dtype)]]
+
+
+def _args(arrays, reads: list) -> list:
+    """The generated kernel's arguments for the inputs `reads` (`(index, whole)`): each block (bfloat16
+    as its bits), a broadcast one's size after it."""
+    return [a for i, w in reads for a in ([fusion._bits(arrays[i])] if w else
+                                          [fusion._bits(arrays[i]), np.int64(arrays[i].size)])]
 
 
 def _storage(u):
@@ -214,7 +236,6 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
     source, params, digest = spec
     at = {id(u): j for j, u in enumerate(inputs)}  # (indices now: a program kept for pricing swaps its tensors)
     dtype = np.dtype(x.dtype)
-    reads = [at[id(u)] for u in tuple(pc[1] if pc else ()) + tuple(e_in)]
     p, grad = dict(rec.params), rec.op is norm.LAYER_NORM_GRAD
     roles = [at.get(id(u)) for u in rec.inputs]  # (the row op's inputs; None: its prologue's output)
     whole = p["vectors"] and tuple(p["axes"]) == (len(p["xd"]) - 1,) and dtype.name in rowwise.PRELUDE_TYPES
@@ -226,7 +247,9 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
     wanted = [order[id(u)] for u in outs]
     stored = [np.dtype(u.dtype) for u in outs]
     p_store, e_store = [_storage(u) for u in p_out], [_storage(u) for u in (ec[2] if ec else ())]
-    p_read, e_read = [at[id(u)] for u in (pc[1] if pc else ())], [at[id(u)] for u in e_in]
+    p_read = [(at[id(u)], _whole(u, x)) for u in (pc[1] if pc else ())]
+    e_read = [(at[id(u)], _whole(u, x)) for u in e_in]
+    full = next((i for i, w in p_read if w), None)  # (a prologue's input of the rows' shape)
 
     def sequential(ctx, *arrays):
         values = dict(enumerate(arrays))
@@ -238,17 +261,17 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
 
     def kernel(ctx, *arrays):
         xp = ctx.xp
-        blocks = [arrays[i] for i in reads]
+        blocks = [(arrays[i], w) for i, w in p_read + e_read]
         own = [None if i is None else arrays[i] for i in roles]
-        first = own[0] if grad or pc is None else blocks[0]
+        first = own[0] if grad or pc is None else arrays[full]
         if grad and pc is None:
-            blocks.append(own[1])  # g: of x's dtype and contiguous, as the unfused kernel takes the rows
+            blocks.append((own[1], True))  # g: of x's dtype and contiguous, as the unfused kernel takes the rows
             fit = own[1].dtype == dtype
         else:
             fit = True
         shape = first.shape
-        fit = fit and whole and first.size > 0 and all(b.shape == shape and b.flags.c_contiguous for b in blocks) \
-            and first.flags.c_contiguous
+        fit = fit and whole and first.size > 0 and first.flags.c_contiguous and all(
+            b.shape == (shape if w else shape[len(shape) - b.ndim:]) and b.flags.c_contiguous for b, w in blocks)
         base = fit and rowwise.rows_kernels(xp, ("rowwise", "rows"), rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS, dtype)
         kernels = base and cached_kernel(("rowfusion", backend, digest, source, dtype.name),
                                          lambda: BUILDERS[backend](xp, source, params, dtype.name))
@@ -256,7 +279,7 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
             return sequential(ctx, *arrays)
         made = [xp.empty(shape, d) for d in p_store]
         e_made = [xp.empty(shape, d) for d in e_store]
-        extra = [fusion._bits(arrays[i]) for i in p_read] + made + [fusion._bits(arrays[i]) for i in e_read] + e_made
+        extra = _args(arrays, p_read) + made + _args(arrays, e_read) + e_made
         if not grad:
             result = list(rowwise.layer_norm_rows(xp, Aval(shape, dtype), p["epsilon"],
                                                   *norm.row_parameters(xp, own[1:], p["has"], dtype),

@@ -213,8 +213,9 @@ def _chains_against_eager(mesh, dtype: str, replays: int) -> None:
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
 @pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
 def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, cpu_rows):
-    """A residual add and its layer norm (prologue), a chain computing the layer norm gradient's g
-    (prologue) and the residual gradient's add of its dx (epilogue) in one row kernel each, compiled
+    """A residual add and its layer norm (prologue, an operand broadcast over the leading dim), a chain
+    computing the layer norm gradient's g (prologue) and the residual gradient's add of its dx
+    (epilogue) in one row kernel each, compiled
     for the CPU, against the unfused eager run (the same row kernels, the chains' own ops), bitwise:
     split, uneven and empty blocks; where the normalised dim is split, the members' own kernels."""
     mesh = get_mesh(shape)
@@ -222,21 +223,23 @@ def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, 
     rng = np.random.default_rng(4)
     spec, pdt = "b:5;l:3;d:37", "float32"
     xs, rs, ws, a_s = (rng.standard_normal((5, 3, 37)) * 2 + 0.5 for _ in range(4))
+    ps = rng.standard_normal((3, 37))
     lays = layouts(mesh, ["b", "l", "d"], limit=5)
     for lay in lays:
         with mm.layout_scope(mesh, lay):
             x, r, w, a = (mm.cast(mesh.from_numpy(v, spec), dtype) for v in (xs, rs, ws, a_s))
+            pos = mm.cast(mesh.from_numpy(ps, "l:3;d:37"), dtype)  # (broadcast over b: read at e % its size)
             sc, bias = (mesh.from_numpy(np.linspace(0.5, 1.5, 37).astype(pdt) + k, "d:37") for k in (0, 1))
 
             def forward(x, r):
-                s = x + r * 0.5
+                s = x + r * 0.5 + pos
                 return s, norm.layer_norm(s, ("d",), sc, bias)
 
             def train(x, r, sc, bias):
                 with mm.trace():
                     s = x + r
                     y = norm.layer_norm(s, ("d",), sc, bias)
-                    z = s + (y * a + y)  # (dy: dz * a + dz, the gradient's g; ds: dz + dx, its dx's reader)
+                    z = s + (y * a + y) * pos  # (dy: dz * pos * a + dz * pos, g; ds: dz + dx, dx's reader)
                     loss = mm.reduce_sum(norm.layer_norm(z, ("d",)) * w)
                     return tuple(mm.gradients([loss], [x, r, sc, bias]))
             with np.errstate(all="ignore"):
