@@ -24,7 +24,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ENGINES = ("mpimesh/trace.py", "mpimesh/compiled.py", "mpimesh/fusion.py", "mpimesh/graphs.py", "mpimesh/tpu/replay.py",
+ENGINES = ("mpimesh/trace.py", "mpimesh/compiled.py", "mpimesh/fusion.py", "mpimesh/rowfusion.py", "mpimesh/graphs.py",
+           "mpimesh/tpu/replay.py",
            "mpimesh/dryrun.py", "mpimesh/cost", "mpimesh/autodiff.py", "mpimesh/buckets.py",
            "mpimesh/program.py", "mpimesh/remat.py")
 """The engines: the modules that run, replay, differentiate or price recorded ops (a missing one is skipped)."""
@@ -47,7 +48,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("replay", ("program", "overlap", "dryrun", "tpu", "tpu.*")),
     ("ops", ("ops", "ops.*", "partials", "gemm", "cublas", "creation")),
     ("autodiff", ("autodiff", "buckets")),
-    ("engines", ("compiled", "fusion", "graphs", "remat", "pipeline", "stages", "cost", "cost.*")),
+    ("engines", ("compiled", "fusion", "rowfusion", "graphs", "remat", "pipeline", "stages", "cost", "cost.*")),
     ("optim", ("optim", "sharding")),
     ("layers", ("layers", "layers.*")),
     ("api", ("profile", "timeline", "timeline_plot", "checkpoint", "checkpoint_sync", "async_save", "safetensors_io",

@@ -4,13 +4,12 @@
 gradient as g) inside the one-kernel rows as they are read (a *prologue*: `rowwise.ROWS_HOOKS`), and the
 step that alone reads the gradient's dx as it is stored (an *epilogue*), from `fusion.source`'s code
 (each op's rounding), compiled as the unfused rows are (no multiply-add contraction): bitwise the
-unfused values. An update's bfloat16 gradients' casts are read by its kernel (`updates.kernel_source`).
-Where the rows are not whole or a block not contiguous, the members' own kernels run. docs/compile.md.
+unfused values; an update reads its gradients' casts from bfloat16 as it loads them. Where the rows are not
+whole or a block not contiguous, the members' own kernels run (docs/compile.md).
 
 >>> import mpimesh as mm; from mpimesh.program import Program; from mpimesh.ops.norm import layer_norm
 >>> x = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF).ones("a:2;d:4")
->>> with mm.trace() as tr:
-...     y = layer_norm(x + x, ("d",))
+>>> with mm.trace() as tr: y = layer_norm(x + x, ("d",))
 >>> [r.name for r in fold(Program(tr, [x], [y]).ops, [id(y)])]
 ['rows(add+layer_norm)']
 """
@@ -148,7 +147,7 @@ def _update_record(rec, casts: list) -> RowRecord:
 
 
 def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
-    name, pi, _ = hook
+    entry, pi, _ = hook
     pc, ec = _chain(pro) if pro else None, _chain(epi) if epi else None
     x = rec.inputs[pi]
     p_out = [] if pc is None else [u for u in pc[2] if any(r != k for r in readers.get(id(u), ()))]
@@ -157,23 +156,23 @@ def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
     row_in = [u for u in rec.inputs if pc is None or u is not x]
     inputs = tuple({id(u): u for u in (list(pc[1]) if pc else []) + row_in + e_in}.values())
     outs = tuple([u for u in rec.outputs if u is not dx] + p_out + (list(ec[2]) if ec else []))
-    source, params = _source(rec.outputs[0].dtype, name, pc, x, p_out, ec, dx, e_in)
+    source, params = _source(rec.outputs[0].dtype, entry, pc, x, p_out, ec, dx, e_in)
     folded = (sum(map(fusion._nbytes, (list(pc[1]) if pc else []) + p_out)) - (fusion._nbytes(x) if pc else 0)
               + sum(map(fusion._nbytes, e_in + (list(ec[2]) if ec else []))) - (fusion._nbytes(dx) if ec else 0))
     members = (list(pc[0]) if pc else []) + [rec] + (list(ec[0]) if ec else [])
     steps = [s for s in (pro, rec, epi) if s is not None]
     spec = (source, params, hashlib.sha1(source.encode()).hexdigest()[:10])
-    kernel = _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
+    kernel = _kernel(spec, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
     op = OpDef(f"rows({'+'.join(r.name for r in members)})", kernel, kernels={backend: kernel})
     return RowRecord(op, inputs, outs, members, folded)
 
 
-def _source(dtype, name, pc, x, p_out, ec, dx, e_in) -> tuple:
-    """`(source, params)`: the row kernel `name` with the chains' code in its hooks (`rowwise.ROWS_HOOKS`)
+def _source(dtype, entry, pc, x, p_out, ec, dx, e_in) -> tuple:
+    """`(source, params)`: the row kernel `entry` with the chains' code in its hooks (`rowwise.ROWS_HOOKS`)
     and their pointers after its own parameters (the prologue's inputs and written outputs, then the
     epilogue's inputs other than dx and its outputs); a chain's inputs loaded at element `e` (dx: `dxv`)."""
     extra, code, hooked, bf16 = [], [], [], False
-    x_hook = "X" if name == "mpimesh_layer_norm_rows" else "G"
+    x_hook = "X" if entry == "mpimesh_layer_norm_rows" else "G"
     for tag, chain, ins, outs in (("p", pc, pc[1] if pc else (), p_out), ("e", ec, e_in, ec[2] if ec else ())):
         if chain is None:
             continue
@@ -203,10 +202,10 @@ def _source(dtype, name, pc, x, p_out, ec, dx, e_in) -> tuple:
                         f"#define DX_STORE(j, v) mpimesh_epilogue(row * n + (j), store(v), {args})\n")
             hooked.append("DX_STORE")
     defaults = [d for d in rowwise.ROWS_HOOKS.splitlines() if d.split("(")[0].split()[-1] not in hooked]
-    params = {name: rowwise.ROWS_PARAMS[name] + "".join(", " + e for e in extra)}
+    params = {entry: rowwise.ROWS_PARAMS[entry] + "".join(", " + e for e in extra)}
     preamble = ("namespace bf16 {\n" + rowwise.BF16_CONVERSIONS + "}\n") if bf16 else ""
     return (preamble + rowwise.ROWS_HEAD + "\n".join(defaults) + "\n" + "".join(code)
-            + rowwise.ROWS_KERNELS[name] % params), params
+            + rowwise.ROWS_KERNELS[entry] % params), params
 
 
 def _whole(u, like) -> bool:
@@ -230,7 +229,7 @@ def _storage(u):
     return np.dtype(fusion.STORAGE[np.dtype(u.dtype)])
 
 
-def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend):
+def _kernel(spec, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend):
     """The step's kernel: the generated row kernel where the unfused row op takes its one-kernel rows and
     every block the chains read is of the rows' shape and contiguous; else the members' own kernels."""
     source, params, digest = spec
@@ -238,7 +237,7 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
     dtype = np.dtype(x.dtype)
     p, grad = dict(rec.params), rec.op is norm.LAYER_NORM_GRAD
     roles = [at.get(id(u)) for u in rec.inputs]  # (the row op's inputs; None: its prologue's output)
-    whole = p["vectors"] and tuple(p["axes"]) == (len(p["xd"]) - 1,) and dtype.name in rowwise.PRELUDE_TYPES
+    whole = p["vectors"] and tuple(p["axes"]) == (len(p["xd"]) - 1,) and str(dtype) in rowwise.PRELUDE_TYPES
     order = {id(u): j for j, u in enumerate(inputs)}
     runs = []
     for s in steps:
@@ -273,8 +272,8 @@ def _kernel(spec, name, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, ba
         fit = fit and whole and first.size > 0 and first.flags.c_contiguous and all(
             b.shape == (shape if w else shape[len(shape) - b.ndim:]) and b.flags.c_contiguous for b, w in blocks)
         base = fit and rowwise.rows_kernels(xp, ("rowwise", "rows"), rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS, dtype)
-        kernels = base and cached_kernel(("rowfusion", backend, digest, source, dtype.name),
-                                         lambda: BUILDERS[backend](xp, source, params, dtype.name))
+        kernels = base and cached_kernel(("rowfusion", backend, digest, source, str(dtype)),
+                                         lambda: BUILDERS[backend](xp, source, params, str(dtype)))
         if not kernels:
             return sequential(ctx, *arrays)
         made = [xp.empty(shape, d) for d in p_store]
