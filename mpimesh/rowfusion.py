@@ -1,6 +1,6 @@
 """Elementwise steps folded into the kernels that read them: a residual add and its layer norm, one kernel.
 
-`fold` (after `fusion.fuse`) computes the elementwise step whose output a layer norm reads as x (its
+`fold` (after `fusion.fuse`) computes the elementwise step whose output a layer or RMS norm reads as x (its
 gradient as g) inside the one-kernel rows as they are read (a *prologue*: `rowwise.ROWS_HOOKS`), and the
 step that alone reads the gradient's dx as it is stored (an *epilogue*), from `fusion.source`'s code
 (each op's rounding), compiled as the unfused rows are (no multiply-add contraction): bitwise the
@@ -20,7 +20,7 @@ import hashlib
 import numpy as np
 
 from . import fusion
-from .backend import BFLOAT16, cached_kernel
+from .backend import BFLOAT16, accumulation_dtype, cached_kernel
 from .opdef import Aval, OpDef
 from .ops import norm, rowwise, updates
 from .ops.elementwise import CAST, CAST_NO_GRAD
@@ -28,9 +28,14 @@ from .ops.elementwise import CAST, CAST_NO_GRAD
 C_STORAGE = {"float32": "float", "float64": "double", "uint16": "unsigned short", "int32": "int",
              "int64": "long long", "bool": "bool"}
 """`fusion.STORAGE`'s types in C."""
-HOOKS = {norm.LAYER_NORM: ("mpimesh_layer_norm_rows", 0, None), norm.LAYER_NORM_GRAD: ("mpimesh_layer_norm_grad_rows",
-                                                                                        1, 0)}
-"""op -> (its row kernel, the input a prologue may compute (x, g), the output an epilogue may take (dx) or None)."""
+_LN = (rowwise.ROWS_KERNELS, rowwise.ROWS_PARAMS)
+_RMS = (norm.RMS_ROWS_KERNELS, norm.RMS_ROWS_PARAMS)
+HOOKS = {norm.LAYER_NORM: ("mpimesh_layer_norm_rows", 0, None, *_LN),
+         norm.LAYER_NORM_GRAD: ("mpimesh_layer_norm_grad_rows", 1, 0, *_LN),
+         norm.RMS_NORM: ("mpimesh_rms_norm_rows", 0, None, *_RMS),
+         norm.RMS_NORM_GRAD: ("mpimesh_rms_norm_grad_rows", 1, 0, *_RMS)}
+"""op -> (its row kernel, the input a prologue may compute (x, g), the output an epilogue may take (dx) or
+None, the kernels' sources and parameters)."""
 BUILDERS = {"cupy": rowwise.compile_rows}
 """backend -> `build(xp, source, names, dtype)`: the row kernels of `source` (`rowwise.compile_rows`), or None."""
 
@@ -147,7 +152,7 @@ def _update_record(rec, casts: list) -> RowRecord:
 
 
 def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
-    entry, pi, _ = hook
+    entry, pi, _, sources, kernel_params = hook
     pc, ec = _chain(pro) if pro else None, _chain(epi) if epi else None
     x = rec.inputs[pi]
     p_out = [] if pc is None else [u for u in pc[2] if any(r != k for r in readers.get(id(u), ()))]
@@ -156,7 +161,7 @@ def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
     row_in = [u for u in rec.inputs if pc is None or u is not x]
     inputs = tuple({id(u): u for u in (list(pc[1]) if pc else []) + row_in + e_in}.values())
     outs = tuple([u for u in rec.outputs if u is not dx] + p_out + (list(ec[2]) if ec else []))
-    source, params = _source(rec.outputs[0].dtype, entry, pc, x, p_out, ec, dx, e_in)
+    source, params = _source(entry, sources[entry], kernel_params[entry], pi, pc, x, p_out, ec, dx, e_in)
     folded = (sum(map(fusion._nbytes, (list(pc[1]) if pc else []) + p_out)) - (fusion._nbytes(x) if pc else 0)
               + sum(map(fusion._nbytes, e_in + (list(ec[2]) if ec else []))) - (fusion._nbytes(dx) if ec else 0))
     members = (list(pc[0]) if pc else []) + [rec] + (list(ec[0]) if ec else [])
@@ -167,12 +172,12 @@ def _row_record(rec, hook, pro, epi, readers, k, backend) -> RowRecord:
     return RowRecord(op, inputs, outs, members, folded)
 
 
-def _source(dtype, entry, pc, x, p_out, ec, dx, e_in) -> tuple:
+def _source(entry, text, own_params, pi, pc, x, p_out, ec, dx, e_in) -> tuple:
     """`(source, params)`: the row kernel `entry` with the chains' code in its hooks (`rowwise.ROWS_HOOKS`)
     and their pointers after its own parameters (the prologue's inputs and written outputs, then the
     epilogue's inputs other than dx and its outputs); a chain's inputs loaded at element `e` (dx: `dxv`)."""
     extra, code, hooked, bf16 = [], [], [], False
-    x_hook = "X" if entry == "mpimesh_layer_norm_rows" else "G"
+    x_hook = "G" if pi else "X"
     for tag, chain, ins, outs in (("p", pc, pc[1] if pc else (), p_out), ("e", ec, e_in, ec[2] if ec else ())):
         if chain is None:
             continue
@@ -202,10 +207,10 @@ def _source(dtype, entry, pc, x, p_out, ec, dx, e_in) -> tuple:
                         f"#define DX_STORE(j, v) mpimesh_epilogue(row * n + (j), store(v), {args})\n")
             hooked.append("DX_STORE")
     defaults = [d for d in rowwise.ROWS_HOOKS.splitlines() if d.split("(")[0].split()[-1] not in hooked]
-    params = {entry: rowwise.ROWS_PARAMS[entry] + "".join(", " + e for e in extra)}
+    params = {entry: own_params + "".join(", " + e for e in extra)}
     preamble = ("namespace bf16 {\n" + rowwise.BF16_CONVERSIONS + "}\n") if bf16 else ""
     return (preamble + rowwise.ROWS_HEAD + "\n".join(defaults) + "\n" + "".join(code)
-            + rowwise.ROWS_KERNELS[entry] % params), params
+            + text % params), params
 
 
 def _whole(u, like) -> bool:
@@ -235,7 +240,7 @@ def _kernel(spec, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
     source, params, digest = spec
     at = {id(u): j for j, u in enumerate(inputs)}  # (indices now: a program kept for pricing swaps its tensors)
     dtype = np.dtype(x.dtype)
-    p, grad = dict(rec.params), rec.op is norm.LAYER_NORM_GRAD
+    p, grad, run_rows = dict(rec.params), HOOKS[rec.op][1] == 1, RUNS[rec.op]
     roles = [at.get(id(u)) for u in rec.inputs]  # (the row op's inputs; None: its prologue's output)
     whole = p["vectors"] and tuple(p["axes"]) == (len(p["xd"]) - 1,) and str(dtype) in rowwise.PRELUDE_TYPES
     order = {id(u): j for j, u in enumerate(inputs)}
@@ -271,7 +276,8 @@ def _kernel(spec, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
         shape = first.shape
         fit = fit and whole and first.size > 0 and first.flags.c_contiguous and all(
             b.shape == (shape if w else shape[len(shape) - b.ndim:]) and b.flags.c_contiguous for b, w in blocks)
-        base = fit and rowwise.rows_kernels(xp, ("rowwise", "rows"), rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS, dtype)
+        base = fit and rowwise.rows_kernels(xp, ("rowwise", "rows"), rowwise.ROWS_SOURCE, rowwise.ROWS_PARAMS, dtype) \
+            and (rec.op not in (norm.RMS_NORM, norm.RMS_NORM_GRAD) or norm.rms_rows_kernels(xp, dtype))
         kernels = base and cached_kernel(("rowfusion", backend, digest, source, str(dtype)),
                                          lambda: BUILDERS[backend](xp, source, params, str(dtype)))
         if not kernels:
@@ -280,15 +286,30 @@ def _kernel(spec, rec, x, pc, p_out, dx, ec, e_in, inputs, outs, steps, backend)
         e_made = [xp.empty(shape, d) for d in e_store]
         extra = _args(arrays, p_read) + made + _args(arrays, e_read) + e_made
         if not grad:
-            result = list(rowwise.layer_norm_rows(xp, Aval(shape, dtype), p["epsilon"],
-                                                  *norm.row_parameters(xp, own[1:], p["has"], dtype),
-                                                  fused=(kernels, extra)))
+            result = list(run_rows(xp, Aval(shape, dtype), own, p, (kernels, extra)))
         else:
-            a, g, mu, r, *s = own
-            sc = xp.ascontiguousarray(s[0].astype(mu.dtype, copy=False)) if s else None
-            d, yhat = rowwise.layer_norm_grad_rows(xp, a, g, xp.ascontiguousarray(mu), xp.ascontiguousarray(r), sc,
-                                                   fused=(kernels, extra, ec is None))
+            d, yhat = run_rows(xp, own, p, (kernels, extra, ec is None))
             result = ([d] if ec is None else []) + [yhat]
         result += made + e_made
         return tuple(a if a.dtype == d else a.view(d) for a, d in zip(result, stored))
     return kernel
+
+
+def _scale(xp, s: list, acc):
+    """A scale's block as the one-kernel rows take it (contiguous, in the arithmetic's dtype), or None."""
+    return xp.ascontiguousarray(s[0].astype(acc, copy=False)) if s else None
+
+
+RUNS = {
+    norm.LAYER_NORM: lambda xp, x, own, p, fused: rowwise.layer_norm_rows(
+        xp, x, p["epsilon"], *norm.row_parameters(xp, own[1:], p["has"], x.dtype), fused=fused),
+    norm.LAYER_NORM_GRAD: lambda xp, own, p, fused: rowwise.layer_norm_grad_rows(
+        xp, own[0], own[1], xp.ascontiguousarray(own[2]), xp.ascontiguousarray(own[3]),
+        _scale(xp, own[4:], own[2].dtype), fused=fused),
+    norm.RMS_NORM: lambda xp, x, own, p, fused: norm.rms_norm_rows(
+        xp, x, p["epsilon"], _scale(xp, own[1:], accumulation_dtype(x.dtype)), fused=fused),
+    norm.RMS_NORM_GRAD: lambda xp, own, p, fused: norm.rms_norm_grad_rows(
+        xp, own[0], own[1], xp.ascontiguousarray(own[2]), _scale(xp, own[3:], own[2].dtype), fused=fused),
+}
+"""op -> its one-kernel rows called with a generated kernel (`fused`): forwards `(xp, x (an Aval), the op's
+input blocks (x's None), params, fused)`, backwards `(xp, the op's input blocks (g's None), params, fused)`."""

@@ -49,11 +49,11 @@ def cpu_kernels(monkeypatch):
 
 @pytest.fixture
 def cpu_rows(monkeypatch):
-    """Layer norm (forwards, backwards) and the optimizer updates take their CuPy path on a numpy mesh,
+    """Layer and RMS norm (forwards, backwards) and the optimizer updates take their CuPy path on a numpy mesh,
     eager and compiled: the one-kernel rows (`rowwise.ROWS_SOURCE`), the update kernels and the kernels
     `rowfusion` generates, compiled for the CPU (elsewhere, CuPy's steps without the kernels of
     `rowwise.ROW_SOURCES`). Gives the list of the generated and the narrow update kernels' launches."""
-    for op in (norm.LAYER_NORM, norm.LAYER_NORM_GRAD):
+    for op in (norm.LAYER_NORM, norm.LAYER_NORM_GRAD, norm.RMS_NORM, norm.RMS_NORM_GRAD):
         monkeypatch.setitem(op.kernels, "numpy", op.kernels["cupy"])
     monkeypatch.setattr(norm, "fusable", lambda *arrays: False)
     monkeypatch.setattr(backend, "_kernels", dict(backend._kernels))  # (this test's builds: its launches counted)
@@ -61,6 +61,9 @@ def cpu_rows(monkeypatch):
         monkeypatch.setitem(backend._kernels, ("rowwise", "rows", dt),
                             cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + rowwise.ROWS_SOURCE,
                                                    rowwise.ROWS_PARAMS))
+        monkeypatch.setitem(backend._kernels, ("norm", "rms_rows", dt),
+                            cuda_source.raw_module(rowwise.PRELUDE_TYPES[dt] + norm.RMS_ROWS_SOURCE,
+                                                   norm.RMS_ROWS_PARAMS))
     launched = []
     for kernels in (updates.SGD_KERNELS, updates.ADAM_KERNELS):  # (and the updates' CuPy kernels)
         monkeypatch.setitem(kernels, "numpy", kernels["cupy"])
@@ -209,15 +212,16 @@ def _chains_against_eager(mesh, dtype: str, replays: int) -> None:
 
 @pytest.mark.parametrize("shape", mesh_shapes())
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.skipif(*on_cpu[0].args, **on_cpu[0].kwargs)
 @pytest.mark.skipif(*on_cpu[1].args, **on_cpu[1].kwargs)
-def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, cpu_rows):
-    """A residual add and its layer norm (prologue, an operand broadcast over the leading dim), a chain
-    computing the layer norm gradient's g (prologue) and the residual gradient's add of its dx
-    (epilogue) in one row kernel each, compiled
-    for the CPU, against the unfused eager run (the same row kernels, the chains' own ops), bitwise:
-    split, uneven and empty blocks; where the normalised dim is split, the members' own kernels."""
+def test_chains_folded_into_norm_rows_equal_the_unfused_ops(shape, dtype, kind, cpu_rows):
+    """A residual add and its layer (RMS) norm (prologue, an operand broadcast over the leading dim), a
+    chain computing the norm gradient's g (prologue) and the residual gradient's add of its dx
+    (epilogue) in one row kernel each, compiled for the CPU, against the unfused eager run (the same
+    row kernels, the chains' own ops), bitwise: split, uneven and empty blocks; where the normalised
+    dim is split, the members' own kernels."""
     mesh = get_mesh(shape)
     errs = Errors()
     rng = np.random.default_rng(4)
@@ -231,17 +235,21 @@ def test_chains_folded_into_layer_norm_rows_equal_the_unfused_ops(shape, dtype, 
             pos = mm.cast(mesh.from_numpy(ps, "l:3;d:37"), dtype)  # (broadcast over b: read at e % its size)
             sc, bias = (mesh.from_numpy(np.linspace(0.5, 1.5, 37).astype(pdt) + k, "d:37") for k in (0, 1))
 
+            def normalised(s, *params):  # (layer norm with a scale and a bias, rms norm with a scale)
+                return norm.layer_norm(s, ("d",), *params) if kind == "layer_norm" else \
+                    norm.rms_norm(s, ("d",), *params[:1])
+
             def forward(x, r):
                 s = x + r * 0.5 + pos
-                return s, norm.layer_norm(s, ("d",), sc, bias)
+                return s, normalised(s, sc, bias)
 
             def train(x, r, sc, bias):
                 with mm.trace():
                     s = x + r
-                    y = norm.layer_norm(s, ("d",), sc, bias)
+                    y = normalised(s, sc, bias)
                     z = s + (y * a + y) * pos  # (dy: dz * pos * a + dz * pos, g; ds: dz + dx, dx's reader)
-                    loss = mm.reduce_sum(norm.layer_norm(z, ("d",)) * w)
-                    return tuple(mm.gradients([loss], [x, r, sc, bias]))
+                    loss = mm.reduce_sum(normalised(z) * w)
+                    return tuple(mm.gradients([loss], [x, r, sc] + [bias] * (kind == "layer_norm")))
             with np.errstate(all="ignore"):
                 rows = _compare(forward, (x, r), errs, f"{lay} forward", kind="rows(")
                 errs.expect(rows == 1, f"{lay} forward: {rows} row steps")

@@ -28,8 +28,8 @@ from ..trace import dispatch
 from .einsum import grad_einsum
 from .elementwise import cast
 from .relayout import laid_out_within, to_layout
-from .rowwise import (CUPY, GENERIC, NUMPY, fusable, launch_rows, layer_norm_grad_rows, layer_norm_rows, row_dot,
-                      row_kernel, row_sum, rows_fit, rows_kernels, variant)
+from .rowwise import (CUPY, GENERIC, NUMPY, ROWS_HEAD, ROWS_HOOKS, fusable, launch_rows, layer_norm_grad_rows,
+                      layer_norm_rows, row_dot, row_kernel, row_sum, rows_fit, rows_kernels, variant)
 
 
 def _plan(x, dims: tuple, what: str) -> tuple:
@@ -296,7 +296,7 @@ def _rms_norm_kernel(ctx, a, *s, dims, axes, mesh_dims, count, xd, epsilon, sd, 
 def _rms_norm_cupy(ctx, a, *s, **params):
     """CuPy: one kernel (`RMS_ROWS_SOURCE`) where the rows are whole here and the scale lies along them."""
     xp = ctx.xp
-    if params["vectors"] and rows_fit(xp, a, params["axes"]) and _rms_rows(xp, a.dtype) is not None:
+    if params["vectors"] and rows_fit(xp, a, params["axes"]) and rms_rows_kernels(xp, a.dtype) is not None:
         return rms_norm_rows(xp, a, params["epsilon"],
                              xp.ascontiguousarray(_as(s[0], accumulation_dtype(a.dtype))) if s else None)
     return _rms_norm_kernel(ctx, a, *s, be=CUPY, **params)
@@ -366,7 +366,7 @@ def _rms_norm_grad_cupy(ctx, a, g, r, *s, **params):
     """CuPy: one kernel where the rows are whole here and the scale lies along them."""
     xp = ctx.xp
     if (params["vectors"] and rows_fit(xp, a, params["axes"]) and g.dtype == a.dtype and g.flags.c_contiguous
-            and _rms_rows(xp, a.dtype) is not None):
+            and rms_rows_kernels(xp, a.dtype) is not None):
         return rms_norm_grad_rows(xp, a, g, xp.ascontiguousarray(r),
                                   xp.ascontiguousarray(_as(s[0], accumulation_dtype(a.dtype))) if s else None)
     return _rms_norm_grad_kernel(ctx, a, g, r, *s, be=CUPY, **params)
@@ -394,27 +394,24 @@ RMS_ROWS_PARAMS = {
     "mpimesh_rms_norm_grad_rows": "const T* x, const T* g, const A* r, const A* sc, T* dx, A* yhat, long long rows, "
                                   "long long n, A inv_n, int has_scale",
 }
-RMS_ROWS_SOURCE = """
-#define WARP_ROW long long row = (long long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; \\
-  long long lane = threadIdx.x %% WARP; \\
-  if (row >= rows) return;
-#define LANES(j) for (long long j = lane; j < n; j += WARP)
-
+RMS_ROWS_KERNELS = {
+    "mpimesh_rms_norm_rows": """
 extern "C" __global__ void mpimesh_rms_norm_rows(%(mpimesh_rms_norm_rows)s) {
   WARP_ROW
   const T* xr = x + row * n;
   T* yr = y + row * n;
   A q = 0;
-  LANES(j) { A v = load(xr[j]); q += v * v; }
+  LANES(j) { A v = X_LOAD(j); q += v * v; }
   A r = 1 / sqrt(warp_sum(q) * inv_n + eps);
   LANES(j) {
-    A v = load(xr[j]) * r;
+    A v = X_LAST(j) * r;
     if (has_scale) v = v * sc[j];
     yr[j] = store(v);
   }
   if (lane == 0) rrms[row] = r;
 }
-
+""",
+    "mpimesh_rms_norm_grad_rows": """
 extern "C" __global__ void mpimesh_rms_norm_grad_rows(%(mpimesh_rms_norm_grad_rows)s) {
   WARP_ROW
   const T* xr = x + row * n;
@@ -423,48 +420,53 @@ extern "C" __global__ void mpimesh_rms_norm_grad_rows(%(mpimesh_rms_norm_grad_ro
   A* hr = yhat + row * n;
   A rr = r[row], m2 = 0;
   LANES(j) {
-    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A gs = has_scale ? G_LOAD(j) * sc[j] : G_LOAD(j);
     m2 += gs * (load(xr[j]) * rr);
   }
   A a2 = warp_sum(m2) * inv_n;
   LANES(j) {
-    A gs = has_scale ? load(gr[j]) * sc[j] : load(gr[j]);
+    A gs = has_scale ? G_LAST(j) * sc[j] : G_LAST(j);
     A yh = load(xr[j]) * rr;
     hr[j] = yh;
-    dr[j] = store((gs - yh * a2) * rr);
+    DX_STORE(j, (gs - yh * a2) * rr);
   }
 }
-""" % RMS_ROWS_PARAMS
+""",
+}
+"""name -> the kernel's source (`rowwise.ROWS_KERNELS`' scheme: its loads and dx's store `rowwise.ROWS_HOOKS`)."""
+RMS_ROWS_SOURCE = ROWS_HEAD + ROWS_HOOKS + "".join(RMS_ROWS_KERNELS.values()) % RMS_ROWS_PARAMS
 
 
-def _rms_rows(xp, dtype):
+def rms_rows_kernels(xp, dtype):
     """`RMS_ROWS_SOURCE`'s kernels for `dtype` (`rowwise.rows_kernels`; None: the few-kernel path runs)."""
     return rows_kernels(xp, ("norm", "rms_rows"), RMS_ROWS_SOURCE, RMS_ROWS_PARAMS, dtype)
 
 
-def _launch(xp, a, which: str, *args) -> None:
-    launch_rows(_rms_rows(xp, a.dtype), a, which, *args)
-
-
-def rms_norm_rows(xp, x, epsilon: float, scale=None) -> tuple:
+def rms_norm_rows(xp, x, epsilon: float, scale=None, fused=None) -> tuple:
     """`(y, 1 / rms)` of rms_norm over x's last axis by one kernel: `scale` None or a vector of that
-    axis's length in the arithmetic's dtype (float32 for bfloat16), 1/rms in that dtype."""
+    axis's length in the arithmetic's dtype (float32 for bfloat16), 1/rms in that dtype. `fused`: as
+    `rowwise.layer_norm_rows` takes it (a prologue computes x, an `Aval`)."""
     n = x.shape[-1]
     acc = np.float64 if x.dtype == np.float64 else np.float32
-    y, rrms = xp.empty_like(x), xp.empty(x.shape[:-1], acc)
-    _launch(xp, x, "mpimesh_rms_norm_rows", x, x if scale is None else scale, y, rrms, np.int64(x.size // n),
-            np.int64(n), acc(1.0 / n), acc(epsilon), np.int32(scale is not None))
+    y, rrms = xp.empty(x.shape, x.dtype), xp.empty(x.shape[:-1], acc)
+    kernels, extra = fused or (rms_rows_kernels(xp, x.dtype), ())
+    x = y if fused else x  # (a prologue reads no x)
+    launch_rows(kernels, y, "mpimesh_rms_norm_rows", x, x if scale is None else scale, y, rrms,
+                np.int64(y.size // n), np.int64(n), acc(1.0 / n), acc(epsilon), np.int32(scale is not None), *extra)
     return y, rrms
 
 
-def rms_norm_grad_rows(xp, x, g, rrms, scale=None) -> tuple:
+def rms_norm_grad_rows(xp, x, g, rrms, scale=None, fused=None) -> tuple:
     """`(dx, normalised x)` of rms_norm over x's last axis by one kernel: `g` of x's shape and dtype,
-    `rrms` and `scale` as `rms_norm_rows` gives and takes them; the normalised x in rrms's dtype."""
+    `rrms` and `scale` as `rms_norm_rows` gives and takes them; the normalised x in rrms's dtype.
+    `fused`: as `rowwise.layer_norm_grad_rows` takes it (g None: a prologue computes it)."""
     n = x.shape[-1]
-    dx, yhat = xp.empty_like(x), xp.empty(x.shape, rrms.dtype)
-    _launch(xp, x, "mpimesh_rms_norm_grad_rows", x, g, rrms, x if scale is None else scale, dx, yhat,
-            np.int64(x.size // n), np.int64(n), rrms.dtype.type(1.0 / n), np.int32(scale is not None))
-    return dx, yhat
+    kernels, extra, written = fused or (rms_rows_kernels(xp, x.dtype), (), True)
+    dx, yhat = xp.empty(x.shape if written else (1,), x.dtype), xp.empty(x.shape, rrms.dtype)
+    launch_rows(kernels, x, "mpimesh_rms_norm_grad_rows", x, x if g is None else g, rrms,
+                x if scale is None else scale, dx, yhat, np.int64(x.size // n), np.int64(n),
+                rrms.dtype.type(1.0 / n), np.int32(scale is not None), *extra)
+    return dx if written else None, yhat
 
 
 RMS_NORM = OpDef("rms_norm", _rms_norm_kernel,
