@@ -30,6 +30,7 @@ from .ops.relayout import SUM_PARTIAL, sum_abstract, sum_kernel, sum_plan
 from .partials import active
 from .tensor import DistTensor
 from .opdef import OpDef
+from .overlap import prefetch_depth
 from .trace import OpRecord, _open_traces
 
 DEFAULT_BUCKET_BYTES = 25 << 20
@@ -90,7 +91,8 @@ class Bucketer:
         self.uses = len(uses)
         self.open: dict = {}  # (mesh id, mesh dims, dtype) -> _Bucket still filling
         self.started: list = []  # buckets in flight, in start order
-        self.scatters: list = []  # (gradient, its reduce-scatter in flight), in start order
+        self.scatters: list = []  # (gradient, its reduce-scatter), in start order
+        self.scattered = 0  # how many of them were waited for (the oldest first)
 
     def __enter__(self) -> "Bucketer":
         active.append(self)
@@ -138,13 +140,16 @@ class Bucketer:
 
     def scatter(self, y, layout):
         """`y` (a `PartialTensor`: a gathered weight's gradient terms) reduce-scattered into `layout`, the
-        weight's, started now and waited for in `finish`: recorded as the `"psum"` op `to_layout` would
-        run. None where that sum is not one reduce-scatter (or on a dry mesh): the caller sums it itself."""
+        weight's, started now and waited for in `finish`, or sooner: at most `MPIMESH_PREFETCH` + 1 are in
+        flight (`overlap.prefetch_depth`). Recorded as the `"psum"` op `to_layout` would run. None where
+        that sum is not one reduce-scatter (or on a dry mesh): the caller sums it itself."""
         out_layout, params = sum_plan(y, layout)
         if getattr(y.mesh, "dry", False) or out_layout != tuple(layout) or params["mesh_dims"] or \
                 len(params["scatter"]) != 1 or "dtype" in params:
             return None
         ((mesh_dim, axis),) = params["scatter"]
+        if len(self.scatters) - self.scattered > prefetch_depth():  # at most depth + 1 in flight: each
+            self._take_scatter()                                     # holds a whole gradient till done
         request = y.mesh.collectives.ireduce_scatter(y.local, mesh_dim, axis)
         out = DistTensor(y.mesh, y.shape, out_layout, Unreduced(y.local, (mesh_dim,)))
         if _open_traces:
@@ -163,7 +168,7 @@ class Bucketer:
         """Let the transfers in flight progress (MPI moves data only inside its calls)."""
         for bucket in self.started:
             bucket.request.test()
-        for _, request in self.scatters:
+        for _, request in self.scatters[self.scattered:]:
             request.test()
 
     def finish(self) -> None:
@@ -173,9 +178,16 @@ class Bucketer:
         for bucket in self.started:
             bucket.finish()
         self.started = []
-        for out, request in self.scatters:
-            out.local = request.wait()
-        self.scatters = []
+        while self.scattered < len(self.scatters):
+            self._take_scatter()
+        self.scatters, self.scattered = [], 0
+
+    def _take_scatter(self) -> None:
+        """Wait for the oldest reduce-scatter in flight; its gradient gets its block."""
+        out, request = self.scatters[self.scattered]
+        out.local = request.wait()
+        self.scatters[self.scattered] = (out, None)
+        self.scattered += 1
 
 
 _serials = itertools.count()

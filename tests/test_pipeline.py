@@ -132,7 +132,7 @@ def _sgd_steps(step, params, x, t, steps: int = 3) -> list:
     out = []
     for _ in range(steps):
         loss, grads = step(params, x, t)
-        params = {k: params[k] - grads[k] * 0.01 for k in params}
+        params = {k: params[k] - grads[k] * 1e-3 for k in params}
         out.append(loss)
     return out + list(params.values())
 
