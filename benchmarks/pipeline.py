@@ -9,16 +9,18 @@ COMM_SELF, the whole batch, `mm.gradients`), time T1. Each schedule runs with M 
 (interleaved: V = 2 virtual stages of half-width blocks, the same flops). Printed per case: the median
 step time; its ratio to the ideal (T1 / 2) x (1 + bubble) with the theory's bubble (S-1)/(M+S-1) (divided
 by V when interleaved); and the measured bubble, the share of the step each rank spent waiting in the
-transfers between stages (`mpimesh.pipeline.last_run`, mean of the ranks), beside the theory.
+transfers between stages (`mm.profile(timeline=...)`'s waits, mean of the ranks), beside the theory.
 """
 import common  # noqa: F401  (first: clean BLAS environment, may re-exec)
 
 import argparse
+import json
+import os
+import tempfile
 
 import numpy as np
 
 import mpimesh as mm
-from mpimesh.pipeline import last_run
 from common import WORLD, compare, kernel_report, load_average, on_rank0, rank0_print, table
 
 S = 2  # stages: the ranks
@@ -69,14 +71,23 @@ def pipelined_step(mesh, w: dict, x: np.ndarray, t: np.ndarray, d: int, m: int, 
     return step
 
 
-def measured_bubble(step) -> float:
-    """The mean over ranks of the share of the pipeline op's time each rank spent blocked waiting for
-    its transfers (`mpimesh.pipeline.last_run`: transfers are started without waiting, so a rank idles
-    only where a step of its own needs what has not arrived), over one step."""
+def measured_bubble(step, path: str) -> float:
+    """The mean over ranks of the share of one step spent waiting in collectives (the transfers)."""
     WORLD.Barrier()
-    step()
-    run = last_run
-    return float(np.mean(WORLD.allgather(run["in_transfers"] / run["seconds"])))
+    with mm.profile(timeline=path):
+        step()
+    WORLD.Barrier()
+    share = None
+    if WORLD.Get_rank() == 0:
+        events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+        shares = []
+        for r in range(WORLD.Get_size()):
+            mine = [e for e in events if e["pid"] == r]
+            span = max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)
+            waited = sum(e["args"].get("waited_us", 0.0) for e in mine if e["cat"] == "collective")
+            shares.append(waited / span)
+        share = float(np.mean(shares))
+    return WORLD.bcast(share, root=0)
 
 
 def main() -> None:
@@ -103,11 +114,12 @@ def main() -> None:
     fns["one rank, unpipelined"] = lambda: on_rank0(lambda: ref() and None)  # (the other rank sleeps meanwhile)
     times = compare(fns, repeat=args.repeat)
     t1 = times.pop("one rank, unpipelined")[1]
+    folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None, root=0)
     rows = []
     for name, (s, m, v, _) in cases.items():
         theory = (S - 1) / (m + S - 1) / v
         ideal = t1 / S * (1 + theory)
-        bubble = measured_bubble(fns[name])
+        bubble = measured_bubble(fns[name], os.path.join(folder, "timeline.json"))
         rows.append((name, f"{times[name][1] * 1e3:.2f}", f"{times[name][1] / ideal:.2f}x",
                      f"{100 * bubble:.1f}%", f"{100 * theory:.1f}%", f"{100 * (bubble - theory):+.1f}"))
     rank0_print(f"\nunpipelined, one rank: {t1 * 1e3:.2f} ms (median of {args.repeat})")
