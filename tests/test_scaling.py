@@ -1,6 +1,9 @@
 """benchmarks/scaling.py: each workload's measured communication equals its formula and a count
 made here by hand; result rows carry every CSV field; speedup and efficiency follow their
-definitions; bad command lines end with a message; the driver runs end to end (1-rank session).
+definitions; bad command lines end with a message naming the field; the driver runs end to end
+(1-rank session). The cost model's side (benchmarks/cluster_spec.py): rows marked oversubscribed
+where ranks outnumber cores; the predictions on a described cluster equal the ring allreduce and
+roofline formulas computed here by hand, within a node and across nodes.
 
 The in-process cases run the worker's own `run_case` on COMM_WORLD at the `tiny` sizes, for the
 data, model and 2-D layouts, strong and weak.
@@ -8,6 +11,8 @@ data, model and 2-D layouts, strong and weak.
 from __future__ import annotations
 
 import csv
+import json
+import os
 import struct
 import subprocess
 import sys
@@ -17,6 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import mpimesh as mm
+from mpimesh.cost.cache import read_machine, write_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 N = MPI.COMM_WORLD.Get_size()
@@ -119,7 +125,9 @@ def test_result_row_has_every_field(scaling, tmp_path):
     sizes = scaling.sizes_for("mlp", "tiny", "strong", N, {})
     case = scaling.Case("mlp", "strong", "model", rules, f"all:{N}", N, sizes)
     row = scaling.run_case(case, _mesh(case.mesh), repeat=2, warmup=1)
-    assert set(scaling.CSV_FIELDS) - set(row) == {"speedup", "efficiency"}
+    driver_fields = {"speedup", "efficiency", "cores", "oversubscribed", "predicted_ms", "predicted_compute_ms",
+                     "predicted_comm_ms", "predicted_over_measured", "predicted_speedup", "predicted_efficiency"}
+    assert set(scaling.CSV_FIELDS) - set(row) == driver_fields
     assert (row["workload"], row["mode"], row["layout"], row["rules"], row["mesh"], row["ranks"]) == \
         ("mlp", "strong", "model", "hidden:all", f"all:{N}", N)
     assert row["sizes"] == "batch=16 io=8 hidden=32"
@@ -129,12 +137,15 @@ def test_result_row_has_every_field(scaling, tmp_path):
     # least the smallest block of hidden's when N does not divide 32)
     assert row["gflop_per_rank"] * 1e9 >= 6 * 2 * 16 * 8 * (32 // N)
     scaling.add_scaling([row])
-    path = tmp_path / f"rows{MPI.COMM_WORLD.Get_rank()}.csv"
+    machine = read_machine(str(_machine_file(_mine(tmp_path, "m.json"))))
+    scaling.add_predictions([row], {("mlp", "strong", "model", N): case}, {1: machine}, cores=2)
+    path = _mine(tmp_path, "rows.csv")
     scaling.write_csv([row], str(path))
     with open(path) as f:
         (written,) = list(csv.DictReader(f))
     assert list(written) == scaling.CSV_FIELDS
     assert (written["speedup"], written["efficiency"], written["comm_match"]) == ("1", "1", "True")
+    assert (written["cores"], written["oversubscribed"], written["predicted_efficiency"]) == ("2", str(N > 2), "1")
 
 
 def test_speedup_and_efficiency(scaling):
@@ -146,7 +157,22 @@ def test_speedup_and_efficiency(scaling):
                    ("weak", 2, 1.0, 1.0), ("weak", 4, 3.2, 1.6), ("weak", 8, 8.0, 2.0)]
 
 
-@pytest.mark.parametrize("argv, message", [
+CLUSTER_ERRORS = {
+    "cores=16, link=12.5GB, latency=5us": "link='12.5GB' is not a number with a unit",
+    "cores=16, link=12.5GB/s": "missing field latency",
+    "link=1GB/s, latency=5us": "missing field cores (or gpus)",
+    "cores=4, link=1GB/s, latency=5us, speed=3": "unknown field 'speed'",
+    "cores=two, link=1GB/s, latency=5us": "cores='two' must be a positive integer",
+    "cores=4, link=1GB/s, latency=fast": "latency='fast' is not a number with a unit",
+    "cores=4, link=1GB/s, latency=5us, node_link=2GB/s": "give node_link and node_latency together",
+    "cores=4, gpus=4, link=1GB/s, latency=5us": "give cores or gpus, not both",
+    "cores=4, link=0GB/s, latency=5us": "link='0GB/s' must be > 0",
+}
+
+
+@pytest.mark.parametrize("argv, message", [(["--cluster", spec], m) for spec, m in CLUSTER_ERRORS.items()] + [
+    (["--predict-ranks", "8,x"], "--predict-ranks '8,x': expected comma-separated integers"),
+    (["--machine", "/nonexistent/machine.json"], "--machine /nonexistent/machine.json: No such file"),
     (["--workloads", "einsum,bogus"], "unknown workload 'bogus'"),
     (["--workloads", "transformer", "--layouts", "model=hidden:all"],
      "names dim 'hidden', which workload 'transformer'"),
@@ -185,9 +211,18 @@ def _driver(scaling, tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
 def test_driver_end_to_end(scaling, tmp_path):
     out = tmp_path / "results"
     proc = _driver(scaling, tmp_path, "--ranks", "1,2", "--size", "tiny", "--repeat", "1", "--warmup", "0",
-                   "--rounds", "2", "--out", str(out))
+                   "--rounds", "2", "--out", str(out), "--predict-ranks", "4,8", "--cluster",
+                   "cores=4, link=1GB/s, latency=5us")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(" --worker ") == 4  # 2 rounds x 2 rank counts, best round kept per case
+    # no --machine: each job whose ranks have a core each calibrated, every round; each kept beside the results
+    cores = scaling.cs.usable_cores()
+    calibrated = scaling.calibration_ranks([1, 2], cores)
+    assert calibrated == [n for n in (1, 2) if n <= cores]
+    assert proc.stdout.count(" --calibrate ") == 2 * len(calibrated)
+    for n in calibrated:
+        saved = json.loads((out / f"scaling_machine_n{n}.json").read_text())
+        assert saved["key"]["mesh"] == f"[all:{n}]" and read_machine(str(out / f"scaling_machine_n{n}.json")).flops > 0
     with open(out / "scaling.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0]) == scaling.CSV_FIELDS
@@ -197,6 +232,12 @@ def test_driver_end_to_end(scaling, tmp_path):
     by = {(r["workload"], r["mode"], r["layout"], int(r["ranks"])): r for r in rows}
     for (w, m, lay, n), r in by.items():
         assert r["comm_match"] == "True" and r["comm_bytes_measured"] == r["comm_bytes_formula"], r
+        assert (r["cores"], r["oversubscribed"]) == (str(cores), str(n > cores))
+        assert float(r["predicted_ms"]) == pytest.approx(float(r["predicted_compute_ms"]) +
+                                                         float(r["predicted_comm_ms"]), rel=1e-3)
+        assert float(r["predicted_over_measured"]) == pytest.approx(float(r["predicted_ms"]) /
+                                                                    float(r["step_ms_median"]), rel=2e-3)
+        assert (float(r["predicted_comm_ms"]) > 0) == (int(r["comm_bytes_measured"]) > 0)
         t1, tn = float(by[(w, m, lay, 1)]["step_ms_median"]), float(r["step_ms_median"])
         speedup = t1 / tn * (n if m == "weak" else 1)
         assert float(r["speedup"]) == pytest.approx(speedup, rel=2e-3)
@@ -205,6 +246,13 @@ def test_driver_end_to_end(scaling, tmp_path):
     assert int(by[("mlp", "weak", "data", 2)]["comm_bytes_measured"]) == F32 * (2 * 8 * 32 + 32)
     assert int(by[("mlp", "weak", "model", 2)]["comm_bytes_measured"]) == F32 * 2 * (16 * 2) * 8
     assert int(by[("transformer", "strong", "data", 1)]["comm_bytes_measured"]) == 0
+    with open(out / "scaling_cluster.csv") as f:
+        predicted = list(csv.DictReader(f))
+    assert list(predicted[0]) == scaling.CLUSTER_FIELDS
+    assert {(int(r["ranks"]), int(r["nodes"])) for r in predicted} == {(4, 1), (8, 2)}
+    # a weak data-parallel curve's batch grows with the ranks: priced at both rank counts for every workload
+    assert {(r["workload"], int(r["ranks"])) for r in predicted if (r["mode"], r["layout"]) == ("weak", "data")} == \
+        {(w, n) for w in ("einsum", "mlp", "transformer") for n in (4, 8)}
     for w in ("einsum", "mlp", "transformer"):
         for m in ("strong", "weak"):
             data = (out / f"scaling_{w}_{m}.png").read_bytes()
@@ -218,4 +266,119 @@ def test_driver_bad_input_no_traceback(scaling, tmp_path):
     proc = _driver(scaling, tmp_path, "--workloads", "transformer", "--layouts", "model=hidden:all")
     assert proc.returncode == 2
     assert "names dim 'hidden'" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _driver(scaling, tmp_path, "--cluster", "cores=8, link=10Gbps, latency=5us")
+    assert proc.returncode == 2
+    assert "link='10Gbps' is not a number with a unit" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+# ------------------------------------------------------------------------- the cost model's side
+
+ALPHA_NODE, BETA_NODE = 4e-5, 2e9  # the hand machine's own link (what calibrate measures on a node)
+FLOPS, MEMORY_BW, EINSUM_FIXED = 1e9, 1e10, 1e-6
+
+
+def _machine_file(path: Path, **fields) -> Path:
+    m = mm.cost.Machine(flops=FLOPS, latency=ALPHA_NODE, bandwidth=BETA_NODE, memory=2**30,
+                        memory_bandwidth=MEMORY_BW, einsum_overhead=EINSUM_FIXED, op_overhead=2e-6,
+                        links=(("all", ALPHA_NODE, BETA_NODE),))
+    write_machine(str(path), m)
+    if fields:
+        saved = json.loads(path.read_text())
+        saved["machine"].update(fields)
+        path.write_text(json.dumps(saved))
+    return path
+
+
+def _mine(tmp_path: Path, name: str) -> Path:
+    return tmp_path / f"{MPI.COMM_WORLD.Get_rank()}-{name}"  # (ranks may share tmp_path)
+
+
+def test_oversubscribed_where_ranks_outnumber_cores(scaling, tmp_path):
+    cs = scaling.cs
+    assert cs.usable_cores() == len(os.sched_getaffinity(0))
+    assert [(n, c) for n in range(1, 9) for c in (1, 2, 4) if cs.oversubscribed(n, c)] == \
+        [(n, c) for n in range(1, 9) for c in (1, 2, 4) if n > c]
+    machine = read_machine(str(_machine_file(_mine(tmp_path, "m.json"))))
+    sizes = scaling.sizes_for("einsum", "tiny", "strong", 1, {})
+    cases = {("einsum", "strong", "data", n): scaling.Case("einsum", "strong", "data", "batch:all", f"all:{n}", n,
+                                                          sizes) for n in (1, 2, 4)}
+    rows = [{"workload": "einsum", "mode": "strong", "layout": "data", "ranks": n, "step_ms_median": 1.0}
+            for n in (1, 2, 4)]
+    for cores in (1, 2, 4):
+        scaling.add_predictions(rows, cases, {1: machine}, cores)
+        marked = [(r["ranks"], r["cores"], r["oversubscribed"]) for r in rows]
+        assert marked == [(n, cores, n > cores) for n in (1, 2, 4)]
+
+
+def test_cluster_predictions_follow_the_formulas(scaling, tmp_path):
+    """einsum y = x·w at tiny sizes (batch 64, io 32, hidden 64) on nodes of 2 cores: io split
+    (layout `model`, mesh all:n) allreduces this rank's [64, 64] float32 output, priced as a ring
+    α + 2(k-1)/k · bytes / β; within a node the machine's own link, across nodes α + latency and the
+    slower of its β and the link. The 2-D layout (batch:rows;io:cols) reduces over cols, which stays
+    within a node on 4 ranks (2x2) and crosses nodes on 8 (2x4)."""
+    machine_path = _machine_file(_mine(tmp_path, "m.json"))
+    args = scaling.parse_args(["--ranks", "1", "--workloads", "einsum", "--layouts", "model", "2d", "--mode",
+                               "strong", "--size", "tiny", "--machine", str(machine_path), "--predict-ranks", "2,4,8",
+                               "--cluster", "cores=2, link=1GB/s, latency=10us"])
+    machine = read_machine(str(machine_path))
+    cases = {(c.workload, c.mode, c.layout, c.ranks): c for c in args.plans[1]}
+    rows = [{"workload": "einsum", "mode": "strong", "layout": lay, "ranks": 1, "step_ms_median": 1.0}
+            for lay in ("model", "2d")]
+    scaling.add_predictions(rows, cases, {1: machine}, cores=2)
+    predicted, left_out = scaling.extrapolate(rows, cases, args, machine)
+    assert left_out == []
+    got = {(r["layout"], r["ranks"]): r for r in predicted}
+    assert sorted(got) == [(lay, n) for lay in ("2d", "model") for n in (2, 4, 8)]
+    b, io, h, link, latency = 64, 32, 64, 1e9, 10e-6
+
+    def ring(k: int, nbytes: int, across: bool) -> float:
+        alpha, beta = (ALPHA_NODE + latency, min(BETA_NODE, link)) if across else (ALPHA_NODE, BETA_NODE)
+        return alpha + 2 * (k - 1) / k * nbytes / beta
+
+    def roofline(rows_: int, inner: int) -> float:  # one einsum [rows_, inner] x [inner, h]
+        nbytes = F32 * (rows_ * inner + inner * h + rows_ * h)
+        return max(2 * rows_ * inner * h / FLOPS, nbytes / MEMORY_BW) + EINSUM_FIXED
+    expected = {("model", 2): (roofline(b, io // 2), ring(2, F32 * b * h, False), "all:2", 1),
+                ("model", 4): (roofline(b, io // 4), ring(4, F32 * b * h, True), "all:4", 2),
+                ("model", 8): (roofline(b, io // 8), ring(8, F32 * b * h, True), "all:8", 4),
+                ("2d", 2): (roofline(b, io // 2), ring(2, F32 * b * h, False), "rows:1;cols:2", 1),
+                ("2d", 4): (roofline(b // 2, io // 2), ring(2, F32 * b // 2 * h, False), "rows:2;cols:2", 2),
+                ("2d", 8): (roofline(b // 2, io // 4), ring(4, F32 * b // 2 * h, True), "rows:2;cols:4", 4)}
+    for key, (compute, comm, mesh, nodes) in expected.items():
+        r = got[key]
+        assert (r["mesh"], r["nodes"]) == (mesh, nodes), key
+        assert r["predicted_compute_ms"] == pytest.approx(1e3 * compute, rel=1e-9), key
+        assert r["predicted_comm_ms"] == pytest.approx(1e3 * comm, rel=1e-9), key
+        assert r["predicted_ms"] == pytest.approx(1e3 * (compute + comm), rel=1e-9), key
+    # one case written out: io split 4 ways across 2 nodes, a 16 KiB output allreduced
+    assert got[("model", 4)]["predicted_comm_ms"] == pytest.approx(1e3 * (50e-6 + 1.5 * 16384 / 1e9))
+    # strong efficiency against the model's own 1-rank time: t1 / (n · tn)
+    t1 = rows[0]["predicted_ms"]
+    assert got[("model", 8)]["efficiency"] == pytest.approx(t1 / (8 * got[("model", 8)]["predicted_ms"]))
+
+
+def test_rings_share_a_node_link(scaling):
+    """rows:4;cols:2 on nodes of 2: cols stays within a node, the 2 rings over rows leaving a node at
+    once share its link."""
+    cs = scaling.cs
+    m = mm.cost.Machine(flops=FLOPS, latency=ALPHA_NODE, bandwidth=BETA_NODE, memory=2**30)
+    spec = cs.parse_cluster("cores=2, link=1GB/s, latency=10us")
+    assert cs.mesh_links(spec, "rows:4;cols:2") == {"cols": (False, 1), "rows": (True, 2)}
+    on = cs.on_cluster(m, spec, "rows:4;cols:2")
+    assert on.link("cols") == (ALPHA_NODE, BETA_NODE)
+    assert on.link("rows") == pytest.approx((ALPHA_NODE + 10e-6, 0.5e9))
+    given = cs.on_cluster(m, cs.parse_cluster("gpus=8, link=50GB/s, latency=2us, node_link=400GB/s, "
+                                              "node_latency=3us"), "all:16")
+    assert given.link("all") == pytest.approx((5e-6, 50e9)) and cs.nodes(spec, 5) == 3
+
+
+@pytest.mark.parametrize("fields, message", [({"flops": -1.0}, "Machine: flops must be > 0"),
+                                             ({"flop": 1.0}, "unknown field 'flop'")])
+def test_bad_machine_file_names_the_field(scaling, capsys, tmp_path, fields, message):
+    path = _machine_file(_mine(tmp_path, "bad.json"), **fields)
+    with pytest.raises(SystemExit) as e:
+        scaling.parse_args(["--machine", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"machine file {path}" in err and message in err

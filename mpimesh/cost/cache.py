@@ -3,13 +3,14 @@
 `calibrated(mesh)` returns the `Machine` calibrated earlier for this machine, mesh shape, backend,
 ranks per node and threads, from a JSON file in `$MPIMESH_CACHE_DIR` (else the user's cache
 directory), or calibrates and keeps it; `redo=True` or `MPIMESH_RECALIBRATE=1` measures again.
-Rank 0 reads and writes the file; every rank gets the same machine (docs/cost_model.md).
+Rank 0 reads and writes the file, every rank gets its machine; `read_machine(path)` and
+`write_machine(path, machine)` read and write such a file anywhere (docs/cost_model.md).
 
 >>> import os, tempfile, mpimesh as mm
 >>> os.environ["MPIMESH_CACHE_DIR"] = tempfile.mkdtemp()
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
 >>> first = calibrated(mesh, seconds=0.3)
->>> calibrated(mesh) == first, os.path.basename(cache_file(mesh)).startswith("calibration-")
+>>> calibrated(mesh) == first, read_machine(cache_file(mesh)) == first
 (True, True)
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from .. import env, threads
 from ..backend import as_dtype, device_name
 from ..version import __version__
+from ..errors import MpimeshError
 from .calibrate import calibrate
 from .machine import Machine
 
@@ -65,26 +67,53 @@ def cache_file(mesh, dtype="float32") -> str:
     return os.path.join(cache_dir(), f"calibration-{digest}.json")
 
 
-def _read(path: str, key: dict) -> Optional[Machine]:
-    try:
-        with open(path) as f:
+def read_machine(path: str) -> Machine:
+    """The `Machine` in the JSON file at `path`: a calibration this module keeps (`{"key", "machine",
+    "when"}`) or the machine's fields alone. OSError if it cannot be read; MpimeshError naming the
+    file and the field that is wrong otherwise."""
+    with open(path) as f:
+        try:
             saved = json.load(f)
-        if saved.get("key") != key:
-            return None
-        fields = saved["machine"]
-        fields["links"] = tuple(tuple(link) for link in fields["links"])
+        except ValueError as e:
+            raise MpimeshError(f"machine file {path}: not JSON ({e})") from e
+    fields = saved.get("machine", saved) if isinstance(saved, dict) else saved
+    if not isinstance(fields, dict):
+        raise MpimeshError(f"machine file {path}: expected an object of Machine fields, got {type(fields).__name__}")
+    known = {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+             for f in dataclasses.fields(Machine)}  # name -> required
+    problems = [f"unknown field {k!r}" for k in fields if k not in known] + \
+        [f"missing field {k!r}" for k, required in known.items() if required and k not in fields]
+    if problems:
+        raise MpimeshError(f"machine file {path}: {'; '.join(problems)}")
+    links = fields.get("links", ())
+    if isinstance(links, list):  # JSON has no tuples
+        links = tuple(tuple(link) if isinstance(link, list) else link for link in links)
+    fields = dict(fields, links=links)
+    try:
         return Machine(**fields)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (TypeError, MpimeshError) as e:
+        raise MpimeshError(f"machine file {path}: {e}") from e
 
 
-def _write(path: str, key: dict, machine: Machine) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def write_machine(path: str, machine: Machine, key: Optional[dict] = None) -> None:
+    """Keep `machine` in the JSON file at `path` (written whole, then renamed into place), with
+    `key` (what it was calibrated for: `machine_key(mesh)`) and the time."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump({"key": key, "machine": dataclasses.asdict(machine), "when": time.strftime("%Y-%m-%d %H:%M:%S")},
                   f, indent=1)
     os.replace(tmp, path)
+
+
+def _read(path: str, key: dict) -> Optional[Machine]:
+    try:
+        with open(path) as f:
+            if json.load(f).get("key") != key:
+                return None
+        return read_machine(path)
+    except (OSError, ValueError, AttributeError, MpimeshError):
+        return None
 
 
 def calibrated(mesh, redo: bool = False, seconds: float = 3.0, dtype="float32") -> Machine:
@@ -102,7 +131,7 @@ def calibrated(mesh, redo: bool = False, seconds: float = 3.0, dtype="float32") 
     machine = calibrate(mesh, seconds, dtype=dtype)
     if mesh.rank == 0:
         try:
-            _write(path, key, machine)
+            write_machine(path, machine, key)
         except OSError as e:
             sys.stderr.write(f"mpimesh: could not keep the calibration in {path}: {e}\n")
     return machine

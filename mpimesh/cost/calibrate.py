@@ -45,10 +45,11 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> M
 
     Each rank times, on replicated tensors of `dtype`, an einsum's FLOP/s and fixed cost, the fixed
     cost of other ops, memory bandwidth, and per mesh dim of size > 1 an allreduce's latency (α) and
-    bandwidth (β); the ranks agree on the slowest figures, scaled so that a measured MLP step's time
-    is matched (clipped to 0.5 to 4). `rounds` timed passes follow an untimed one; `seconds` bounds the
-    whole, roughly. A busy node is said in the machine's `name`. The collectives made here are not
-    counted by an open `mm.profile`. What each figure is measured on: docs/cost_model.md."""
+    bandwidth (β); the ranks agree on the slowest figures, fitted so that a measured MLP step's time
+    is matched (its time beyond the parts' price is a cost per op; a step priced slower than it ran
+    scales the compute rates up, at most 2x). `rounds` timed passes follow an untimed one; `seconds`
+    bounds the whole, roughly. A busy node is said in the machine's `name`. The collectives made here
+    are not counted by an open `mm.profile`. What each figure is measured on: docs/cost_model.md."""
     if not hasattr(mesh, "collectives") or getattr(mesh, "dry", False) or not hasattr(mesh, "comm_for"):
         raise MpimeshError(f"calibrate needs a Mesh with processors, got {mesh!r} (give a Machine by hand instead)")
     reps = max(3, int(seconds * 5 / max(1, rounds)))  # about seconds / 3 in all on one core
@@ -79,14 +80,21 @@ def calibrate(mesh, seconds: float = 3.0, rounds: int = 3, dtype="float32") -> M
     parts = Machine(flops=flops, latency=latency, bandwidth=bandwidth, memory=memory, memory_bandwidth=mem_bw,
                     op_overhead=t_op, einsum_overhead=t_einsum, links=tuple(links))
     ref, ref_args = probe.ref
-    scale = min(4.0, max(0.5, t_ref / estimate(record(ref, ref_args, mesh.shape, ""), None, None, parts)["seconds"]))
+    rec = record(ref, ref_args, mesh.shape, "")
+    priced = estimate(rec, None, None, parts)["seconds"]
+    if t_ref >= priced:  # what the parts miss of a traced step is the framework's work between its ops: per op
+        extra = (t_ref - priced) / len(rec.ops)
+        fitted = replace(parts, op_overhead=t_op + extra, einsum_overhead=t_einsum + extra)
+        how = f"+{extra * 1e6:.0f} µs per op"
+    else:  # priced slower than it ran: the compute rates, scaled up to match (at most 2x)
+        scale = max(0.5, t_ref / priced)
+        fitted = replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
+                         einsum_overhead=t_einsum * scale)
+        how = f"compute x{scale:.2f}"
     others = float(np.median(busy))
     load = f"; the node was busy: {others:.1f} other processes running" if others >= 1 else ""
-    return replace(parts, flops=flops / scale, memory_bandwidth=mem_bw / scale, op_overhead=t_op * scale,
-                   einsum_overhead=t_einsum * scale,
-                   name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, {dtype}, median of "
-                        f"{len(passes)} "
-                        f"rounds; compute x{scale:.2f} from a reference step{load})")
+    return replace(fitted, name=f"this machine, calibrated on mesh {mesh.shape} ({mesh.backend}, {dtype}, median of "
+                                f"{len(passes)} rounds; {how} from a reference step{load})")
 
 
 class _Probe:
