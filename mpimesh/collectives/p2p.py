@@ -1,10 +1,10 @@
-"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`: not waiting),
-`broadcast_from`. Unlike `permute`, what a rank sends and what it receives may differ in shape (a
-microbatch of another size, or nothing: an empty array), so a stage hands its neighbour one activation
-per tick. Both are collectives of the group over the mesh dim in the transports' way: the SPMD check
-(`guard.enter`: every rank of the mesh at the same transfer, shapes left out since they may differ), the
-profile's counters, the time-out while polled (`MpiCollectives._complete`), and a departed neighbour
-named with its stage (`stages_text`). Transports post them as a permute.
+"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` and `broadcast_from`. Unlike
+`permute`, what a rank sends and what it receives may differ in shape (a microbatch of another size, or
+nothing: an empty array), so a stage hands its neighbour one activation per tick. Both are collectives
+of the group over the mesh dim in the transports' way: the SPMD check (`guard.enter`: every rank of the
+mesh at the same transfer, shapes left out since they may differ), the profile's counters, the time-out
+while polled (`MpiCollectives._complete`), and a departed neighbour named with its stage
+(`stages_text`). Transports post them as a permute.
 
 >>> import numpy as np
 >>> from mpimesh import Mesh, MPI
@@ -20,38 +20,27 @@ from mpi4py import MPI
 from .. import counters, flight
 from ..backend import is_low_precision, to_host, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
-from .base import DONE, Request, completed
+from .base import DONE, Request
 
 
 def sendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None):
     """Send `x` to coordinate c+offset along `mesh_dim` (cyclically) and return what coordinate
     c-offset sent, an array of `recv_shape` and x's dtype (`out`, where given). Every rank of the
     mesh calls it; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
-    return isendrecv(coll, x, mesh_dim, offset, recv_shape, out).wait()
-
-
-def isendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None) -> Request:
-    """`sendrecv` started without waiting: a `Request` whose `wait()` completes it (polled, under the
-    time-out) and gives what arrived. `x` must not change until then. Every rank of the mesh starts
-    its transfers in the same order; it may wait for them in any order."""
     recv_shape = tuple(int(n) for n in recv_shape)
     k = coll.size((mesh_dim,))
     if k == 1 or offset % k == 0:  # to itself
         if tuple(x.shape) != recv_shape:
             raise MpimeshError(f"sendrecv over {mesh_dim!r} to itself: sends shape {tuple(x.shape)}, expects "
                                f"{recv_shape}")
-        return completed(x.copy() if out is None else _into(out, x))
+        return x.copy() if out is None else _into(out, x)
     c = coll.coord(mesh_dim)
     dest, src = (c + offset) % k, (c - offset) % k
     xp = coll.xp if not isinstance(x, np.ndarray) else np
     send = xp.ascontiguousarray(x)
     recv = xp.empty(recv_shape, x.dtype) if out is None else out
-    req = _start(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
-
-    def then(send=send):  # (the request owns `send` until it completes)
-        _complete(coll, req, mesh_dim, dest=dest, src=src)
-        return recv
-    return Request(req.test, lambda: None, then)
+    _transfer(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
+    return recv
 
 
 def broadcast_from(coll, x, mesh_dim: str, root: int):
