@@ -30,7 +30,7 @@ from .mesh import Mesh, layout_scope
 from .opdef import ALL, OpDef
 from .ops.relayout import to_layout
 from .ops.slicing import concat, split
-from .pipeline_schedules import check_schedule, moves, stage_of, ticks
+from .pipeline_schedules import check_schedule, moves, sent, stage_of, ticks
 from .shape import Dimension, Shape
 from .stack import Stack
 from .tensor import DistTensor, full, tensor_arg
@@ -261,8 +261,8 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
     s = ctx.coord(md)
     acts, cots = {}, {}
     for row in table:
-        step, send_f, send_b = row[s], None, None
-        if step is not None:
+        send_f = send_b = None
+        for step in row[s]:  # (one step, or interleaved's forward and backward)
             k = stage_of(s, step.virtual, S)
             try:
                 if step.kind == "F":
@@ -277,17 +277,17 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
                     f"{group_ranks(plan.mesh, [d for d in plan.mesh.shape.names if d != md])} of the mesh.)") from None
         forward_moves, backward_moves = moves(row, S, plan.V)
         if forward_moves:
-            prev = row[(s - 1) % S]
+            prev = sent(row[(s - 1) % S], "F")
             kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
-            wants = prev is not None and prev.kind == "F" and kp < K - 1
+            wants = prev is not None and kp < K - 1
             got = plan.clock.wait(sendrecv, ctx, _empty(xp, plan.dtype) if send_f is None else send_f.local, md, 1,
                                   plan.mb_block(prev.mb) if wants else (0,))
             if wants:
                 acts[(prev.mb, kp + 1)] = DistTensor(plan.sub, plan.mb_shape(prev.mb), plan.x_layout, got)
         if backward_moves:
-            nxt = row[(s + 1) % S]
+            nxt = sent(row[(s + 1) % S], "B")
             kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
-            wants = nxt is not None and nxt.kind == "B" and kn > 0
+            wants = nxt is not None and kn > 0
             got = plan.clock.wait(sendrecv, ctx, _empty(xp, plan.dtype) if send_b is None else send_b.local, md, -1,
                                   plan.mb_block(nxt.mb) if wants else (0,))
             if wants:

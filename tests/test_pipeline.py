@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import mpimesh as mm
-from mpimesh.pipeline_schedules import application_order, most_in_flight, ticks
+from mpimesh.pipeline_schedules import _table, application_order, most_in_flight, span, ticks
 
 SHAPES = ["stages:1", "stages:2", "stages:3", "stages:4", "stages:2;cols:2", "stages:2;batch:2", "stages:4;cols:2",
           "stages:2;batch:2;cols:2"]
@@ -197,6 +197,23 @@ def test_1f1b_holds_at_most_s_microbatches_and_gpipe_all():
         for M in (1, 3, 8):
             assert max(most_in_flight(ticks("1f1b", S, M), s) for s in range(S)) == min(S, M)
             assert max(most_in_flight(ticks("gpipe", S, M), s) for s in range(S)) == M
+
+
+def test_interleaved_ticks_take_megatrons_time_and_never_more_than_one_step_a_tick():
+    """With a backward twice a forward and ticks in lock-step, GPipe and 1F1B take 3 (M + S - 1) forwards of
+    a stage; interleaved, its steady state's forward and backward paired in one tick, Megatron-LM's
+    3 (M + (S - 1) / V) where M fills groups of S (one step a tick: 30.5 against 25.5 at S = 2, M = 8, V = 2,
+    as lock-step ticks pairing one rank's forward with the other's backward wait for the backward)."""
+    for S in (2, 3, 4):
+        for M in (S, 2 * S, 3 * S):
+            for schedule in ("gpipe", "1f1b"):
+                assert span(ticks(schedule, S, M), S) == 3 * (M + S - 1)
+            for V in (2, 3):
+                assert span(ticks("interleaved", S, M, V), S, V) == pytest.approx(3 * (M + (S - 1) / V), rel=1e-12)
+    single = {(S, M, V): span(_table("interleaved", S, M, V, True, True, paired=False), S, V)
+              for S in (2, 3, 4) for M in range(1, 9) for V in (2, 3)}
+    assert all(span(ticks("interleaved", *key), key[0], key[2]) <= t for key, t in single.items())
+    assert single[(2, 8, 2)] == 30.5
 
 
 def _bad(mesh, **kw):

@@ -29,7 +29,7 @@ from ..layout import block_sizes
 from ..mesh import layout_scope
 from ..ops.relayout import to_layout
 from ..ops.slicing import concat, split
-from ..pipeline_schedules import check_schedule, most_in_flight, moves, stage_of, ticks
+from ..pipeline_schedules import check_schedule, most_in_flight, moves, sent, stage_of, ticks
 from ..shape import Dimension, Shape
 from ..trace import Released, release_unneeded, set_apart, trace
 from ..tree import flatten, is_tensor, named_leaves, unflatten
@@ -296,12 +296,11 @@ def _sends(tables: list, s: int, S: int, V: int, mb_bytes: list, itemsize: int) 
     calls = nbytes = 0
     for table in tables:
         for row in table:
-            step = row[s]
-            k = None if step is None else stage_of(s, step.virtual, S)
             for kind, moved, ends in zip("FB", moves(row, S, V), (S * V - 1, 0)):
+                step = sent(row[s], kind)
                 if moved:
                     calls += 1
-                    if step is not None and step.kind == kind and k != ends:
+                    if step is not None and stage_of(s, step.virtual, S) != ends:
                         nbytes += mb_bytes[step.mb]
     return {"calls": calls, "elements": nbytes // itemsize, "bytes": nbytes}
 
