@@ -266,7 +266,7 @@ def pipeline_estimate(stage_fn: Callable, stage_params, x, mesh, mesh_dim: str, 
                         f"broadcast/{mesh_dim}": casts})
             if sums is not None:
                 _add(coll, {f"allreduce/{mesh_dim}": sums})
-        in_flight = most_in_flight(sum(tables, []), s)
+        in_flight = most_in_flight(sum(tables, ()), s)
         held = max(kept[key][0] for key in mine)
         memory = {"parameters": params, "gradients": grads, "activations": in_flight * held,
                   "run_peak": max(runs[key][2] for key in mine),
