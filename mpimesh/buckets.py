@@ -1,9 +1,9 @@
 """Bucketed, overlapped gradient sums: the "partial" state of a gradient.
 
-A parameter's gradient that still awaits its data-parallel sum (`partials.partial_for`) is written
-into its slot of a bucket per (mesh dims, dtype); a full bucket is summed in place by one non-blocking
-allreduce while the backward goes on (a `"psum"` op in the trace). Values: unbucketed reduction's.
-Size: `set_bucket_bytes` (default 25 MiB; 0: off). More: docs/compile.md.
+A parameter's gradient awaiting its data-parallel sum (`partials.partial_for`) is written into its slot
+of a bucket per (mesh dims, dtype), summed in place by one non-blocking allreduce while the backward goes
+on (a `"psum"` op in the trace); a sharded weight's joins a bucket of reduce-scatters (packed by
+destination). Values: unbucketed reduction's. Size: `set_bucket_bytes` (default 25 MiB; 0: off).
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("all:1", comm=mm.MPI.COMM_SELF)
@@ -24,7 +24,7 @@ from . import env
 from .backend import accumulation_dtype, on_host
 from .dryrun import count_bucket, shaped
 from .errors import MpimeshError
-from .layout import local_sizes
+from .layout import block_sizes, local_sizes
 from .ops.elementwise import cast
 from .ops.relayout import SUM_PARTIAL, sum_abstract, sum_kernel, sum_plan
 from .partials import active
@@ -91,7 +91,8 @@ class Bucketer:
         self.uses = len(uses)
         self.open: dict = {}  # (mesh id, mesh dims, dtype) -> _Bucket still filling
         self.started: list = []  # buckets in flight, in start order
-        self.scatters: list = []  # (gradient, its reduce-scatter), in start order
+        self.scattering: dict = {}  # (mesh id, mesh dim, dtype) -> _Scatter still filling
+        self.scatters: list = []  # _Scatter buckets started, in start order
         self.scattered = 0  # how many of them were waited for (the oldest first)
 
     def __enter__(self) -> "Bucketer":
@@ -140,24 +141,36 @@ class Bucketer:
 
     def scatter(self, y, layout):
         """`y` (a `PartialTensor`: a gathered weight's gradient terms) reduce-scattered into `layout`, the
-        weight's, started now and waited for in `finish`, or sooner: at most `MPIMESH_PREFETCH` + 1 are in
-        flight (`overlap.prefetch_depth`). Recorded as the `"psum"` op `to_layout` would run. None where
-        that sum is not one reduce-scatter (or on a dry mesh): the caller sums it itself."""
+        weight's, in a bucket of reduce-scatters over the same mesh dim and dtype (`_Scatter`: one
+        collective per bucket, started when the next gradient would overflow it or it is full, and waited
+        for in `finish`, or sooner: at most `MPIMESH_PREFETCH` + 1 buckets are in flight,
+        `overlap.prefetch_depth`). Recorded as the `"psum"` op `to_layout` would run, when its bucket
+        starts. None where that sum is not one reduce-scatter: the caller sums it itself."""
         out_layout, params = sum_plan(y, layout)
-        if getattr(y.mesh, "dry", False) or out_layout != tuple(layout) or params["mesh_dims"] or \
-                len(params["scatter"]) != 1 or "dtype" in params:
+        if out_layout != tuple(layout) or params["mesh_dims"] or len(params["scatter"]) != 1 or "dtype" in params:
             return None
         ((mesh_dim, axis),) = params["scatter"]
-        if len(self.scatters) - self.scattered > prefetch_depth():  # at most depth + 1 in flight: each
-            self._take_scatter()                                     # holds a whole gradient till done
-        request = y.mesh.collectives.ireduce_scatter(y.local, mesh_dim, axis)
-        out = DistTensor(y.mesh, y.shape, out_layout, Unreduced(y.local, (mesh_dim,)))
-        if _open_traces:
-            rec = OpRecord(SUM_PARTIAL, (y,), (out,), params, y.mesh.layout)
-            for tr in _open_traces:
-                tr._append(rec)
-        self.scatters.append((out, request))
+        block = shaped(local_sizes(y.shape, y.mesh.shape, out_layout, y.mesh.coords), y.dtype)
+        out = DistTensor(y.mesh, y.shape, out_layout, Unreduced(block, (mesh_dim,)))
+        nbytes = slot_bytes(y.mesh, y.shape, y.tensor_layout, y.dtype)  # alike on every rank
+        key = (id(y.mesh), mesh_dim, str(y.dtype))
+        bucket = self.scattering.get(key)
+        if bucket is not None and bucket.bytes + nbytes > self.limit:
+            self._start_scatter(key)
+            bucket = None
+        if bucket is None:
+            bucket = self.scattering[key] = _Scatter(y.mesh, mesh_dim)
+        bucket.add(y, out, axis, params, nbytes)
+        if bucket.bytes >= self.limit:
+            self._start_scatter(key)
         return out
+
+    def _start_scatter(self, key) -> None:
+        if len(self.scatters) - self.scattered > prefetch_depth():  # at most depth + 1 in flight: each
+            self._take_scatter()                                     # holds its gradients till done
+        bucket = self.scattering.pop(key)
+        bucket.start()
+        self.scatters.append(bucket)
 
     def _start(self, key) -> None:
         bucket = self.open.pop(key)
@@ -168,13 +181,15 @@ class Bucketer:
         """Let the transfers in flight progress (MPI moves data only inside its calls)."""
         for bucket in self.started:
             bucket.request.test()
-        for _, request in self.scatters[self.scattered:]:
-            request.test()
+        for bucket in self.scatters[self.scattered:]:
+            bucket.request.test()
 
     def finish(self) -> None:
         """Start the buckets still filling, wait for every one, and hand each gradient its values."""
         for key in list(self.open):
             self._start(key)
+        for key in list(self.scattering):
+            self._start_scatter(key)
         for bucket in self.started:
             bucket.finish()
         self.started = []
@@ -183,10 +198,9 @@ class Bucketer:
         self.scatters, self.scattered = [], 0
 
     def _take_scatter(self) -> None:
-        """Wait for the oldest reduce-scatter in flight; its gradient gets its block."""
-        out, request = self.scatters[self.scattered]
-        out.local = request.wait()
-        self.scatters[self.scattered] = (out, None)
+        """Wait for the oldest bucket of reduce-scatters in flight; its gradients get their blocks."""
+        self.scatters[self.scattered].finish()
+        self.scatters[self.scattered] = None
         self.scattered += 1
 
 
@@ -254,6 +268,109 @@ class _Bucket:
             dtype = t.local.dtype
             t.local = (p if p.dtype == dtype else p.astype(dtype)) if done else shaped(p.shape, dtype)
         self.tensors, self.partials = [], []
+
+
+class _Scatter:
+    """A bucket of reduce-scatters over mesh dim `dim`: gathered weights' gradients (whole, their terms
+    still to sum), each cut along its own axis, packed by destination (`pack_by_destination`) into one
+    buffer that one reduce-scatter sums; each gradient's block is then a view of this rank's part. A
+    bucket of one gradient reduce-scatters that gradient itself (no copy). Each member is recorded as
+    its `"psum"` op when the bucket starts (`params["bucket"]`: `(bucket id, position, members)`,
+    where there are several), so a replay packs them alike and the gradients live to there."""
+
+    __slots__ = ("mesh", "dim", "bytes", "members", "request")
+
+    def __init__(self, mesh, dim: str):
+        self.mesh, self.dim, self.bytes, self.members, self.request = mesh, dim, 0, [], None
+
+    def add(self, y, out, axis: int, params: dict, nbytes: int) -> None:
+        self.members.append((y, out, axis, params))
+        self.bytes += nbytes
+
+    def start(self) -> None:
+        if _open_traces:
+            serial = next(_serials)
+            for k, (y, out, _, params) in enumerate(self.members):
+                params = dict(params, bucket=(serial, k, len(self.members))) if len(self.members) > 1 else params
+                rec = OpRecord(SUM_PARTIAL, (y,), (out,), params, y.mesh.layout)
+                for tr in _open_traces:
+                    tr._append(rec)
+        coll, k = self.mesh.collectives, self.mesh.shape[self.dim].size
+        locals_, axes = [m[0].local for m in self.members], [m[2] for m in self.members]
+        if len(self.members) == 1:
+            self.request = coll.ireduce_scatter(locals_[0], self.dim, axes[0])
+        elif getattr(self.mesh, "dry", False):  # shapes only: the one reduce-scatter counted
+            sizes = destination_sizes([a.shape for a in locals_], axes, k)
+            self.request = coll.ireduce_scatter(shaped((sum(sizes),), locals_[0].dtype), self.dim, 0, sizes=sizes)
+        else:
+            flat, sizes = pack_by_destination(self.mesh.xp, locals_, axes, k)
+            self.request = coll.ireduce_scatter(flat, self.dim, 0, sizes=sizes)
+        self.members = [(None, out, axis, a.shape) for a, (_, out, axis, _) in zip(locals_, self.members)]
+
+    def finish(self) -> None:
+        """Each gradient its block (a view of this rank's part of the bucket)."""
+        got = self.request.wait()
+        if len(self.members) == 1:
+            self.members[0][1].local = got
+        elif getattr(self.mesh, "dry", False):
+            for _, out, _, _ in self.members:
+                out.local = shaped(out.local.shape, got.dtype)
+        else:
+            k, c = self.mesh.shape[self.dim].size, self.mesh.coords[self.dim]
+            blocks = unpack_destination(got, [m[3] for m in self.members], [m[2] for m in self.members], k, c)
+            for (_, out, _, _), block in zip(self.members, blocks):
+                out.local = block
+        self.members = []
+
+
+def destination_sizes(shapes: list, axes: list, k: int) -> tuple:
+    """The elements each of k coordinates gets of arrays of `shapes` cut along `axes` (`pack_by_destination`).
+
+    >>> destination_sizes([(4,), (2, 3)], [0, 1], 2)
+    (6, 4)
+    """
+    cuts = [block_sizes(shape[axis], k) for shape, axis in zip(shapes, axes)]
+    return tuple(sum(math.prod(shape) // max(shape[axis], 1) * cut[c] for shape, axis, cut in zip(shapes, axes, cuts))
+                 for c in range(k))
+
+
+def pack_by_destination(xp, arrays: list, axes: list, k: int) -> tuple:
+    """`arrays` (one dtype), each cut into k blocks along its axis of `axes` (as `numpy.array_split`),
+    laid out by destination in one flat buffer: coordinate 0's block of each array in turn, then
+    coordinate 1's, and so on; with the elements each coordinate gets. A reduce-scatter of the buffer
+    with those lengths leaves coordinate c the sums of its blocks, `unpack_destination`'s input.
+
+    >>> flat, sizes = pack_by_destination(np, [np.arange(4), np.arange(6).reshape(2, 3) + 10], [0, 1], 2)
+    >>> flat.tolist(), sizes
+    ([0, 1, 10, 11, 13, 14, 2, 3, 12, 15], (6, 4))
+    """
+    sizes = destination_sizes([a.shape for a in arrays], axes, k)
+    cuts = [block_sizes(a.shape[axis], k) for a, axis in zip(arrays, axes)]
+    flat = xp.empty(sum(sizes), arrays[0].dtype)
+    at = 0
+    for c in range(k):
+        for a, axis, cut in zip(arrays, axes, cuts):
+            lo = sum(cut[:c])
+            block = a[(slice(None),) * axis + (slice(lo, lo + cut[c]),)]
+            flat[at:at + block.size].reshape(block.shape)[...] = block
+            at += block.size
+    return flat, sizes
+
+
+def unpack_destination(part, shapes: list, axes: list, k: int, c: int) -> list:
+    """Coordinate c's blocks of arrays of `shapes` cut along `axes` (`pack_by_destination`'s layout), as
+    views of `part`, its part of the buffer.
+
+    >>> [b.tolist() for b in unpack_destination(np.array([2, 3, 12, 15]), [(4,), (2, 3)], [0, 1], 2, 1)]
+    [[2, 3], [[12], [15]]]
+    """
+    blocks, at = [], 0
+    for shape, axis in zip(shapes, axes):
+        shape = tuple(shape[:axis]) + (block_sizes(shape[axis], k)[c],) + tuple(shape[axis + 1:])
+        n = math.prod(shape)
+        blocks.append(part[at:at + n].reshape(shape))
+        at += n
+    return blocks
 
 
 def slot_bytes(mesh, shape, layout, dtype) -> int:

@@ -23,12 +23,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .backend import matmul_precision
-from .buckets import bucket_bytes, next_slot, slot_step
+from .buckets import bucket_bytes, next_slot, pack_by_destination, slot_step, unpack_destination
 from . import counters, flight
 from .collectives import guard
 from .collectives.guard import user_frame
 from .errors import DivergenceError, MpimeshError
 from .graphs import for_engine
+from .ops.relayout import SUM_PARTIAL
 from . import fusion, liveness, rowfusion
 from .overlap import prefetch_depth, schedule
 from .program import AsyncStep, BucketStep, OpStep, Program, ProgramError
@@ -303,6 +304,10 @@ class _Engine:
         keep = {slots[i] for i in program.output_ids} | {s for s, _ in self.constants}  # (inputs: freed)
         frees = liveness.frees(reads, keep)
         buckets = _buckets(ops, slots, program.mesh)
+        scatters = sorted((b for b in buckets if type(b) is _ReplayScatter), key=lambda b: b.start_at)
+        depth = prefetch_depth()
+        for older, b in zip(scatters, scatters[depth + 1:]):  # at most depth + 1 in flight, as eager
+            older.wait_at = min(older.wait_at, b.start_at)
         starts = {b.start_at: b for b in buckets}
         waits: dict[int, list] = {}
         for b in buckets:
@@ -310,7 +315,8 @@ class _Engine:
         members = {k for b in buckets for k in b.members}
         makes: dict[int, list] = {}
         for b in buckets:
-            makes.setdefault(min(b.writers), []).append(b)
+            if b.writers:
+                makes.setdefault(min(b.writers), []).append(b)
         writers = {k: (b, j) for b in buckets for j, k in enumerate(b.writers)}
         self.steps: list = []
         for k, rec in enumerate(ops):
@@ -326,7 +332,7 @@ class _Engine:
             if k in starts:
                 self.steps.append(BucketStep("start", starts[k]))
         self.steps += [BucketStep("wait", b) for b in waits.get(len(ops), ())]
-        self.steps = schedule(self.steps, prefetch_depth())
+        self.steps = schedule(self.steps, depth)
         self.n_slots = len(slots)
         self.n_inputs = len(program.input_ids)
         self.outputs = [slots[i] for i in program.output_ids]
@@ -486,18 +492,59 @@ class _ReplayBucket:
             env[s] = block if block.dtype == dtype else block.astype(dtype)
 
 
+class _ReplayScatter:
+    """The psum records of one bucket of reduce-scatters (`buckets._Scatter`), in eager's order: after
+    the last member, the members' gradient terms packed by destination and one non-blocking
+    reduce-scatter started (`start`); waited for before the first op that reads one of their blocks
+    (`wait_at`), or sooner where the in-flight bound calls for it (`_Engine`); each block a view."""
+
+    writers: tuple = ()  # (no einsum writes into it: it packs its members when it starts)
+
+    def __init__(self, records: list, slots: dict, ops: list, mesh):
+        ((self.dim, _),) = records[0].params["scatter"]
+        self.mesh = mesh
+        self.dims, self.axes = (self.dim,), [rec.params["scatter"][0][1] for rec in records]
+        partials = [rec.inputs[0] for rec in records]
+        self.ins = [slots[id(t)] for t in partials]
+        self.outs = [slots[id(rec.outputs[0])] for rec in records]
+        self.dtype = np.dtype(partials[0].dtype)
+        self.shapes = [t.local_shape if hasattr(t, "local_shape") else tuple(t.local.shape) for t in partials]
+        self.size = sum(math.prod(shape) for shape in self.shapes)
+        self.flat = slots.setdefault(("scatter", id(self)), len(slots))  # (never filled: `BucketStep` names it)
+        index = {id(rec): k for k, rec in enumerate(ops)}
+        self.members = [index[id(rec)] for rec in records]
+        self.start_at = max(self.members)
+        outs = set(self.outs)
+        self.wait_at = next((k for k in range(self.start_at + 1, len(ops))
+                             if any(slots[id(t)] in outs for t in ops[k].inputs)), len(ops))
+
+    def start(self, mesh, env: list):
+        arrays = [env[s] for s in self.ins]
+        for s in self.ins:
+            env[s] = None  # (packed: the buffer holds them)
+        flat, sizes = pack_by_destination(mesh.xp, arrays, self.axes, mesh.shape[self.dim].size)
+        return mesh.collectives.ireduce_scatter(flat, self.dim, 0, sizes=sizes)
+
+    def finish(self, request, env: list) -> None:
+        k, c = self.mesh.shape[self.dim].size, self.mesh.coords[self.dim]
+        for s, block in zip(self.outs, unpack_destination(request.wait(), self.shapes, self.axes, k, c)):
+            env[s] = block
+
+
 def _buckets(ops: list, slots: dict, mesh) -> list:
-    """The program's gradient buckets (psum records with a `bucket` param, all members present)."""
+    """The program's gradient buckets (psum records with a `bucket` param, all members present): of
+    allreduces (`_ReplayBucket`) and of reduce-scatters (`_ReplayScatter`)."""
     groups: dict = {}
     for rec in ops:
-        tag = rec.params.get("bucket") if rec.op.bucketed else None
+        tag = rec.params.get("bucket") if rec.op.bucketed or rec.op is SUM_PARTIAL else None
         if tag is not None:
             groups.setdefault(tag[0], []).append((tag[1], tag[2], rec))
     out = []
     for members in groups.values():
         members.sort(key=lambda m: m[0])
         if len(members) == members[0][1]:  # else some were pruned: each psum runs on its own
-            out.append(_ReplayBucket([m[2] for m in members], slots, ops, mesh))
+            kind = _ReplayScatter if members[0][2].op is SUM_PARTIAL else _ReplayBucket
+            out.append(kind([m[2] for m in members], slots, ops, mesh))
     return out
 
 

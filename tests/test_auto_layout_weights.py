@@ -175,13 +175,20 @@ def test_memory_short_of_every_rules_string_shards_the_weights():
 def test_a_2d_mesh_gets_gspmds_layout():
     """On a 2x2 mesh (dry) with no rules fitting: the batch split over one mesh dim, the hidden dim over
     the other, the weights sharded over the batch's too (GSPMD's 2-D weight sharding); the report shows
-    the plan once, not again with the mesh dims swapped."""
+    the plan once, not again with the mesh dims swapped. Gradient buckets of one gradient each: a bucket of
+    reduce-scatters keeps its whole gradients until it starts, and at 25 MiB this small step's would all
+    be alive at once, as unsharded."""
     args = ({"w1": ArgSpec(f"io:{I};hidden:{H}", "float32"), "w2": ArgSpec(f"hidden:{H};out:{O}", "float32")},
             ArgSpec(f"batch:{B};io:{I}", "float32"))
     mesh = DryMesh("rows:2;cols:2")
-    roomy = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=math.inf, machine=TOY)
-    plan = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=min(b for _, _, b in roomy.candidates) - 1,
-                          machine=TOY)
+    before = mm.buckets.bucket_bytes()
+    mm.set_bucket_bytes(1)
+    try:
+        roomy = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=math.inf, machine=TOY)
+        plan = mm.auto_layout(_mlp_grads, args, mesh, memory_per_rank=min(b for _, _, b in roomy.candidates) - 1,
+                              machine=TOY)
+    finally:
+        mm.set_bucket_bytes(before)
     split = dict(mm.LayoutRules(plan.rules).pairs)
     assert split.get("batch") == plan.shard_weights and {split["batch"], split["hidden"]} == {"rows", "cols"}
     twin = plan.candidates[0][0].replace("rows", "@").replace("cols", "rows").replace("@", "cols")

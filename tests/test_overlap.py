@@ -1,12 +1,16 @@
 """Prefetch and overlap (`mpimesh.overlap`, `Bucketer.scatter`): where the schedule puts each overlapped
 collective's start and wait (hand-made steps, every prefetch depth), a compiled step with sharded
 weights (gathers started ahead, reduce-scatters behind the backward, counted as overlapped in the
-profile, values bitwise eager's, at most `depth` gathered weights more alive), and an eager walk's
-reduce-scatters overlapped, equal to blocking ones."""
+profile, values bitwise eager's, at most `depth` gathered weights more alive), the reduce-scatters in
+buckets (one collective per bucket, the same elements, eager and compiled; a buffer packed by destination
+gives each rank its blocks), and an eager walk's reduce-scatters overlapped, equal to blocking ones and
+to a float64 numpy reference."""
 from __future__ import annotations
 
+import math
 import os
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -16,6 +20,8 @@ from meshes import get_mesh, mesh_shapes  # noqa: E402
 
 import mpimesh as mm  # noqa: E402
 from mpimesh import layers as L  # noqa: E402
+from mpimesh.buckets import pack_by_destination, unpack_destination  # noqa: E402
+from mpimesh.compiled import _ReplayScatter  # noqa: E402
 from mpimesh.opdef import OpDef  # noqa: E402
 from mpimesh.overlap import schedule  # noqa: E402
 from mpimesh.program import AsyncStep, BucketStep, OpStep  # noqa: E402
@@ -106,46 +112,9 @@ def _engine(compiled):
     return getattr(entry.engine, "engine", entry.engine)  # (CUDA graphs wrap the flat engine)
 
 
-@pytest.mark.parametrize("shape", mesh_shapes())
-def test_a_sharded_step_prefetches_its_gathers_and_overlaps_its_reduce_scatters(shape):
-    over = next((d.name for d in get_mesh(shape).shape if d.size > 1), None)
-    if over is None:
-        pytest.skip("no mesh dim of more than one rank: nothing gathered")
-    mesh = get_mesh(shape, f"batch:{over}")
-    layers, d = 3, 4 * mesh.size + 1  # uneven blocks
-    p = mm.shard_weights(_mlp(mesh, layers, d), over)
-    b = 8 * d  # activations outweigh the weights: the einsums gather the weights (not the activations)
-    x = mesh.from_numpy(np.random.default_rng(0).standard_normal((b, d)), f"batch:{b};d0:{d}")
-    eager = _step(layers)(p, x)
-    run = mm.compile(_step(layers))
-    run(p, x)
-    with mm.profile() as prof:
-        got = run(p, x)
-    assert eager[0].to_numpy().tobytes() == got[0].to_numpy().tobytes()
-    for a, b in zip(eager[1], got[1]):
-        assert a.tensor_layout == b.tensor_layout and a.to_numpy().tobytes() == b.to_numpy().tobytes()
-    steps = _engine(run).steps
-    split = [s for s in steps if type(s) is AsyncStep]
-    gathers = [s for s in split if s.step.op.name == "relayout" and s.kind == "start"]
-    scatters = [s for s in split if s.step.op.name == "psum" and s.kind == "start"]
-    sharded = sum(over in t.tensor_layout for t in p.values())  # weights and biases (each dim >= k)
-    assert sharded == 2 * layers and len(gathers) == sharded and len(scatters) == sharded
-    assert prof.overlap["requests"] == len(split) // 2
-    assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == sharded
-    where = {id(s): i for i, s in enumerate(steps)}
-    einsums = [i for i, s in enumerate(steps) if type(s) is OpStep and s.op.name == "einsum"]
-    # prefetch: the second layer's gather starts before the first layer's einsum
-    assert where[id(gathers[1])] < einsums[0]
-    # overlap: einsums of the backward run between a reduce-scatter's start and its wait
-    waits = {id(s.step): i for i, s in enumerate(steps) if type(s) is AsyncStep and s.kind == "wait"}
-    first = where[id(scatters[0])]
-    assert any(first < e < waits[id(scatters[0].step)] for e in einsums)
-
-
-@pytest.mark.parametrize("shape", mesh_shapes())
-def test_an_eager_walk_reduce_scatters_behind_the_backward(shape):
-    """`mm.gradients` starts each sharded weight's reduce-scatter without waiting and takes it in at the
-    end (with buckets on, the default); the values are those of the blocking sums (buckets off)."""
+def _sharded(shape: str, seed: int):
+    """A 3-layer MLP with weights sharded over the mesh's first dim of more than one rank (None: none),
+    uneven blocks, and a batch whose activations outweigh the weights (the einsums gather the weights)."""
     over = next((d.name for d in get_mesh(shape).shape if d.size > 1), None)
     if over is None:
         pytest.skip("no mesh dim of more than one rank: nothing gathered")
@@ -153,21 +122,123 @@ def test_an_eager_walk_reduce_scatters_behind_the_backward(shape):
     layers, d = 3, 4 * mesh.size + 1
     p = mm.shard_weights(_mlp(mesh, layers, d), over)
     b = 8 * d
-    x = mesh.from_numpy(np.random.default_rng(1).standard_normal((b, d)), f"batch:{b};d0:{d}")
-    got = {}
-    for limit in (None, 0):
-        before = mm.buckets.bucket_bytes()
-        mm.set_bucket_bytes(before if limit is None else limit)
-        try:
-            with mm.profile() as prof:
-                got[limit] = _step(layers)(p, x)
-        finally:
-            mm.set_bucket_bytes(before)
-        sharded = sum(over in t.tensor_layout for t in p.values())
-        assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == sharded
-        assert prof.overlap["requests"] == (sharded if limit is None else 0)
-    for a, b in zip(got[None][1], got[0][1]):
+    x = mesh.from_numpy(np.random.default_rng(seed).standard_normal((b, d)), f"batch:{b};d0:{d}")
+    return over, mesh, layers, d, p, x
+
+
+@contextmanager
+def _bucket_bytes(n):
+    before = mm.buckets.bucket_bytes()
+    mm.set_bucket_bytes(before if n is None else n)
+    try:
+        yield
+    finally:
+        mm.set_bucket_bytes(before)
+
+
+def _limit(which: str, d: int):
+    """Bucket bytes: `"off"` 0 (no buckets: a compiled step overlaps each reduce-scatter alone), `"layer"`
+    one layer's gradients (weight and bias, whole) a bucket, `"default"` 25 MiB (every gradient in one)."""
+    return {"off": 0, "layer": (d * d + d) * 8, "default": None}[which]
+
+
+@pytest.mark.parametrize("which", ["off", "layer", "default"])
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_a_sharded_step_prefetches_its_gathers_and_overlaps_its_reduce_scatters(shape, which):
+    over, mesh, layers, d, p, x = _sharded(shape, 0)
+    with _bucket_bytes(_limit(which, d)):
+        eager = _step(layers)(p, x)
+        run = mm.compile(_step(layers))
+        run(p, x)
+        with mm.profile() as prof:
+            got = run(p, x)
+    assert eager[0].to_numpy().tobytes() == got[0].to_numpy().tobytes()
+    for a, b in zip(eager[1], got[1]):
         assert a.tensor_layout == b.tensor_layout and a.to_numpy().tobytes() == b.to_numpy().tobytes()
+    steps = _engine(run).steps
+    split = [s for s in steps if type(s) is AsyncStep]
+    gathers = [s for s in split if s.step.op.name == "relayout" and s.kind == "start"]
+    scatters = [s for s in split if s.step.op.name == "psum" and s.kind == "start"]
+    buckets = [s for s in steps if type(s) is BucketStep and s.kind == "start" and type(s.bucket) is _ReplayScatter]
+    sharded = sum(over in t.tensor_layout for t in p.values())  # weights and biases (each dim >= k)
+    calls = {"off": sharded, "layer": layers, "default": 1}[which]
+    assert sharded == 2 * layers and len(gathers) == sharded
+    assert len(scatters) + sum(len(b.bucket.ins) for b in buckets) == sharded
+    assert len(scatters) + len(buckets) == calls
+    assert prof.overlap["requests"] == len(split) // 2 + len(buckets)
+    assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == calls  # one per bucket
+    assert prof.transfers[f"reduce_scatter/{over}"]["elements"] == sum(t.shape.size for t in p.values())
+    where = {id(s): i for i, s in enumerate(steps)}
+    einsums = [i for i, s in enumerate(steps) if type(s) is OpStep and s.op.name == "einsum"]
+    # prefetch: the second layer's gather starts before the first layer's einsum
+    assert where[id(gathers[1])] < einsums[0]
+    if which != "default":  # overlap: einsums of the backward run between a reduce-scatter's start and its wait
+        first = (scatters or buckets)[0]
+        done = next(i for i, s in enumerate(steps) if type(s) is not OpStep and s.kind == "wait" and (
+            type(s) is AsyncStep and s.step is getattr(first, "step", None) or
+            type(s) is BucketStep and s.bucket is getattr(first, "bucket", None)))
+        assert any(where[id(first)] < e < done for e in einsums)
+
+
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_an_eager_walk_reduce_scatters_behind_the_backward_in_buckets(shape):
+    """`mm.gradients` packs the sharded weights' reduce-scatters into buckets (one collective each: one
+    a layer at a layer's bytes, one at the default 25 MiB), starts each without waiting and takes it in
+    at the end; the values are those of the blocking per-tensor sums (buckets off), bitwise where the
+    sums' order cannot differ (2 ranks), and a float64 numpy reference's to 1e-12."""
+    over, mesh, layers, d, p, x = _sharded(shape, 1)
+    sharded = sum(over in t.tensor_layout for t in p.values())
+    got = {}
+    for which, calls in (("off", sharded), ("layer", layers), ("default", 1)):
+        with _bucket_bytes(_limit(which, d)), mm.profile() as prof:
+            got[which] = _step(layers)(p, x)
+        assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == calls, which
+        assert prof.transfers[f"reduce_scatter/{over}"]["elements"] == sum(t.shape.size for t in p.values())
+        assert prof.overlap["requests"] == (0 if which == "off" else calls)
+    want = _reference(p, x, layers)
+    k = mesh.shape[over].size
+    for which in ("layer", "default"):
+        for a, b, (name, w) in zip(got[which][1], got["off"][1], want.items()):
+            assert a.tensor_layout == b.tensor_layout
+            if k <= 2:
+                assert a.to_numpy().tobytes() == b.to_numpy().tobytes(), (which, name)
+            np.testing.assert_allclose(a.to_numpy(), w, rtol=1e-12, atol=1e-12 * np.abs(w).max(), err_msg=name)
+
+
+def _reference(p, x, layers: int) -> dict:
+    """The gradients of `_loss` in float64 numpy (relu layers, loss the sum of squares)."""
+    q = {k: v.to_numpy() for k, v in p.items()}
+    hs, pre = [x.to_numpy()], []
+    for i in range(layers):
+        pre.append(hs[-1] @ q[f"l{i}/kernel"] + q[f"l{i}/bias"])
+        hs.append(np.maximum(pre[-1], 0))
+    g, out = 2 * hs[-1], {}
+    for i in reversed(range(layers)):
+        g = g * (pre[i] > 0)
+        out[f"l{i}/kernel"], out[f"l{i}/bias"] = hs[i].T @ g, g.sum(0)
+        g = g @ q[f"l{i}/kernel"].T
+    return {k: out[k] for k in p}
+
+
+def test_packing_by_destination_reduce_scatters_each_block_to_its_rank():
+    """`pack_by_destination` and one reduce-scatter of the packed buffer: each rank gets its block of
+    every array (cut along its own axis, uneven), summed over the ranks, as numpy float64 sums them."""
+    n = mm.MPI.COMM_WORLD.size
+    mesh = get_mesh(f"all:{n}")
+    shapes, axes = [(2 * n + 1, 3), (4, n + 2, 2), (n,), (5,)], [0, 1, 0, 0]
+    every = [[np.random.default_rng(100 * r + j).standard_normal(s) for j, s in enumerate(shapes)] for r in range(n)]
+    flat, sizes = pack_by_destination(np, every[mesh.rank], axes, n)
+    assert sum(sizes) == flat.size == sum(math.prod(s) for s in shapes)
+    part = mesh.collectives.ireduce_scatter(flat, "all", 0, sizes=sizes).wait()
+    got = unpack_destination(part, shapes, axes, n, mesh.rank)
+    for j, (shape, axis) in enumerate(zip(shapes, axes)):
+        whole = sum(a[j] for a in every)
+        want = np.array_split(whole, n, axis=axis)[mesh.rank]
+        np.testing.assert_allclose(got[j], want, rtol=1e-12, atol=1e-15)
+        alone = mesh.collectives.reduce_scatter(every[mesh.rank][j], "all", axis)
+        np.testing.assert_allclose(got[j], alone, rtol=1e-12, atol=1e-15)
+    with pytest.raises(mm.MpimeshError, match="block lengths .* do not cut axis 0 of length"):
+        mesh.collectives.ireduce_scatter(flat, "all", 0, sizes=(1,) * n)
 
 
 def test_prefetch_depth_bounds_the_gathered_weights_alive(monkeypatch):

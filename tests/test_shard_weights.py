@@ -216,6 +216,7 @@ def test_gradients_are_reduce_scattered_and_move_one_allreduce_of_bytes():
                 assert prof.transfers["allreduce/all"]["elements"] == 1  # the loss alone
                 weights = sum(t.shape.size for t in p.values())
                 assert prof.transfers["reduce_scatter/all"]["elements"] == weights
+                assert prof.transfers["reduce_scatter/all"]["calls"] == 1  # four gradients, one bucket
         loss_only = 2 * (n - 1) / n
         weights_sent = sent["all"]["allgather"] + sent["all"]["reduce_scatter"]
         assert abs(weights_sent - (sent[""]["allreduce"] - loss_only)) <= 0.01 * weights_sent

@@ -341,14 +341,20 @@ class Collectives:
         """A transport without a non-blocking path: the blocking allgather, complete when started."""
         return completed(self._allgather(x, mesh_dim, axis, sizes))
 
-    def ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum") -> Request:
+    def ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str = "sum", sizes: Optional[tuple] = None) -> Request:
         """Start `reduce_scatter(x, mesh_dim, axis, op)` without waiting: a `Request` (as `iallreduce`'s)
-        whose `wait()` gives this rank's block. `x` must not change until it completes."""
-        k = self._sizes[mesh_dim]
+        whose `wait()` gives this rank's block. `x` must not change until it completes. `sizes`: each
+        coordinate's block length along `axis` (None: cut like `numpy.array_split`; a bucket of
+        reduce-scatters passes its packed blocks' lengths)."""
+        k, n = self._sizes[mesh_dim], x.shape[axis]
+        if sizes is not None and (len(sizes) != k or sum(sizes) != n):
+            raise MpimeshError(f"reduce_scatter over mesh dim {mesh_dim!r} of size {k}: block lengths {tuple(sizes)} "
+                               f"do not cut axis {axis} of length {n}")
         if k == 1 or x.dtype == bool:
             return completed(self.reduce_scatter(x, mesh_dim, axis, op))
-        n = x.shape[axis]
-        return self._ireduce_scatter(x, mesh_dim, axis, op, None if n % k == 0 else _unequal(block_sizes(n, k)))
+        if sizes is None:
+            return self._ireduce_scatter(x, mesh_dim, axis, op, None if n % k == 0 else _unequal(block_sizes(n, k)))
+        return self._ireduce_scatter(x, mesh_dim, axis, op, _unequal(tuple(sizes)))
 
     def _ireduce_scatter(self, x, mesh_dim: str, axis: int, op: str, sizes) -> Request:
         """A transport without a non-blocking path: the blocking reduce-scatter, complete when started."""
