@@ -89,6 +89,22 @@ def test_the_gathered_weight_counts_while_it_lives(k):
     assert sharded.state_bytes == plain.state_bytes - I * 8 * k * 4 * (k - 1) // k
 
 
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_an_allgather_along_an_inner_axis_counts_its_receive_buffer(k):
+    """Forward only, the weight sharded on io (its largest dim, 240: k divides it): where io is the weight's second axis the
+    allgather receives into a buffer of its own (the whole weight) and reorders it into its output, both
+    alive during the gather; where io is its first axis the blocks arrive in place. Small outputs (64 rows
+    of 8k): the gather is the peak."""
+    def forward(p, x):
+        return mm.einsum([x, p["w"]])
+    w, out = 240 * 8 * k * 4, 64 * 8 * k * 4
+    for spec, buffer in ((f"io:240;hidden:{8 * k}", 0), (f"hidden:{8 * k};io:240", w)):
+        args = ({"w": ArgSpec(spec, "float32")}, ArgSpec(f"batch:{64 * k};io:240", "float32"))
+        rec = record(forward, args, f"x:{k}", "batch:x", weights="x")
+        assert [op.name for op in rec.ops] == ["relayout", "einsum"]
+        assert rec.activation_bytes == max(w + buffer, w + out), spec
+
+
 # --------------------------------------------------------------------------- the search
 
 def _mlp(mesh, rules: str, shard: str = ""):
@@ -133,10 +149,10 @@ def test_memory_short_of_every_rules_string_shards_the_weights():
     bytes are the formula (parameters and Adam's two slots over N, the batch over N, Adam's step count),
     its traffic is the real sharded step's (`mm.profile`: gathers, reduce-scatters, the loss's
     allreduce), and its bytes per rank miss what the real run holds at its peak by no more than the
-    model misses the replicated data-parallel run's, plus 15% (the model leaves out some kernel
-    temporaries of this activation-heavy step, and the sharded step's transfer buffers: an allgather
-    along an inner axis receives into a buffer of its own, then reorders; a reduce-scatter along one
-    copies its input: on 4 and 8 ranks the model is 3-6% under the replicated run, 16% under the sharded)."""
+    model misses the replicated data-parallel run's, plus 5% (the model leaves out some kernel
+    temporaries of this activation-heavy step; it counts a gather's receive buffer and the whole gradients
+    a bucket of reduce-scatters holds: measured 2026-12-02 on 2, 3, 4 and 8 ranks, the model is 15, 14, 6
+    and 5% under the replicated run, 12, 11, 10 and 7% under the sharded; 16-18% before)."""
     n = WORLD.Get_size()
     mesh = mm.Mesh(f"all:{n}")
     step, args = _mlp(mesh, "")
@@ -169,7 +185,7 @@ def test_memory_short_of_every_rules_string_shards_the_weights():
     assert WORLD.allreduce(held, op=MPI.MAX) == e["state_bytes"] and held < local_bytes(_mlp(mesh, plan.rules)[1])
     assert _at_rank0(transfers(prof.transfers) == e["collectives"])
     assert {"allgather/all", "reduce_scatter/all"} <= set(e["collectives"])
-    assert miss["all"][0] <= miss[""][0] + 0.15 * miss["all"][1], (plan.rules, plan.bytes_per_rank, miss)
+    assert miss["all"][0] <= miss[""][0] + 0.05 * miss["all"][1], (plan.rules, plan.bytes_per_rank, miss)
 
 
 def test_a_2d_mesh_gets_gspmds_layout():
@@ -177,8 +193,10 @@ def test_a_2d_mesh_gets_gspmds_layout():
     the other, the weights sharded over the batch's too (GSPMD's 2-D weight sharding); the report shows
     the plan once, not again with the mesh dims swapped. Gradient buckets of one gradient each: a bucket of
     reduce-scatters keeps its whole gradients until it starts, and at 25 MiB this small step's would all
-    be alive at once, as unsharded."""
-    args = ({"w1": ArgSpec(f"io:{I};hidden:{H}", "float32"), "w2": ArgSpec(f"hidden:{H};out:{O}", "float32")},
+    be alive at once, as unsharded. Each weight's sharded dim (io, out) is its first axis: its blocks
+    gather in place (along an inner axis a receive buffer and a send buffer would eat this small step's
+    saving)."""
+    args = ({"w1": ArgSpec(f"io:{I};hidden:{H}", "float32"), "w2": ArgSpec(f"out:{O};hidden:{H}", "float32")},
             ArgSpec(f"batch:{B};io:{I}", "float32"))
     mesh = DryMesh("rows:2;cols:2")
     before = mm.buckets.bucket_bytes()

@@ -15,7 +15,10 @@ the target splits a dim over a mesh dim of the sum, an allreduce for the rest (`
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
+
+import numpy as np
 
 from ..errors import ShapeError
 from ..layout import TensorLayout, layout_from_spec, splitting
@@ -92,9 +95,26 @@ def _start_relayout(params: dict):
     return lambda ctx, x: ctx.iallgather(x, mesh_dim, axis, size)
 
 
+def _bytes(a) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def _inner(shape, axis: int) -> bool:
+    """Whether blocks cut along `axis` of an array of `shape` are not contiguous slabs: an allgather along
+    it receives into a buffer of its own, then reorders."""
+    return math.prod(shape[:axis]) > 1
+
+
+def _relayout_scratch(params, ins, outs) -> int:
+    """The receive buffer of an allgather along an inner axis (the output's size, then reordered into it)."""
+    gathers = [axis for kind, _, axis, *_ in params["steps"] if kind == "allgather"]
+    return _bytes(outs[0]) if any(_inner(outs[0].shape, axis) for axis in gathers) else 0
+
+
 RELAYOUT = OpDef("relayout", _relayout, grad=_relayout_grad, saves=((), ()), linear=True, partial_grads=True,
                  abstract=lambda ctx, shapes, x, **params: (_relayout(ctx, x, **params).dtype,),
-                 view=lambda params, ins, outs: None if params["steps"] else 0, start=_start_relayout)
+                 view=lambda params, ins, outs: None if params["steps"] else 0, start=_start_relayout,
+                 scratch=_relayout_scratch)
 
 
 def sum_kernel(ctx, x, mesh_dims: tuple, dtype=None, scatter: tuple = (), bucket=None):
