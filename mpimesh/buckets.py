@@ -288,13 +288,6 @@ class _Scatter:
         self.bytes += nbytes
 
     def start(self) -> None:
-        if _open_traces:
-            serial = next(_serials)
-            for k, (y, out, _, params) in enumerate(self.members):
-                params = dict(params, bucket=(serial, k, len(self.members))) if len(self.members) > 1 else params
-                rec = OpRecord(SUM_PARTIAL, (y,), (out,), params, y.mesh.layout)
-                for tr in _open_traces:
-                    tr._append(rec)
         coll, k = self.mesh.collectives, self.mesh.shape[self.dim].size
         locals_, axes = [m[0].local for m in self.members], [m[2] for m in self.members]
         if len(self.members) == 1:
@@ -305,6 +298,13 @@ class _Scatter:
         else:
             flat, sizes = pack_by_destination(self.mesh.xp, locals_, axes, k)
             self.request = coll.ireduce_scatter(flat, self.dim, 0, sizes=sizes)
+        if _open_traces:  # (after the transfer started: the cost model gives it to the first member)
+            serial = next(_serials)
+            for j, (y, out, _, params) in enumerate(self.members):
+                params = dict(params, bucket=(serial, j, len(self.members))) if len(self.members) > 1 else params
+                rec = OpRecord(SUM_PARTIAL, (y,), (out,), params, y.mesh.layout)
+                for tr in _open_traces:
+                    tr._append(rec)
         self.members = [(None, out, axis, a.shape) for a, (_, out, axis, _) in zip(locals_, self.members)]
 
     def finish(self) -> None:

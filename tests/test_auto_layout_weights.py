@@ -13,6 +13,7 @@ from mpi4py import MPI
 import mpimesh as mm
 from mpimesh.backend import resolve_backend
 from mpimesh.cost import ArgSpec, Machine, estimate, record
+from mpimesh.cost.model import op_seconds
 from mpimesh.cost.search import plan_label, split_label
 from mpimesh.dryrun import DryMesh
 from meshes import adam_mlp_step, local_bytes, transfers
@@ -52,6 +53,52 @@ def test_gather_and_reduce_scatter_cost_the_ring_formulas(k):
     assert set(plain["collectives"]) == {"allreduce/x"}
     assert plain["collectives"]["allreduce/x"]["elements"] == w_elems + 1  # gradient and loss: one allreduce's bytes
     assert e["state_bytes"] == plain["state_bytes"] - 4 * w_elems + 4 * w_elems // k
+
+
+def _layers_grads(p, x):
+    """Three relu layers, d to d, and their weights' gradients."""
+    with mm.trace():
+        h = x
+        for i in range(3):
+            h = mm.relu(mm.einsum([h, p[f"w{i}"]]))
+        return mm.gradients([mm.reduce_sum(h)], [p[f"w{i}"] for i in range(3)])
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_gathers_hide_behind_the_previous_layer_and_reduce_scatters_behind_the_backward(k):
+    """Three sharded layers, buckets of one layer's gradient: each gather after the first hides behind
+    the compute since the gather before it (the previous layer's einsum and relu), each reduce-scatter
+    behind the compute after it up to the next one (the rest of the backward), each at most its own ring
+    time; `seconds` is compute plus communication less what hides; with prefetch 0 only the
+    reduce-scatters hide."""
+    d = 64
+    args = ({f"w{i}": ArgSpec(f"d{i}:{d};d{i + 1}:{d}", "float32") for i in range(3)},
+            ArgSpec(f"batch:{256 * k};d0:{d}", "float32"))
+    before = mm.buckets.bucket_bytes()
+    mm.set_bucket_bytes(4 * d * d)  # one whole gradient a bucket
+    try:
+        rec = record(_layers_grads, args, f"x:{k}", "batch:x", weights="x")
+    finally:
+        mm.set_bucket_bytes(before)
+    gather = TOY.latency + (k - 1) * 4 * d * d / k / TOY.bandwidth  # ring: each rank's block to k-1 others
+    scatter = TOY.latency + (k - 1) / k * 4 * d * d / TOY.bandwidth
+    names = [op.name for op in rec.ops]
+    gathers = [i for i, n in enumerate(names) if n == "relayout"]
+    scatters = [i for i, n in enumerate(names) if n == "psum"]
+    assert len(gathers) == 3 and len(scatters) == 3 and rec.collectives["reduce_scatter/x"]["calls"] == 3
+    t = [op_seconds(op, TOY) for op in rec.ops]
+    windows = [sum(t[a + 1:b]) for a, b in zip(gathers, gathers[1:])]  # the previous layer's compute
+    assert all(names[a + 1:b] == ["einsum", "relu"] for a, b in zip(gathers, gathers[1:]))
+    behind = [sum(t[a + 1:b]) for a, b in zip(scatters, scatters[1:] + [len(t)])]
+    hidden = {1: sum(min(gather, w) for w in windows) + sum(min(scatter, w) for w in behind),
+              0: sum(min(scatter, w) for w in behind)}
+    assert 0 < hidden[0] < hidden[1]
+    for depth in (0, 1):
+        e = estimate(rec, None, None, TOY, prefetch=depth)
+        assert e["comm_seconds"] == pytest.approx(3 * gather + 3 * scatter + TOY.latency + (k - 1) / k * 8
+                                                  / TOY.bandwidth, rel=1e-12)  # + the loss's allreduce
+        assert e["hidden_seconds"] == pytest.approx(hidden[depth], rel=1e-12)
+        assert e["seconds"] == pytest.approx(e["compute_seconds"] + e["comm_seconds"] - hidden[depth], rel=1e-12)
 
 
 @pytest.mark.skipif(resolve_backend(None) != "numpy", reason="measures host memory (tracemalloc)")

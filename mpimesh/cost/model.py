@@ -4,7 +4,8 @@ A `Recording` holds per op its local FLOPs and bytes, the collectives as the MPI
 them, and its blocks' lifetimes (peak memory); it keeps the function, so `estimate` can run it again
 dry on any mesh shape under any rules (a plain `mm.trace()` is priced as it ran). Prices are seconds
 per rank at coordinate 0 (the largest blocks): each op's roofline plus a fixed cost, each collective
-`α + f · b / β`, compute and communication not overlapped. More: docs/cost_model.md.
+`α + f · b / β`, less the gathers and reduce-scatters a compiled step hides behind compute
+(`hidden_seconds`). More: docs/cost_model.md.
 
 >>> allreduce = collective_seconds("allreduce", 4, 1000, Machine(1e12, 1e-6, 1e9, 1e9))
 >>> round(allreduce * 1e6, 3)  # α + 2·3/4 · 1000 B / 1 GB/s
@@ -22,6 +23,7 @@ from ..backend import as_dtype, is_float
 from ..dryrun import DryMesh, placeholder, shaped
 from ..errors import LayoutError, MpimeshError
 from ..mesh import AbstractMesh, layout_scope, mesh_shape_of
+from ..overlap import prefetch_depth
 from ..program import Program
 from ..trace import Released, Trace, open_traces, trace
 from ..layout import LayoutRules, weight_layout
@@ -71,10 +73,11 @@ def _nbytes(t) -> int:
 
 
 class OpCost:
-    """One op of a recording: its name, local FLOPs, local bytes in and out, and whether it is a
-    GEMM (`OpDef.gemm`)."""
+    """One op of a recording: its name, local FLOPs, local bytes in and out, whether it is a GEMM
+    (`OpDef.gemm`), the collectives it ran (`comm`: `{"<kind>/<mesh dims>": (bytes, calls)}`), and
+    whether a compiled step overlaps them (`overlap`: `"gather"`, `"scatter"` or None; `hidden_seconds`)."""
 
-    __slots__ = ("name", "flops", "nbytes", "gemm")
+    __slots__ = ("name", "flops", "nbytes", "gemm", "comm", "overlap")
     name: str
     """The op's name: `"einsum"`, `"tanh"`, ..."""
     flops: int
@@ -83,9 +86,16 @@ class OpCost:
     """Bytes of this rank's blocks of the op's inputs and outputs together."""
     gemm: bool
     """Whether the op is a matrix product (priced with the machine's fixed cost per GEMM)."""
+    comm: dict
+    """The collectives counted while the op ran (a bucket's at its first member): `{key: (bytes, calls)}`."""
+    overlap: Optional[str]
+    """`"gather"` (one allgather: a compiled step prefetches it), `"scatter"` (a gradient's reduce-scatter:
+    overlapped with the rest of the backward), or None (the op's collectives block)."""
 
-    def __init__(self, name: str, flops: int, nbytes: int, gemm: bool = False):
+    def __init__(self, name: str, flops: int, nbytes: int, gemm: bool = False, comm: Optional[dict] = None,
+                 overlap: Optional[str] = None):
         self.name, self.flops, self.nbytes, self.gemm = name, flops, nbytes, gemm
+        self.comm, self.overlap = comm or {}, overlap
 
     def __repr__(self) -> str:
         return f"OpCost({self.name!r}, flops={self.flops}, nbytes={self.nbytes})"
@@ -219,6 +229,32 @@ def view_of(rec, ins: list, out) -> Optional[int]:
     return rec.op.view(rec.params, ins, [out])
 
 
+def overlap_kind(rec) -> Optional[str]:
+    """How a compiled step runs op record `rec`'s collective (`mpimesh.overlap`): `"gather"` for an op that
+    can start without blocking and is a relayout (an allgather), `"scatter"` for one that is a sum (a
+    reduce-scatter), None otherwise."""
+    if rec.op.start is None or rec.op.start(rec.params) is None:
+        return None
+    return "scatter" if rec.op.partial_inputs else "gather"
+
+
+class _CommDelta:
+    """The collectives counted since the last call (`counts`: an open counter dict)."""
+
+    def __init__(self, counts: dict):
+        self.counts, self.seen = counts, {}
+
+    def __call__(self) -> dict:
+        out = {}
+        for key, c in counters.traffic(self.counts).items():
+            was = self.seen.get(key, (0, 0))
+            now = (c["bytes"], c["calls"])
+            if now != was:
+                out[key] = (now[0] - was[0], now[1] - was[1])
+                self.seen[key] = now
+        return out
+
+
 class _Watched(set):
     """The recording trace's set of produced ids: autodiff's release discards from it (noted)."""
 
@@ -243,6 +279,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
             self.life = _Lifetimes()
             self._produced = _Watched(lambda t_id: self.life.release(t_id, len(rec.ops)))
             self.open: set = set()  # ids of the program's traces open at the last op
+            self.comm = _CommDelta(counts)
 
         def _append(self, op) -> None:
             super()._append(op)
@@ -267,7 +304,7 @@ def _recording_trace(rec: Recording, counts: dict, arg_ids: set):
                 rec.shapes.add(t.shape.names)
                 for d in t.shape:
                     rec.dims[d.name] = max(rec.dims.get(d.name, 0), d.size)
-            rec.ops.append(OpCost(op.name, flops - self.flops_seen, nbytes, op.op.gemm))
+            rec.ops.append(OpCost(op.name, flops - self.flops_seen, nbytes, op.op.gemm, self.comm(), overlap_kind(op)))
             self.flops_seen = flops
 
         def finish(self, out) -> int:
@@ -435,6 +472,7 @@ def _priced(ops, inputs, to_end) -> Recording:
     state = {id(t) for t in inputs}
     rec.state_bytes = sum(math.prod(local(t).shape) * np.dtype(t.dtype).itemsize for t in inputs)
     with counters.counting() as counts:
+        comm = _CommDelta(counts)
         for i, op in enumerate(ops):
             ins = [local(t) for t in op.inputs]
             outs = dry.run_dry(op.op, op.params, ins, [(t.shape, t.tensor_layout) for t in op.outputs])
@@ -453,13 +491,53 @@ def _priced(ops, inputs, to_end) -> Recording:
             for t in op.inputs:
                 if id(t) not in state:
                     life.use(t, i)
-            rec.ops.append(OpCost(op.name, op.op.count_flops(op.params, ins, outs), nbytes, op.op.gemm))
+            rec.ops.append(OpCost(op.name, op.op.count_flops(op.params, ins, outs), nbytes, op.op.gemm, comm(),
+                                  overlap_kind(op)))
     for t_id, j in life.live.items():
         if to_end(held[t_id]):
             life.spans[j][1] = len(ops) - 1
     rec.activation_bytes = life.peak(len(ops))
     rec.collectives = {k: dict(v) for k, v in counters.traffic(counts).items()}
     return rec
+
+
+def _transfer_seconds(key: str, nbytes: float, calls: int, mesh_shape: Shape, machine: Machine) -> float:
+    """Seconds of the profile counter `key`'s `calls` transfers of `nbytes` in all on `machine`."""
+    kind, _, dims = key.partition("/")
+    if not dims:  # a host-device copy: memory traffic
+        return nbytes / machine.memory_bandwidth
+    dims = tuple(dims.split("+"))
+    return collective_seconds(kind, math.prod(mesh_shape[d].size for d in dims), nbytes, machine, dims, calls)
+
+
+def hidden_seconds(kinds: Sequence, compute: Sequence[float], comm: Sequence[float], depth: int) -> float:
+    """Seconds of transfers hidden behind compute, as a compiled step overlaps them (`mpimesh.overlap`),
+    per op `i`: its overlap kind (`OpCost.overlap`), compute seconds and transfer seconds. A gather, with
+    prefetch `depth` >= 1, hides behind the compute since the previous gather (the previous layer's); a
+    reduce-scatter behind the compute after it up to the next one (the rest of the backward); each
+    hides at most its own time: the sum of min(transfer, window). Deeper prefetch is priced as depth 1.
+
+    >>> hidden_seconds([None, "gather", None, "gather", None, "scatter", None], [2, 0, 3, 0, 4, 0, 1],
+    ...                [0, 1, 0, 5, 0, 2, 0], depth=1)  # 0 (no compute before it) + min(5, 3) + min(2, 1)
+    4.0
+    """
+    hidden, last = 0.0, {}  # kind -> (index of the transfer waiting for compute, its seconds, compute since)
+    for i, (kind, c, t) in enumerate(zip(kinds, compute, comm)):
+        if kind == "gather" and t > 0:
+            hidden += min(t, last.pop("gather", 0.0) if depth >= 1 else 0.0)
+            last["gather"] = 0.0  # (the compute since this gather: the next one's window)
+        elif kind == "scatter" and t > 0:
+            if "scatter" in last:
+                hidden += min(last["scatter"][0], last["scatter"][1])
+            last["scatter"] = [t, 0.0]
+        elif kind is None:
+            if "gather" in last:
+                last["gather"] += c
+            if "scatter" in last:
+                last["scatter"][1] += c
+    if "scatter" in last:
+        hidden += min(last["scatter"][0], last["scatter"][1])
+    return float(hidden)
 
 
 def op_seconds(op: OpCost, machine: Machine) -> float:
@@ -469,12 +547,14 @@ def op_seconds(op: OpCost, machine: Machine) -> float:
 
 
 def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = None, *,
-             weights: Optional[str] = None) -> dict[str, Any]:
-    """Price one run of a step on `machine`: a dict with `seconds` (compute plus communication,
-    per rank), `compute_seconds`, `comm_seconds`, `bytes_per_rank`, and the parts (`flops`,
-    `comm_bytes`, `collectives`, `state_bytes`, `activation_bytes`, `ops`). `trace`: a `Recording`,
-    run again dry where `rules`, `mesh_shape` or `weights` (see `record`) differ from its own; or,
-    priced as it ran, a plain `mm.trace()`, a compiled step or a `Program`. More: docs/cost_model.md.
+             weights: Optional[str] = None, prefetch: Optional[int] = None) -> dict[str, Any]:
+    """Price one run of a step on `machine`: a dict with `seconds` (compute plus the communication not
+    hidden, per rank), `compute_seconds`, `comm_seconds` (all of it), `hidden_seconds` (the gathers and
+    reduce-scatters a compiled step overlaps with compute, `hidden_seconds`; `prefetch`: its depth,
+    default `MPIMESH_PREFETCH`'s), `bytes_per_rank`, and the parts (`flops`, `comm_bytes`, `collectives`,
+    `state_bytes`, `activation_bytes`, `ops`). `trace`: a `Recording`, run again dry where `rules`,
+    `mesh_shape` or `weights` (see `record`) differ from its own; or, priced as it ran, a plain
+    `mm.trace()`, a compiled step or a `Program`. More: docs/cost_model.md.
 
     >>> import mpimesh as mm
     >>> m = Machine(flops=1e9, latency=1e-5, bandwidth=1e8, memory=2**30)
@@ -502,17 +582,16 @@ def estimate(trace, rules=None, mesh_shape=None, machine: Optional[Machine] = No
     else:
         raise MpimeshError(f"estimate prices a mm.cost.Recording (mm.cost.record), a mm.trace(), a "
                            f"compiled step (mm.compile) or its Program, got {type(trace).__name__}")
-    compute = sum(op_seconds(op, machine) for op in rec.ops)
-    comm = 0.0
-    for key, c in rec.collectives.items():
-        kind, _, dims = key.partition("/")
-        if not dims:  # a host-device copy: memory traffic
-            comm += c["bytes"] / machine.memory_bandwidth
-            continue
-        dims = tuple(dims.split("+"))
-        k = math.prod(rec.mesh_shape[d].size for d in dims)
-        comm += collective_seconds(kind, k, c["bytes"], machine, dims, c["calls"])
-    return {"seconds": compute + comm, "compute_seconds": compute, "comm_seconds": comm,
+    times = [op_seconds(op, machine) for op in rec.ops]
+    compute = sum(times)
+    comm = sum(_transfer_seconds(key, c["bytes"], c["calls"], rec.mesh_shape, machine)
+               for key, c in rec.collectives.items())
+    transfers = [sum(_transfer_seconds(key, b, n, rec.mesh_shape, machine) for key, (b, n) in op.comm.items())
+                 for op in rec.ops]
+    depth = prefetch_depth() if prefetch is None else prefetch
+    hidden = hidden_seconds([op.overlap for op in rec.ops], times, transfers, depth)
+    return {"seconds": compute + comm - hidden, "compute_seconds": compute, "comm_seconds": comm,
+            "hidden_seconds": hidden,
             "bytes_per_rank": rec.bytes_per_rank, "flops": sum(op.flops for op in rec.ops),
             "comm_bytes": sum(c["bytes"] for c in rec.collectives.values()), "collectives": rec.collectives,
             "state_bytes": rec.state_bytes, "activation_bytes": rec.activation_bytes, "ops": len(rec.ops)}
