@@ -34,6 +34,7 @@ from .overlap import prefetch_depth
 from .trace import OpRecord, _open_traces
 
 DEFAULT_BUCKET_BYTES = 25 << 20
+ALONE_BYTES = 1 << 20  # a sharded weight's gradient this big is reduce-scattered alone, at once (`Bucketer.scatter`)
 
 
 def _checked(n) -> int:
@@ -144,7 +145,9 @@ class Bucketer:
         weight's, in a bucket of reduce-scatters over the same mesh dim and dtype (`_Scatter`: one
         collective per bucket, started when the next gradient would overflow it or it is full, and waited
         for in `finish`, or sooner: at most `MPIMESH_PREFETCH` + 1 buckets are in flight,
-        `overlap.prefetch_depth`). Recorded as the `"psum"` op `to_layout` would run, when its bucket
+        `overlap.prefetch_depth`). A gradient of `ALONE_BYTES` (1 MiB, DDP's first bucket) or more is
+        started alone at once: packing saves a call's latency, small beside its transfer, and would hold
+        it whole and start it late. Recorded as the `"psum"` op `to_layout` would run, when its bucket
         starts. None where that sum is not one reduce-scatter: the caller sums it itself."""
         out_layout, params = sum_plan(y, layout)
         if out_layout != tuple(layout) or params["mesh_dims"] or len(params["scatter"]) != 1 or "dtype" in params:
@@ -153,22 +156,26 @@ class Bucketer:
         block = shaped(local_sizes(y.shape, y.mesh.shape, out_layout, y.mesh.coords), y.dtype)
         out = DistTensor(y.mesh, y.shape, out_layout, Unreduced(block, (mesh_dim,)))
         nbytes = slot_bytes(y.mesh, y.shape, y.tensor_layout, y.dtype)  # alike on every rank
+        if nbytes >= ALONE_BYTES:
+            alone = _Scatter(y.mesh, mesh_dim)
+            alone.add(y, out, axis, params, nbytes)
+            self._start_scatter(alone)
+            return out
         key = (id(y.mesh), mesh_dim, str(y.dtype))
         bucket = self.scattering.get(key)
         if bucket is not None and bucket.bytes + nbytes > self.limit:
-            self._start_scatter(key)
+            self._start_scatter(self.scattering.pop(key))
             bucket = None
         if bucket is None:
             bucket = self.scattering[key] = _Scatter(y.mesh, mesh_dim)
         bucket.add(y, out, axis, params, nbytes)
         if bucket.bytes >= self.limit:
-            self._start_scatter(key)
+            self._start_scatter(self.scattering.pop(key))
         return out
 
-    def _start_scatter(self, key) -> None:
+    def _start_scatter(self, bucket) -> None:
         if len(self.scatters) - self.scattered > prefetch_depth():  # at most depth + 1 in flight: each
             self._take_scatter()                                     # holds its gradients till done
-        bucket = self.scattering.pop(key)
         bucket.start()
         self.scatters.append(bucket)
 
@@ -189,7 +196,7 @@ class Bucketer:
         for key in list(self.open):
             self._start(key)
         for key in list(self.scattering):
-            self._start_scatter(key)
+            self._start_scatter(self.scattering.pop(key))
         for bucket in self.started:
             bucket.finish()
         self.started = []

@@ -205,6 +205,30 @@ def test_an_eager_walk_reduce_scatters_behind_the_backward_in_buckets(shape):
             np.testing.assert_allclose(a.to_numpy(), w, rtol=1e-12, atol=1e-12 * np.abs(w).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("shape", mesh_shapes())
+def test_a_big_gradient_is_reduce_scattered_alone_at_once(shape, monkeypatch):
+    """With `ALONE_BYTES` at a weight's bytes, each weight's gradient is reduce-scattered on its own as soon
+    as it is made (a compiled step: one overlapped psum each), the biases' in one bucket: layers + 1 calls,
+    eager and compiled, the same values bitwise, a float64 numpy reference's to 1e-12."""
+    over, mesh, layers, d, p, x = _sharded(shape, 2)
+    monkeypatch.setattr(mm.buckets, "ALONE_BYTES", d * d * 8)
+    with mm.profile() as prof:
+        eager = _step(layers)(p, x)
+    assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == layers + 1
+    run = mm.compile(_step(layers))
+    run(p, x)
+    with mm.profile() as prof:
+        got = run(p, x)
+    assert prof.transfers[f"reduce_scatter/{over}"]["calls"] == layers + 1
+    steps = _engine(run).steps
+    assert sum(type(s) is AsyncStep and s.kind == "start" and s.step.op.name == "psum" for s in steps) == layers
+    assert [len(s.bucket.ins) for s in steps if type(s) is BucketStep and s.kind == "start"] == [layers]
+    want = _reference(p, x, layers)
+    for a, b, w in zip(eager[1], got[1], want.values()):
+        assert a.to_numpy().tobytes() == b.to_numpy().tobytes()
+        np.testing.assert_allclose(a.to_numpy(), w, rtol=1e-12, atol=1e-12 * np.abs(w).max())
+
+
 def _reference(p, x, layers: int) -> dict:
     """The gradients of `_loss` in float64 numpy (relu layers, loss the sum of squares)."""
     q = {k: v.to_numpy() for k, v in p.items()}
