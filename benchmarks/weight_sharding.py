@@ -7,8 +7,10 @@ Speed: `benchmarks/mlp_step.py`'s data-parallel step (apps/two_layer.py, `batch:
 Transformer's (apps/transformer.py, a weight-heavy configuration, Adam), each eager and compiled, with its
 weights replicated (data parallel) and sharded over the same mesh dim; the median of interleaved runs,
 the ratio sharded / replicated (bars: the MLP at most 1.10x, the Transformer 1.15x), the bytes each rank
-sends per step (allgather + reduce-scatter against the allreduce) and the share of the time in collectives
-that ran hidden behind compute (compiled steps prefetch gathers and overlap reduce-scatters: docs/weight_sharding.md). Memory (`--memory`): parameter, gradient and optimizer bytes per rank against
+sends per step (ring algorithms: allgather + reduce-scatter, and the all-to-alls of layers that use a sharded
+weight where it lies, such as the embedding, against the allreduce) and the share of the time in collectives
+that ran hidden behind compute (compiled steps prefetch gathers and overlap reduce-scatters:
+docs/weight_sharding.md). Memory (`--memory`): parameter, gradient and optimizer bytes per rank against
 replicated / N, and the Transformer step's peak of live arrays (`mm.profile(memory=True)`), replicated,
 sharded, and sharded with `mm.remat` per block (which gathers each weight again in the backward:
 FSDP's reshard-after-forward). Prints figures and ratios, no verdict against another machine's.
@@ -30,7 +32,8 @@ sys.path.insert(0, os.path.join(ROOT, "apps"))
 import transformer as T  # noqa: E402
 import two_layer as tl  # noqa: E402
 
-WIRE = {"allgather": lambda k: k - 1, "reduce_scatter": lambda k: (k - 1) / k, "allreduce": lambda k: 2 * (k - 1) / k}
+WIRE = {"allgather": lambda k: k - 1, "reduce_scatter": lambda k: (k - 1) / k, "allreduce": lambda k: 2 * (k - 1) / k,
+        "alltoall": lambda k: (k - 1) / k, "permute": lambda k: 1}
 
 
 def sent_bytes(prof, mesh) -> float:
