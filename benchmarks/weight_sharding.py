@@ -55,7 +55,7 @@ def mlp_case(mesh, sizes, shard: bool, compiled: bool):
     x, target = tl.make_data(mesh, sizes)
 
     def step(params):
-        return tl.train_step(params, x, target, 0.01, input_grad=False).params
+        return tl.train_step(params, x, target, 1e-4, input_grad=False).params
     run = mm.compile(step, donate_argnums=0) if compiled else step
     box = [params]
 
