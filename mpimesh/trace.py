@@ -350,9 +350,10 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
             if t.partial:
                 raise MpimeshError(f"op {op.name!r}: its input {t.shape} {t.dtype} still awaits a sum over mesh dims "
                                    f"{'+'.join(t.partial)}: sum it first (to_layout)")
-    names = mesh.shape.names
     for spec in out_specs:
-        key = (spec[1], len(spec[0].names), names)  # (what `_check_spec` reads: no Shape hashed, per-op time)
+        if inputs and spec[1] is inputs[0].tensor_layout and spec[0] is inputs[0].shape:
+            continue  # (an elementwise op's: its input's own, valid on this mesh; per-op time)
+        key = (spec[1], len(spec[0].names), mesh.shape.names)  # (what `_check_spec` reads: no Shape hashed)
         if key not in _checked:
             _check_spec(op.name, spec[0], spec[1], mesh)
             _checked.add(key)

@@ -317,9 +317,10 @@ def einsum(xs: Sequence, output_shape: Optional[ShapeLike] = None, reduced_dims=
         reduced_dims = reduced_dims_arg("einsum", reduced_dims, reduced_dim)
     if output_shape is not None and reduced_dims is not None:
         raise ShapeError("einsum: give output_shape or reduced_dims, not both")
-    if hasattr(xs, "tensor_layout") or not hasattr(xs, "__iter__"):
-        raise TypeError(f"einsum takes a list of tensors, got a {type(xs).__name__}: mm.einsum([x, w], ...)")
-    xs = list(xs)
+    if type(xs) is not list:  # (a list as it is: per-op time; `_einsum` never writes it)
+        if hasattr(xs, "tensor_layout") or not hasattr(xs, "__iter__"):
+            raise TypeError(f"einsum takes a list of tensors, got a {type(xs).__name__}: mm.einsum([x, w], ...)")
+        xs = list(xs)
     if not xs:
         raise ShapeError("einsum needs at least one input")
     mesh = getattr(xs[0], "mesh", None)
@@ -468,6 +469,9 @@ def _planned_pair(xp, matmul, arrays, views: tuple, out):
     a, b = arrays[::-1] if swap else arrays
     if a.shape != sa or b.shape != sb or not (a.flags.c_contiguous and b.flags.c_contiguous):
         return None
+    if out is None and same[0] and same[1]:  # (2-D blocks into a new array: no call more, per-op time)
+        y = matmul(xp, a, b)
+        return y if same[2] else y.reshape(out_shape)
     y = _into(xp, matmul, True, _view(a, va, same[0]), _view(b, vb, same[1]), out)
     return out if out is not None else y if same[2] else y.reshape(out_shape)
 

@@ -337,7 +337,10 @@ def _binary(name: str, kernel: Callable, doc: str, grad: Callable = None, reads:
             x = to_layout(x, x_layout)
         if y.tensor_layout != y_layout:
             y = to_layout(y, y_layout)
-        (z,) = dispatch(same if is_same else aligned, [x, y], [(out, out_layout)], params)
+        if is_same:  # (x's own shape and layout: `dispatch` knows them valid, per-op time)
+            (z,) = dispatch(same, [x, y], [(x.shape, x.tensor_layout)], params)
+        else:
+            (z,) = dispatch(aligned, [x, y], [(out, out_layout)], params)
         return z
     op.__name__ = op.__qualname__ = name
     op.__doc__ = doc
