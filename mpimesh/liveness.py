@@ -14,7 +14,7 @@ buffer pools (a pooled buffer no array views).
 """
 from __future__ import annotations
 
-import sys
+from sys import getrefcount
 from typing import Hashable, Iterable, Mapping, MutableSequence, Union
 
 
@@ -44,11 +44,11 @@ def frees(uses: Iterable[Iterable[Hashable]], keep=()) -> dict:
 def held_only_by(container: Union[MutableSequence, Mapping], key, places: int = 0) -> bool:
     """Whether nothing refers to `container[key]` but `container` and `places` other references the
     caller knows of (records of a trace, a view's owner): numpy's own test before it reuses a temporary."""
-    return _count(container, key) - _ALONE == places
+    return getrefcount(container[key]) - _ALONE == places  # (no call more: per traced op)
 
 
 def _count(container, key) -> int:
-    return sys.getrefcount(container[key])
+    return getrefcount(container[key])  # (the expression `held_only_by` evaluates, in a function as there)
 
 
 _ALONE = _count([object()], 0)  # (measured as it is used: the count of an element nothing else refers to)

@@ -307,8 +307,10 @@ class Mesh(AbstractMesh):
         kernel = op.kernels.get(self._backend, op.kernel) if op.kernels else op.kernel
         if out:
             result = kernel(self.collectives if coll is None else coll, *arrays, **params, **out)
-        else:
+        elif params:
             result = kernel(self.collectives if coll is None else coll, *arrays, **params)
+        else:  # (no `**{}`: per-op time)
+            result = kernel(self.collectives if coll is None else coll, *arrays)
         if n_out == 1:
             return (self.xp.asarray(result) if isinstance(result, _SCALARS) else result,)
         if not isinstance(result, tuple):  # one array where several were declared: dispatch says so

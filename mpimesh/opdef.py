@@ -138,8 +138,8 @@ class OpDef:
             raise TypeError(f"op {self.name!r}: its kernel is {self.kernel!r}, not a function")
         if self.fill is not None and self.fill not in FILLS:
             raise ValueError(f"op {self.name!r}: fill {self.fill!r} is not one of {FILLS} or None")
-        if not callable(self.saves):  # (read per traced op: normalised once)
-            object.__setattr__(self, "_saved", _normalised(self.saves))
+        # (`saved` is read per traced op: static saves normalised once)
+        object.__setattr__(self, "_saved", None if callable(self.saves) else _normalised(self.saves))
 
     def kernel_for(self, backend: str) -> Callable:
         """The kernel that runs on `backend` ("numpy", "cupy", "jax")."""
@@ -147,7 +147,8 @@ class OpDef:
 
     def saved(self, params: Mapping) -> tuple:
         """`(inputs, outputs)` whose values the gradient rule reads, for these params."""
-        return _normalised(self.saves(params)) if callable(self.saves) else self._saved
+        saved = self._saved
+        return saved if saved is not None else _normalised(self.saves(params))
 
     def count_flops(self, params: Mapping, ins: Sequence, outs: Sequence) -> int:
         return int(self.flops(params, ins, outs)) if self.flops is not None else 0
