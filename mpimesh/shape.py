@@ -127,8 +127,8 @@ class Shape:
             return dims
         if isinstance(dims, str):
             return _make_shape(dims)
-        if type(dims) is not tuple and type(dims) is not list and (
-                isinstance(dims, (bytes, bytearray)) or not isinstance(dims, Iterable)):  # (ABC tests: slow)
+        if type(dims) not in (tuple, list) and (  # (the ABC test is slow: per-op time)
+                isinstance(dims, (bytes, bytearray)) or not isinstance(dims, Iterable)):
             raise ShapeError(f"cannot read {dims!r} as a shape: expected a string like 'batch:8;io:32', "
                              f"a Shape, or a list of Dimensions or (name, size) pairs")
         return _make_shape(tuple(_to_dim(d) for d in dims))

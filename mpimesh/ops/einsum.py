@@ -469,16 +469,18 @@ def _planned_pair(xp, matmul, arrays, views: tuple, out):
     a, b = arrays[::-1] if swap else arrays
     if a.shape != sa or b.shape != sb or not (a.flags.c_contiguous and b.flags.c_contiguous):
         return None
-    if out is None and same[0] and same[1]:  # (2-D blocks into a new array: no call more, per-op time)
+    if not same[0]:  # (an operand viewed only where the plan says so: a 2-D matmul makes none, per-op time)
+        a = _view(a, va)
+    if not same[1]:
+        b = _view(b, vb)
+    if out is None:
         y = matmul(xp, a, b)
         return y if same[2] else y.reshape(out_shape)
-    y = _into(xp, matmul, True, _view(a, va, same[0]), _view(b, vb, same[1]), out)
-    return out if out is not None else y if same[2] else y.reshape(out_shape)
+    _into(xp, matmul, True, a, b, out)
+    return out
 
 
-def _view(x, plan: tuple, as_is: bool):
-    if as_is:  # (a 2-D matmul: no view to make, per-op time)
-        return x
+def _view(x, plan: tuple):
     perm, shape, turn, _ = plan
     m = (x if perm is None else x.transpose(perm)).reshape(shape)
     return m.swapaxes(-1, -2) if turn else m
