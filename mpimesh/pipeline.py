@@ -4,7 +4,7 @@ The rank at coordinate s of `mesh_dim` holds stage s of the stage-stacked parame
 `stage_fn` for it on the *stage mesh* (`stage_mesh`: `mesh_dim` of size 1, the ranks of its
 coordinate), where operator parallelism over the other mesh dims nests. Activations and gradients
 move to the neighbouring stage between the ticks of a schedule (`pipeline_schedules.ticks`,
-`collectives.p2p.sendrecv`). A pipeline is one op of the open traces. More: docs/pipelines.md.
+`collectives.p2p.isendrecv`). A pipeline is one op of the open traces. More: docs/pipelines.md.
 
 >>> import numpy as np, mpimesh as mm
 >>> mesh = mm.Mesh("stages:1", comm=mm.MPI.COMM_SELF)
@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple, Optional
 
 from .autodiff import gradients
 from .backend import is_float
-from .collectives.p2p import broadcast_from, group_ranks, sendrecv
+from .collectives.base import in_flight
+from .collectives.p2p import broadcast_from, group_ranks, isendrecv
 from .counters import paused
 from .dryrun import DryMesh, placeholder
 from .errors import CollectiveTimeoutError, MeshError, MpimeshError, ShapeError
@@ -251,47 +252,70 @@ def _empty(xp, dtype):
 
 
 def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callable, first_acts=None) -> None:
-    """Run this rank's steps of `table`, moving activations (+1) and gradients (-1) along `mesh_dim`
-    after each tick where some rank made one for another (every rank knows the table, so all run
-    the same transfers). `forward(step, k, h)` gives the activation for position k+1 (None past
-    the last); `backward(step, k, dy)` the gradient for position k-1 (None before the first). Each
-    tick's transfers complete before the next tick: started without waiting instead, they stalled
-    while the sender computed (MPI moves data inside its calls), 10-30% slower on 2 stages."""
+    """Run this rank's steps of `table`. `forward(step, k, h)` gives the activation for position k+1
+    (None past the last); `backward(step, k, dy)` the gradient for position k-1 (None before the first).
+    After each tick where some rank made an activation (a gradient) for another, every rank starts one
+    `isendrecv` along `mesh_dim`, offset +1 (-1): all start the same transfers in the same order (every
+    rank knows the table). A rank waits for what it receives only when a step of its own needs it, and
+    for what it sends at the end: ranks run ahead of the ticks instead of in lock-step, and the
+    transfers move while they compute (`collectives.base.progress`, between ops)."""
     S, K, md, xp = plan.S, plan.K, plan.mesh_dim, plan.sub.xp
     s = ctx.coord(md)
-    acts, cots = {}, {}
-    for row in table:
-        send_f = send_b = None
-        for step in row[s]:  # (one step, or interleaved's forward and backward)
-            k = stage_of(s, step.virtual, S)
-            try:
+    acts, cots, sends = {}, {}, []  # arriving activations and gradients by (microbatch, position); sends
+    started = len(in_flight)
+    try:
+        for row in table:
+            send_f = send_b = None
+            for step in row[s]:  # (one step, or interleaved's forward and backward)
+                k = stage_of(s, step.virtual, S)
                 if step.kind == "F":
-                    h = first_acts(step.mb) if k == 0 else acts.pop((step.mb, k))
-                    send_f = forward(step, k, h)
+                    h = first_acts(step.mb) if k == 0 else _arrived(plan, acts.pop((step.mb, k)), step.mb)
                 else:
-                    send_b = backward(step, k, cots.pop((step.mb, k), None))
-            except CollectiveTimeoutError as e:  # in a collective of the stage mesh, whose ranks it numbers
-                raise CollectiveTimeoutError(
-                    f"{e} (In stage {k} of the pipeline over {md!r}, at microbatch {step.mb}'s "
-                    f"{'forward' if step.kind == 'F' else 'backward'}: the ranks of its stage mesh are ranks "
-                    f"{group_ranks(plan.mesh, [d for d in plan.mesh.shape.names if d != md])} of the mesh.)") from None
-        forward_moves, backward_moves = moves(row, S, plan.V)
-        if forward_moves:
-            prev = sent(row[(s - 1) % S], "F")
-            kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
-            wants = prev is not None and kp < K - 1
-            got = plan.clock.wait(sendrecv, ctx, _empty(xp, plan.dtype) if send_f is None else send_f.local, md, 1,
-                                  plan.mb_block(prev.mb) if wants else (0,))
-            if wants:
-                acts[(prev.mb, kp + 1)] = DistTensor(plan.sub, plan.mb_shape(prev.mb), plan.x_layout, got)
-        if backward_moves:
-            nxt = sent(row[(s + 1) % S], "B")
-            kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
-            wants = nxt is not None and kn > 0
-            got = plan.clock.wait(sendrecv, ctx, _empty(xp, plan.dtype) if send_b is None else send_b.local, md, -1,
-                                  plan.mb_block(nxt.mb) if wants else (0,))
-            if wants:
-                cots[(nxt.mb, kn - 1)] = DistTensor(plan.sub, plan.mb_shape(nxt.mb), plan.x_layout, got)
+                    g = cots.pop((step.mb, k), None)
+                    g = None if g is None else _arrived(plan, g, step.mb)
+                try:
+                    if step.kind == "F":
+                        send_f = forward(step, k, h)
+                    else:
+                        send_b = backward(step, k, g)
+                except CollectiveTimeoutError as e:  # in a collective of the stage mesh, whose ranks it numbers
+                    raise CollectiveTimeoutError(
+                        f"{e} (In stage {k} of the pipeline over {md!r}, at microbatch {step.mb}'s "
+                        f"{'forward' if step.kind == 'F' else 'backward'}: the ranks of its stage mesh are ranks "
+                        f"{group_ranks(plan.mesh, [d for d in plan.mesh.shape.names if d != md])} of the "
+                        f"mesh.)") from None
+            forward_moves, backward_moves = moves(row, S, plan.V)
+            if forward_moves:
+                prev = sent(row[(s - 1) % S], "F")
+                kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
+                wants = prev is not None and kp < K - 1
+                req = isendrecv(ctx, _empty(xp, plan.dtype) if send_f is None else send_f.local, md, 1,
+                                plan.mb_block(prev.mb) if wants else (0,))
+                if wants:
+                    acts[(prev.mb, kp + 1)] = req
+                else:
+                    sends.append(req)
+                in_flight.append(req)
+            if backward_moves:
+                nxt = sent(row[(s + 1) % S], "B")
+                kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
+                wants = nxt is not None and kn > 0
+                req = isendrecv(ctx, _empty(xp, plan.dtype) if send_b is None else send_b.local, md, -1,
+                                plan.mb_block(nxt.mb) if wants else (0,))
+                if wants:
+                    cots[(nxt.mb, kn - 1)] = req
+                else:
+                    sends.append(req)
+                in_flight.append(req)
+        for req in sends:
+            plan.clock.wait(req.wait)
+    finally:
+        del in_flight[started:]  # (this run's: done, or abandoned with the error that ends it)
+
+
+def _arrived(plan: _Plan, req, mb: int) -> DistTensor:
+    """Microbatch `mb`'s activation (or gradient) on the stage mesh, once its transfer `req` completes."""
+    return DistTensor(plan.sub, plan.mb_shape(mb), plan.x_layout, plan.clock.wait(req.wait))
 
 
 def _pieces(plan: _Plan, local, shape: Shape, layout: tuple) -> list:

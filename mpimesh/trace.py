@@ -21,6 +21,7 @@ from typing import Iterator, Optional, Sequence
 from . import env, liveness
 from . import counters, flight
 from .collectives import guard
+from .collectives.base import in_flight, progress
 from .collectives.guard import user_frame
 from .errors import LayoutError, MpimeshError
 from .layout import check_step, local_sizes
@@ -364,6 +365,8 @@ def dispatch(op: OpDef, inputs: Sequence, out_specs: Sequence[tuple], params: Op
         result = mesh.run_dry(op, params, arrays, out_specs)
     else:
         _remember(op)  # the flight recorder (`mpimesh.flight`): always on
+        if in_flight:  # (transfers started without waiting: MPI moves them inside its calls)
+            progress()
         if _spmd["check"]:  # (the SPMD check keys each collective by its op too)
             outer = guard.in_op[0]
             guard.in_op[0] = f"{op.name} of {', '.join(str(t.shape) for t in inputs) or 'nothing'}"

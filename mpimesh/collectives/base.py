@@ -108,6 +108,21 @@ def completed(result) -> Request:
     return Request(lambda: True, lambda: None, then=lambda: result)
 
 
+in_flight: list = []
+"""Started transfers that no one waits for yet (a pipeline's, run ahead of its ticks). MPI moves a
+message only inside its calls, so `progress` tests them between ops (`trace.dispatch`): a sender
+busy computing still hands its activation over, instead of at its next wait."""
+
+
+def progress() -> None:
+    """Test the transfers `in_flight`; those complete leave it.
+
+    >>> r = completed(1); in_flight.append(r); progress(); in_flight
+    []
+    """
+    in_flight[:] = [r for r in in_flight if not r.test()]
+
+
 class Overlapped(Request):
     """A non-blocking collective's request that, when it completes, adds to the profile's
     `"overlap"`: its lifetime (start to the first `test()` or `wait()` that saw it done), the part

@@ -1,4 +1,5 @@
-"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` and `broadcast_from`. Unlike
+"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`: not waiting),
+`broadcast_from`. Unlike
 `permute`, what a rank sends and what it receives may differ in shape (a microbatch of another size, or
 nothing: an empty array), so a stage hands its neighbour one activation per tick. Both are collectives
 of the group over the mesh dim in the transports' way: the SPMD check (`guard.enter`: every rank of the
@@ -20,27 +21,40 @@ from mpi4py import MPI
 from .. import counters, flight
 from ..backend import is_low_precision, to_host, wire_dtype
 from ..errors import CollectiveTimeoutError, MpimeshError
-from .base import DONE, Request
+from .base import DONE, Overlapped, Request, completed
 
 
 def sendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None):
     """Send `x` to coordinate c+offset along `mesh_dim` (cyclically) and return what coordinate
     c-offset sent, an array of `recv_shape` and x's dtype (`out`, where given). Every rank of the
     mesh calls it; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
+    return isendrecv(coll, x, mesh_dim, offset, recv_shape, out).wait()
+
+
+def isendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None) -> Request:
+    """`sendrecv` started without waiting: a `Request` whose `wait()` completes it (polled, under the
+    time-out) and gives what arrived, counted in the profile's overlap (`Overlapped`: its timeline
+    event on the "comm" track); `x` must not change until then. Every rank of the mesh starts
+    its transfers in the same order, and may complete them in any order."""
     recv_shape = tuple(int(n) for n in recv_shape)
     k = coll.size((mesh_dim,))
     if k == 1 or offset % k == 0:  # to itself
         if tuple(x.shape) != recv_shape:
             raise MpimeshError(f"sendrecv over {mesh_dim!r} to itself: sends shape {tuple(x.shape)}, expects "
                                f"{recv_shape}")
-        return x.copy() if out is None else _into(out, x)
+        return completed(x.copy() if out is None else _into(out, x))
     c = coll.coord(mesh_dim)
     dest, src = (c + offset) % k, (c - offset) % k
     xp = coll.xp if not isinstance(x, np.ndarray) else np
     send = xp.ascontiguousarray(x)
     recv = xp.empty(recv_shape, x.dtype) if out is None else out
-    _transfer(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
-    return recv
+    req = _start(coll, "sendrecv", mesh_dim, send, recv, f" offset {offset}", dest=dest, src=src)
+
+    def then(send=send):  # (the request holds `send` until it completes)
+        req.wait()
+        return recv
+    return Overlapped(req.test, lambda: _complete(coll, req, mesh_dim, dest=dest, src=src), then,
+                      getattr(req, "span", None) if flight.timeline else None)
 
 
 def broadcast_from(coll, x, mesh_dim: str, root: int):
