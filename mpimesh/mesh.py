@@ -43,11 +43,17 @@ def _release(comms: list, subcomms: dict) -> None:
             _released.append(c)
 
 
+_kept: list = []  # the communicators of meshes left with transfers in flight: never freed
+
+
 def _free_released() -> None:
     """Free the communicators of the meshes dropped so far (MPI has a few thousand: a notebook that
-    builds a mesh in a cell run again and again ran out of them)."""
+    builds a mesh in a cell run again and again ran out of them), but those `_kept`: a new
+    communicator could reuse one's context, and its next receive take a stale message."""
     while _released:
         c = _released.pop()
+        if any(c is k for k in _kept):
+            continue
         if MPI.Is_initialized() and not MPI.Is_finalized() and c != MPI.COMM_NULL:
             try:
                 c.Free()
@@ -292,6 +298,11 @@ class Mesh(AbstractMesh):
                 comm = self._cart
             self._subcomms[key] = comm
         return comm
+
+    def keep_communicators(self) -> None:
+        """Never free this mesh's communicators (after transfers were left in flight on them, by an
+        error in a pipeline: `pipeline._execute`)."""
+        _kept.extend([self._cart, self._guard_comm, *self._subcomms.values()])
 
     def has_comm(self, mesh_dims: Iterable[str]) -> bool:
         """Whether the sub-communicator over `mesh_dims` exists already (making one is a collective)."""

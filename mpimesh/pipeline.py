@@ -309,8 +309,15 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
                 in_flight.append(req)
         for req in sends:
             plan.clock.wait(req.wait)
+    except BaseException as e:
+        if S > 1:
+            if not ctx.guard.broken:  # its neighbours would wait for transfers it will not start
+                what = f"a pipeline over {md!r} ended by {type(e).__name__}: {e}"[:200]
+                ctx.guard.abandon(f"{what} (its transfers in flight would match the mesh's next ones)", what)
+            ctx.mesh.keep_communicators()  # (nor those of a mesh built later)
+        raise
     finally:
-        del in_flight[started:]  # (this run's: done, or abandoned with the error that ends it)
+        del in_flight[started:]
 
 
 def _arrived(plan: _Plan, req, mb: int) -> DistTensor:

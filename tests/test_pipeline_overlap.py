@@ -9,6 +9,7 @@ float64 numpy on the whole batch.
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -84,3 +85,44 @@ def test_stages_run_ahead_of_the_ticks():
         g = ga @ w1[s].T
     np.testing.assert_allclose(grads["w1"].to_numpy(), want1, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(grads["w2"].to_numpy(), want2, rtol=1e-10, atol=1e-12)
+
+
+def test_an_error_mid_schedule_ends_the_neighbours_waits():
+    """The first stage raises at microbatch 2's forward; the second, waiting for that activation, raises
+    within seconds (not at the time-out), and the mesh is unusable on every rank with a clear error:
+    transfers left posted would take the next pipeline's activations."""
+    size = MPI.COMM_WORLD.Get_size()
+    if size % 2:
+        pytest.skip("two stages: an even rank count")
+    mesh = mm.Mesh(f"stages:2;batch:{size // 2}", layout="stage:stages")
+    rng = np.random.default_rng(4)
+    p = {"w": mesh.from_numpy(rng.standard_normal((2, 3)), "stage:2;e:3")}
+    x = mesh.from_numpy(rng.standard_normal((8, 3)), "b:8;e:3")
+
+    def stage(p, h):
+        mb = microbatch()
+        if mb is not None and mb.index == 2 and mb.position == 0:
+            raise ValueError("bad microbatch")
+        return h * p["w"]
+
+    def loss(h, t):
+        return mm.reduce_sum(mm.square(h - t))
+
+    first = mesh.coords["stages"] == 0
+    t0 = time.monotonic()
+    with pytest.raises(ValueError if first else mm.CollectiveTimeoutError,
+                       match="bad microbatch" if first else "abandoned this mesh: a pipeline over 'stages' ended by "
+                                                            "ValueError: bad microbatch"):
+        mm.pipeline_value_and_grad(stage, loss, p, x, x, "stages", M, schedule="gpipe")
+    assert time.monotonic() - t0 < 20
+    MPI.COMM_WORLD.Barrier()
+    with pytest.raises(mm.CollectiveTimeoutError, match="unusable.*a pipeline over 'stages' ended by ValueError"):
+        mm.pipeline_value_and_grad(stage, loss, p, x, x, "stages", M, schedule="gpipe")
+    kept = mesh.comm_for("stages")  # (a receive of stage 1 is still posted on it)
+    del mesh, p, x
+    gc.collect()
+    mesh = mm.Mesh(f"all:{size}")  # (a new mesh frees the dropped ones' communicators: not that one)
+    assert kept.Get_size() == 2  # never freed, so no new communicator reuses its context and its receive
+    me = MPI.COMM_WORLD.rank
+    got = mesh.collectives.permute(np.full(4, float(me)), "all", size // 2, True)
+    np.testing.assert_array_equal(got, float((me - size // 2) % size))

@@ -482,8 +482,15 @@ class Guard:
         ranks, whose collectives on this mesh then raise instead of waiting for this one."""
         call, line, _ = where_called()
         where = f"{self._op_text(what)} in {call} ({line})"
-        self.broken = f"{where} was interrupted before it completed (a transfer cannot be cancelled)"
-        sent = self.watch.notify(f"{ABANDONED}: {where} was interrupted on it")
+        self.abandon(f"{where} was interrupted before it completed (a transfer cannot be cancelled)",
+                     f"{where} was interrupted on it")
+
+    def abandon(self, why: str, told: str) -> None:
+        """Mark the mesh unusable here (`why`: its collectives' error says it) and tell the other
+        ranks (`told`), whose collectives on it then raise instead of waiting for this one: after
+        transfers left in flight, which would match the mesh's next ones."""
+        self.broken = why
+        sent = self.watch.notify(f"{ABANDONED}: {told}")
         end = time.monotonic() + 0.5  # push the notices out now: this rank may not call MPI again soon
         while not MPI.Request.Testall(sent) and time.monotonic() < end:
             time.sleep(1e-3)
