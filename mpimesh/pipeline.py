@@ -263,21 +263,33 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
     s = ctx.coord(md)
     acts, cots, sends = {}, {}, []  # arriving activations and gradients by (microbatch, position); sends
     started = len(in_flight)
+
+    def start(send, offset: int, arriving: dict, key) -> None:
+        """Start one transfer along `md`: `send` (None: nothing) to coordinate s+offset, and from
+        s-offset microbatch `key[0]`'s block into `arriving[key]` (key None: nothing)."""
+        req = isendrecv(ctx, _empty(xp, plan.dtype) if send is None else send.local, md, offset,
+                        (0,) if key is None else plan.mb_block(key[0]))
+        if key is None:
+            sends.append(req)
+        else:
+            arriving[key] = req
+        in_flight.append(req)
+
     try:
         for row in table:
             send_f = send_b = None
             for step in row[s]:  # (one step, or interleaved's forward and backward)
                 k = stage_of(s, step.virtual, S)
                 if step.kind == "F":
-                    h = first_acts(step.mb) if k == 0 else _arrived(plan, acts.pop((step.mb, k)), step.mb)
+                    got = first_acts(step.mb) if k == 0 else _arrived(plan, acts.pop((step.mb, k)), step.mb)
                 else:
-                    g = cots.pop((step.mb, k), None)
-                    g = None if g is None else _arrived(plan, g, step.mb)
+                    got = cots.pop((step.mb, k), None)
+                    got = None if got is None else _arrived(plan, got, step.mb)
                 try:
                     if step.kind == "F":
-                        send_f = forward(step, k, h)
+                        send_f = forward(step, k, got)
                     else:
-                        send_b = backward(step, k, g)
+                        send_b = backward(step, k, got)
                 except CollectiveTimeoutError as e:  # in a collective of the stage mesh, whose ranks it numbers
                     raise CollectiveTimeoutError(
                         f"{e} (In stage {k} of the pipeline over {md!r}, at microbatch {step.mb}'s "
@@ -288,25 +300,11 @@ def _execute(ctx, plan: _Plan, table: list, forward: Callable, backward: Callabl
             if forward_moves:
                 prev = sent(row[(s - 1) % S], "F")
                 kp = stage_of((s - 1) % S, prev.virtual, S) if prev is not None else K
-                wants = prev is not None and kp < K - 1
-                req = isendrecv(ctx, _empty(xp, plan.dtype) if send_f is None else send_f.local, md, 1,
-                                plan.mb_block(prev.mb) if wants else (0,))
-                if wants:
-                    acts[(prev.mb, kp + 1)] = req
-                else:
-                    sends.append(req)
-                in_flight.append(req)
+                start(send_f, 1, acts, (prev.mb, kp + 1) if prev is not None and kp < K - 1 else None)
             if backward_moves:
                 nxt = sent(row[(s + 1) % S], "B")
                 kn = stage_of((s + 1) % S, nxt.virtual, S) if nxt is not None else 0
-                wants = nxt is not None and kn > 0
-                req = isendrecv(ctx, _empty(xp, plan.dtype) if send_b is None else send_b.local, md, -1,
-                                plan.mb_block(nxt.mb) if wants else (0,))
-                if wants:
-                    cots[(nxt.mb, kn - 1)] = req
-                else:
-                    sends.append(req)
-                in_flight.append(req)
+                start(send_b, -1, cots, (nxt.mb, kn - 1) if nxt is not None and kn > 0 else None)
         for req in sends:
             plan.clock.wait(req.wait)
     except BaseException as e:

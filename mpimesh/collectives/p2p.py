@@ -1,4 +1,4 @@
-"""Point-to-point transfers along one mesh dim, for pipelines: `sendrecv` (`isendrecv`: not waiting),
+"""Point-to-point transfers along one mesh dim, for pipelines: `isendrecv` (not waiting) and
 `broadcast_from`. Unlike
 `permute`, what a rank sends and what it receives may differ in shape (a microbatch of another size, or
 nothing: an empty array), so a stage hands its neighbour one activation per tick. Both are collectives
@@ -10,7 +10,7 @@ while polled (`MpiCollectives._complete`), and a departed neighbour named with i
 >>> import numpy as np
 >>> from mpimesh import Mesh, MPI
 >>> coll = Mesh("stages:1", comm=MPI.COMM_SELF).collectives
->>> sendrecv(coll, np.arange(3.0), "stages", 1, (3,)), broadcast_from(coll, np.ones(2), "stages", 0)
+>>> isendrecv(coll, np.arange(3.0), "stages", 1, (3,)).wait(), broadcast_from(coll, np.ones(2), "stages", 0)
 (array([0., 1., 2.]), array([1., 1.]))
 """
 from __future__ import annotations
@@ -24,18 +24,13 @@ from ..errors import CollectiveTimeoutError, MpimeshError
 from .base import DONE, Overlapped, Request, completed
 
 
-def sendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None):
-    """Send `x` to coordinate c+offset along `mesh_dim` (cyclically) and return what coordinate
-    c-offset sent, an array of `recv_shape` and x's dtype (`out`, where given). Every rank of the
-    mesh calls it; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
-    return isendrecv(coll, x, mesh_dim, offset, recv_shape, out).wait()
-
-
 def isendrecv(coll, x, mesh_dim: str, offset: int, recv_shape: tuple, out=None) -> Request:
-    """`sendrecv` started without waiting: a `Request` whose `wait()` completes it (polled, under the
-    time-out) and gives what arrived, counted in the profile's overlap (`Overlapped`: its timeline
-    event on the "comm" track); `x` must not change until then. Every rank of the mesh starts
-    its transfers in the same order, and may complete them in any order."""
+    """Start sending `x` to coordinate c+offset along `mesh_dim` (cyclically) and receiving what
+    coordinate c-offset sends, an array of `recv_shape` and x's dtype (`out`, where given), without
+    waiting: a `Request` whose `wait()` completes it (polled, under the time-out) and gives what
+    arrived, counted in the profile's overlap (`Overlapped`: its timeline event on the "comm" track);
+    `x` must not change until then. Every rank of the mesh starts its transfers in the same order, and
+    may complete them in any order; an empty `x` sends nothing, an empty `recv_shape` receives nothing."""
     recv_shape = tuple(int(n) for n in recv_shape)
     k = coll.size((mesh_dim,))
     if k == 1 or offset % k == 0:  # to itself
